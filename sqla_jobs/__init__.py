@@ -1,0 +1,66 @@
+"""sqla_jobs: a PostgreSQL job queue that lives in your own SQLAlchemy models.
+
+Importing this package defines the mixins and functions below and nothing else: it starts
+no thread, opens no connection, and does not import Alembic or the command line.
+"""
+
+from sqla_jobs.errors import (
+    ConfigurationError,
+    EmbeddedPostgresError,
+    InvalidJobError,
+    JobArgumentsError,
+    JobNotFoundError,
+    JobStateError,
+    LeaseLostError,
+    SqlaJobsError,
+)
+from sqla_jobs.policy import RetryPolicy
+from sqla_jobs.queue import (
+    ClaimedJob,
+    FailOutcome,
+    QueueStat,
+    cancel,
+    claim,
+    complete,
+    complete_many,
+    fail,
+    heartbeat,
+    lock,
+    prune,
+    queue_stats,
+    release,
+    retry,
+)
+from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, names
+
+__all__ = [
+    "ClaimedJob",
+    "ConfigurationError",
+    "EmbeddedPostgresError",
+    "FailOutcome",
+    "InvalidJobError",
+    "JobArgumentsError",
+    "JobMixin",
+    "JobNotFoundError",
+    "JobResultMixin",
+    "JobStateError",
+    "JobStatus",
+    "LeaseLostError",
+    "QueueStat",
+    "RetryPolicy",
+    "SqlaJobsError",
+    "cancel",
+    "claim",
+    "complete",
+    "complete_many",
+    "fail",
+    "heartbeat",
+    "lock",
+    "names",
+    "prune",
+    "queue_stats",
+    "release",
+    "retry",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,60 @@
+"""The queue operations for :class:`~sqlalchemy.ext.asyncio.AsyncSession`.
+
+Each function here is the synchronous one from :mod:`sqla_jobs.queue`, run through
+``AsyncSession.run_sync``: one implementation, awaited. Same arguments, same semantics, same
+transaction rules (the caller's transaction, never committed here)::
+
+    async with async_session.begin():
+        jobs = await sqla_jobs.aio.claim(async_session, EmailJob, queues="email", limit=10)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Concatenate, ParamSpec, TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from sqla_jobs import queue
+
+__all__ = [
+    "cancel",
+    "claim",
+    "complete",
+    "complete_many",
+    "fail",
+    "heartbeat",
+    "lock",
+    "prune",
+    "queue_stats",
+    "release",
+    "retry",
+]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _awaitable(
+    operation: Callable[Concatenate[Session, _P], _R],
+) -> Callable[Concatenate[AsyncSession, _P], Awaitable[_R]]:
+    @functools.wraps(operation)
+    async def run(session: AsyncSession, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return await session.run_sync(operation, *args, **kwargs)
+
+    return run
+
+
+claim = _awaitable(queue.claim)
+lock = _awaitable(queue.lock)
+complete = _awaitable(queue.complete)
+complete_many = _awaitable(queue.complete_many)
+fail = _awaitable(queue.fail)
+heartbeat = _awaitable(queue.heartbeat)
+release = _awaitable(queue.release)
+retry = _awaitable(queue.retry)
+cancel = _awaitable(queue.cancel)
+prune = _awaitable(queue.prune)
+queue_stats = _awaitable(queue.queue_stats)

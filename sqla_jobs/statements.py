@@ -1,0 +1,403 @@
+"""Every SQL statement sqla_jobs runs, as builders over the user's model class.
+
+Pure functions: they take a mapped class (or its table) and return a SQLAlchemy statement.
+No session, no I/O, no logging here. Batch statements take their rows as arrays
+(``unnest(:fence_ids, :fence_attempts)``) so that the SQL text is the same for every batch size and
+PostgreSQL prepares it once.
+
+Time is always the database's: ``statement_timestamp()`` is the start of the current
+statement (stable within it, so the planner can still use it in an index condition), never
+the client's clock.
+
+The fence: ``attempts`` only ever grows, and every claim adds one, so ``(id, attempts)``
+names exactly one attempt. Every transition of a running job matches on that pair and on
+``status = 'running'``; a stale attempt (its lease expired and another worker claimed the
+job) matches zero rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    ColumnElement,
+    Delete,
+    Float,
+    Insert,
+    Integer,
+    Select,
+    Table,
+    Text,
+    Update,
+    and_,
+    bindparam,
+    case,
+    column,
+    delete,
+    func,
+    literal_column,
+    null,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
+from sqlalchemy.sql.dml import ReturningDelete
+
+from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names, runnable_clause
+
+__all__ = [
+    "cancel",
+    "claim",
+    "complete",
+    "complete_and_delete",
+    "fail",
+    "heartbeat",
+    "lock",
+    "notify",
+    "prune",
+    "queue_stats",
+    "release",
+    "retry",
+    "store_results",
+]
+
+
+def _lit(status: JobStatus) -> ColumnElement[str]:
+    # Statuses are rendered as literals, not bind parameters: the partial index predicate
+    # can then be proven to hold even for a generic (prepared) plan.
+    return literal_column(f"'{status.value}'")
+
+
+def _now() -> ColumnElement[Any]:
+    return func.statement_timestamp()
+
+
+_ONE: Final[ColumnElement[int]] = literal_column("1", Integer)
+_SECOND: Final[ColumnElement[Any]] = literal_column("interval '1 second'")
+
+
+def _seconds(param: str) -> ColumnElement[Any]:
+    return bindparam(param, type_=Float) * _SECOND
+
+
+def _fences(table: Table) -> tuple[Any, ColumnElement[bool]]:
+    """The ``(id, attempt)`` pairs of a batch, and the fenced match against the table."""
+    pairs = (
+        func.unnest(
+            bindparam("fence_ids", type_=ARRAY(BigInteger)),
+            bindparam("fence_attempts", type_=ARRAY(Integer)),
+        )
+        .table_valued("id", "attempt")
+        .render_derived(name="fence")
+    )
+    match = and_(
+        table.c.id == pairs.c.id,
+        table.c.attempts == pairs.c.attempt,
+        table.c.status == _lit(JobStatus.RUNNING),
+    )
+    return pairs, match
+
+
+def claim(table: Table, *, queue_count: int) -> Update:
+    """Claim up to ``:limit`` runnable jobs and start an attempt on each.
+
+    Runnable: pending with ``run_at`` reached, or running with an expired lease (a crashed or
+    stalled attempt; folding the reaper into the claim means no separate process has to run
+    for crashed jobs to come back). Order: ``(priority, run_at, id)``.
+
+    Locks: ``FOR UPDATE SKIP LOCKED`` on the chosen rows, so concurrent claimers take
+    disjoint rows and never wait on each other. Index: the partial claim index
+    ``(queue, priority, run_at, id) WHERE status IN ('pending', 'running')``; with one queue
+    the index scan returns rows already in claim order.
+
+    The CTE is there on purpose: it fences the planner so that ``LIMIT`` and the row locks
+    apply once, to the chosen rows, before the ``UPDATE`` joins them back.
+
+    Parameters: ``:queue_name`` (one queue) or ``:queue_names`` (an array), ``:limit``,
+    ``:lease_seconds``, ``:worker``.
+    """
+    now = _now()
+    if queue_count == 1:
+        in_queue = table.c.queue == bindparam("queue_name", type_=Text)
+    else:
+        in_queue = table.c.queue == func.any(bindparam("queue_names", type_=ARRAY(Text)))
+    claimable = (
+        select(table.c.id)
+        .where(
+            runnable_clause(table.c.status),
+            in_queue,
+            table.c.run_at <= now,
+            or_(
+                table.c.status == _lit(JobStatus.PENDING),
+                table.c.lease_expires_at <= now,
+            ),
+        )
+        .order_by(table.c.priority, table.c.run_at, table.c.id)
+        .limit(bindparam("limit", type_=Integer))
+        .with_for_update(skip_locked=True)
+        .cte("claimable")
+    )
+    return (
+        update(table)
+        .where(table.c.id == claimable.c.id)
+        .values(
+            status=_lit(JobStatus.RUNNING),
+            attempts=table.c.attempts + _ONE,
+            lease_expires_at=now + _seconds("lease_seconds"),
+            leased_by=bindparam("worker", type_=Text),
+        )
+        .returning(
+            table.c.id,
+            table.c.queue,
+            table.c.task,
+            table.c.args,
+            table.c.priority,
+            table.c.attempts,
+            table.c.max_attempts,
+            table.c.run_at,
+            table.c.lease_expires_at,
+        )
+    )
+
+
+def lock(table: Table) -> Select[Any]:
+    """Lock the rows of attempts this worker holds, until the caller's transaction ends.
+
+    The second half of a lock-held claim: :func:`claim` committed the attempt (so it counts
+    even if the worker dies), and this ``SELECT ... FOR UPDATE`` holds the rows for the
+    transaction that runs the handlers. Fenced by ``(id, attempts)``: an attempt whose lease
+    already ran out and was taken over is not returned.
+    Parameters: ``:fence_ids``, ``:fence_attempts``.
+    """
+    pairs, match = _fences(table)
+    return select(table.c.id).select_from(table).join(pairs, match).with_for_update(of=table)
+
+
+def complete(table: Table) -> Update:
+    """Mark the given attempts succeeded. Fenced; returns ``id, task`` of each completed job.
+
+    Parameters: ``:fence_ids``, ``:fence_attempts``. Locks the matched rows (an ``UPDATE``).
+    """
+    _, match = _fences(table)
+    return (
+        update(table)
+        .where(match)
+        .values(status=_lit(JobStatus.SUCCEEDED), finished_at=_now(), lease_expires_at=null())
+        .returning(table.c.id, table.c.task)
+    )
+
+
+def complete_and_delete(table: Table) -> ReturningDelete[Any]:
+    """Delete the rows of the given succeeded attempts (seed 001's variant). Fenced.
+
+    Returns ``id, task`` of each deleted job. Parameters: ``:fence_ids``, ``:fence_attempts``.
+    """
+    _, match = _fences(table)
+    return delete(table).where(match).returning(table.c.id, table.c.task)
+
+
+def store_results(result_table: Table) -> Insert:
+    """Insert (or replace) result rows from ``:results``, a jsonb array of
+    ``{"job_id", "task", "value"}`` objects. The finish time is the database's."""
+    rows = (
+        func.jsonb_to_recordset(bindparam("results", type_=JSONB))
+        .table_valued(column("job_id", BigInteger), column("task", Text), column("value", JSONB))
+        .render_derived(name="r", with_types=True)
+    )
+    stmt = insert(result_table).from_select(
+        ["job_id", "task", "value", "finished_at"],
+        select(rows.c.job_id, rows.c.task, rows.c.value, _now()),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[result_table.c.job_id],
+        set_={
+            "task": stmt.excluded.task,
+            "value": stmt.excluded.value,
+            "finished_at": stmt.excluded.finished_at,
+        },
+    )
+
+
+def fail(table: Table) -> Update:
+    """Record a failed attempt: retry it after a backoff, or make it dead. Fenced.
+
+    The job is dead when this was its last attempt (``attempts >= max_attempts``) or when
+    ``:retry`` is false; otherwise it is pending again at ``statement_timestamp()`` plus
+    ``:delay_seconds`` if given, else plus an exponential backoff with jitter, computed in
+    the database from the row's own attempt count::
+
+        least(:cap, :base * 2 ^ (attempts - 1)) * (1 + :jitter * (2 * random() - 1))
+
+    Parameters: ``:job_id``, ``:attempt``, ``:error``, ``:retry``, ``:delay_seconds`` (null for
+    the backoff), ``:base``, ``:cap``, ``:jitter``. Returns ``id, status, run_at``.
+    """
+    now = _now()
+    is_dead = or_(
+        table.c.attempts >= table.c.max_attempts,
+        ~bindparam("retry", type_=Boolean),
+    )
+    backoff = func.least(
+        bindparam("cap", type_=Float),
+        bindparam("base", type_=Float) * func.power(literal_column("2.0"), table.c.attempts - _ONE),
+    ) * (_ONE + bindparam("jitter", type_=Float) * (literal_column("2") * func.random() - _ONE))
+    delay = func.coalesce(bindparam("delay_seconds", type_=Float), backoff)
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.attempts == bindparam("attempt", type_=Integer),
+            table.c.status == _lit(JobStatus.RUNNING),
+        )
+        .values(
+            status=case((is_dead, _lit(JobStatus.DEAD)), else_=_lit(JobStatus.PENDING)),
+            run_at=case(
+                (is_dead, table.c.run_at),
+                else_=now + delay * _SECOND,
+            ),
+            finished_at=case((is_dead, now), else_=null()),
+            last_error=bindparam("error", type_=Text),
+            lease_expires_at=null(),
+            leased_by=null(),
+        )
+        .returning(table.c.id, table.c.status, table.c.run_at)
+    )
+
+
+def heartbeat(table: Table) -> Update:
+    """Extend the leases of the given attempts to ``now + :lease_seconds``. Fenced.
+
+    Only ``lease_expires_at`` changes, and it is in no index, so the update can be HOT.
+    Returns the ids still held. Parameters: ``:fence_ids``, ``:fence_attempts``, ``:lease_seconds``.
+    """
+    _, match = _fences(table)
+    return (
+        update(table)
+        .where(match)
+        .values(lease_expires_at=_now() + _seconds("lease_seconds"))
+        .returning(table.c.id)
+    )
+
+
+def release(table: Table) -> Update:
+    """Give back the given attempts unfinished: pending again, runnable now. Fenced.
+
+    ``attempts`` stays (it is the fence, and must never repeat); ``max_attempts`` grows by
+    one instead, so a job given back at shutdown loses none of its remaining attempts.
+    Returns the ids released. Parameters: ``:fence_ids``, ``:fence_attempts``.
+    """
+    _, match = _fences(table)
+    return (
+        update(table)
+        .where(match)
+        .values(
+            status=_lit(JobStatus.PENDING),
+            run_at=_now(),
+            max_attempts=table.c.max_attempts + _ONE,
+            lease_expires_at=null(),
+            leased_by=null(),
+        )
+        .returning(table.c.id)
+    )
+
+
+def retry(table: Table) -> Update:
+    """Make a dead or cancelled job ``:job_id`` pending again, runnable now.
+
+    It gets at least one more attempt; ``attempts`` is kept, so fencing stays sound.
+    Returns the id, or no row when the job is not dead or cancelled.
+    """
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.status.in_([_lit(JobStatus.DEAD), _lit(JobStatus.CANCELLED)]),
+        )
+        .values(
+            status=_lit(JobStatus.PENDING),
+            run_at=_now(),
+            max_attempts=func.greatest(table.c.max_attempts, table.c.attempts + _ONE),
+            finished_at=null(),
+            lease_expires_at=null(),
+            leased_by=null(),
+        )
+        .returning(table.c.id)
+    )
+
+
+def cancel(table: Table) -> Update:
+    """Cancel pending job ``:job_id``. Returns the id, or no row when it is not pending.
+
+    A running job is not cancelled here: its attempt owns it until it ends.
+    """
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.status == _lit(JobStatus.PENDING),
+        )
+        .values(status=_lit(JobStatus.CANCELLED), finished_at=_now())
+        .returning(table.c.id)
+    )
+
+
+def status_of(table: Table) -> Select[Any]:
+    """The status of job ``:job_id`` (no row when it does not exist)."""
+    return select(table.c.status).where(table.c.id == bindparam("job_id", type_=BigInteger))
+
+
+def prune(table: Table) -> Delete:
+    """Delete up to ``:limit`` finished jobs whose ``finished_at`` is older than
+    ``:older_than_seconds``, oldest ids first.
+
+    Walks the primary key from the oldest id, where old finished jobs are; ``SKIP LOCKED``
+    keeps it off rows an operator is touching. Call it in a loop until it deletes nothing.
+    """
+    doomed = (
+        select(table.c.id)
+        .where(
+            table.c.status.in_([_lit(s) for s in FINISHED_STATUSES]),
+            table.c.finished_at < _now() - _seconds("older_than_seconds"),
+        )
+        .order_by(table.c.id)
+        .limit(bindparam("limit", type_=Integer))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return delete(table).where(table.c.id.in_(doomed))
+
+
+def queue_stats(table: Table) -> Select[Any]:
+    """Counts by queue and status, with the oldest runnable pending job's age in seconds."""
+    now = _now()
+    oldest = func.max(
+        case(
+            (
+                and_(table.c.status == _lit(JobStatus.PENDING), table.c.run_at <= now),
+                func.extract("epoch", now - table.c.run_at),
+            ),
+            else_=None,
+        )
+    )
+    return (
+        select(
+            table.c.queue,
+            table.c.status,
+            func.count().label("total"),
+            oldest.label("oldest_pending_seconds"),
+        )
+        .group_by(table.c.queue, table.c.status)
+        .order_by(table.c.queue, table.c.status)
+    )
+
+
+def notify(table: Table) -> Select[Any]:
+    """``pg_notify`` on the table's channel with ``:payload`` (a queue name).
+
+    Delivered when the surrounding transaction commits, and never before, so a listener
+    cannot see a job its enqueuer has not committed.
+    """
+    channel = names(table.name).channel
+    return select(func.pg_notify(channel, bindparam("payload", type_=Text)))

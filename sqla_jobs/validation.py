@@ -1,0 +1,155 @@
+"""Checks on job values, run in Python before any SQL.
+
+Pure functions: each takes the field name and the value and either returns the value to store
+or raises :class:`~sqla_jobs.errors.InvalidJobError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.sql.elements import ClauseElement
+
+from sqla_jobs.errors import InvalidJobError, JobArgumentsError
+
+__all__ = [
+    "DEFAULT_MAX_ARGS_BYTES",
+    "DEFAULT_MAX_ATTEMPTS",
+    "MAX_ATTEMPTS_LIMIT",
+    "MAX_NAME_LENGTH",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "check_args",
+    "check_json",
+    "check_max_attempts",
+    "check_name",
+    "check_priority",
+    "check_run_at",
+]
+
+DEFAULT_MAX_ARGS_BYTES = 256 * 1024
+DEFAULT_MAX_ATTEMPTS = 20
+MAX_ATTEMPTS_LIMIT = 1000
+MAX_NAME_LENGTH = 200
+PRIORITY_MIN = -100
+PRIORITY_MAX = 100
+
+# Queue and task names appear in logs, metrics and NOTIFY payloads: keep them printable and
+# unambiguous. Dotted module paths ("billing.tasks.send_receipt") and "a:b" forms are fine.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]*")
+
+
+def check_name(field: str, value: object) -> str:
+    """A queue or task name: 1-200 characters of letters, digits and ``_ . : -``."""
+    if not isinstance(value, str):
+        raise InvalidJobError(field, f"must be a string, not {type(value).__name__}")
+    if not value:
+        raise InvalidJobError(field, "must not be empty")
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidJobError(field, f"is {len(value)} characters, the limit is {MAX_NAME_LENGTH}")
+    if not _NAME.fullmatch(value):
+        raise InvalidJobError(
+            field,
+            f"{value!r} is malformed: use letters, digits and '_', '.', ':', '-', "
+            "starting with a letter, digit or '_'",
+        )
+    return value
+
+
+def check_priority(field: str, value: object) -> int:
+    """An integer from -100 to 100; lower values are claimed first."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidJobError(field, f"must be an integer, not {type(value).__name__}")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise InvalidJobError(field, f"{value} is out of range [{PRIORITY_MIN}, {PRIORITY_MAX}]")
+    return value
+
+
+def check_max_attempts(field: str, value: object) -> int:
+    """An integer from 1 to 1000."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidJobError(field, f"must be an integer, not {type(value).__name__}")
+    if not 1 <= value <= MAX_ATTEMPTS_LIMIT:
+        raise InvalidJobError(field, f"{value} is out of range [1, {MAX_ATTEMPTS_LIMIT}]")
+    return value
+
+
+def check_run_at(field: str, value: object) -> object:
+    """A timezone-aware datetime, a SQL expression evaluated by the database, or None."""
+    if value is None or isinstance(value, ClauseElement):
+        return value
+    if not isinstance(value, datetime):
+        raise InvalidJobError(field, f"must be a datetime, not {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidJobError(
+            field, "must be timezone-aware (a naive datetime has no defined instant)"
+        )
+    return value
+
+
+def _walk(field: str, value: Any, path: str) -> None:
+    # An explicit walk, because json.dumps accepts several things jsonb will not store
+    # (NUL, lone surrogates) and silently rewrites others (non-string keys).
+    if value is None or isinstance(value, bool | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise JobArgumentsError(field, f"{path} is {value}: jsonb cannot store NaN or Infinity")
+        return
+    if isinstance(value, str):
+        _check_text(field, value, path)
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise JobArgumentsError(
+                    field, f"{path} has key {key!r}: JSON object keys must be strings"
+                )
+            _check_text(field, key, f"{path} key {key!r}")
+            _walk(field, item, f"{path}[{key!r}]")
+        return
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _walk(field, item, f"{path}[{index}]")
+        return
+    raise JobArgumentsError(field, f"{path} is a {type(value).__name__}, which is not JSON")
+
+
+def _check_text(field: str, text: str, path: str) -> None:
+    if "\x00" in text:
+        raise JobArgumentsError(field, f"{path} contains a NUL character, which jsonb rejects")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise JobArgumentsError(
+            field, f"{path} contains a lone surrogate, which is not valid UTF-8"
+        ) from exc
+
+
+def check_args(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> int:
+    """Job arguments: a JSON object that jsonb stores unchanged, at most ``max_bytes``.
+
+    Returns the size in bytes of its compact JSON form.
+    """
+    if not isinstance(value, Mapping):
+        raise JobArgumentsError(
+            field, f"must be a JSON object (a dict), not {type(value).__name__}"
+        )
+    _walk(field, value, "args")
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    if size > max_bytes:
+        raise JobArgumentsError(field, f"is {size} bytes as JSON, the limit is {max_bytes}")
+    return size
+
+
+def check_json(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> None:
+    """Any JSON value (a stored result, say) that jsonb stores unchanged."""
+    _walk(field, value, field)
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    if size > max_bytes:
+        raise JobArgumentsError(field, f"is {size} bytes as JSON, the limit is {max_bytes}")

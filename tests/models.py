@@ -1,0 +1,41 @@
+"""The models a user of sqla_jobs would write: their own tables, names and extra columns."""
+
+from __future__ import annotations
+
+from sqlalchemy import ForeignKey, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from sqla_jobs import JobMixin, JobResultMixin
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "orders"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    customer: Mapped[str] = mapped_column(String(100))
+
+
+class EmailJob(JobMixin, Base):
+    __tablename__ = "email_jobs"
+
+    order_id: Mapped[int | None] = mapped_column(ForeignKey("orders.id"))
+    order: Mapped[Order | None] = relationship()
+
+
+class EmailJobResult(JobResultMixin, Base):
+    __tablename__ = "email_job_results"
+
+
+class ReportJob(JobMixin, Base):
+    """Deletes its row on success and keeps only the result (seed 001's variant)."""
+
+    __tablename__ = "report_jobs"
+    delete_on_success = True
+
+
+class ReportJobResult(JobResultMixin, Base):
+    __tablename__ = "report_job_results"
