@@ -221,7 +221,8 @@ def claim(
     and is durable once the caller commits. Each job is then ``running`` with a lease that
     ends ``lease`` after the claim, in database time; :func:`heartbeat` extends it. When the
     lease ends before the attempt does, the next claim takes the job over as a new attempt
-    and every later transition by the old attempt raises :class:`LeaseLostError`.
+    and every later transition by the old attempt raises :class:`LeaseLostError`. A job
+    whose lease ran out on its last attempt is made ``dead`` by the claim that finds it.
 
     **Lock-held mode** (``hold=True``). The attempt is first counted in a short transaction
     of its own on a separate connection from the session's engine, and committed, so that a
@@ -271,7 +272,9 @@ def claim(
             lease_expires_at=row.lease_expires_at,
         )
         for row in rows
+        if row.status == JobStatus.RUNNING.value
     ]
+    jobs.sort(key=lambda job: (job.priority, job.run_at, job.id))
     if hold and jobs:
         return lock(session, jobs)
     return jobs

@@ -116,6 +116,10 @@ def claim(table: Table, *, queue_count: int) -> Update:
     The CTE is there on purpose: it fences the planner so that ``LIMIT`` and the row locks
     apply once, to the chosen rows, before the ``UPDATE`` joins them back.
 
+    A running job whose lease expired on its last attempt is made ``dead`` instead (with
+    ``last_error`` saying so) and comes back with status ``dead``: callers must hand out
+    only the rows whose status is ``running``.
+
     Parameters: ``:queue_name`` (one queue) or ``:queue_names`` (an array), ``:limit``,
     ``:lease_seconds``, ``:worker``.
     """
@@ -140,17 +144,30 @@ def claim(table: Table, *, queue_count: int) -> Update:
         .with_for_update(skip_locked=True)
         .cte("claimable")
     )
+    # An expired lease on the job's last attempt means that attempt died with its worker:
+    # the job is dead now rather than run again, or a job that kills its worker every time
+    # would loop forever. Such rows come back with status 'dead' and are not handed out.
+    expired = table.c.status == _lit(JobStatus.RUNNING)
+    exhausted = and_(expired, table.c.attempts >= table.c.max_attempts)
+    lost_lease: ColumnElement[str] = (
+        literal_column("'attempt '")
+        + func.cast(table.c.attempts, Text)
+        + literal_column("' lost its lease: its worker stopped or crashed mid-job'")
+    )
     return (
         update(table)
         .where(table.c.id == claimable.c.id)
         .values(
-            status=_lit(JobStatus.RUNNING),
-            attempts=table.c.attempts + _ONE,
-            lease_expires_at=now + _seconds("lease_seconds"),
-            leased_by=bindparam("worker", type_=Text),
+            status=case((exhausted, _lit(JobStatus.DEAD)), else_=_lit(JobStatus.RUNNING)),
+            attempts=case((exhausted, table.c.attempts), else_=table.c.attempts + _ONE),
+            lease_expires_at=case((exhausted, null()), else_=now + _seconds("lease_seconds")),
+            leased_by=case((exhausted, null()), else_=bindparam("worker", type_=Text)),
+            finished_at=case((exhausted, now), else_=null()),
+            last_error=case((expired, lost_lease), else_=table.c.last_error),
         )
         .returning(
             table.c.id,
+            table.c.status,
             table.c.queue,
             table.c.task,
             table.c.args,
