@@ -191,9 +191,15 @@ def default_worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _lost(jobs: Sequence[ClaimedJob], kept_ids: Iterable[int]) -> list[ClaimedJob]:
-    kept = set(kept_ids)
-    return [job for job in jobs if job.id not in kept]
+def _fenced(rows: Iterable[Any]) -> set[tuple[int, int]]:
+    """The ``(id, attempt)`` fences that a fenced statement's ``RETURNING`` matched."""
+    return {(row.id, row.attempts) for row in rows}
+
+
+def _lost(jobs: Sequence[ClaimedJob], kept: set[tuple[int, int]]) -> list[ClaimedJob]:
+    # Keyed by (id, attempt), never by id alone: one batch may hold a stale attempt and the
+    # current attempt of the same job.
+    return [job for job in jobs if (job.id, job.attempt) not in kept]
 
 
 # -- claim ------------------------------------------------------------------------------
@@ -290,9 +296,9 @@ def lock(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     if not jobs:
         return []
     table = _job_table(_one_model(jobs))
-    rows = session.execute(_statement(statements.lock, table), _fence_params(jobs)).all()
-    kept = {row.id for row in rows}
-    return [job for job in jobs if job.id in kept]
+    rows = session.execute(_statement(statements.lock, table), _fence_params(jobs))
+    kept = _fenced(rows)
+    return [job for job in jobs if (job.id, job.attempt) in kept]
 
 
 # -- outcomes ---------------------------------------------------------------------------
@@ -347,12 +353,12 @@ def complete_many(
             validation.check_json("result", value)
     builder = statements.complete_and_delete if model.delete_on_success else statements.complete
     rows = session.execute(_statement(builder, table), _fence_params(jobs)).all()
-    done = {row.id: row.task for row in rows}
+    done = _fenced(rows)
     if result_table is not None and results is not None and done:
         payload = [
-            {"job_id": job.id, "task": done[job.id], "value": value}
+            {"job_id": job.id, "task": job.task, "value": value}
             for job, value in zip(jobs, results, strict=True)
-            if job.id in done
+            if (job.id, job.attempt) in done
         ]
         session.execute(_statement(statements.store_results, result_table), {"results": payload})
     return _lost(jobs, done)
@@ -420,8 +426,8 @@ def heartbeat(
         return []
     table = _job_table(_one_model(jobs))
     params = _fence_params(jobs) | {"lease_seconds": _seconds("lease", lease)}
-    rows = session.execute(_statement(statements.heartbeat, table), params).all()
-    return _lost(jobs, (row.id for row in rows))
+    rows = session.execute(_statement(statements.heartbeat, table), params)
+    return _lost(jobs, _fenced(rows))
 
 
 def release(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
@@ -434,8 +440,8 @@ def release(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     if not jobs:
         return []
     table = _job_table(_one_model(jobs))
-    rows = session.execute(_statement(statements.release, table), _fence_params(jobs)).all()
-    return _lost(jobs, (row.id for row in rows))
+    rows = session.execute(_statement(statements.release, table), _fence_params(jobs))
+    return _lost(jobs, _fenced(rows))
 
 
 # -- administration ---------------------------------------------------------------------

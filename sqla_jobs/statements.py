@@ -190,11 +190,16 @@ def lock(table: Table) -> Select[Any]:
     Parameters: ``:fence_ids``, ``:fence_attempts``.
     """
     pairs, match = _fences(table)
-    return select(table.c.id).select_from(table).join(pairs, match).with_for_update(of=table)
+    return (
+        select(table.c.id, table.c.attempts)
+        .select_from(table)
+        .join(pairs, match)
+        .with_for_update(of=table)
+    )
 
 
 def complete(table: Table) -> Update:
-    """Mark the given attempts succeeded. Fenced; returns ``id, task`` of each completed job.
+    """Mark the given attempts succeeded. Fenced; returns ``id, attempts, task`` of each completed job.
 
     Parameters: ``:fence_ids``, ``:fence_attempts``. Locks the matched rows (an ``UPDATE``).
     """
@@ -203,17 +208,17 @@ def complete(table: Table) -> Update:
         update(table)
         .where(match)
         .values(status=_lit(JobStatus.SUCCEEDED), finished_at=_now(), lease_expires_at=null())
-        .returning(table.c.id, table.c.task)
+        .returning(table.c.id, table.c.attempts, table.c.task)
     )
 
 
 def complete_and_delete(table: Table) -> ReturningDelete[Any]:
     """Delete the rows of the given succeeded attempts (seed 001's variant). Fenced.
 
-    Returns ``id, task`` of each deleted job. Parameters: ``:fence_ids``, ``:fence_attempts``.
+    Returns ``id, attempts, task`` of each deleted job. Parameters: ``:fence_ids``, ``:fence_attempts``.
     """
     _, match = _fences(table)
-    return delete(table).where(match).returning(table.c.id, table.c.task)
+    return delete(table).where(match).returning(table.c.id, table.c.attempts, table.c.task)
 
 
 def store_results(result_table: Table) -> Insert:
@@ -287,14 +292,14 @@ def heartbeat(table: Table) -> Update:
     """Extend the leases of the given attempts to ``now + :lease_seconds``. Fenced.
 
     Only ``lease_expires_at`` changes, and it is in no index, so the update can be HOT.
-    Returns the ids still held. Parameters: ``:fence_ids``, ``:fence_attempts``, ``:lease_seconds``.
+    Returns ``id, attempts`` of the attempts still holding their job. Parameters: ``:fence_ids``, ``:fence_attempts``, ``:lease_seconds``.
     """
     _, match = _fences(table)
     return (
         update(table)
         .where(match)
         .values(lease_expires_at=_now() + _seconds("lease_seconds"))
-        .returning(table.c.id)
+        .returning(table.c.id, table.c.attempts)
     )
 
 
@@ -303,7 +308,7 @@ def release(table: Table) -> Update:
 
     ``attempts`` stays (it is the fence, and must never repeat); ``max_attempts`` grows by
     one instead, so a job given back at shutdown loses none of its remaining attempts.
-    Returns the ids released. Parameters: ``:fence_ids``, ``:fence_attempts``.
+    Returns ``id, attempts`` of the released attempts. Parameters: ``:fence_ids``, ``:fence_attempts``.
     """
     _, match = _fences(table)
     return (
@@ -316,7 +321,7 @@ def release(table: Table) -> Update:
             lease_expires_at=null(),
             leased_by=null(),
         )
-        .returning(table.c.id)
+        .returning(table.c.id, table.c.attempts)
     )
 
 

@@ -1,0 +1,35 @@
+"""A claiming process for the concurrency test (imported by spawned children)."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from models import EmailJob
+from sqlalchemy.orm import Session
+
+import sqla_jobs
+
+
+def claim_until_empty(url: str, batch: int) -> list[tuple[int, int]]:
+    """Claim and complete until nothing is left; return the (id, attempt) of each claim."""
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    claimed: list[tuple[int, int]] = []
+    empty_rounds = 0
+    try:
+        with Session(engine) as session:
+            # Any wait on a lock longer than 1 ms fails the statement, and the test with it.
+            session.execute(sa.text("SET lock_timeout = '1ms'"))
+            session.commit()
+            while empty_rounds < 3:
+                with session.begin():
+                    jobs = sqla_jobs.claim(session, EmailJob, limit=batch, lease=300)
+                if not jobs:
+                    empty_rounds += 1
+                    continue
+                empty_rounds = 0
+                with session.begin():
+                    lost = sqla_jobs.complete_many(session, jobs)
+                    assert lost == []
+                claimed.extend((job.id, job.attempt) for job in jobs)
+    finally:
+        engine.dispose()
+    return claimed

@@ -1,0 +1,195 @@
+"""Bad input: a typed error naming the field, before any SQL, and nothing written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from models import EmailJob, EmailJobResult, Order
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+import sqla_jobs
+from sqla_jobs import InvalidJobError, JobArgumentsError
+
+
+@contextmanager
+def no_sql(engine: sa.Engine) -> Iterator[None]:
+    """Fail if any SQL statement reaches the server inside the block."""
+    statements: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert statements == []
+
+
+class Unserialisable:
+    pass
+
+
+BAD_ARGS: list[tuple[str, Any, str]] = [
+    ("not a dict", ["a", "list"], "must be a JSON object"),
+    ("a set", {"s": {1, 2}}, "set, which is not JSON"),
+    ("an object", {"o": Unserialisable()}, "which is not JSON"),
+    ("bytes", {"b": b"raw"}, "bytes, which is not JSON"),
+    ("NUL in a value", {"s": "a\x00b"}, "NUL"),
+    ("NUL in a key", {"a\x00": 1}, "NUL"),
+    ("NUL deep inside", {"l": [{"x": ["ok", "\x00"]}]}, "NUL"),
+    ("NaN", {"f": float("nan")}, "NaN or Infinity"),
+    ("Infinity", {"f": float("inf")}, "NaN or Infinity"),
+    ("-Infinity", {"f": [float("-inf")]}, "NaN or Infinity"),
+    ("a lone surrogate", {"s": "\ud800"}, "surrogate"),
+    ("a non-string key", {1: "one"}, "keys must be strings"),
+]
+
+
+@pytest.mark.parametrize(("case", "args", "message"), BAD_ARGS, ids=[c[0] for c in BAD_ARGS])
+def test_bad_arguments_raise_before_any_sql(
+    queue_engine: sa.Engine, case: str, args: Any, message: str
+) -> None:
+    with no_sql(queue_engine), pytest.raises(JobArgumentsError, match=message) as info:
+        EmailJob(task="t", args=args)
+    assert info.value.field == "args"
+    assert isinstance(info.value, InvalidJobError) and isinstance(info.value, ValueError)
+
+
+def test_arguments_over_the_size_limit(queue_engine: sa.Engine) -> None:
+    limit = EmailJob.max_args_bytes
+    EmailJob(task="t", args={"s": "x" * (limit - 20)})  # just under the limit is fine
+    with no_sql(queue_engine), pytest.raises(JobArgumentsError, match="the limit is"):
+        EmailJob(task="t", args={"s": "x" * limit})
+
+
+def test_size_limit_is_a_per_model_option() -> None:
+    class TinyArgs(EmailJob):
+        max_args_bytes = 32
+
+    TinyArgs(task="t", args={"a": 1})
+    with pytest.raises(JobArgumentsError, match="the limit is 32"):
+        TinyArgs(task="t", args={"a": "a long string over thirty-two bytes"})
+
+
+BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
+    ("queue", {"queue": ""}, "must not be empty"),
+    ("queue", {"queue": "has space"}, "malformed"),
+    ("queue", {"queue": "-leading-dash"}, "malformed"),
+    ("queue", {"queue": "q" * 201}, "the limit is 200"),
+    ("queue", {"queue": 5}, "must be a string"),
+    ("task", {"task": ""}, "must not be empty"),
+    ("task", {"task": "semi;colon"}, "malformed"),
+    ("task", {"task": None}, "must be a string"),
+    ("priority", {"priority": 101}, "out of range"),
+    ("priority", {"priority": -101}, "out of range"),
+    ("priority", {"priority": True}, "must be an integer"),
+    ("priority", {"priority": 1.5}, "must be an integer"),
+    ("max_attempts", {"max_attempts": 0}, "out of range"),
+    ("max_attempts", {"max_attempts": 1001}, "out of range"),
+    ("run_at", {"run_at": datetime(2030, 1, 1)}, "timezone-aware"),
+    ("run_at", {"run_at": "tomorrow"}, "must be a datetime"),
+    ("status", {"status": "paused"}, "must be one of"),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "values", "message"),
+    BAD_FIELDS,
+    ids=[f"{c[0]}-{next(iter(c[1].values()))!r}"[:40] for c in BAD_FIELDS],
+)
+def test_bad_fields_raise_naming_the_field(
+    queue_engine: sa.Engine, field: str, values: dict[str, Any], message: str
+) -> None:
+    with no_sql(queue_engine), pytest.raises(InvalidJobError, match=message) as info:
+        EmailJob(**({"task": "t"} | values))
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_assignment_after_construction_is_checked_too() -> None:
+    job = EmailJob(task="t")
+    with pytest.raises(InvalidJobError) as info:
+        job.priority = 1000
+    assert info.value.field == "priority"
+
+
+def test_in_place_change_is_caught_at_flush_and_nothing_is_written(
+    queue_engine: sa.Engine,
+) -> None:
+    inserted_jobs: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if "INSERT INTO email_jobs" in statement:
+            inserted_jobs.append(statement)
+
+    event.listen(queue_engine, "before_cursor_execute", record)
+    try:
+        with Session(queue_engine) as session:
+            session.begin()
+            session.add(Order(id=1, customer="ada"))
+            session.flush()  # the business row reaches the server first
+            job = EmailJob(task="t", args={"values": [1.0]})
+            job.args["values"].append(float("nan"))  # no validator sees this
+            session.add(job)
+            with pytest.raises(JobArgumentsError, match="NaN"):
+                session.commit()
+            session.rollback()
+    finally:
+        event.remove(queue_engine, "before_cursor_execute", record)
+
+    assert inserted_jobs == []  # the job's INSERT never ran
+    with queue_engine.connect() as connection:
+        assert connection.execute(sa.text("SELECT count(*) FROM orders")).scalar() == 0
+        assert connection.execute(sa.text("SELECT count(*) FROM email_jobs")).scalar() == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"queues": []}, "queues"),
+        ({"queues": ["ok", "not ok"]}, "queues"),
+        ({"limit": 0}, "limit"),
+        ({"limit": 10_001}, "limit"),
+        ({"limit": True}, "limit"),
+        ({"lease": 0}, "lease"),
+        ({"lease": -1.0}, "lease"),
+        ({"worker": "bad worker name"}, "worker"),
+    ],
+)
+def test_bad_claim_arguments_raise_before_any_sql(
+    queue_engine: sa.Engine, kwargs: dict[str, Any], field: str
+) -> None:
+    with Session(queue_engine) as session:
+        with no_sql(queue_engine), pytest.raises(InvalidJobError) as info:
+            sqla_jobs.claim(session, EmailJob, **kwargs)
+        assert info.value.field == field
+
+
+def test_models_without_the_mixin_are_refused() -> None:
+    with Session() as session, pytest.raises(sqla_jobs.ConfigurationError):
+        sqla_jobs.claim(session, Order, queues="q")  # type: ignore[arg-type]
+
+
+def test_a_result_jsonb_cannot_store_changes_nothing(queue_engine: sa.Engine) -> None:
+    with Session(queue_engine) as session, session.begin():
+        session.add(EmailJob(task="t"))
+    with Session(queue_engine) as session, session.begin():
+        (job,) = sqla_jobs.claim(session, EmailJob)
+    with Session(queue_engine) as session, session.begin():
+        with no_sql(queue_engine), pytest.raises(JobArgumentsError) as info:
+            sqla_jobs.complete(
+                session, job, result={"x": float("nan")}, result_model=EmailJobResult
+            )
+        assert info.value.field == "result"
+    with queue_engine.connect() as connection:
+        status = connection.execute(sa.text("SELECT status FROM email_jobs")).scalar()
+        assert status == "running"
+        assert connection.execute(sa.text("SELECT count(*) FROM email_job_results")).scalar() == 0
