@@ -35,6 +35,7 @@ from sqlalchemy import (
     Integer,
     SmallInteger,
     String,
+    Table,
     Text,
     event,
     func,
@@ -42,7 +43,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import Mapped, declared_attr, mapped_column, validates
+from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 
 from sqla_jobs import validation
 from sqla_jobs.errors import InvalidJobError
@@ -272,8 +273,36 @@ def _recheck_args(_mapper: object, _connection: object, target: JobMixin) -> Non
     # A dict can be changed in place after it was assigned, which no validator sees; check
     # once more before the INSERT. Raising here aborts the flush and the session's
     # transaction, so nothing of the transaction is written.
-    validation.check_args("args", target.args, max_bytes=target.max_args_bytes)
+    if target.args is not None:  # None: never assigned, the column default ({}) applies
+        validation.check_args("args", target.args, max_bytes=target.max_args_bytes)
 
 
 event.listen(JobMixin, "before_insert", _recheck_args, propagate=True)
 event.listen(JobMixin, "before_update", _recheck_args, propagate=True)
+
+
+def _attach_table_ddl(mapper: Mapper[Any], _class: type[Any]) -> None:
+    # So that metadata.create_all() builds what the migrations build: the NOTIFY trigger and
+    # the storage parameters (sqla_jobs.ddl), on PostgreSQL only.
+    from sqla_jobs import ddl  # here, not at the top: ddl builds on names() above
+
+    table = mapper.local_table
+    if not isinstance(table, Table) or table.info.get("sqla_jobs_ddl"):
+        return  # a single-table subclass shares its parent's table, which already has it
+    table.info["sqla_jobs_ddl"] = True
+    after_create = (
+        ddl.set_storage_parameters(table.name, table.schema),
+        ddl.create_notify_function(table.name, table.schema),
+        ddl.create_notify_trigger(table.name, table.schema),
+    )
+    before_drop = (
+        ddl.drop_notify_trigger(table.name, table.schema),
+        ddl.drop_notify_function(table.name, table.schema),
+    )
+    for sql in after_create:
+        event.listen(table, "after_create", ddl.executable(sql).execute_if(dialect="postgresql"))
+    for sql in before_drop:
+        event.listen(table, "before_drop", ddl.executable(sql).execute_if(dialect="postgresql"))
+
+
+event.listen(JobMixin, "after_mapper_constructed", _attach_table_ddl, propagate=True)

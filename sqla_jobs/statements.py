@@ -199,7 +199,9 @@ def lock(table: Table) -> Select[Any]:
 
 
 def complete(table: Table) -> Update:
-    """Mark the given attempts succeeded. Fenced; returns ``id, attempts, task`` of each completed job.
+    """Mark the given attempts succeeded. Fenced.
+
+    Returns ``id, attempts, task`` of each completed job.
 
     Parameters: ``:fence_ids``, ``:fence_attempts``. Locks the matched rows (an ``UPDATE``).
     """
@@ -215,7 +217,8 @@ def complete(table: Table) -> Update:
 def complete_and_delete(table: Table) -> ReturningDelete[Any]:
     """Delete the rows of the given succeeded attempts (seed 001's variant). Fenced.
 
-    Returns ``id, attempts, task`` of each deleted job. Parameters: ``:fence_ids``, ``:fence_attempts``.
+    Returns ``id, attempts, task`` of each deleted job.
+    Parameters: ``:fence_ids``, ``:fence_attempts``.
     """
     _, match = _fences(table)
     return delete(table).where(match).returning(table.c.id, table.c.attempts, table.c.task)
@@ -292,7 +295,8 @@ def heartbeat(table: Table) -> Update:
     """Extend the leases of the given attempts to ``now + :lease_seconds``. Fenced.
 
     Only ``lease_expires_at`` changes, and it is in no index, so the update can be HOT.
-    Returns ``id, attempts`` of the attempts still holding their job. Parameters: ``:fence_ids``, ``:fence_attempts``, ``:lease_seconds``.
+    Returns ``id, attempts`` of the attempts still holding their job.
+    Parameters: ``:fence_ids``, ``:fence_attempts``, ``:lease_seconds``.
     """
     _, match = _fences(table)
     return (
@@ -308,7 +312,8 @@ def release(table: Table) -> Update:
 
     ``attempts`` stays (it is the fence, and must never repeat); ``max_attempts`` grows by
     one instead, so a job given back at shutdown loses none of its remaining attempts.
-    Returns ``id, attempts`` of the released attempts. Parameters: ``:fence_ids``, ``:fence_attempts``.
+    Returns ``id, attempts`` of the released attempts.
+    Parameters: ``:fence_ids``, ``:fence_attempts``.
     """
     _, match = _fences(table)
     return (
@@ -423,3 +428,64 @@ def notify(table: Table) -> Select[Any]:
     """
     channel = names(table.name).channel
     return select(func.pg_notify(channel, bindparam("payload", type_=Text)))
+
+
+# -- worker runtime and command line (appended) -------------------------------------------
+
+
+def listen(table: Table) -> str:
+    """``LISTEN`` on the table's new-job channel (:func:`sqla_jobs.schema.names`), as SQL
+    text for a driver connection (the listener keeps one of its own, outside the pool).
+
+    The channel is quoted, so its case is kept as ``pg_notify`` sends it. Run it on a
+    connection in autocommit mode that stays open: LISTEN is session state.
+    """
+    channel = names(table.name).channel
+    return 'LISTEN "{}"'.format(channel.replace('"', '""'))
+
+
+def ping() -> Select[Any]:
+    """``SELECT 1``: a listener's check that its idle connection is still alive."""
+    return select(_ONE)
+
+
+def set_local_lock_timeout() -> Select[Any]:
+    """``set_config('lock_timeout', :timeout, true)``: bound the lock waits of the rest of
+    the current transaction (``:timeout`` like ``'5s'``). Used when a worker releases jobs
+    whose row locks it has just had its own backends terminated for."""
+    setting = literal_column("'lock_timeout'", Text)
+    is_local = literal_column("true", Boolean)
+    return select(func.set_config(setting, bindparam("timeout", type_=Text), is_local))
+
+
+def terminate_backends() -> Select[Any]:
+    """``pg_terminate_backend`` on each pid in ``:pids``; returns one boolean per pid.
+
+    A worker shutting down uses it on its own lock-mode connections whose handlers did not
+    finish in the grace period: their transactions roll back and the row locks go, so the
+    jobs can be released at once instead of after their lease.
+    """
+    pids = (
+        func.unnest(bindparam("pids", type_=ARRAY(Integer)))
+        .table_valued("pid")
+        .render_derived(name="backends")
+    )
+    return select(func.pg_terminate_backend(pids.c.pid)).select_from(pids)
+
+
+def dead_jobs(table: Table) -> Select[Any]:
+    """The ``:limit`` most recently finished dead jobs: ``id, queue, task, attempts,
+    finished_at, last_error``. Reads the primary key and the heap (dead jobs are few)."""
+    return (
+        select(
+            table.c.id,
+            table.c.queue,
+            table.c.task,
+            table.c.attempts,
+            table.c.finished_at,
+            table.c.last_error,
+        )
+        .where(table.c.status == _lit(JobStatus.DEAD))
+        .order_by(table.c.finished_at.desc(), table.c.id.desc())
+        .limit(bindparam("limit", type_=Integer))
+    )

@@ -29,11 +29,12 @@ async def test_async_claim_complete_fail_retry(queue_async_engine: AsyncEngine) 
 
     async with AsyncSession(queue_async_engine) as session:
         rows = (await session.execute(sa.select(EmailJob.task, EmailJob.status))).all()
-        assert {task: status for task, status in rows} == {"ok": "succeeded", "bad": "pending"}
+        assert dict(rows) == {"ok": "succeeded", "bad": "pending"}
         stats = await aio.queue_stats(session, EmailJob)
         assert sum(s.count for s in stats) == 2
         result = await session.get(EmailJobResult, by_task["ok"].id)
-        assert result is not None and result.value == "done"
+        assert result is not None
+        assert result.value == "done"
 
 
 async def test_async_lock_held_claim(queue_async_engine: AsyncEngine) -> None:

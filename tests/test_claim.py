@@ -79,7 +79,9 @@ def test_lease_claim_starts_an_attempt_in_database_time(queue_engine: sa.Engine)
         db_now = session.execute(sa.select(sa.func.statement_timestamp())).scalar_one()
     assert (job.id, job.attempt, job.task, job.args) == (job_id, 1, "t", {"k": "v"})
     stored = row(queue_engine, job_id)
-    assert stored.status == "running" and stored.attempts == 1 and stored.leased_by == "host-1:42"
+    assert stored.status == "running"
+    assert stored.attempts == 1
+    assert stored.leased_by == "host-1:42"
     assert stored.lease_expires_at == job.lease_expires_at
     # 30 s after the claim statement, by the server's clock.
     assert abs((stored.lease_expires_at - db_now).total_seconds() - 30) < 1
@@ -103,7 +105,8 @@ def test_concurrent_claimers_skip_locked_rows_without_waiting(queue_engine: sa.E
         second.execute(sa.text("SET LOCAL lock_timeout = '1ms'"))
         a = sqla_jobs.claim(first, EmailJob, limit=4)
         b = sqla_jobs.claim(second, EmailJob, limit=4)
-        assert len(a) == 4 and len(b) == 2
+        assert len(a) == 4
+        assert len(b) == 2
         assert not {job.id for job in a} & {job.id for job in b}
         first.commit()
         second.commit()
@@ -181,7 +184,7 @@ def test_lock_held_handler_writes_commit_together_with_the_completion(
 
     with Session(queue_engine) as session:
         assert session.execute(sa.select(Order.id)).scalars().all() == [1]
-        statuses = {i: s for i, s in session.execute(sa.select(EmailJob.id, EmailJob.status))}
+        statuses = dict(session.execute(sa.select(EmailJob.id, EmailJob.status)).all())
         assert sorted(statuses.values()) == ["running", "succeeded"]
     # The rolled-back attempt still counted; after its lease the job is claimed again.
     time.sleep(0.15)
@@ -206,7 +209,8 @@ def test_claimed_jobs_are_plain_data(queue_engine: sa.Engine) -> None:
     enqueue(queue_engine, EmailJob(task="t", max_attempts=1))
     with Session(queue_engine) as session, session.begin():
         (job,) = sqla_jobs.claim(session, EmailJob)
-    assert job.model is EmailJob and job.is_last_attempt
+    assert job.model is EmailJob
+    assert job.is_last_attempt
     with pytest.raises(AttributeError):
         job.attempt = 5  # type: ignore[misc]
     assert JobStatus("running") is JobStatus.RUNNING

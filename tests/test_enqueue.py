@@ -37,9 +37,11 @@ def test_committed_transaction_enqueues_with_database_defaults(queue_engine: sa.
         )
         assert job.status == JobStatus.PENDING.value
         assert (job.attempts, job.max_attempts, job.priority) == (0, 20, 0)
-        assert job.lease_expires_at is None and job.finished_at is None
+        assert job.lease_expires_at is None
+        assert job.finished_at is None
         # run_at and created_at come from the database's clock, not the client's.
-        assert job.run_at <= db_now and job.created_at <= db_now
+        assert job.run_at <= db_now
+        assert job.created_at <= db_now
         assert db_now - job.run_at < timedelta(minutes=1)
 
 
@@ -51,10 +53,14 @@ def test_rolled_back_transaction_leaves_no_job_and_no_business_row(queue_engine:
         session.flush()  # the rows were sent to the server...
         session.rollback()  # ...and are gone with the transaction
 
-    with pytest.raises(RuntimeError), Session(queue_engine) as session, session.begin():
-        session.add(EmailJob(task="send_receipt", args={"order": 9}))
-        session.flush()
-        raise RuntimeError("the business logic failed after the enqueue")
+    def business_transaction() -> None:
+        with Session(queue_engine) as session, session.begin():
+            session.add(EmailJob(task="send_receipt", args={"order": 9}))
+            session.flush()
+            raise RuntimeError("the business logic failed after the enqueue")
+
+    with pytest.raises(RuntimeError):
+        business_transaction()
 
     assert _count(queue_engine, "email_jobs") == 0
     assert _count(queue_engine, "orders") == 0

@@ -49,11 +49,13 @@ def test_complete_marks_succeeded_and_stores_the_result(queue_engine: sa.Engine)
     with Session(queue_engine) as session, session.begin():
         sqla_jobs.complete(session, job, result={"sent": True}, result_model=EmailJobResult)
     stored = row(queue_engine, job_id)
-    assert stored.status == "succeeded" and stored.finished_at is not None
+    assert stored.status == "succeeded"
+    assert stored.finished_at is not None
     assert stored.lease_expires_at is None
     with Session(queue_engine) as session:
         result = session.get(EmailJobResult, job_id)
-        assert result is not None and (result.task, result.value) == ("t", {"sent": True})
+        assert result is not None
+        assert (result.task, result.value) == ("t", {"sent": True})
 
 
 def test_delete_on_success_keeps_only_the_result(queue_engine: sa.Engine) -> None:
@@ -64,7 +66,8 @@ def test_delete_on_success_keeps_only_the_result(queue_engine: sa.Engine) -> Non
     assert row(queue_engine, job_id, "report_jobs") is None
     with Session(queue_engine) as session:
         result = session.get(ReportJobResult, job_id)
-        assert result is not None and result.value == [1, 2, 3]
+        assert result is not None
+        assert result.value == [1, 2, 3]
 
 
 def test_complete_many_completes_a_batch_and_reports_the_stale(queue_engine: sa.Engine) -> None:
@@ -102,10 +105,12 @@ def test_fail_retries_after_exponential_backoff_in_database_time(queue_engine: s
         (job,) = claim(queue_engine)
         with Session(queue_engine) as session, session.begin():
             outcome = sqla_jobs.fail(session, job, ValueError("smtp down"), policy=policy)
-        assert outcome.status is JobStatus.PENDING and outcome.will_retry
+        assert outcome.status is JobStatus.PENDING
+        assert outcome.will_retry
         stored = row(queue_engine, job_id)
         waits.append((stored.run_at - stored.db_now).total_seconds())
-        assert stored.status == "pending" and "ValueError: smtp down" in stored.last_error
+        assert stored.status == "pending"
+        assert "ValueError: smtp down" in stored.last_error
     # 10 s, 20 s, then capped at 25 s, each within ±10 % jitter (less the test's own runtime).
     for wait, expected in zip(waits, [10, 20, 25], strict=True):
         assert expected * 0.9 - 1 <= wait <= expected * 1.1
@@ -129,7 +134,8 @@ def test_fail_on_the_last_attempt_makes_the_job_dead_with_its_error(
         (job,) = claim(queue_engine)
         with Session(queue_engine) as session, session.begin():
             outcome = sqla_jobs.fail(session, job, f"failure {attempt}")
-    assert outcome.status is JobStatus.DEAD and not outcome.will_retry
+    assert outcome.status is JobStatus.DEAD
+    assert not outcome.will_retry
     stored = row(queue_engine, job_id)
     assert (stored.status, stored.attempts, stored.last_error) == ("dead", 2, "failure 2")
     assert stored.finished_at is not None
@@ -153,7 +159,8 @@ def test_error_text_is_made_storable(queue_engine: sa.Engine) -> None:
     with Session(queue_engine) as session, session.begin():
         sqla_jobs.fail(session, job, "nul\x00inside " + "x" * 50_000)
     stored = row(queue_engine, job_id)
-    assert "\x00" not in stored.last_error and len(stored.last_error) <= 16_010
+    assert "\x00" not in stored.last_error
+    assert len(stored.last_error) <= 16_010
 
 
 def test_every_transition_by_a_stale_attempt_changes_nothing(queue_engine: sa.Engine) -> None:
@@ -209,7 +216,8 @@ def test_release_gives_the_job_back_without_charging_the_attempt(queue_engine: s
         assert sqla_jobs.release(session, [job]) == []
     stored = row(queue_engine, job_id)
     assert (stored.status, stored.attempts, stored.max_attempts) == ("pending", 1, 4)
-    assert stored.lease_expires_at is None and stored.leased_by is None
+    assert stored.lease_expires_at is None
+    assert stored.leased_by is None
     (again,) = claim(queue_engine)
     assert again.attempt == 2  # the fence never repeats
 
@@ -228,9 +236,11 @@ def test_retry_a_dead_job_and_cancel_a_pending_one(queue_engine: sa.Engine) -> N
         sqla_jobs.cancel(session, EmailJob, pending_id)
     retried = row(queue_engine, dead_id)
     assert (retried.status, retried.attempts, retried.max_attempts) == ("pending", 1, 2)
-    assert retried.finished_at is None and retried.last_error == "boom"
+    assert retried.finished_at is None
+    assert retried.last_error == "boom"
     cancelled = row(queue_engine, pending_id)
-    assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+    assert cancelled.status == "cancelled"
+    assert cancelled.finished_at is not None
     (again,) = claim(queue_engine)
     assert (again.id, again.attempt) == (dead_id, 2)
     # A cancelled job can be retried too.
@@ -292,4 +302,5 @@ def test_queue_stats_counts_by_queue_and_status(queue_engine: sa.Engine) -> None
         ("b", JobStatus.RUNNING): 1,
     }
     oldest = stats["a", JobStatus.PENDING].oldest_pending_seconds
-    assert oldest is not None and 119 < oldest < 180
+    assert oldest is not None
+    assert 119 < oldest < 180

@@ -18,12 +18,15 @@ def _claim_plan(engine: sa.Engine, *, generic: bool) -> dict[str, Any]:
     params = {"queue_name": "default", "limit": 10, "lease_seconds": 30.0, "worker": "w"}
     with engine.connect() as connection:
         transaction = connection.begin()
+        cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
         if generic:
-            connection.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
-        raw = connection.exec_driver_sql(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + str(compiled),
-            params,  # type: ignore[arg-type]
-        ).scalar_one()
+            # A prepared statement planned once for any parameters: the partial index must
+            # still apply, which is why the claim spells its statuses as literals.
+            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + str(compiled), params, prepare=generic
+        )
+        raw = cursor.fetchone()[0]
         transaction.rollback()
     plan = raw if isinstance(raw, list) else json.loads(raw)
     return plan[0]  # type: ignore[no-any-return]

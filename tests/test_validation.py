@@ -60,7 +60,8 @@ def test_bad_arguments_raise_before_any_sql(
     with no_sql(queue_engine), pytest.raises(JobArgumentsError, match=message) as info:
         EmailJob(task="t", args=args)
     assert info.value.field == "args"
-    assert isinstance(info.value, InvalidJobError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, InvalidJobError)
+    assert isinstance(info.value, ValueError)
 
 
 def test_arguments_over_the_size_limit(queue_engine: sa.Engine) -> None:
@@ -94,7 +95,7 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     ("priority", {"priority": 1.5}, "must be an integer"),
     ("max_attempts", {"max_attempts": 0}, "out of range"),
     ("max_attempts", {"max_attempts": 1001}, "out of range"),
-    ("run_at", {"run_at": datetime(2030, 1, 1)}, "timezone-aware"),
+    ("run_at", {"run_at": datetime(2030, 1, 1)}, "timezone-aware"),  # noqa: DTZ001
     ("run_at", {"run_at": "tomorrow"}, "must be a datetime"),
     ("status", {"status": "paused"}, "must be one of"),
 ]

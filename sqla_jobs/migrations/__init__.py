@@ -1,0 +1,98 @@
+"""Alembic migrations for job tables: helpers for your revisions, and the library's own.
+
+Importing ``sqla_jobs`` does not import this package (nor Alembic); import it from your
+revisions and your ``env.py``.
+
+**Your own job tables.** Your Alembic environment creates the tables of your
+:class:`~sqla_jobs.schema.JobMixin` models by calling these helpers from your own revision,
+which renders them exactly as the mixins declare them (columns, defaults, constraints, the
+partial claim index, the NOTIFY trigger and the storage parameters)::
+
+    \"\"\"email jobs\"\"\"
+
+    import sqlalchemy as sa
+
+    from sqla_jobs import migrations as jobs
+
+    revision = "3f1c0a9e2b7d"
+    down_revision = "0001_orders"
+
+
+    def upgrade() -> None:
+        jobs.create_job_table(
+            "email_jobs", sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id"))
+        )
+        jobs.create_result_table("email_job_results")
+
+
+    def downgrade() -> None:
+        jobs.drop_result_table("email_job_results")
+        jobs.drop_job_table("email_jobs")
+
+Alembic's autogenerate does not compare an index's ``WHERE`` predicate:
+:func:`check_claim_indexes` does, for a test or CI.
+
+**The default tables** of :mod:`sqla_jobs.models` come with revisions of their own (branch
+label ``sqla_jobs``) in this package. Add them to your environment's ``version_locations``
+and add ``sqla_jobs.models.metadata`` to your ``target_metadata`` list; Alembic resolves
+``package:directory`` entries with :mod:`importlib.resources`. In ``alembic.ini``, with a
+separator that cannot occur in a path::
+
+    [alembic]
+    script_location = %(here)s
+    path_separator = newline
+    version_locations =
+        %(here)s/versions
+        sqla_jobs.migrations:versions
+
+or in ``pyproject.toml``: ``[tool.alembic] version_locations = ["%(here)s/alembic/versions",
+"sqla_jobs.migrations:versions"]``. Then ``alembic upgrade heads`` applies both branches
+(``alembic upgrade sqla_jobs@head`` only the library's). With two branches, create a
+revision of your own with ``alembic revision --head <your head> ...``.
+
+A database without an Alembic environment (the demo's throwaway server) gets the default
+tables from :func:`upgrade`, which runs the library's standalone environment
+(``script_location = sqla_jobs:migrations``).
+"""
+
+from __future__ import annotations
+
+from sqla_jobs.migrations.check import check_claim_indexes
+from sqla_jobs.migrations.commands import (
+    SCRIPT_LOCATION,
+    VERSION_LOCATION,
+    VERSION_TABLE,
+    downgrade,
+    upgrade,
+    versions_path,
+)
+from sqla_jobs.migrations.operations import (
+    SCHEMA_VERSION,
+    create_claim_index,
+    create_job_table,
+    create_notify_trigger,
+    create_result_table,
+    drop_claim_index,
+    drop_job_table,
+    drop_notify_trigger,
+    drop_result_table,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "SCRIPT_LOCATION",
+    "VERSION_LOCATION",
+    "VERSION_TABLE",
+    "check_claim_indexes",
+    "create_claim_index",
+    "create_job_table",
+    "create_notify_trigger",
+    "create_result_table",
+    "downgrade",
+    "drop_claim_index",
+    "drop_job_table",
+    "drop_notify_trigger",
+    "drop_result_table",
+    "upgrade",
+    "versions_path",
+]

