@@ -38,6 +38,7 @@ import pytest_asyncio
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 import sqla_jobs
@@ -242,3 +243,21 @@ async def queue_async_engine(queue_engine: sa.Engine) -> AsyncIterator[AsyncEngi
         yield engine
     finally:
         await engine.dispose()
+
+
+@pytest.fixture
+def db_session(queue_engine: sa.Engine) -> Iterator[Session]:
+    """A session joined to an outer transaction that is rolled back after the test.
+
+    SQLAlchemy's "joining a session into an external transaction" recipe: the code under
+    test may commit (it commits a savepoint); nothing outlives the test.
+    """
+    connection = queue_engine.connect()
+    outer = connection.begin()
+    session = Session(bind=connection, join_transaction_mode="create_savepoint")
+    try:
+        yield session
+    finally:
+        session.close()
+        outer.rollback()
+        connection.close()
