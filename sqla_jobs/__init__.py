@@ -17,12 +17,15 @@ from sqla_jobs.errors import (
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import (
     ClaimedJob,
+    DeadJob,
     FailOutcome,
     QueueStat,
     cancel,
     claim,
     complete,
     complete_many,
+    dead_jobs,
+    enqueue_many,
     fail,
     heartbeat,
     lock,
@@ -31,15 +34,19 @@ from sqla_jobs.queue import (
     release,
     retry,
 )
+from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, names
+from sqla_jobs.worker import Worker, WorkerHealth
 
 __all__ = [
     "ClaimedJob",
     "ConfigurationError",
+    "DeadJob",
     "EmbeddedPostgresError",
     "FailOutcome",
     "InvalidJobError",
     "JobArgumentsError",
+    "JobContext",
     "JobMixin",
     "JobNotFoundError",
     "JobResultMixin",
@@ -47,12 +54,18 @@ __all__ = [
     "JobStatus",
     "LeaseLostError",
     "QueueStat",
+    "Registry",
     "RetryPolicy",
     "SqlaJobsError",
+    "Task",
+    "Worker",
+    "WorkerHealth",
     "cancel",
     "claim",
     "complete",
     "complete_many",
+    "dead_jobs",
+    "enqueue_many",
     "fail",
     "heartbeat",
     "lock",

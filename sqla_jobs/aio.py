@@ -24,6 +24,8 @@ __all__ = [
     "claim",
     "complete",
     "complete_many",
+    "dead_jobs",
+    "enqueue_many",
     "fail",
     "heartbeat",
     "lock",
@@ -51,6 +53,8 @@ claim = _awaitable(queue.claim)
 lock = _awaitable(queue.lock)
 complete = _awaitable(queue.complete)
 complete_many = _awaitable(queue.complete_many)
+dead_jobs = _awaitable(queue.dead_jobs)
+enqueue_many = _awaitable(queue.enqueue_many)
 fail = _awaitable(queue.fail)
 heartbeat = _awaitable(queue.heartbeat)
 release = _awaitable(queue.release)

@@ -25,13 +25,17 @@ A typical lease-mode worker step::
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import os
 import socket
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import date, datetime, time, timedelta
+from decimal import Decimal
 from typing import Any, Final, TypeVar, cast
+from uuid import UUID
 
 from sqlalchemy import Connection, CursorResult, Executable, Table, inspect
 from sqlalchemy.orm import Session
@@ -50,13 +54,16 @@ from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin, JobStatus
 __all__ = [
     "MAX_CLAIM_LIMIT",
     "ClaimedJob",
+    "DeadJob",
     "FailOutcome",
     "QueueStat",
     "cancel",
     "claim",
     "complete",
     "complete_many",
+    "dead_jobs",
     "default_worker_name",
+    "enqueue_many",
     "fail",
     "heartbeat",
     "lock",
@@ -67,6 +74,8 @@ __all__ = [
 ]
 
 MAX_CLAIM_LIMIT: Final = 10_000
+DEFAULT_ENQUEUE_CHUNK: Final = 1_000
+MAX_ENQUEUE_CHUNK: Final = 100_000
 DEFAULT_LEASE: Final = timedelta(seconds=30)
 MAX_ERROR_CHARS: Final = 16_000
 
@@ -200,6 +209,164 @@ def _lost(jobs: Sequence[ClaimedJob], kept: set[tuple[int, int]]) -> list[Claime
     # Keyed by (id, attempt), never by id alone: one batch may hold a stale attempt and the
     # current attempt of the same job.
     return [job for job in jobs if (job.id, job.attempt) not in kept]
+
+
+# -- bulk enqueue -----------------------------------------------------------------------
+
+_MIXIN_INPUTS: Final = frozenset(statements.ENQUEUE_COLUMNS)
+
+
+def _json_default(value: object) -> object:
+    # Values of the model's own columns that JSON has no type for; PostgreSQL parses the
+    # text with the column type's input function.
+    if isinstance(value, datetime | date | time):
+        return value.isoformat()
+    if isinstance(value, Decimal | UUID):
+        return str(value)
+    if isinstance(value, timedelta):
+        return f"{value.total_seconds()} seconds"
+    raise TypeError(f"cannot send a {type(value).__name__} through enqueue_many")
+
+
+_encode = json.JSONEncoder(
+    ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_json_default
+).encode
+
+
+@functools.lru_cache(maxsize=64)
+def _own_columns(table: Table) -> frozenset[str]:
+    return frozenset(statements.enqueue_columns(table)) - _MIXIN_INPUTS
+
+
+def _attribute_values(model: type[JobMixin], job: JobMixin) -> dict[str, Any]:
+    # Only what was assigned: an attribute never set takes the column's server default.
+    if not isinstance(job, model):
+        raise InvalidJobError(
+            "jobs", f"holds a {type(job).__name__}; expected {model.__name__} or a mapping"
+        )
+    state = job.__dict__
+    return {
+        prop.columns[0].name: state[prop.key]
+        for prop in inspect(model).column_attrs
+        if prop.key in state and state[prop.key] is not None
+    }
+
+
+# Queue and task names repeat across a batch: check each distinct one once.
+_check_name_cached = functools.lru_cache(maxsize=1024)(validation.check_name)
+
+
+def _check_name(field: str, value: object) -> str:
+    if type(value) is str:
+        return _check_name_cached(field, value)
+    return validation.check_name(field, value)
+
+
+def _job_row(
+    model: type[JobMixin], job: Mapping[str, Any] | JobMixin, own: frozenset[str]
+) -> dict[str, Any]:
+    """Check one job as the mixin's validators would; return its row for the statement."""
+    values: Mapping[str, Any] = job if isinstance(job, Mapping) else _attribute_values(model, job)
+    row: dict[str, Any] = {"task": _check_name("task", values.get("task"))}
+    for key, value in values.items():
+        if key == "task" or value is None:
+            continue  # None: the column's server default
+        if key == "queue":
+            _check_name(key, value)
+        elif key == "args":
+            validation.check_args(key, value, max_bytes=model.max_args_bytes)
+        elif key == "priority":
+            validation.check_priority(key, value)
+        elif key == "max_attempts":
+            validation.check_max_attempts(key, value)
+        elif key == "run_at":
+            validation.check_run_at(key, value)
+            if not isinstance(value, datetime):
+                raise InvalidJobError(
+                    key, "enqueue_many takes a datetime, not a SQL expression; use add() for that"
+                )
+        elif key in statements.MANAGED_COLUMNS:
+            raise InvalidJobError(key, "is set by the queue, not by the enqueuer")
+        elif key not in own:
+            raise InvalidJobError(key, f"is not a column of {model.__name__}")
+        row[key] = value
+    return row
+
+
+def _next_chunk(
+    model: type[JobMixin],
+    jobs: Iterator[Mapping[str, Any] | JobMixin],
+    size: int,
+    own: frozenset[str],
+) -> str | None:
+    """Take and check up to ``size`` jobs; return them as the statement's JSON, or None."""
+    rows = [_job_row(model, job, own) for job in itertools.islice(jobs, size)]
+    if not rows:
+        return None
+    try:
+        return _encode(rows)
+    except (TypeError, ValueError) as exc:  # a value of the model's own columns
+        raise InvalidJobError("jobs", str(exc)) from exc
+
+
+def _insert_chunk(session: Session, table: Table, rows: str) -> int:
+    stmt = _statement(statements.enqueue_many, table)
+    result = cast(CursorResult[Any], session.execute(stmt, {"rows": rows}))
+    return result.rowcount
+
+
+def enqueue_many(
+    session: Session,
+    model: type[JobMixin],
+    jobs: Iterable[Mapping[str, Any] | JobMixin],
+    *,
+    chunk_size: int = DEFAULT_ENQUEUE_CHUNK,
+) -> int:
+    """Enqueue many jobs at once, in the caller's transaction; return how many.
+
+    For large batches, where building one ORM object per job is what costs: ``jobs`` is
+    any iterable (a generator is consumed as it goes, so memory stays bounded by
+    ``chunk_size`` whatever its length) of mappings with the keys ``task`` (required),
+    ``queue``, ``args``, ``priority``, ``run_at`` (a datetime), ``max_attempts`` and the
+    model's own columns, or of unsaved instances of ``model``. A missing or ``None`` value
+    takes the column's server default, as an ORM insert would (Python-side ``default=``
+    values of your own columns are not applied; give those columns a server default).
+
+    Each chunk is checked with the same rules as the mixin's validators, and an
+    :class:`InvalidJobError` naming the field is raised before the chunk's SQL runs; each
+    chunk is then one ``INSERT ... SELECT FROM jsonb_to_recordset(...)`` statement, the
+    chunk sent as one JSON document (:func:`sqla_jobs.statements.enqueue_many`). Like
+    ``session.add``, it writes into the caller's transaction and never commits: the jobs
+    exist if and only if the caller commits. When there is more than one chunk, they run
+    under a savepoint, so an error in any chunk leaves nothing of this call behind (the
+    caller's transaction stays usable). The session's pending objects are flushed first
+    (a job may refer to them).
+
+    Example::
+
+        with Session(engine) as session, session.begin():
+            sqla_jobs.enqueue_many(
+                session, EmailJob, ({"task": "send", "args": {"n": n}} for n in range(10**6))
+            )
+    """
+    table = _job_table(model)
+    _check_count("chunk_size", chunk_size, MAX_ENQUEUE_CHUNK)
+    own = _own_columns(table)
+    iterator = iter(jobs)
+    chunk = _next_chunk(model, iterator, chunk_size, own)
+    if chunk is None:
+        return 0
+    session.flush()
+    following = _next_chunk(model, iterator, chunk_size, own)
+    if following is None:
+        return _insert_chunk(session, table, chunk)
+    count = 0
+    with session.begin_nested():
+        count += _insert_chunk(session, table, chunk)
+        while following is not None:
+            count += _insert_chunk(session, table, following)
+            following = _next_chunk(model, iterator, chunk_size, own)
+    return count
 
 
 # -- claim ------------------------------------------------------------------------------
@@ -507,4 +674,34 @@ def queue_stats(session: Session, model: type[JobMixin]) -> list[QueueStat]:
             ),
         )
         for row in session.execute(_statement(statements.queue_stats, table))
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadJob:
+    """A row of :func:`dead_jobs`."""
+
+    id: int
+    queue: str
+    task: str
+    attempts: int
+    finished_at: datetime | None
+    last_error: str | None
+
+
+def dead_jobs(session: Session, model: type[JobMixin], *, limit: int = 20) -> list[DeadJob]:
+    """The ``limit`` most recently finished dead jobs, newest first, with their last error."""
+    table = _job_table(model)
+    _check_count("limit", limit, MAX_CLAIM_LIMIT)
+    rows = session.execute(_statement(statements.dead_jobs, table), {"limit": limit})
+    return [
+        DeadJob(
+            id=row.id,
+            queue=row.queue,
+            task=row.task,
+            attempts=row.attempts,
+            finished_at=row.finished_at,
+            last_error=row.last_error,
+        )
+        for row in rows
     ]

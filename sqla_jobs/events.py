@@ -1,0 +1,51 @@
+"""The log events of the worker runtime: a stable ``action`` for each, and what it means.
+
+Every record the worker, the notifier and the command line log carries ``action`` in its
+``extra``, and ``job_id`` (with ``task``, ``queue``, ``attempt``) when it is about one job.
+sqla_jobs never configures logging; the ``sqla-jobs`` command does, for itself.
+
+=====================  =======  ==================================================================
+action                 level    meaning
+=====================  =======  ==================================================================
+worker_started         INFO     the worker runs (queues, concurrency, name in ``extra``)
+queue_without_tasks    WARNING  a queue the worker claims from has no task in its registry
+worker_stopping        INFO     a signal or ``stop()`` asked it to stop; no more claims
+worker_stopped         INFO     it stopped; ``released`` jobs were given back unfinished
+worker_forced_exit     WARNING  a second signal: the process exits at once, nothing released
+job_claimed            DEBUG    a batch was claimed (``count``)
+job_started            DEBUG    a handler started
+job_succeeded          DEBUG    its completion committed
+job_failed             WARNING  the handler raised; the job is pending again at ``run_at``
+job_dead               ERROR    the handler raised on the last attempt (or must not retry)
+unknown_task           ERROR    no handler is registered for the job's task: made dead, kept
+attempts_exhausted     ERROR    claimed past ``max_attempts`` (earlier attempts died): made dead
+lease_lost             WARNING  the attempt lost its job (lease ran out and it was taken over);
+                                its outcome was dropped and changed nothing
+outcome_unknown        WARNING  a lock-mode commit failed mid-way: the job either succeeded, or
+                                is given back (the release is fenced)
+jobs_released          INFO     jobs given back unfinished (``count``): at shutdown, or after a
+                                database error under a lock-mode job
+database_error         WARNING  a database call failed; retried with backoff (``delay``)
+database_recovered     INFO     the database answers again after errors
+listener_connected     INFO     LISTEN is (again) in place; a catch-up poll follows
+listener_error         WARNING  the LISTEN connection failed; reconnecting with backoff
+fetch_loop_stuck       ERROR    the fetch loop has not gone round for ``seconds``
+thread_crashed         CRITICAL a runtime thread died of a bug; it is restarted
+=====================  =======  ==================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["MAX_MESSAGE_CHARS", "describe"]
+
+MAX_MESSAGE_CHARS: Final = 300
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one short line, for a log message or the command line."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[: MAX_MESSAGE_CHARS - 3] + "..."
+    return text

@@ -1,0 +1,138 @@
+"""LISTEN for new-job notifications and wake the worker's fetch loop.
+
+Enqueueing a job fires ``pg_notify(<table's channel>, <queue>)`` when its transaction
+commits (the trigger in :mod:`sqla_jobs.ddl`), so an idle worker claims it at once instead of
+at its next poll. Notifications are a hint, never the source of truth: those sent while the
+listener is disconnected are lost, which is why every (re)connection triggers a catch-up
+poll, and why the worker polls anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Engine, Table
+
+from sqla_jobs import statements
+from sqla_jobs.backoff import Backoff
+from sqla_jobs.events import describe
+from sqla_jobs.schema import names
+
+__all__ = ["Notifier"]
+
+logger = logging.getLogger(__name__)
+
+
+class Notifier:
+    """A thread that LISTENs on a job table's channel, on a connection of its own.
+
+    ``on_notify(payload)`` runs for each notification and ``on_connect()`` after each
+    successful (re)connection; both run on the notifier's thread and must be quick. A lost
+    connection is logged and retried with exponential backoff; a half-open one is found by a
+    ``SELECT 1`` every ``check_interval`` seconds.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        table: Table,
+        *,
+        on_notify: Callable[[str], None],
+        on_connect: Callable[[], None],
+        check_interval: float = 10.0,
+        name: str = "sqla-jobs-notifier",
+    ) -> None:
+        self.engine = engine
+        self.channel = names(table.name).channel
+        self._listen_sql = statements.listen(table)
+        self._ping_sql = str(statements.ping().compile(engine))
+        self.on_notify = on_notify
+        self.on_connect = on_connect
+        self.check_interval = check_interval
+        self.connected = False
+        self.last_activity = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._connection: Any = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _connect(self) -> Any:
+        # A pool connection detached for good: LISTEN is session state, and the pool must
+        # never hand this connection to anyone else.
+        raw = self.engine.raw_connection()
+        connection: Any = raw.driver_connection
+        raw.detach()
+        connection.rollback()
+        connection.autocommit = True
+        connection.execute(self._listen_sql)
+        return connection
+
+    def _close(self) -> None:
+        connection, self._connection = self._connection, None
+        self.connected = False
+        if connection is not None:
+            try:
+                connection.close()
+            except Exception:  # closing a broken connection may fail too; it is gone anyway
+                logger.debug("closing the listener connection failed", exc_info=True)
+
+    def _run(self) -> None:
+        backoff = Backoff(initial=0.2, cap=5.0)
+        while not self._stop.is_set():
+            exc = self._session(backoff)
+            self._close()
+            if exc is not None and not self._stop.is_set():
+                delay = backoff.next_delay()
+                logger.warning(
+                    "listener connection failed (%s); reconnecting in %.1fs",
+                    describe(exc),
+                    delay,
+                    extra={
+                        "action": "listener_error",
+                        "channel": self.channel,
+                        "error": describe(exc),
+                        "delay": round(delay, 3),
+                    },
+                )
+                self._stop.wait(delay)
+
+    def _session(self, backoff: Backoff) -> Exception | None:
+        """Connect, LISTEN and deliver notifications until stopped or the connection fails."""
+        try:
+            self._connection = self._connect()
+            self.connected = True
+            recovered = backoff.reset()
+            logger.info(
+                "listening on channel %s%s",
+                self.channel,
+                " again" if recovered else "",
+                extra={"action": "listener_connected", "channel": self.channel},
+            )
+            self.on_connect()
+            self._listen(self._connection)
+        except Exception as exc:
+            return exc
+        return None
+
+    def _listen(self, connection: Any) -> None:
+        last_check = time.monotonic()
+        while not self._stop.is_set():
+            self.last_activity = time.monotonic()
+            for notify in connection.notifies(timeout=0.5):
+                self.on_notify(notify.payload)
+            if time.monotonic() - last_check >= self.check_interval:
+                connection.execute(self._ping_sql)
+                last_check = time.monotonic()

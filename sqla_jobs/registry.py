@@ -1,0 +1,374 @@
+"""Tasks: the names that jobs carry, bound to the functions that run them.
+
+A :class:`Registry` belongs to one job model (the table its jobs live in) and maps task
+names to handlers, plain functions or coroutines, each with its options::
+
+    registry = Registry(EmailJob)
+
+    @registry.task(queue="email", max_attempts=5, lease=60)
+    def send_receipt(ctx: JobContext) -> None:
+        mailer.send(order=ctx.args["order"])
+
+    @registry.task(queue="billing", mode="lock")
+    def charge(ctx: JobContext) -> None:
+        # lock mode: these writes commit together with the job's completion, or not at all
+        ctx.session.add(Payment(order_id=ctx.args["order"]))
+
+    with Session(engine) as session, session.begin():
+        session.add(Order(id=7))
+        session.add(send_receipt.job({"order": 7}))    # an EmailJob stamped with the options
+
+A worker (:class:`sqla_jobs.worker.Worker`, or ``sqla-jobs worker module:registry``) then
+runs them. Every handler takes one argument, a :class:`JobContext`, and may return a
+JSON-serialisable value, stored when the registry has a ``result_model``.
+
+The two modes:
+
+``"lease"`` (the default)
+    The claim commits the job as running with a lease that the worker heartbeats every
+    third of ``lease``. At-least-once: if the worker dies, the job runs again once the
+    lease has run out. Handler writes are the handler's own business.
+``"lock"``
+    The worker counts the attempt in a committed claim, then holds the job's row lock in a
+    transaction that the handler writes through (``ctx.session``) and that commits the
+    completion: the handler's database writes happen exactly once, together with the
+    completion. The transaction stays open while the handler runs; keep lock-mode handlers
+    short.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, overload
+
+from sqla_jobs import validation
+from sqla_jobs.errors import ConfigurationError
+from sqla_jobs.policy import RetryPolicy
+from sqla_jobs.queue import ClaimedJob
+from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+__all__ = [
+    "DEFAULT_LEASE",
+    "Handler",
+    "JobContext",
+    "Mode",
+    "Registry",
+    "Task",
+]
+
+Mode: TypeAlias = Literal["lease", "lock"]
+DEFAULT_LEASE = timedelta(seconds=30)
+
+_R = TypeVar("_R")
+Handler: TypeAlias = Callable[["JobContext"], Any]
+"""A task's function: ``def f(ctx: JobContext) -> Any`` or ``async def f(ctx) -> Any``."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobContext:
+    """What a handler receives: the claimed attempt, and in lock mode the claim's session.
+
+    ``session`` is the :class:`~sqlalchemy.orm.Session` whose transaction holds the job's
+    row lock and will commit its completion. Write through it; never commit, roll back or
+    close it (the worker does). Asking for it in lease mode raises
+    :class:`~sqla_jobs.errors.ConfigurationError`.
+    """
+
+    job: ClaimedJob
+    worker: str
+    _session: Session | None = field(default=None, repr=False)
+
+    @property
+    def id(self) -> int:
+        return self.job.id
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return self.job.args
+
+    @property
+    def attempt(self) -> int:
+        return self.job.attempt
+
+    @property
+    def task(self) -> str:
+        return self.job.task
+
+    @property
+    def queue(self) -> str:
+        return self.job.queue
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            raise ConfigurationError(
+                f"task {self.job.task!r} runs in lease mode and has no claim session; "
+                "register it with mode='lock' to write through the claim's transaction"
+            )
+        return self._session
+
+
+def _seconds(name: str, value: timedelta | float) -> timedelta:
+    delta = value if isinstance(value, timedelta) else timedelta(seconds=float(value))
+    if delta <= timedelta(0):
+        raise ConfigurationError(f"{name} must be positive, got {value!r}")
+    return delta
+
+
+class Task(Generic[_R]):
+    """A registered task: its name, its options and its function.
+
+    Calling the task calls the function (handy in tests); :meth:`job` builds a job row for
+    it and :meth:`enqueue` adds one to a session.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        function: Callable[[JobContext], _R],
+        *,
+        name: str,
+        queue: str,
+        max_attempts: int,
+        mode: Mode,
+        lease: timedelta,
+        retry: RetryPolicy,
+        priority: int,
+    ) -> None:
+        self.registry = registry
+        self.function = function
+        self.name = name
+        self.queue = queue
+        self.max_attempts = max_attempts
+        self.mode: Mode = mode
+        self.lease = lease
+        self.retry = retry
+        self.priority = priority
+        self.is_async = inspect.iscoroutinefunction(function)
+
+    def __call__(self, ctx: JobContext) -> _R:
+        return self.function(ctx)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Task {self.name!r} queue={self.queue!r} mode={self.mode} "
+            f"max_attempts={self.max_attempts} lease={self.lease.total_seconds():g}s>"
+        )
+
+    def job(
+        self,
+        args: Mapping[str, Any] | None = None,
+        *,
+        run_at: datetime | None = None,
+        priority: int | None = None,
+        queue: str | None = None,
+        **columns: Any,
+    ) -> JobMixin:
+        """A new job row of the registry's model for this task, not yet added to a session.
+
+        Carries the task's queue, priority and maximum attempts unless overridden;
+        ``columns`` sets the model's own extra columns.
+        """
+        values: dict[str, Any] = {
+            "task": self.name,
+            "queue": queue or self.queue,
+            "args": dict(args or {}),
+            "priority": self.priority if priority is None else priority,
+            "max_attempts": self.max_attempts,
+            **columns,
+        }
+        if run_at is not None:
+            values["run_at"] = run_at
+        return self.registry.model(**values)
+
+    def enqueue(
+        self, session: Session, args: Mapping[str, Any] | None = None, **options: Any
+    ) -> JobMixin:
+        """Add a job for this task to ``session``; it exists once the caller commits.
+
+        Same options as :meth:`job`. Never commits: enqueue it in your business
+        transaction and it is written if, and only if, that transaction commits.
+        """
+        row = self.job(args, **options)
+        session.add(row)
+        return row
+
+
+class Registry:
+    """Task names bound to handlers, for one job model.
+
+    ``model`` defaults to :class:`sqla_jobs.models.Job` (imported on first use);
+    ``result_model`` stores handler return values (``None`` return values are not stored).
+    The defaults apply to tasks that do not set the option.
+    """
+
+    def __init__(
+        self,
+        model: type[JobMixin] | None = None,
+        *,
+        result_model: type[JobResultMixin] | None = None,
+        default_queue: str = DEFAULT_QUEUE,
+        default_max_attempts: int = validation.DEFAULT_MAX_ATTEMPTS,
+        default_lease: timedelta | float = DEFAULT_LEASE,
+        default_retry: RetryPolicy | None = None,
+        default_mode: Mode = "lease",
+    ) -> None:
+        if model is not None and not _is_job_model(model):
+            raise ConfigurationError(f"{model!r} is not a model class that mixes in JobMixin")
+        self._model = model
+        self.result_model = result_model
+        self.default_queue = validation.check_name("default_queue", default_queue)
+        self.default_max_attempts = validation.check_max_attempts(
+            "default_max_attempts", default_max_attempts
+        )
+        self.default_lease = _seconds("default_lease", default_lease)
+        self.default_retry = default_retry or RetryPolicy()
+        self.default_mode: Mode = _check_mode(default_mode)
+        self._tasks: dict[str, Task[Any]] = {}
+
+    @property
+    def model(self) -> type[JobMixin]:
+        """The job model whose table this registry's jobs live in."""
+        if self._model is None:
+            from sqla_jobs.models import Job  # the default tables, only when asked for
+
+            self._model = Job
+        return self._model
+
+    @overload
+    def task(self, function: Callable[[JobContext], _R], /) -> Task[_R]: ...
+
+    @overload
+    def task(
+        self,
+        function: None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        mode: Mode | None = None,
+        lease: timedelta | float | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+    ) -> Callable[[Callable[[JobContext], _R]], Task[_R]]: ...
+
+    def task(
+        self,
+        function: Callable[[JobContext], Any] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        mode: Mode | None = None,
+        lease: timedelta | float | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+    ) -> Task[Any] | Callable[[Callable[[JobContext], Any]], Task[Any]]:
+        """Register a function or coroutine function as a task (a decorator).
+
+        ``@registry.task`` or ``@registry.task(queue=..., max_attempts=..., mode="lock",
+        lease=30, retry=RetryPolicy(...), name=...)``. The name defaults to the function's
+        ``__name__``; a name registered twice raises
+        :class:`~sqla_jobs.errors.ConfigurationError`.
+        """
+
+        def register(fn: Callable[[JobContext], Any]) -> Task[Any]:
+            return self.add(
+                fn,
+                name=name,
+                queue=queue,
+                max_attempts=max_attempts,
+                mode=mode,
+                lease=lease,
+                retry=retry,
+                priority=priority,
+            )
+
+        if function is not None:
+            return register(function)
+        return register
+
+    def add(
+        self,
+        function: Callable[[JobContext], Any] | Callable[[JobContext], Awaitable[Any]],
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        mode: Mode | None = None,
+        lease: timedelta | float | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+    ) -> Task[Any]:
+        """Register ``function`` as a task without the decorator syntax; see :meth:`task`."""
+        if not callable(function):
+            raise ConfigurationError(f"a task must be a function, not {function!r}")
+        task_name = validation.check_name("name", name or getattr(function, "__name__", ""))
+        if task_name in self._tasks:
+            raise ConfigurationError(f"task {task_name!r} is already registered")
+        task: Task[Any] = Task(
+            self,
+            function,
+            name=task_name,
+            queue=validation.check_name("queue", queue or self.default_queue),
+            max_attempts=validation.check_max_attempts(
+                "max_attempts", self.default_max_attempts if max_attempts is None else max_attempts
+            ),
+            mode=_check_mode(mode or self.default_mode),
+            lease=self.default_lease if lease is None else _seconds("lease", lease),
+            retry=retry or self.default_retry,
+            priority=validation.check_priority("priority", priority),
+        )
+        self._tasks[task_name] = task
+        return task
+
+    def get(self, name: str) -> Task[Any] | None:
+        """The task registered under ``name``, or None."""
+        return self._tasks.get(name)
+
+    def __getitem__(self, name: str) -> Task[Any]:
+        return self._tasks[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tasks
+
+    def __iter__(self) -> Iterator[Task[Any]]:
+        return iter(self._tasks.values())
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    @property
+    def queues(self) -> list[str]:
+        """The queues the registered tasks use, in registration order (or the default)."""
+        names = list(dict.fromkeys(task.queue for task in self._tasks.values()))
+        return names or [self.default_queue]
+
+    def tasks_in(self, queues: Iterable[str]) -> list[Task[Any]]:
+        """The tasks whose queue is one of ``queues``."""
+        wanted = set(queues)
+        return [task for task in self._tasks.values() if task.queue in wanted]
+
+    def __repr__(self) -> str:
+        model = self._model.__name__ if self._model is not None else "sqla_jobs.models.Job"
+        return f"<Registry model={model} tasks={sorted(self._tasks)}>"
+
+
+def _is_job_model(model: object) -> bool:
+    return isinstance(model, type) and issubclass(model, JobMixin)
+
+
+def _check_mode(mode: object) -> Mode:
+    if mode == "lease":
+        return "lease"
+    if mode == "lock":
+        return "lock"
+    raise ConfigurationError(f"mode must be 'lease' or 'lock', not {mode!r}")

@@ -1,0 +1,1004 @@
+"""The worker: claims jobs, runs their handlers, records what happened.
+
+::
+
+    worker = Worker(registry, engine, queues=["email"], concurrency=8)
+    worker.run()          # blocks; SIGTERM/SIGINT stop it gracefully, a second one at once
+
+Or from the command line: ``sqla-jobs worker myapp.tasks:registry --queues email``.
+
+How a job goes through it
+    A **fetch loop** claims up to as many jobs as there are free slots, in one short
+    transaction that commits (the attempt is counted, the lease starts). It waits for a
+    NOTIFY from the enqueuer's commit (:mod:`sqla_jobs.notifier`) or for the poll interval,
+    whichever comes first; polling is the source of truth. Plain functions run on a pool of
+    ``concurrency`` threads, coroutines on one event loop thread; ``concurrency`` bounds the
+    jobs in flight either way.
+
+    **Lease mode.** A heartbeat thread extends the leases of the jobs in flight every third
+    of the shortest lease. Completions go to an **outcome writer** thread that commits
+    whatever has accumulated in one transaction (``complete_many``; failures with
+    ``fail``), so a busy worker completes in batches and an idle one at once. Every outcome
+    is fenced by the attempt: one whose lease ran out and was taken over changes nothing and
+    is logged as ``lease_lost``.
+
+    **Lock mode.** The handler thread opens a transaction, locks the job's row (fenced),
+    runs the handler with that transaction's session, completes the job in it and commits:
+    the handler's writes and the completion commit together, or not at all. If the handler
+    raises, the transaction rolls back and the failure is recorded by the outcome writer.
+    Lock-held jobs are not heartbeated; their row lock keeps every other claim away.
+
+    A job whose task the registry does not know is made dead with a clear ``last_error``
+    (kept for inspection, ``sqla-jobs retry`` brings it back). A job claimed past its
+    ``max_attempts`` (its earlier attempts died with their worker) is made dead without
+    running, so a job that kills its worker does not loop forever.
+
+Shutdown
+    The first SIGTERM or SIGINT (or :meth:`Worker.stop`) stops the claiming; running jobs
+    get ``grace`` seconds to finish. The jobs still running then are given back
+    (``release``: runnable at once, the attempt not charged) after the worker has terminated
+    its own lock-mode transactions, and :meth:`Worker.run` returns 0. A second signal exits
+    the process at once with status 128 + the signal number; its jobs come back when their
+    leases run out.
+
+Faults
+    Every thread catches and logs its errors and keeps going; database errors are retried
+    with exponential backoff (``database_error``, then ``database_recovered``). A thread
+    that dies of a bug anyway is logged (``thread_crashed``) and restarted. The fetch loop's
+    progress is watched: :meth:`Worker.health` and :meth:`Worker.is_healthy` report it, a
+    stuck loop is logged (``fetch_loop_stuck``), and ``health_file`` is touched every second
+    while the worker is healthy, for a liveness probe.
+
+The events the worker logs are listed in :mod:`sqla_jobs.events`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue as queue_module
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Final, Literal
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from sqla_jobs import statements, validation
+from sqla_jobs.backoff import Backoff
+from sqla_jobs.errors import ConfigurationError, InvalidJobError, LeaseLostError
+from sqla_jobs.events import describe
+from sqla_jobs.notifier import Notifier
+from sqla_jobs.queue import (
+    MAX_CLAIM_LIMIT,
+    ClaimedJob,
+    claim,
+    complete_many,
+    default_worker_name,
+    fail,
+    heartbeat,
+    lock,
+    release,
+)
+from sqla_jobs.registry import JobContext, Registry, Task
+from sqla_jobs.schema import JobStatus
+
+__all__ = ["Worker", "WorkerHealth"]
+
+logger = logging.getLogger(__name__)
+
+_SUPERVISE_EVERY: Final = 0.1
+_HEALTH_FILE_EVERY: Final = 1.0
+_STUCK_LOG_EVERY: Final = 10.0
+_RELEASE_LOCK_TIMEOUT: Final = "5s"
+_MAX_OUTCOME_BATCH: Final = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHealth:
+    """A snapshot of the worker's liveness.
+
+    ``healthy`` means every runtime thread is alive and the fetch loop went round within
+    ``stuck_after`` seconds. ``database_ok`` is whether the last database call succeeded: a
+    worker waiting out a database outage is alive (restarting it would not help), but not
+    doing work.
+    """
+
+    healthy: bool
+    fetch_loop_age: float
+    database_ok: bool
+    listening: bool
+    in_flight: int
+    dead_threads: tuple[str, ...]
+
+
+@dataclass(eq=False)
+class _Attempt:
+    """One claimed attempt in flight in this worker."""
+
+    job: ClaimedJob
+    task: Task[Any] | None
+    lost: bool = False
+    ended: bool = False  # its outcome is committed
+    # Backend pid of the lock-mode transaction holding the row, while it is open.
+    lock_pid: int | None = None
+    future: concurrent.futures.Future[Any] | None = None
+
+
+@dataclass(eq=False)
+class _Outcome:
+    attempt: _Attempt
+    kind: Literal["complete", "fail", "release"]
+    result: Any = None
+    error: str | BaseException = ""
+    retry: bool = True
+    action: str = "job_failed"
+
+
+@dataclass
+class _Thread:
+    name: str
+    target: Callable[[], None]
+    thread: threading.Thread | None = field(default=None)
+
+
+def _job_extra(job: ClaimedJob, action: str, **more: Any) -> dict[str, Any]:
+    return {
+        "action": action,
+        "job_id": job.id,
+        "task": job.task,
+        "queue": job.queue,
+        "attempt": job.attempt,
+        **more,
+    }
+
+
+class Worker:
+    """Runs the jobs of ``registry`` from ``queues`` (default: every queue it has tasks in).
+
+    ``engine`` must be a PostgreSQL engine (psycopg 3) whose pool holds at least
+    ``concurrency + 3`` connections (one per lock-mode handler, the fetch loop, the outcome
+    writer, the heartbeat), plus one for the listener; ``pool_pre_ping=True`` makes the
+    first statement after a server restart succeed instead of failing once.
+
+    ``poll_interval`` is the longest time a runnable job waits for an idle worker when no
+    notification arrives (a delayed job starts within one interval of its ``run_at``);
+    ``batch_size`` caps one claim (default: ``concurrency``); ``grace`` is how long running
+    jobs may finish after a stop is asked for; ``listen=False`` turns LISTEN/NOTIFY off.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        engine: Engine,
+        *,
+        queues: Iterable[str] | None = None,
+        concurrency: int = 4,
+        batch_size: int | None = None,
+        poll_interval: float = 1.0,
+        grace: float = 30.0,
+        listen: bool = True,
+        name: str | None = None,
+        stuck_after: float | None = None,
+        health_file: str | os.PathLike[str] | None = None,
+        handle_signals: bool = True,
+    ) -> None:
+        if not isinstance(registry, Registry):
+            raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
+        if not _positive_int(concurrency):
+            raise ConfigurationError(f"concurrency must be a positive integer, not {concurrency!r}")
+        if batch_size is not None and not 1 <= batch_size <= MAX_CLAIM_LIMIT:
+            raise ConfigurationError(f"batch_size must be in [1, {MAX_CLAIM_LIMIT}]")
+        for label, value in (("poll_interval", poll_interval), ("grace", grace)):
+            if not value >= 0:
+                raise ConfigurationError(f"{label} must not be negative, got {value!r}")
+        self.registry = registry
+        self.engine = engine
+        self.model = registry.model
+        self.queues = [
+            validation.check_name("queues", queue)
+            for queue in dict.fromkeys(queues or registry.queues)
+        ]
+        if not self.queues:
+            raise ConfigurationError("a worker needs at least one queue")
+        self.concurrency = concurrency
+        self.batch_size = batch_size or concurrency
+        self.poll_interval = max(poll_interval, 0.01)
+        self.grace = grace
+        self.listen = listen
+        self.name = name or default_worker_name()
+        self.stuck_after = stuck_after or max(30.0, 3 * self.poll_interval)
+        self.health_file = Path(health_file) if health_file is not None else None
+        self.handle_signals = handle_signals
+
+        tasks = registry.tasks_in(self.queues)
+        leases = [task.lease for task in tasks] or [registry.default_lease]
+        # The claim's lease is the shortest of the tasks that may come out of these queues;
+        # jobs of longer-lease tasks get theirs extended in the claim's own transaction.
+        self._claim_lease = min(leases).total_seconds()
+        self._heartbeat_every = max(0.05, self._claim_lease / 3)
+        self._needs_loop = any(task.is_async for task in tasks)
+        self._table = self.model.__table__  # type: ignore[attr-defined]
+
+        self._lock = threading.Lock()
+        self._commit_lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._notified = False
+        self._in_flight: dict[tuple[int, int], _Attempt] = {}
+        self._outcomes: queue_module.SimpleQueue[_Outcome] = queue_module.SimpleQueue()
+        self._work: queue_module.SimpleQueue[Callable[[], None] | None] = queue_module.SimpleQueue()
+
+        self._stop_requested = False
+        self._stop_signal: int | None = None
+        self._signals = 0
+        self._stopping = threading.Event()  # no more claims
+        self._finished = threading.Event()  # grace over: background loops end
+        self._fetch_beat = time.monotonic()
+        self._database_ok = True
+        self._last_stuck_log = 0.0
+        self._threads: list[_Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._notifier: Notifier | None = None
+        self._running = False
+
+    # -- public -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run until stopped; return the exit status (0 after a graceful stop)."""
+        if self._running:
+            raise ConfigurationError("this worker is already running")
+        self._running = True
+        previous = self._install_signal_handlers()
+        try:
+            self._start()
+            last_health_write = 0.0
+            while not self._stop_requested:
+                time.sleep(_SUPERVISE_EVERY)
+                self._supervise()
+                now = time.monotonic()
+                if now - last_health_write >= _HEALTH_FILE_EVERY:
+                    self._write_health_file()
+                    last_health_write = now
+            return self._shutdown()
+        finally:
+            self._restore_signal_handlers(previous)
+
+    def stop(self, *, graceful: bool = True) -> None:
+        """Ask a running worker to stop (from any thread): like SIGTERM, or with
+        ``graceful=False`` without the grace period (running jobs are released at once)."""
+        if not graceful:
+            self.grace = 0.0
+        self._stop_requested = True
+
+    def health(self) -> WorkerHealth:
+        """The worker's liveness; see :class:`WorkerHealth`."""
+        age = time.monotonic() - self._fetch_beat
+        dead = tuple(t.name for t in self._threads if t.thread is None or not t.thread.is_alive())
+        if self._notifier is not None and not self._notifier.is_alive():
+            dead += ("notifier",)
+        with self._lock:
+            in_flight = len(self._in_flight)
+        return WorkerHealth(
+            healthy=self._running and not dead and age < self.stuck_after,
+            fetch_loop_age=age,
+            database_ok=self._database_ok,
+            listening=self._notifier is not None and self._notifier.connected,
+            in_flight=in_flight,
+            dead_threads=dead,
+        )
+
+    def is_healthy(self) -> bool:
+        """Whether every runtime thread is alive and the fetch loop is going round."""
+        return self.health().healthy
+
+    # -- start, supervise, stop ---------------------------------------------------------
+
+    def _start(self) -> None:
+        self._threads = [
+            _Thread("fetch", self._fetch_loop),
+            _Thread("outcomes", self._outcome_loop),
+            _Thread("heartbeat", self._heartbeat_loop),
+        ]
+        self._threads += [
+            _Thread(f"handler-{n}", self._handler_loop) for n in range(self.concurrency)
+        ]
+        if self._needs_loop:
+            self._loop = asyncio.new_event_loop()
+            self._threads.append(_Thread("event-loop", self._event_loop))
+        for spec in self._threads:
+            self._spawn(spec)
+        if self.listen:
+            self._start_notifier()
+        logger.info(
+            "worker %s started: queues %s, concurrency %d",
+            self.name,
+            ",".join(self.queues),
+            self.concurrency,
+            extra={
+                "action": "worker_started",
+                "worker": self.name,
+                "queues": self.queues,
+                "concurrency": self.concurrency,
+                "model": self.model.__name__,
+            },
+        )
+        idle = [q for q in self.queues if not self.registry.tasks_in([q])]
+        if idle:
+            logger.warning(
+                "no task of the registry uses queue %s: its jobs will be made dead as unknown",
+                ",".join(idle),
+                extra={"action": "queue_without_tasks", "queues": idle},
+            )
+
+    def _start_notifier(self) -> None:
+        self._notifier = Notifier(
+            self.engine,
+            self._table,
+            on_notify=self._on_notify,
+            on_connect=self._wake,
+            name=f"sqla-jobs-{self.name}-notifier",
+        )
+        self._notifier.start()
+
+    def _spawn(self, spec: _Thread) -> None:
+        def guarded() -> None:
+            try:
+                spec.target()
+            except BaseException:
+                logger.critical(
+                    "worker thread %s crashed",
+                    spec.name,
+                    exc_info=True,
+                    extra={"action": "thread_crashed", "thread_name": spec.name},
+                )
+
+        spec.thread = threading.Thread(
+            target=guarded, name=f"sqla-jobs-{self.name}-{spec.name}", daemon=True
+        )
+        spec.thread.start()
+
+    def _supervise(self) -> None:
+        if not self._stopping.is_set():  # threads end on purpose once stopping
+            for spec in self._threads:
+                if spec.thread is not None and not spec.thread.is_alive():
+                    logger.error(
+                        "worker thread %s is dead; restarting it",
+                        spec.name,
+                        extra={"action": "thread_crashed", "thread_name": spec.name},
+                    )
+                    self._spawn(spec)
+            if self._notifier is not None and not self._notifier.is_alive():
+                logger.error(
+                    "the notifier thread is dead; restarting it",
+                    extra={"action": "thread_crashed", "thread_name": "notifier"},
+                )
+                self._start_notifier()
+        age = time.monotonic() - self._fetch_beat
+        now = time.monotonic()
+        if (
+            not self._stopping.is_set()
+            and age >= self.stuck_after
+            and now - self._last_stuck_log >= _STUCK_LOG_EVERY
+        ):
+            self._last_stuck_log = now
+            logger.error(
+                "the fetch loop has not gone round for %.0fs (a claim waiting on a lock, or a "
+                "connection that hangs)",
+                age,
+                extra={"action": "fetch_loop_stuck", "seconds": round(age, 1)},
+            )
+
+    def _write_health_file(self) -> None:
+        if self.health_file is None or not self.is_healthy():
+            return
+        try:
+            self.health_file.write_text(f"{time.time():.3f}\n")
+        except OSError as exc:
+            logger.warning(
+                "cannot write the health file %s: %s",
+                self.health_file,
+                describe(exc),
+                extra={"action": "health_file_error", "error": describe(exc)},
+            )
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        previous: dict[int, Any] = {}
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return previous
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, self._on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # Runs in the main thread between two bytecodes: only set flags here (taking a lock
+        # the interrupted code may hold would deadlock), or leave at once.
+        self._signals += 1
+        if self._signals > 1:
+            # Not through logging: a handler lock held by the interrupted code would deadlock.
+            name = signal.Signals(signum).name
+            os.write(2, f"sqla-jobs: second {name}: exiting at once\n".encode())
+            os._exit(128 + signum)
+        self._stop_signal = signum
+        self._stop_requested = True
+
+    def _shutdown(self) -> int:
+        signum = self._stop_signal
+        logger.info(
+            "stopping: no more claims; waiting up to %.0fs for %d running jobs",
+            self.grace,
+            len(self._in_flight),
+            extra={
+                "action": "worker_stopping",
+                "signal": signum,
+                "grace": self.grace,
+                "in_flight": len(self._in_flight),
+            },
+        )
+        self._stopping.set()
+        self._wake()
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._in_flight and self._fetch_idle():
+                    break
+            time.sleep(0.02)
+            self._supervise()
+        # The fetch loop saw _stopping: wait for a claim still in progress, whose jobs are
+        # in flight once it returns.
+        fetch = self._threads[0].thread
+        if fetch is not None:
+            fetch.join(max(5.0, self.poll_interval))
+        self._finished.set()
+        for spec in self._threads[1:3]:  # the outcome writer and the heartbeat
+            if spec.thread is not None:
+                spec.thread.join(5.0)
+        with self._lock:
+            leftover = list(self._in_flight.values())
+        released = self._release(leftover) if leftover else 0
+        self._stop_handlers()
+        if self._notifier is not None:
+            self._notifier.stop()
+        logger.info(
+            "worker %s stopped; %d unfinished jobs given back",
+            self.name,
+            released,
+            extra={"action": "worker_stopped", "worker": self.name, "released": released},
+        )
+        self._running = False
+        return 0
+
+    def _fetch_idle(self) -> bool:
+        fetch = self._threads[0].thread
+        return fetch is None or not fetch.is_alive()
+
+    def _stop_handlers(self) -> None:
+        for _ in range(self.concurrency):
+            self._work.put(None)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._cancel_tasks, loop)
+        deadline = time.monotonic() + 0.5  # handlers still running are daemon threads
+        for spec in self._threads[3:]:
+            if spec.thread is not None:
+                spec.thread.join(max(0.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def _cancel_tasks(loop: asyncio.AbstractEventLoop) -> None:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.call_soon(loop.stop)
+
+    def _release(self, attempts: Sequence[_Attempt]) -> int:
+        """Give back jobs the worker will not finish; returns how many were released."""
+        pids = [a.lock_pid for a in attempts if a.lock_pid is not None]
+        jobs = [a.job for a in attempts if not a.lost]
+        backoff = Backoff(initial=0.1, cap=1.0)
+        for _ in range(5):
+            try:
+                with Session(self.engine) as session, session.begin():
+                    if pids:
+                        # Our own lock-mode transactions still hold these rows: end them, so
+                        # that the release does not wait for handlers that will never finish.
+                        session.execute(statements.terminate_backends(), {"pids": pids})
+                        session.execute(
+                            statements.set_local_lock_timeout(),
+                            {"timeout": _RELEASE_LOCK_TIMEOUT},
+                        )
+                    lost = release(session, jobs) if jobs else []
+            except Exception as exc:
+                delay = backoff.next_delay()
+                logger.warning(
+                    "could not release %d jobs (%s); retrying in %.1fs",
+                    len(jobs),
+                    describe(exc),
+                    delay,
+                    extra={"action": "database_error", "error": describe(exc), "delay": delay},
+                )
+                time.sleep(delay)
+                continue
+            released = len(jobs) - len(lost)
+            logger.info(
+                "gave back %d unfinished jobs",
+                released,
+                extra={
+                    "action": "jobs_released",
+                    "count": released,
+                    "job_ids": [job.id for job in jobs],
+                },
+            )
+            return released
+        logger.error(
+            "could not release %d unfinished jobs; they run again when their leases end",
+            len(jobs),
+            extra={"action": "database_error", "job_ids": [job.id for job in jobs]},
+        )
+        return 0
+
+    # -- the fetch loop -----------------------------------------------------------------
+
+    def _on_notify(self, payload: str) -> None:
+        if payload in self.queues:
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._wakeup:
+            self._notified = True
+            self._wakeup.notify_all()
+
+    def _fetch_loop(self) -> None:
+        backoff = Backoff()
+        while not self._stopping.is_set():
+            self._fetch_beat = time.monotonic()
+            with self._wakeup:
+                free = self.concurrency - len(self._in_flight)
+                if free <= 0:
+                    self._wakeup.wait_for(self._slot_free_or_stopping, self.poll_interval)
+                    continue
+                self._notified = False
+            limit = min(free, self.batch_size)
+            try:
+                jobs = self._claim(limit)
+            except Exception as exc:
+                self._database_failed("claim", exc, backoff, self._stopping)
+                continue
+            self._database_recovered(backoff)
+            for job in jobs:
+                self._dispatch(job)
+            if len(jobs) == limit:
+                continue  # there may be more right away
+            with self._wakeup:
+                self._wakeup.wait_for(self._notified_or_stopping, self.poll_interval)
+        self._fetch_beat = time.monotonic()
+
+    def _slot_free_or_stopping(self) -> bool:
+        return self._stopping.is_set() or len(self._in_flight) < self.concurrency
+
+    def _notified_or_stopping(self) -> bool:
+        return self._stopping.is_set() or self._notified
+
+    def _claim(self, limit: int) -> list[ClaimedJob]:
+        with Session(self.engine) as session, session.begin():
+            jobs = claim(
+                session,
+                self.model,
+                queues=self.queues,
+                limit=limit,
+                lease=self._claim_lease,
+                worker=self.name,
+            )
+            longer: dict[float, list[ClaimedJob]] = {}
+            for job in jobs:
+                task = self.registry.get(job.task)
+                if task is not None and task.mode == "lease":
+                    seconds = task.lease.total_seconds()
+                    if seconds > self._claim_lease:
+                        longer.setdefault(seconds, []).append(job)
+            for seconds, group in longer.items():
+                heartbeat(session, group, lease=seconds)
+        if jobs:
+            logger.debug(
+                "claimed %d jobs",
+                len(jobs),
+                extra={
+                    "action": "job_claimed",
+                    "count": len(jobs),
+                    "job_ids": [j.id for j in jobs],
+                },
+            )
+        return jobs
+
+    def _dispatch(self, job: ClaimedJob) -> None:
+        task = self.registry.get(job.task)
+        attempt = _Attempt(job, task)
+        with self._lock:
+            self._in_flight[(job.id, job.attempt)] = attempt
+        if task is None:
+            known = ", ".join(sorted(t.name for t in self.registry)) or "none"
+            message = (
+                f"unknown task {job.task!r}: no handler is registered for it in this worker's "
+                f"registry (known tasks: {known}); the job is kept as dead, retry it once a "
+                "worker knows the task"
+            )
+            logger.error(message, extra=_job_extra(job, "unknown_task"))
+            self._outcomes.put(
+                _Outcome(attempt, "fail", error=message, retry=False, action="unknown_task")
+            )
+        elif job.attempt > job.max_attempts:
+            message = (
+                f"attempt {job.attempt} exceeds max_attempts {job.max_attempts}: earlier "
+                "attempts ended without an outcome (their worker died or lost the lease); "
+                "not run again"
+            )
+            logger.error(message, extra=_job_extra(job, "attempts_exhausted"))
+            self._outcomes.put(
+                _Outcome(attempt, "fail", error=message, retry=False, action="attempts_exhausted")
+            )
+        elif task.mode == "lock":
+            self._work.put(lambda: self._run_locked(attempt))
+        elif task.is_async:
+            self._run_coroutine(attempt)
+        else:
+            self._work.put(lambda: self._run_leased(attempt))
+
+    def _database_failed(
+        self, what: str, exc: Exception, backoff: Backoff, until: threading.Event
+    ) -> None:
+        """Log a failed database call and wait out the backoff (or until ``until``)."""
+        self._database_ok = False
+        delay = backoff.next_delay()
+        logger.warning(
+            "database error in %s (%s); retrying in %.1fs",
+            what,
+            describe(exc),
+            delay,
+            extra={
+                "action": "database_error",
+                "operation": what,
+                "error": describe(exc),
+                "delay": round(delay, 3),
+                "failures": backoff.failures,
+            },
+        )
+        until.wait(delay)
+
+    def _database_recovered(self, backoff: Backoff) -> None:
+        self._database_ok = True
+        if backoff.reset():
+            logger.info("the database answers again", extra={"action": "database_recovered"})
+
+    # -- running handlers -----------------------------------------------------------------
+
+    def _handler_loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            try:
+                item()
+            except Exception:  # the run functions catch everything; this is a bug
+                logger.critical(
+                    "unexpected error running a job",
+                    exc_info=True,
+                    extra={"action": "thread_crashed"},
+                )
+
+    def _event_loop(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            if self._finished.is_set():
+                loop.close()
+
+    def _checked(self, result: Any) -> Any:
+        # A result jsonb cannot store fails its job here, not the whole batch at commit.
+        if self.registry.result_model is not None and result is not None:
+            validation.check_json("result", result)
+        return result
+
+    def _call(self, task: Task[Any], ctx: JobContext) -> Any:
+        if not task.is_async:
+            return task.function(ctx)
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(task.function(ctx), self._loop).result()
+
+    def _run_leased(self, attempt: _Attempt) -> None:
+        job, task = attempt.job, attempt.task
+        assert task is not None
+        logger.debug("job started", extra=_job_extra(job, "job_started"))
+        try:
+            result = self._checked(task.function(JobContext(job, self.name)))
+        except BaseException as exc:
+            self._outcomes.put(_Outcome(attempt, "fail", error=exc))
+        else:
+            self._outcomes.put(_Outcome(attempt, "complete", result=result))
+
+    def _run_coroutine(self, attempt: _Attempt) -> None:
+        job, task, loop = attempt.job, attempt.task, self._loop
+        assert task is not None
+        assert loop is not None
+        logger.debug("job started", extra=_job_extra(job, "job_started"))
+        future = asyncio.run_coroutine_threadsafe(task.function(JobContext(job, self.name)), loop)
+        attempt.future = future
+
+        def done(future: concurrent.futures.Future[Any]) -> None:
+            if future.cancelled():
+                return  # shutdown: the job is released
+            error = future.exception()
+            if error is None:
+                try:
+                    result = self._checked(future.result())
+                except InvalidJobError as exc:
+                    error = exc
+                else:
+                    self._outcomes.put(_Outcome(attempt, "complete", result=result))
+                    return
+            self._outcomes.put(_Outcome(attempt, "fail", error=error))
+
+        future.add_done_callback(done)
+
+    def _run_locked(self, attempt: _Attempt) -> None:
+        job, task = attempt.job, attempt.task
+        assert task is not None
+        logger.debug("job started", extra=_job_extra(job, "job_started"))
+        committing = False
+        try:
+            with Session(self.engine) as session:
+                transaction = session.begin()
+                if not lock(session, [job]):
+                    session.rollback()
+                    self._lost(attempt, "its lease ran out before the worker could lock it")
+                    self._done(attempt)
+                    return
+                attempt.lock_pid = _backend_pid(session)
+                try:
+                    result = self._checked(self._call(task, JobContext(job, self.name, session)))
+                    if session.get_transaction() is not transaction or not transaction.is_active:
+                        raise ConfigurationError(
+                            "the handler ended the claim's transaction (commit, rollback or "
+                            "close); a lock-mode handler must leave it to the worker"
+                        )
+                except BaseException as exc:
+                    attempt.lock_pid = None
+                    _rollback_quietly(session)
+                    self._outcomes.put(_Outcome(attempt, "fail", error=exc))
+                    return
+                lost = self._complete(session, [(attempt, result)])
+                committing = True
+                session.commit()
+                attempt.lock_pid = None
+            self._log_completed(attempt, {(j.id, j.attempt) for j in lost})
+            self._done(attempt)
+        except Exception as exc:
+            # The database failed under the worker (a lost connection, a restart), not the
+            # handler. Give the job back: the release is fenced, so if the commit did go
+            # through it changes nothing, and otherwise the job is runnable again at once.
+            attempt.lock_pid = None
+            self._database_ok = False
+            if committing:
+                logger.warning(
+                    "the commit of lock-mode job %d failed (%s): if it did not go through, the "
+                    "job is given back",
+                    job.id,
+                    describe(exc),
+                    extra=_job_extra(job, "outcome_unknown", error=describe(exc)),
+                )
+            else:
+                logger.warning(
+                    "database error running lock-mode job %d (%s): nothing of it was "
+                    "committed; the job is given back",
+                    job.id,
+                    describe(exc),
+                    extra=_job_extra(job, "database_error", error=describe(exc)),
+                )
+            self._outcomes.put(_Outcome(attempt, "release"))
+
+    # -- outcomes -------------------------------------------------------------------------
+
+    def _complete(self, session: Session, done: Sequence[tuple[_Attempt, Any]]) -> list[ClaimedJob]:
+        """Complete these attempts in ``session``'s transaction; return the lost ones."""
+        result_model = self.registry.result_model
+        plain = [a.job for a, result in done if result_model is None or result is None]
+        lost = complete_many(session, plain)
+        if result_model is not None:
+            with_results = [(a.job, result) for a, result in done if result is not None]
+            if with_results:
+                lost += complete_many(
+                    session,
+                    [job for job, _ in with_results],
+                    results=[result for _, result in with_results],
+                    result_model=result_model,
+                )
+        return lost
+
+    def _outcome_loop(self) -> None:
+        backoff = Backoff()
+        batch: list[_Outcome] = []
+        while True:
+            if not batch:
+                try:
+                    batch.append(self._outcomes.get(timeout=0.2))
+                except queue_module.Empty:
+                    if self._finished.is_set():
+                        return
+                    continue
+                # Whatever else is ready joins this transaction: batches grow with the load.
+                while len(batch) < _MAX_OUTCOME_BATCH and not self._outcomes.empty():
+                    batch.append(self._outcomes.get_nowait())
+            try:
+                self._write_outcomes(batch)
+            except Exception as exc:
+                if self._finished.is_set():
+                    return  # the unwritten ones are still in flight: released at shutdown
+                self._database_failed("recording outcomes", exc, backoff, self._finished)
+                continue
+            self._database_recovered(backoff)
+            batch = []
+
+    def _write_outcomes(self, batch: Sequence[_Outcome]) -> None:
+        completed = [o for o in batch if o.kind == "complete"]
+        failed = [o for o in batch if o.kind == "fail"]
+        released = [o for o in batch if o.kind == "release"]
+        statuses: list[JobStatus | None] = []
+        given_back: list[ClaimedJob] = []
+        # Held until the attempts are marked ended, so that a heartbeat that found these jobs
+        # finished does not take them for lost leases.
+        with self._commit_lock, Session(self.engine) as session:
+            with session.begin():
+                lost = self._complete(session, [(o.attempt, o.result) for o in completed])
+                for outcome in failed:
+                    task = outcome.attempt.task
+                    policy = task.retry if task is not None else self.registry.default_retry
+                    try:
+                        status = fail(
+                            session,
+                            outcome.attempt.job,
+                            outcome.error,
+                            retry=outcome.retry,
+                            policy=policy,
+                        ).status
+                    except LeaseLostError:  # the fenced UPDATE matched nothing; no harm done
+                        status = None
+                    statuses.append(status)
+                if released:
+                    jobs = [o.attempt.job for o in released]
+                    kept_back = release(session, jobs)
+                    given_back = [job for job in jobs if job not in kept_back]
+            for outcome in batch:
+                outcome.attempt.ended = True
+        lost_keys = {(job.id, job.attempt) for job in lost}
+        for outcome in completed:
+            self._log_completed(outcome.attempt, lost_keys)
+            self._done(outcome.attempt)
+        for outcome, status in zip(failed, statuses, strict=True):
+            self._log_failed(outcome, status)
+            self._done(outcome.attempt)
+        if given_back:
+            logger.info(
+                "gave back %d jobs after database errors",
+                len(given_back),
+                extra={
+                    "action": "jobs_released",
+                    "count": len(given_back),
+                    "job_ids": [job.id for job in given_back],
+                },
+            )
+        for outcome in released:
+            self._done(outcome.attempt)
+
+    def _log_completed(self, attempt: _Attempt, lost_keys: set[tuple[int, int]]) -> None:
+        job = attempt.job
+        if (job.id, job.attempt) in lost_keys:
+            self._lost(attempt, "its completion was dropped")
+        else:
+            logger.debug("job succeeded", extra=_job_extra(job, "job_succeeded"))
+
+    def _log_failed(self, outcome: _Outcome, status: JobStatus | None) -> None:
+        job = outcome.attempt.job
+        error = outcome.error
+        text = describe(error) if isinstance(error, BaseException) else error
+        if status is None:
+            self._lost(outcome.attempt, "its failure was dropped")
+        elif outcome.action != "job_failed":
+            pass  # unknown task or exhausted attempts: logged when claimed
+        elif status is JobStatus.DEAD:
+            logger.error(
+                "job %d (%s) failed on attempt %d of %d and is dead: %s",
+                job.id,
+                job.task,
+                job.attempt,
+                job.max_attempts,
+                text,
+                extra=_job_extra(job, "job_dead", error=text),
+            )
+        else:
+            logger.warning(
+                "job %d (%s) failed on attempt %d of %d, will retry: %s",
+                job.id,
+                job.task,
+                job.attempt,
+                job.max_attempts,
+                text,
+                extra=_job_extra(job, "job_failed", error=text),
+            )
+
+    def _lost(self, attempt: _Attempt, what: str) -> None:
+        attempt.lost = True  # no more heartbeats for it
+        job = attempt.job
+        logger.warning(
+            "job %d attempt %d lost its lease (another attempt owns the job); %s",
+            job.id,
+            job.attempt,
+            what,
+            extra=_job_extra(job, "lease_lost"),
+        )
+
+    def _done(self, attempt: _Attempt) -> None:
+        with self._wakeup:
+            self._in_flight.pop((attempt.job.id, attempt.job.attempt), None)
+            self._wakeup.notify_all()
+
+    # -- heartbeat ------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        backoff = Backoff()
+        while not self._finished.wait(self._heartbeat_every):
+            with self._lock:
+                leased = [
+                    a
+                    for a in self._in_flight.values()
+                    if a.task is not None and a.task.mode == "lease" and not a.lost
+                ]
+            if not leased:
+                continue
+            groups: dict[float, list[_Attempt]] = {}
+            for attempt in leased:
+                assert attempt.task is not None
+                groups.setdefault(attempt.task.lease.total_seconds(), []).append(attempt)
+            try:
+                lost: list[ClaimedJob] = []
+                with Session(self.engine) as session, session.begin():
+                    for seconds, group in groups.items():
+                        lost += heartbeat(session, [a.job for a in group], lease=seconds)
+            except Exception as exc:
+                self._database_failed("heartbeat", exc, backoff, self._finished)
+                continue
+            self._database_recovered(backoff)
+            by_key = {(a.job.id, a.job.attempt): a for a in leased}
+            with self._commit_lock:  # an outcome committed meanwhile is not a lost lease
+                lost_attempts = [by_key[(j.id, j.attempt)] for j in lost]
+                lost_attempts = [a for a in lost_attempts if not a.ended]
+            for attempt in lost_attempts:
+                self._lost(attempt, "its heartbeat was refused")
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _backend_pid(session: Session) -> int | None:
+    dbapi_connection: Any = session.connection().connection.dbapi_connection
+    info = getattr(dbapi_connection, "info", None)
+    pid = getattr(info, "backend_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
+def _rollback_quietly(session: Session) -> None:
+    try:
+        session.rollback()
+    except Exception as exc:  # a broken connection: the server rolls back for us
+        logger.debug("rollback failed: %s", describe(exc), extra={"action": "database_error"})

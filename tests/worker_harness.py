@@ -1,0 +1,205 @@
+"""Real worker processes for the tests, and a view of the worker tests' database.
+
+Workers run as ``python -m sqla_jobs worker worker_tasks:registry`` with this folder on
+``PYTHONPATH`` and a temporary directory as their working directory, so they import the
+installed sqla_jobs (never the source tree) and the test tasks by their bare name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
+from worker_tasks import DATABASE_URL_VARIABLE, Base, Effect, WorkerJob, WorkerJobResult, registry
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def wait_until(
+    predicate: Callable[[], Any], *, timeout: float, message: str, interval: float = 0.05
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting until {message}")
+        time.sleep(interval)
+
+
+def subprocess_env(url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
+    path = [str(TESTS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env[DATABASE_URL_VARIABLE] = url
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """One ``sqla-jobs worker`` process; its log goes to a file."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], log: Path) -> None:
+        self.popen = popen
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def send(self, signum: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signum)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"worker {self.pid} did not exit within {timeout}s; log:\n{self.log_text()[-3000:]}"
+            ) from None
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_log(self, needle: str, timeout: float = 10.0) -> None:
+        wait_until(
+            lambda: needle in self.log_text(),
+            timeout=timeout,
+            message=f"worker {self.pid} logs {needle!r}",
+        )
+
+
+class Workers:
+    """Starts worker processes and kills whatever is left at the end of a test."""
+
+    def __init__(self, url: str, directory: Path) -> None:
+        self.url = url
+        self.directory = directory
+        self.started: list[WorkerProcess] = []
+
+    def start(
+        self,
+        *options: str,
+        queues: str = "work",
+        concurrency: int = 4,
+        poll_interval: str = "0.2s",
+        grace: str = "5s",
+        target: str = "worker_tasks:registry",
+    ) -> WorkerProcess:
+        log = self.directory / f"worker-{len(self.started)}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "sqla_jobs",
+            "--log-level",
+            "DEBUG",
+            "worker",
+            target,
+            "--queues",
+            queues,
+            "--concurrency",
+            str(concurrency),
+            "--poll-interval",
+            poll_interval,
+            "--grace",
+            grace,
+            *options,
+        ]
+        with log.open("wb") as handle:
+            popen = subprocess.Popen(
+                command,
+                cwd=self.directory,
+                env=subprocess_env(self.url),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+            )
+        process = WorkerProcess(popen, log)
+        self.started.append(process)
+        return process
+
+    def close(self) -> None:
+        for process in self.started:
+            if process.alive():
+                process.send(signal.SIGCONT)
+                process.send(signal.SIGKILL)
+            process.popen.wait(10)
+
+
+class JobDatabase:
+    """The worker tests' own database: enqueue, and read back what happened."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = sa.create_engine(url, poolclass=NullPool)
+        Base.metadata.create_all(self.engine)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    def enqueue(self, task: str, args: Mapping[str, Any] | None = None, **options: Any) -> int:
+        return self.enqueue_many([(task, args)], **options)[0]
+
+    def enqueue_many(
+        self, jobs: Sequence[tuple[str, Mapping[str, Any] | None]], **options: Any
+    ) -> list[int]:
+        with Session(self.engine) as session, session.begin():
+            rows = [registry[task].job(args, **options) for task, args in jobs]
+            session.add_all(rows)
+            session.flush()
+            return [row.id for row in rows]
+
+    def job(self, job_id: int) -> WorkerJob:
+        with Session(self.engine, expire_on_commit=False) as session:
+            job = session.get(WorkerJob, job_id)
+            assert job is not None
+            return job
+
+    def jobs(self) -> list[WorkerJob]:
+        with Session(self.engine, expire_on_commit=False) as session:
+            return list(session.scalars(sa.select(WorkerJob).order_by(WorkerJob.id)))
+
+    def effects(self, job_id: int | None = None, kind: str | None = None) -> list[Effect]:
+        query = sa.select(Effect).order_by(Effect.id)
+        if job_id is not None:
+            query = query.where(Effect.job_id == job_id)
+        if kind is not None:
+            query = query.where(Effect.kind == kind)
+        with Session(self.engine, expire_on_commit=False) as session:
+            return list(session.scalars(query))
+
+    def result(self, job_id: int) -> Any:
+        with Session(self.engine) as session:
+            row = session.get(WorkerJobResult, job_id)
+            return None if row is None else row.value
+
+    def started(self, job_id: int, attempt: int = 1) -> bool:
+        return any(e.attempt == attempt for e in self.effects(job_id, "start"))
+
+    def status(self, job_id: int) -> str:
+        return self.job(job_id).status
+
+    def count_by_status(self) -> dict[str, int]:
+        with self.engine.connect() as connection:
+            rows = connection.execute(
+                sa.select(WorkerJob.status, sa.func.count()).group_by(WorkerJob.status)
+            ).all()
+        return {status: int(count) for status, count in rows}
+
+    def all_succeeded(self, total: int) -> bool:
+        return self.count_by_status().get("succeeded", 0) == total

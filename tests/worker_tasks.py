@@ -1,0 +1,140 @@
+"""Tasks for the worker tests: imported by real worker processes (``worker_tasks:registry``).
+
+Each handler records what it did in ``worker_effects``: a ``start`` row committed at once on
+a connection of its own (so a test sees that an attempt began, even one that dies), and an
+``effect`` row that is the job's real work, committed on its own connection in lease mode
+(at-least-once) or through the claim's session in lock mode (exactly once with the
+completion). Handlers take their instructions from the job's ``args``:
+
+``sleep``           seconds to sleep after the start row
+``sleep_attempts``  attempts that sleep (default: every attempt)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.pool import NullPool
+
+from sqla_jobs import JobMixin, JobResultMixin, RetryPolicy
+from sqla_jobs.registry import JobContext, Registry
+
+DATABASE_URL_VARIABLE = "SQLA_JOBS_DATABASE_URL"
+FAST_RETRY = RetryPolicy(base=timedelta(milliseconds=50), cap=timedelta(milliseconds=100))
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class WorkerJob(JobMixin, Base):
+    __tablename__ = "worker_jobs"
+
+
+class WorkerJobResult(JobResultMixin, Base):
+    __tablename__ = "worker_job_results"
+
+
+class Effect(Base):
+    __tablename__ = "worker_effects"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int]
+    attempt: Mapped[int]
+    kind: Mapped[str] = mapped_column(sa.String(20))
+    pid: Mapped[int]
+    at: Mapped[datetime] = mapped_column(
+        sa.DateTime(timezone=True), server_default=sa.func.clock_timestamp()
+    )
+
+
+registry = Registry(WorkerJob, result_model=WorkerJobResult, default_lease=1.0)
+
+_engine: sa.Engine | None = None
+
+
+def own_engine() -> sa.Engine:
+    """An engine of the handler's own, outside the worker's (the URL from the environment)."""
+    global _engine
+    if _engine is None:
+        _engine = sa.create_engine(os.environ[DATABASE_URL_VARIABLE], poolclass=NullPool)
+    return _engine
+
+
+def _row(ctx: JobContext, kind: str) -> Effect:
+    return Effect(job_id=ctx.id, attempt=ctx.attempt, kind=kind, pid=os.getpid())
+
+
+def record(ctx: JobContext, kind: str) -> None:
+    """Commit a row at once, on a connection of the handler's own."""
+    with Session(own_engine()) as session, session.begin():
+        session.add(_row(ctx, kind))
+
+
+def _sleep_time(ctx: JobContext) -> float:
+    attempts = ctx.args.get("sleep_attempts")
+    if attempts is not None and ctx.attempt not in attempts:
+        return 0.0
+    return float(ctx.args.get("sleep", 0))
+
+
+@registry.task(queue="work")
+def sleepy(ctx: JobContext) -> dict[str, Any]:
+    """Lease mode: start row, sleep, effect row (on its own connection)."""
+    record(ctx, "start")
+    time.sleep(_sleep_time(ctx))
+    record(ctx, "effect")
+    return {"attempt": ctx.attempt}
+
+
+@registry.task(queue="work", mode="lock")
+def sleepy_locked(ctx: JobContext) -> None:
+    """Lock mode: start row, effect row through the claim's session, then sleep."""
+    record(ctx, "start")
+    ctx.session.add(_row(ctx, "effect"))
+    ctx.session.flush()
+    time.sleep(_sleep_time(ctx))
+
+
+@registry.task(queue="work", max_attempts=3, retry=FAST_RETRY)
+def poison(ctx: JobContext) -> None:
+    """Fails every time."""
+    record(ctx, "start")
+    raise RuntimeError(f"poisoned on attempt {ctx.attempt}")
+
+
+@registry.task(queue="work", mode="lock", max_attempts=2)
+def crasher(ctx: JobContext) -> None:
+    """Kills its own worker process in the middle of its transaction, every time."""
+    record(ctx, "start")
+    ctx.session.add(_row(ctx, "effect"))
+    ctx.session.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@registry.task(queue="work")
+async def async_sleepy(ctx: JobContext) -> int:
+    """A coroutine in lease mode."""
+    await asyncio.to_thread(record, ctx, "start")
+    await asyncio.sleep(_sleep_time(ctx))
+    await asyncio.to_thread(record, ctx, "effect")
+    return ctx.attempt
+
+
+@registry.task(queue="work", mode="lock")
+def commits_itself(ctx: JobContext) -> None:
+    """A lock-mode handler that wrongly ends the worker's transaction."""
+    ctx.session.commit()
+
+
+@registry.task(queue="work")
+def bad_result(ctx: JobContext) -> float:
+    """Returns a value jsonb cannot store."""
+    return float("nan")
