@@ -72,3 +72,19 @@ def tests_server(session: nox.Session) -> None:
             "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
         )
     _run_tests(session, {DATABASE_URL_VARIABLE: url})
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """``sqla-jobs bench`` on a throwaway embedded PostgreSQL 18 (or ``--database-url``).
+
+    Not in the default sessions. Pass its options after ``--``, e.g.
+    ``nox -s bench -- --quick`` or ``nox -s bench -- --json bench.json --repeat 5``.
+    """
+    session.install(".[embedded]")
+    session.run(
+        "python",
+        "-c",
+        "import sys, sqla_jobs.bench as b; sys.exit(b.main(sys.argv[1:]))",
+        *session.posargs,
+    )

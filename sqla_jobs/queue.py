@@ -298,21 +298,23 @@ def _next_chunk(
     jobs: Iterator[Mapping[str, Any] | JobMixin],
     size: int,
     own: frozenset[str],
-) -> str | None:
-    """Take and check up to ``size`` jobs; return them as the statement's JSON, or None."""
+) -> tuple[str, int] | None:
+    """Take and check up to ``size`` jobs; return them as the statement's JSON and their
+    number, or None when there are no more."""
     rows = [_job_row(model, job, own) for job in itertools.islice(jobs, size)]
     if not rows:
         return None
     try:
-        return _encode(rows)
+        return _encode(rows), len(rows)
     except (TypeError, ValueError) as exc:  # a value of the model's own columns
         raise InvalidJobError("jobs", str(exc)) from exc
 
 
-def _insert_chunk(session: Session, table: Table, rows: str) -> int:
-    stmt = _statement(statements.enqueue_many, table)
-    result = cast(CursorResult[Any], session.execute(stmt, {"rows": rows}))
-    return result.rowcount
+def _insert_chunk(session: Session, table: Table, chunk: tuple[str, int]) -> int:
+    # INSERT ... SELECT from the document inserts every row of it or raises (the driver
+    # reports no row count for it when the statement is prepared).
+    session.execute(_statement(statements.enqueue_many, table), {"rows": chunk[0]})
+    return chunk[1]
 
 
 def enqueue_many(

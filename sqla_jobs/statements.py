@@ -588,7 +588,8 @@ def bench_has_runnable(table: Table) -> Select[Any]:
 
 def bench_finished(table: Table) -> Select[Any]:
     """How many jobs of queue ``:queue`` succeeded, and when the last one finished."""
-    return select(func.count(), func.max(table.c.finished_at)).where(
+    counts: list[ColumnElement[Any]] = [func.count(), func.max(table.c.finished_at)]
+    return select(*counts).where(
         table.c.queue == bindparam("queue", type_=Text),
         table.c.status == _lit(JobStatus.SUCCEEDED),
     )
@@ -629,3 +630,8 @@ def truncate(*tables: Table) -> str:
         + ", ".join(qualified_name(t.name, t.schema) for t in tables)
         + (" RESTART IDENTITY")
     )
+
+
+def bench_results(result_table: Table) -> Select[Any]:
+    """Every stored result: ``job_id, value``."""
+    return select(result_table.c.job_id, result_table.c.value)

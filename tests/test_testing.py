@@ -32,4 +32,3 @@ def test_assert_enqueued_explains_what_it_found(db_session: Session) -> None:
         assert_enqueued(db_session, EmailJob, task="send_invoice")
     with pytest.raises(AssertionError, match="expected 2"):
         assert_enqueued(db_session, EmailJob, count=2)
-

@@ -1,0 +1,68 @@
+"""``sqla-jobs bench`` runs end to end on a tiny size and writes well-formed JSON.
+
+Not how fast anything is: only that every section ran and every number is sane.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from sqla_jobs import bench
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_every_section(
+    server_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    url = make_url(server_url).set(drivername="postgresql+psycopg").render_as_string(False)
+    assert bench.main(["--database-url", url, "--quick", "--json", str(out)]) == 0
+
+    table = capsys.readouterr().out
+    assert "drain.lease.batched.1p" in table
+    assert "targets:" in table
+    document = json.loads(out.read_text())
+    machine = document["machine"]
+    assert machine["cpus"] >= 1
+    assert machine["fsync"] in ("on", "off")
+    assert machine["server_version"]
+    metrics = document["metrics"]
+    sections = {name.split(".")[0] for name in metrics}
+    assert sections == set(bench.SECTIONS)
+    for name, metric in metrics.items():
+        assert metric["runs"], name
+        for value in metric["runs"]:
+            assert math.isfinite(value), name
+            if metric["unit"] != "fraction":
+                assert value > 0, name
+        if metric["ceiling"] is not None:
+            assert metric["ceiling_median"] > 0, name
+            assert metric["ratio"] == pytest.approx(metric["median"] / metric["ceiling_median"])
+    for mode in ("lease", "lock"):
+        for kind in ("single", "batched"):
+            for procs in (1, 2):
+                drain = metrics[f"drain.{mode}.{kind}.{procs}p"]
+                assert drain["ceiling"] == f"ceiling.{mode}.{kind}.{procs}p"
+    assert metrics["enqueue.bulk"]["ceiling"] == "ceiling.insert"
+    assert {row["metric"] for row in document["targets"]} >= {
+        "drain.lease.batched.1p",
+        "enqueue.add_all",
+        "latency.p50",
+        "history.claim.big",
+        "memory.worker_rss_growth",
+    }
+    assert all(row["met"] in (True, False) for row in document["targets"])
+
+
+def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--only", "nonsense"])
+    assert exited.value.code == 2
+    assert "unknown sections" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--jobs", "0"])
