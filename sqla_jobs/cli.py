@@ -377,6 +377,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from sqla_jobs import bench
+
+    if args.log_level == "INFO":  # Alembic narrates every migration at INFO
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+    return bench.main(list(args.bench_args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sqla_jobs import demo
 
@@ -495,13 +503,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--timeout", type=_seconds, default=300.0, help="give up after (300s)")
     demo.set_defaults(handler=cmd_demo)
+
+    bench = commands.add_parser(
+        "bench",
+        add_help=False,
+        help="measure enqueue, drain, wake-up, history and memory against the bare-SQL ceiling",
+        description="Run `sqla-jobs bench --help` for the benchmark's own options.",
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sqla-jobs``; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "bench":
+        # The benchmark parses its own options (sqla_jobs.bench.main).
+        args.bench_args = [*unknown, *args.bench_args]
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     configure_logging(args.log_level, args.log_format)
     try:
         status: int = args.handler(args)

@@ -262,3 +262,17 @@ def test_demo_with_no_configuration(embedded_server: EmbeddedPostgres, tmp_path:
     assert "started a throwaway PostgreSQL" in result.stdout
     assert "verification passed" in result.stdout
     assert "stopped and deleted the throwaway PostgreSQL" in result.stdout
+
+
+def test_bench_is_a_command_with_its_own_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: sqla-jobs bench" in out
+    assert "--history-rows" in out
+    # Options the benchmark does not own are still refused for the other commands.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["status", "--no-such-option"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
