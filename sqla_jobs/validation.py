@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy.sql.elements import ClauseElement
 
@@ -131,6 +131,54 @@ def _check_text(field: str, text: str, path: str) -> None:
         ) from exc
 
 
+def _compact_size(field: str, value: object) -> int | None:
+    """The byte size of ``value`` as compact JSON when it is certainly storable, else None.
+
+    The fast path, in C: ``json.dumps`` refuses NaN, Infinity and non-JSON types, encoding
+    the text to UTF-8 refuses lone surrogates, and a NUL can only appear escaped as
+    ``\\u0000``. None sends the value through the exact walk, which finds and names the
+    problem (or finds none: a string that merely contains a backslash and ``u0000``).
+    """
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        size = len(text.encode("utf-8"))
+    except (TypeError, ValueError):  # UnicodeEncodeError is a ValueError
+        return None
+    if "\\u0000" in text or not _string_keys(value):
+        return None
+    return size
+
+
+def _string_keys(value: object) -> bool:
+    # json.dumps silently turns int, float, bool and None keys into strings; refuse them.
+    # Exact type checks first: isinstance against the Mapping ABC is slow on the hot path.
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is dict or (kind is not list and kind is not tuple and isinstance(node, Mapping)):
+            for key, item in node.items():  # type: ignore[attr-defined]
+                if type(key) is not str:
+                    return False
+                if type(item) in _CONTAINERS or isinstance(item, Mapping):
+                    stack.append(item)
+        elif kind is list or kind is tuple:
+            stack.extend(
+                item
+                for item in node  # type: ignore[attr-defined]
+                if type(item) in _CONTAINERS or isinstance(item, Mapping)
+            )
+    return True
+
+
+_CONTAINERS: Final = frozenset({dict, list, tuple})
+
+
+def _exact_size(field: str, value: object) -> int:
+    _walk(field, value, field)
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+
+
 def check_args(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> int:
     """Job arguments: a JSON object that jsonb stores unchanged, at most ``max_bytes``.
 
@@ -140,8 +188,9 @@ def check_args(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_B
         raise JobArgumentsError(
             field, f"must be a JSON object (a dict), not {type(value).__name__}"
         )
-    _walk(field, value, "args")
-    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    size = _compact_size(field, value)
+    if size is None:
+        size = _exact_size(field, value)
     if size > max_bytes:
         raise JobArgumentsError(field, f"is {size} bytes as JSON, the limit is {max_bytes}")
     return size
@@ -149,7 +198,8 @@ def check_args(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_B
 
 def check_json(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> None:
     """Any JSON value (a stored result, say) that jsonb stores unchanged."""
-    _walk(field, value, field)
-    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    size = _compact_size(field, value)
+    if size is None:
+        size = _exact_size(field, value)
     if size > max_bytes:
         raise JobArgumentsError(field, f"is {size} bytes as JSON, the limit is {max_bytes}")
