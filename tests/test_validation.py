@@ -194,3 +194,12 @@ def test_a_result_jsonb_cannot_store_changes_nothing(queue_engine: sa.Engine) ->
         status = connection.execute(sa.text("SELECT status FROM email_jobs")).scalar()
         assert status == "running"
         assert connection.execute(sa.text("SELECT count(*) FROM email_job_results")).scalar() == 0
+
+
+def test_text_that_looks_like_an_escape_is_not_mistaken_for_nul(queue_engine: sa.Engine) -> None:
+    # "\\u0000" is six ordinary characters, which jsonb stores as they are.
+    args = {"pattern": "\\u0000", "emoji": "\U0001f600"}
+    with Session(queue_engine) as session, session.begin():
+        session.add(EmailJob(task="t", args=args))
+    with Session(queue_engine) as session:
+        assert session.execute(sa.select(EmailJob.args)).scalar_one() == args
