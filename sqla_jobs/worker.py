@@ -13,7 +13,10 @@ How a job goes through it
     NOTIFY from the enqueuer's commit (:mod:`sqla_jobs.notifier`) or for the poll interval,
     whichever comes first; polling is the source of truth. Plain functions run on a pool of
     ``concurrency`` threads, coroutines on one event loop thread; ``concurrency`` bounds the
-    jobs in flight either way.
+    jobs in flight either way. A claimed batch wakes one handler thread, which runs its jobs
+    one after another (quick jobs cost no thread switch each); jobs that have waited a few
+    milliseconds behind a slow one are handed to more threads. The fetch loop, the outcome
+    writer and the heartbeat each keep one pool connection and run Core transactions on it.
 
     **Lease mode.** A heartbeat thread extends the leases of the jobs in flight every third
     of the shortest lease. Completions go to an **outcome writer** thread that commits
@@ -62,13 +65,15 @@ import queue as queue_module
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from sqla_jobs import statements, validation
@@ -99,6 +104,9 @@ _HEALTH_FILE_EVERY: Final = 1.0
 _STUCK_LOG_EVERY: Final = 10.0
 _RELEASE_LOCK_TIMEOUT: Final = "5s"
 _MAX_OUTCOME_BATCH: Final = 1000
+_OUTCOME_GATHER: Final = 0.001
+_SPILL_AFTER: Final = 0.002
+_CLAIM_GATHER: Final = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +138,7 @@ class _Attempt:
     # Backend pid of the lock-mode transaction holding the row, while it is open.
     lock_pid: int | None = None
     future: concurrent.futures.Future[Any] | None = None
+    queued_at: float = 0.0  # when it was queued for a handler thread
 
 
 @dataclass(eq=False)
@@ -147,6 +156,58 @@ class _Thread:
     name: str
     target: Callable[[], None]
     thread: threading.Thread | None = field(default=None)
+
+
+class _Link:
+    """A pool connection that one runtime thread keeps from one transaction to the next.
+
+    A checkout from the pool and an ORM Session around it cost more CPU than the claim or
+    completion statement they carry, so the fetch loop, the outcome writer and the heartbeat
+    keep a Core connection of their own instead. After any error it goes back to the pool
+    (which finds a broken one by its reset, or by ``pool_pre_ping`` at the next checkout)
+    and the next transaction takes another.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.connection: Connection | None = None
+
+    def connect(self) -> Connection:
+        connection = self.connection
+        if connection is None or connection.closed or connection.invalidated:
+            self.close()
+            connection = self.connection = self.engine.connect()
+        return connection
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """One transaction on the kept connection: committed, or rolled back on an error."""
+        connection = self.connect()
+        try:
+            with connection.begin():
+                yield connection
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            try:
+                connection.close()
+            except Exception as exc:  # a broken connection: the pool discards it
+                logger.debug(
+                    "closing a connection failed: %s",
+                    describe(exc),
+                    extra={"action": "database_error"},
+                )
+
+
+def _core(connection: Connection) -> Session:
+    # The queue functions the worker runs on its own connections (a lease-mode claim,
+    # complete_many, fail, heartbeat, release, lock) only call ``execute``, which a Core
+    # Connection has with the same signature; no ORM Session is needed around them.
+    return cast(Session, connection)
 
 
 def _job_extra(job: ClaimedJob, action: str, **more: Any) -> dict[str, Any]:
@@ -210,6 +271,7 @@ class Worker:
             raise ConfigurationError("a worker needs at least one queue")
         self.concurrency = concurrency
         self.batch_size = batch_size or concurrency
+        self._min_claim = max(1, min(self.batch_size, concurrency) // 2)
         self.poll_interval = max(poll_interval, 0.01)
         self.grace = grace
         self.listen = listen
@@ -233,7 +295,13 @@ class Worker:
         self._notified = False
         self._in_flight: dict[tuple[int, int], _Attempt] = {}
         self._outcomes: queue_module.SimpleQueue[_Outcome] = queue_module.SimpleQueue()
-        self._work: queue_module.SimpleQueue[Callable[[], None] | None] = queue_module.SimpleQueue()
+        # Jobs waiting for a handler thread. A batch is added at once and wakes one idle
+        # handler, which passes the wake-up on while jobs remain: quick jobs are run by the
+        # few threads that come back first, slow ones each get a thread of their own.
+        self._work: deque[_Attempt] = deque()
+        self._work_ready = threading.Condition(threading.Lock())
+        self._idle_handlers = 0
+        self._handlers_stop = False
 
         self._stop_requested = False
         self._stop_signal: int | None = None
@@ -484,8 +552,10 @@ class Worker:
         return fetch is None or not fetch.is_alive()
 
     def _stop_handlers(self) -> None:
-        for _ in range(self.concurrency):
-            self._work.put(None)
+        with self._work_ready:  # jobs still queued were released with the others
+            self._handlers_stop = True
+            self._work.clear()
+            self._work_ready.notify_all()
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._cancel_tasks, loop)
@@ -559,28 +629,55 @@ class Worker:
 
     def _fetch_loop(self) -> None:
         backoff = Backoff()
-        while not self._stopping.is_set():
-            self._fetch_beat = time.monotonic()
-            with self._wakeup:
-                free = self.concurrency - len(self._in_flight)
-                if free <= 0:
-                    self._wakeup.wait_for(self._slot_free_or_stopping, self.poll_interval)
+        link = _Link(self.engine)
+        try:
+            while not self._stopping.is_set():
+                self._fetch_beat = time.monotonic()
+                with self._wakeup:
+                    free = self.concurrency - len(self._in_flight)
+                    if free <= 0:
+                        self._wait(self._slot_free_or_stopping)
+                        continue
+                    if free < self._min_claim and self._in_flight:
+                        # A few slots free while jobs run: give others a moment to free
+                        # too, so that one claim fills many slots instead of one each.
+                        self._wakeup.wait_for(self._enough_free_or_stopping, _CLAIM_GATHER)
+                        free = self.concurrency - len(self._in_flight)
+                    self._notified = False
+                limit = min(free, self.batch_size)
+                try:
+                    jobs = self._claim(link, limit)
+                except Exception as exc:
+                    self._database_failed("claim", exc, backoff, self._stopping)
                     continue
-                self._notified = False
-            limit = min(free, self.batch_size)
-            try:
-                jobs = self._claim(limit)
-            except Exception as exc:
-                self._database_failed("claim", exc, backoff, self._stopping)
-                continue
-            self._database_recovered(backoff)
-            for job in jobs:
-                self._dispatch(job)
-            if len(jobs) == limit:
-                continue  # there may be more right away
-            with self._wakeup:
-                self._wakeup.wait_for(self._notified_or_stopping, self.poll_interval)
+                self._database_recovered(backoff)
+                if jobs:
+                    self._dispatch(jobs)
+                if len(jobs) == limit:
+                    continue  # there may be more right away
+                with self._wakeup:
+                    self._wait(self._notified_or_stopping)
+        finally:
+            link.close()
         self._fetch_beat = time.monotonic()
+
+    def _wait(self, predicate: Callable[[], bool]) -> None:
+        # Holding self._wakeup: wait until ``predicate`` or the poll interval. While jobs
+        # wait for a handler, look every _SPILL_AFTER whether they waited too long.
+        deadline = time.monotonic() + self.poll_interval
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if not self._work:  # only this thread adds to it
+                self._wakeup.wait(remaining)
+                continue
+            self._wakeup.wait(min(remaining, _SPILL_AFTER))
+            self._spill()
+
+    def _enough_free_or_stopping(self) -> bool:
+        free = self.concurrency - len(self._in_flight)
+        return self._stopping.is_set() or free >= self._min_claim
 
     def _slot_free_or_stopping(self) -> bool:
         return self._stopping.is_set() or len(self._in_flight) < self.concurrency
@@ -588,8 +685,9 @@ class Worker:
     def _notified_or_stopping(self) -> bool:
         return self._stopping.is_set() or self._notified
 
-    def _claim(self, limit: int) -> list[ClaimedJob]:
-        with Session(self.engine) as session, session.begin():
+    def _claim(self, link: _Link, limit: int) -> list[ClaimedJob]:
+        with link.begin() as connection:
+            session = _core(connection)
             jobs = claim(
                 session,
                 self.model,
@@ -607,7 +705,7 @@ class Worker:
                         longer.setdefault(seconds, []).append(job)
             for seconds, group in longer.items():
                 heartbeat(session, group, lease=seconds)
-        if jobs:
+        if jobs and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "claimed %d jobs",
                 len(jobs),
@@ -619,38 +717,50 @@ class Worker:
             )
         return jobs
 
-    def _dispatch(self, job: ClaimedJob) -> None:
-        task = self.registry.get(job.task)
-        attempt = _Attempt(job, task)
+    def _dispatch(self, jobs: Sequence[ClaimedJob]) -> None:
+        get_task = self.registry.get
+        attempts = [_Attempt(job, get_task(job.task)) for job in jobs]
         with self._lock:
-            self._in_flight[(job.id, job.attempt)] = attempt
-        if task is None:
-            known = ", ".join(sorted(t.name for t in self.registry)) or "none"
-            message = (
-                f"unknown task {job.task!r}: no handler is registered for it in this worker's "
-                f"registry (known tasks: {known}); the job is kept as dead, retry it once a "
-                "worker knows the task"
-            )
-            logger.error(message, extra=_job_extra(job, "unknown_task"))
-            self._outcomes.put(
-                _Outcome(attempt, "fail", error=message, retry=False, action="unknown_task")
-            )
-        elif job.attempt > job.max_attempts:
-            message = (
-                f"attempt {job.attempt} exceeds max_attempts {job.max_attempts}: earlier "
-                "attempts ended without an outcome (their worker died or lost the lease); "
-                "not run again"
-            )
-            logger.error(message, extra=_job_extra(job, "attempts_exhausted"))
-            self._outcomes.put(
-                _Outcome(attempt, "fail", error=message, retry=False, action="attempts_exhausted")
-            )
-        elif task.mode == "lock":
-            self._work.put(lambda: self._run_locked(attempt))
-        elif task.is_async:
-            self._run_coroutine(attempt)
-        else:
-            self._work.put(lambda: self._run_leased(attempt))
+            for attempt in attempts:
+                self._in_flight[(attempt.job.id, attempt.job.attempt)] = attempt
+        runnable: list[_Attempt] = []
+        for attempt in attempts:
+            job, task = attempt.job, attempt.task
+            if task is None:
+                known = ", ".join(sorted(t.name for t in self.registry)) or "none"
+                message = (
+                    f"unknown task {job.task!r}: no handler is registered for it in this "
+                    f"worker's registry (known tasks: {known}); the job is kept as dead, retry "
+                    "it once a worker knows the task"
+                )
+                logger.error(message, extra=_job_extra(job, "unknown_task"))
+                self._outcomes.put(
+                    _Outcome(attempt, "fail", error=message, retry=False, action="unknown_task")
+                )
+            elif job.attempt > job.max_attempts:
+                message = (
+                    f"attempt {job.attempt} exceeds max_attempts {job.max_attempts}: earlier "
+                    "attempts ended without an outcome (their worker died or lost the lease); "
+                    "not run again"
+                )
+                logger.error(message, extra=_job_extra(job, "attempts_exhausted"))
+                self._outcomes.put(
+                    _Outcome(
+                        attempt, "fail", error=message, retry=False, action="attempts_exhausted"
+                    )
+                )
+            elif task.is_async and task.mode == "lease":
+                self._run_coroutine(attempt)
+            else:
+                runnable.append(attempt)
+        if runnable:
+            now = time.monotonic()
+            for attempt in runnable:
+                attempt.queued_at = now
+            with self._work_ready:
+                self._work.extend(runnable)
+                if self._idle_handlers:
+                    self._work_ready.notify()
 
     def _database_failed(
         self, what: str, exc: Exception, backoff: Backoff, until: threading.Event
@@ -682,17 +792,48 @@ class Worker:
 
     def _handler_loop(self) -> None:
         while True:
-            item = self._work.get()
-            if item is None:
+            attempt = self._next_work()
+            if attempt is None:
                 return
             try:
-                item()
+                assert attempt.task is not None
+                if attempt.task.mode == "lock":
+                    self._run_locked(attempt)
+                else:
+                    self._run_leased(attempt)
             except Exception:  # the run functions catch everything; this is a bug
                 logger.critical(
                     "unexpected error running a job",
                     exc_info=True,
                     extra={"action": "thread_crashed"},
                 )
+
+    def _next_work(self) -> _Attempt | None:
+        """The next queued job, waiting for one; None when the handlers are to stop."""
+        with self._work_ready:
+            self._idle_handlers += 1
+            try:
+                while not self._work and not self._handlers_stop:
+                    self._work_ready.wait()
+            finally:
+                self._idle_handlers -= 1
+            if self._handlers_stop:
+                return None
+            return self._work.popleft()
+
+    def _spill(self) -> None:
+        """Wake idle handlers for jobs that have waited in the queue too long.
+
+        A batch wakes one handler, which runs its jobs one after another: quick jobs then
+        cost no thread switch each. Jobs queued behind a slow one are handed to more
+        handlers once the first of them has waited ``_SPILL_AFTER``.
+        """
+        with self._work_ready:
+            work = self._work
+            if not work or not self._idle_handlers:
+                return
+            if time.monotonic() - work[0].queued_at >= _SPILL_AFTER:
+                self._work_ready.notify(min(len(work), self._idle_handlers))
 
     def _event_loop(self) -> None:
         loop = self._loop
@@ -719,7 +860,8 @@ class Worker:
     def _run_leased(self, attempt: _Attempt) -> None:
         job, task = attempt.job, attempt.task
         assert task is not None
-        logger.debug("job started", extra=_job_extra(job, "job_started"))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("job started", extra=_job_extra(job, "job_started"))
         try:
             result = self._checked(task.function(JobContext(job, self.name)))
         except BaseException as exc:
@@ -754,7 +896,8 @@ class Worker:
     def _run_locked(self, attempt: _Attempt) -> None:
         job, task = attempt.job, attempt.task
         assert task is not None
-        logger.debug("job started", extra=_job_extra(job, "job_started"))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("job started", extra=_job_extra(job, "job_started"))
         committing = False
         try:
             with Session(self.engine) as session:
@@ -762,9 +905,9 @@ class Worker:
                 if not lock(session, [job]):
                     session.rollback()
                     self._lost(attempt, "its lease ran out before the worker could lock it")
-                    self._done(attempt)
+                    self._done_many([attempt])
                     return
-                attempt.lock_pid = _backend_pid(session)
+                attempt.lock_pid = _backend_pid(session.connection())
                 try:
                     result = self._checked(self._call(task, JobContext(job, self.name, session)))
                     if session.get_transaction() is not transaction or not transaction.is_active:
@@ -782,7 +925,7 @@ class Worker:
                 session.commit()
                 attempt.lock_pid = None
             self._log_completed(attempt, {(j.id, j.attempt) for j in lost})
-            self._done(attempt)
+            self._done_many([attempt])
         except Exception as exc:
             # The database failed under the worker (a lost connection, a restart), not the
             # handler. Give the job back: the release is fenced, so if the commit did go
@@ -827,29 +970,44 @@ class Worker:
 
     def _outcome_loop(self) -> None:
         backoff = Backoff()
+        link = _Link(self.engine)
         batch: list[_Outcome] = []
-        while True:
-            if not batch:
+        try:
+            while True:
+                if not batch:
+                    try:
+                        batch.append(self._outcomes.get(timeout=0.2))
+                    except queue_module.Empty:
+                        if self._finished.is_set():
+                            return
+                        continue
+                    # Whatever else is ready joins this transaction: batches grow with load.
+                    # While other jobs are in flight, their outcomes are given a moment to
+                    # arrive: a commit costs more than the wait, and a batch of quick jobs
+                    # finishes within it.
+                    while len(batch) < _MAX_OUTCOME_BATCH:
+                        if not self._outcomes.empty():
+                            batch.append(self._outcomes.get_nowait())
+                        elif len(self._in_flight) > len(batch):
+                            try:
+                                batch.append(self._outcomes.get(timeout=_OUTCOME_GATHER))
+                            except queue_module.Empty:
+                                break
+                        else:
+                            break
                 try:
-                    batch.append(self._outcomes.get(timeout=0.2))
-                except queue_module.Empty:
+                    self._write_outcomes(link, batch)
+                except Exception as exc:
                     if self._finished.is_set():
-                        return
+                        return  # the unwritten ones are still in flight: released at shutdown
+                    self._database_failed("recording outcomes", exc, backoff, self._finished)
                     continue
-                # Whatever else is ready joins this transaction: batches grow with the load.
-                while len(batch) < _MAX_OUTCOME_BATCH and not self._outcomes.empty():
-                    batch.append(self._outcomes.get_nowait())
-            try:
-                self._write_outcomes(batch)
-            except Exception as exc:
-                if self._finished.is_set():
-                    return  # the unwritten ones are still in flight: released at shutdown
-                self._database_failed("recording outcomes", exc, backoff, self._finished)
-                continue
-            self._database_recovered(backoff)
-            batch = []
+                self._database_recovered(backoff)
+                batch = []
+        finally:
+            link.close()
 
-    def _write_outcomes(self, batch: Sequence[_Outcome]) -> None:
+    def _write_outcomes(self, link: _Link, batch: Sequence[_Outcome]) -> None:
         completed = [o for o in batch if o.kind == "complete"]
         failed = [o for o in batch if o.kind == "fail"]
         released = [o for o in batch if o.kind == "release"]
@@ -857,8 +1015,9 @@ class Worker:
         given_back: list[ClaimedJob] = []
         # Held until the attempts are marked ended, so that a heartbeat that found these jobs
         # finished does not take them for lost leases.
-        with self._commit_lock, Session(self.engine) as session:
-            with session.begin():
+        with self._commit_lock:
+            with link.begin() as connection:
+                session = _core(connection)
                 lost = self._complete(session, [(o.attempt, o.result) for o in completed])
                 for outcome in failed:
                     task = outcome.attempt.task
@@ -880,13 +1039,17 @@ class Worker:
                     given_back = [job for job in jobs if job not in kept_back]
             for outcome in batch:
                 outcome.attempt.ended = True
-        lost_keys = {(job.id, job.attempt) for job in lost}
-        for outcome in completed:
-            self._log_completed(outcome.attempt, lost_keys)
-            self._done(outcome.attempt)
+        if lost:
+            lost_keys = {(job.id, job.attempt) for job in lost}
+            for outcome in completed:
+                self._log_completed(outcome.attempt, lost_keys)
+        elif logger.isEnabledFor(logging.DEBUG):
+            for outcome in completed:
+                logger.debug(
+                    "job succeeded", extra=_job_extra(outcome.attempt.job, "job_succeeded")
+                )
         for outcome, status in zip(failed, statuses, strict=True):
             self._log_failed(outcome, status)
-            self._done(outcome.attempt)
         if given_back:
             logger.info(
                 "gave back %d jobs after database errors",
@@ -897,8 +1060,7 @@ class Worker:
                     "job_ids": [job.id for job in given_back],
                 },
             )
-        for outcome in released:
-            self._done(outcome.attempt)
+        self._done_many([outcome.attempt for outcome in batch])
 
     def _log_completed(self, attempt: _Attempt, lost_keys: set[tuple[int, int]]) -> None:
         job = attempt.job
@@ -947,14 +1109,25 @@ class Worker:
             extra=_job_extra(job, "lease_lost"),
         )
 
-    def _done(self, attempt: _Attempt) -> None:
+    def _done_many(self, attempts: Iterable[_Attempt]) -> None:
+        # One wake-up for the batch: the fetch loop then claims for all the freed slots at
+        # once, instead of one job per slot as they free one by one.
         with self._wakeup:
-            self._in_flight.pop((attempt.job.id, attempt.job.attempt), None)
+            pop = self._in_flight.pop
+            for attempt in attempts:
+                pop((attempt.job.id, attempt.job.attempt), None)
             self._wakeup.notify_all()
 
     # -- heartbeat ------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
+        link = _Link(self.engine)
+        try:
+            self._heartbeats(link)
+        finally:
+            link.close()
+
+    def _heartbeats(self, link: _Link) -> None:
         backoff = Backoff()
         while not self._finished.wait(self._heartbeat_every):
             with self._lock:
@@ -971,9 +1144,10 @@ class Worker:
                 groups.setdefault(attempt.task.lease.total_seconds(), []).append(attempt)
             try:
                 lost: list[ClaimedJob] = []
-                with Session(self.engine) as session, session.begin():
+                with link.begin() as connection:
                     for seconds, group in groups.items():
-                        lost += heartbeat(session, [a.job for a in group], lease=seconds)
+                        jobs = [a.job for a in group]
+                        lost += heartbeat(_core(connection), jobs, lease=seconds)
             except Exception as exc:
                 self._database_failed("heartbeat", exc, backoff, self._finished)
                 continue
@@ -990,8 +1164,8 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _backend_pid(session: Session) -> int | None:
-    dbapi_connection: Any = session.connection().connection.dbapi_connection
+def _backend_pid(connection: Connection) -> int | None:
+    dbapi_connection: Any = connection.connection.dbapi_connection
     info = getattr(dbapi_connection, "info", None)
     pid = getattr(info, "backend_pid", None)
     return pid if isinstance(pid, int) else None

@@ -287,3 +287,17 @@ def test_a_crashed_thread_is_logged_and_restarted(
     crash = next(r for r in caplog.records if r.levelno == logging.CRITICAL)
     assert crash.exc_info is not None
     assert "a bug in the outcome writer" in str(crash.exc_info[1])
+
+
+def test_quick_jobs_do_not_wait_behind_a_slow_one(db: JobDatabase) -> None:
+    # One claimed batch wakes one handler thread; the jobs queued behind a slow job it runs
+    # are handed to other threads within milliseconds, not after the slow job.
+    slow = db.enqueue("sleepy", {"sleep": 5}, priority=-1)  # claimed and queued first
+    quick = db.enqueue_many([("sleepy", None)] * 3)
+    with running(db, concurrency=4):
+        wait_until(
+            lambda: all(db.status(job_id) == "succeeded" for job_id in quick),
+            timeout=4,
+            message="the quick jobs succeed while the slow one runs",
+        )
+        assert db.status(slow) == "running"
