@@ -244,11 +244,14 @@ def _bare_loop(url: str, queue: str, batch: int, mode: str, start_at: float, out
             if not rows:
                 break
             if mode == "lease":
-                fence = {"fence_ids": [r[0] for r in rows], "fence_attempts": [r[6] for r in rows]}
+                fence = {
+                    "fence_ids": ",".join([str(r[0]) for r in rows]),
+                    "fence_attempts": ",".join([str(r[6]) for r in rows]),
+                }
                 done += len(connection.execute(complete_sql, fence, prepare=True).fetchall())
             else:
                 for row in rows:
-                    fence = {"fence_ids": [row[0]], "fence_attempts": [row[6]]}
+                    fence = {"fence_ids": str(row[0]), "fence_attempts": str(row[6])}
                     with connection.transaction():
                         connection.execute(lock_sql, fence, prepare=True).fetchall()
                         done += len(

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, NamedTuple, TypeAlias, TypeVar, cast
 from uuid import UUID
 
 from sqlalchemy import Connection, CursorResult, Executable, Table, inspect
@@ -55,6 +55,7 @@ __all__ = [
     "MAX_CLAIM_LIMIT",
     "ClaimedJob",
     "DeadJob",
+    "Executor",
     "FailOutcome",
     "QueueStat",
     "cancel",
@@ -81,13 +82,19 @@ MAX_ERROR_CHARS: Final = 16_000
 
 _NO_RESULT: Final[Any] = object()
 
+#: What the queue operations run on: an ORM session, or a Core connection (a worker's
+#: background loops use connections, which cost less per transaction). Either way the
+#: operation runs in the caller's current transaction and never commits it.
+Executor: TypeAlias = Session | Connection
 
-@dataclass(frozen=True, slots=True)
-class ClaimedJob:
+
+class ClaimedJob(NamedTuple):
     """One attempt at one job, as returned by :func:`claim`.
 
-    Plain data, not an ORM object: it stays valid after the claiming session is gone.
-    ``(id, attempt)`` is the fence that every later transition of this attempt carries.
+    Plain, immutable data, not an ORM object: it stays valid after the claiming session is
+    gone. ``(id, attempt)`` is the fence that every later transition of this attempt
+    carries. (A named tuple: a claim builds one per job, and a tuple is the cheapest
+    immutable record Python has.)
     """
 
     model: type[JobMixin]
@@ -167,9 +174,10 @@ def _one_model(jobs: Sequence[ClaimedJob]) -> type[JobMixin]:
 
 
 def _fence_params(jobs: Sequence[ClaimedJob]) -> dict[str, Any]:
+    # Comma-separated text, split and cast by the statement (statements._fences).
     return {
-        "fence_ids": [job.id for job in jobs],
-        "fence_attempts": [job.attempt for job in jobs],
+        "fence_ids": ",".join([str(job.id) for job in jobs]),
+        "fence_attempts": ",".join([str(job.attempt) for job in jobs]),
     }
 
 
@@ -375,7 +383,7 @@ def enqueue_many(
 
 
 def claim(
-    session: Session,
+    session: Executor,
     model: type[JobMixin],
     *,
     queues: str | Iterable[str] = DEFAULT_QUEUE,
@@ -427,27 +435,21 @@ def claim(
         params["queue_names"] = queue_names
     stmt = _statement(statements.claim, table, queue_count=min(len(queue_names), 2))
     if hold:
-        bind = session.get_bind()
-        engine = bind.engine if isinstance(bind, Connection) else bind
+        if isinstance(session, Connection):
+            engine = session.engine
+        else:
+            bind = session.get_bind()
+            engine = bind.engine if isinstance(bind, Connection) else bind
         with engine.begin() as connection:
             rows = connection.execute(stmt, params).all()
     else:
         rows = session.execute(stmt, params).all()
+    running = JobStatus.RUNNING.value
+    # Positional, in the order of the claim statement's RETURNING: the hot path.
     jobs = [
-        ClaimedJob(
-            model=model,
-            id=row.id,
-            queue=row.queue,
-            task=row.task,
-            args=row.args,
-            priority=row.priority,
-            attempt=row.attempts,
-            max_attempts=row.max_attempts,
-            run_at=row.run_at,
-            lease_expires_at=row.lease_expires_at,
-        )
-        for row in rows
-        if row.status == JobStatus.RUNNING.value
+        ClaimedJob(model, job_id, queue, task, args, priority, attempt, maximum, run_at, lease)
+        for job_id, status, queue, task, args, priority, attempt, maximum, run_at, lease in rows
+        if status == running
     ]
     jobs.sort(key=lambda job: (job.priority, job.run_at, job.id))
     if hold and jobs:
@@ -455,7 +457,7 @@ def claim(
     return jobs
 
 
-def lock(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+def lock(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     """Lock the rows of these attempts until the caller's transaction ends.
 
     Returns the jobs whose attempt is still current (fenced); the others were taken over
@@ -474,7 +476,7 @@ def lock(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
 
 
 def complete(
-    session: Session,
+    session: Executor,
     job: ClaimedJob,
     *,
     result: Any = _NO_RESULT,
@@ -495,7 +497,7 @@ def complete(
 
 
 def complete_many(
-    session: Session,
+    session: Executor,
     jobs: Sequence[ClaimedJob],
     *,
     results: Sequence[Any] | None = None,
@@ -546,7 +548,7 @@ def _error_text(error: str | BaseException) -> str:
 
 
 def fail(
-    session: Session,
+    session: Executor,
     job: ClaimedJob,
     error: str | BaseException,
     *,
@@ -583,7 +585,7 @@ def fail(
 
 
 def heartbeat(
-    session: Session, jobs: Sequence[ClaimedJob], *, lease: timedelta | float = DEFAULT_LEASE
+    session: Executor, jobs: Sequence[ClaimedJob], *, lease: timedelta | float = DEFAULT_LEASE
 ) -> list[ClaimedJob]:
     """Extend these attempts' leases to ``lease`` from now, in database time.
 
@@ -599,7 +601,7 @@ def heartbeat(
     return _lost(jobs, _fenced(rows))
 
 
-def release(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+def release(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     """Give these attempts' jobs back unfinished, runnable at once by any worker.
 
     For a worker shutting down with work it will not finish. The attempt is not charged
@@ -617,7 +619,7 @@ def release(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
 
 
 def _admin(
-    session: Session,
+    session: Executor,
     model: type[JobMixin],
     job_id: int,
     builder: Callable[..., Executable],
@@ -634,20 +636,20 @@ def _admin(
     raise JobStateError(f"job {job_id} is {status}; only {expected} jobs can be changed so")
 
 
-def retry(session: Session, model: type[JobMixin], job_id: int) -> None:
+def retry(session: Executor, model: type[JobMixin], job_id: int) -> None:
     """Make a dead or cancelled job pending again, runnable now, with at least one more
     attempt. Raises :class:`JobNotFoundError` or :class:`JobStateError`."""
     _admin(session, model, job_id, statements.retry, "dead or cancelled")
 
 
-def cancel(session: Session, model: type[JobMixin], job_id: int) -> None:
+def cancel(session: Executor, model: type[JobMixin], job_id: int) -> None:
     """Cancel a pending job. Raises :class:`JobNotFoundError`, or :class:`JobStateError`
     when the job is not pending (a running attempt owns its job until it ends)."""
     _admin(session, model, job_id, statements.cancel, "pending")
 
 
 def prune(
-    session: Session,
+    session: Executor,
     model: type[JobMixin],
     *,
     older_than: timedelta | float,
@@ -663,7 +665,7 @@ def prune(
     return result.rowcount
 
 
-def queue_stats(session: Session, model: type[JobMixin]) -> list[QueueStat]:
+def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
     """Job counts by queue and status, with the age of the oldest runnable pending job."""
     table = _job_table(model)
     return [
@@ -691,7 +693,7 @@ class DeadJob:
     last_error: str | None
 
 
-def dead_jobs(session: Session, model: type[JobMixin], *, limit: int = 20) -> list[DeadJob]:
+def dead_jobs(session: Executor, model: type[JobMixin], *, limit: int = 20) -> list[DeadJob]:
     """The ``limit`` most recently finished dead jobs, newest first, with their last error."""
     table = _job_table(model)
     _check_count("limit", limit, MAX_CLAIM_LIMIT)

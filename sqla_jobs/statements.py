@@ -34,6 +34,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    cast,
     column,
     delete,
     func,
@@ -87,11 +88,12 @@ def _seconds(param: str) -> ColumnElement[Any]:
 
 def _fences(table: Table) -> tuple[Any, ColumnElement[bool]]:
     """The ``(id, attempt)`` pairs of a batch, and the fenced match against the table."""
+    # The arrays arrive as comma-separated text ('1,2,3') and are split and cast here:
+    # cheaper on the client than having the driver inspect and dump a list per parameter.
+    ids = func.string_to_array(bindparam("fence_ids", type_=Text), literal_column("','"))
+    attempts = func.string_to_array(bindparam("fence_attempts", type_=Text), literal_column("','"))
     pairs = (
-        func.unnest(
-            bindparam("fence_ids", type_=ARRAY(BigInteger)),
-            bindparam("fence_attempts", type_=ARRAY(Integer)),
-        )
+        func.unnest(cast(ids, ARRAY(BigInteger)), cast(attempts, ARRAY(Integer)))
         .table_valued("id", "attempt")
         .render_derived(name="fence")
     )
