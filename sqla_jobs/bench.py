@@ -608,25 +608,25 @@ def _ratio(name: str) -> Callable[[Results], float | None]:
 TARGETS: Final = [
     Target(
         "drain.lease.batched.1p",
-        "batched drain >= 75% of bare",
+        "batched drain >= 75% of bare (lease, 1p)",
         _ratio("drain.lease.batched.1p"),
         0.75,
     ),
     Target(
         "drain.lease.batched.2p",
-        "batched drain >= 75% of bare",
+        "batched drain >= 75% of bare (lease, 2p)",
         _ratio("drain.lease.batched.2p"),
         0.75,
     ),
     Target(
         "drain.lease.single.1p",
-        "one per claim >= 70% of bare",
+        "one per claim >= 70% of bare (lease, 1p)",
         _ratio("drain.lease.single.1p"),
         0.70,
     ),
     Target(
         "drain.lease.single.2p",
-        "one per claim >= 70% of bare",
+        "one per claim >= 70% of bare (lease, 2p)",
         _ratio("drain.lease.single.2p"),
         0.70,
     ),
