@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -459,7 +460,57 @@ def run_enqueue(cfg: Config, engine: sa.Engine, results: Results) -> None:
         jobs = ({"task": "bench_noop", "queue": _Q_ENQUEUE, "args": {"n": n}} for n in range(count))
         enqueue_many(session, Job, jobs, chunk_size=cfg.chunk)
     results.add("enqueue.bulk", count / (time.perf_counter() - started), "jobs/s", "ceiling.insert")
+    _notify_cost(cfg, engine, results)
     _progress("enqueue")
+
+
+_NOTIFY_ROUNDS: Final = itertools.count()
+
+
+def _notify_cost(cfg: Config, engine: sa.Engine, results: Results) -> None:
+    """What the NOTIFY trigger costs enqueueing: one job per business transaction (where
+    NOTIFY's commit-time lock matters most) and bulk transactions, trigger on vs off. The
+    ``notify`` figures' ratio is to the same work with the trigger disabled."""
+    single = max(cfg.single_jobs, 1)
+    bulk_rows = cfg.jobs
+    for n in range(min(single, 200)):  # warm the connections, caches and prepared plans
+        with Session(engine) as session, session.begin():
+            session.add(Job(task="bench_noop", queue=_Q_ENQUEUE, args={"n": n}))
+    # Alternate which goes first between repeats, so neither gets the warmer machine.
+    order = (False, True) if next(_NOTIFY_ROUNDS) % 2 == 0 else (True, False)
+    for enabled in order:
+        with engine.begin() as connection:
+            connection.exec_driver_sql(statements.set_user_triggers(_TABLE, enabled=enabled))
+        try:
+            label = "notify" if enabled else "no_notify"
+            _reset(engine)
+            started = time.perf_counter()
+            for n in range(single):
+                with Session(engine) as session, session.begin():
+                    session.add(Job(task="bench_noop", queue=_Q_ENQUEUE, args={"n": n}))
+            ceiling = None if not enabled else "enqueue.tx1.no_notify"
+            results.add(
+                f"enqueue.tx1.{label}", single / (time.perf_counter() - started), "jobs/s", ceiling
+            )
+            _reset(engine)
+            started = time.perf_counter()
+            for first in range(0, bulk_rows, 100):
+                with Session(engine) as session, session.begin():
+                    rows = (
+                        {"task": "bench_noop", "queue": _Q_ENQUEUE, "args": {"n": n}}
+                        for n in range(first, min(first + 100, bulk_rows))
+                    )
+                    enqueue_many(session, Job, rows)
+            ceiling = None if not enabled else "enqueue.tx100.no_notify"
+            results.add(
+                f"enqueue.tx100.{label}",
+                bulk_rows / (time.perf_counter() - started),
+                "jobs/s",
+                ceiling,
+            )
+        finally:
+            with engine.begin() as connection:
+                connection.exec_driver_sql(statements.set_user_triggers(_TABLE, enabled=True))
 
 
 def run_latency(cfg: Config, engine: sa.Engine, results: Results) -> None:

@@ -625,6 +625,13 @@ def vacuum_analyze(table: Table) -> str:
     return f"VACUUM (ANALYZE) {qualified_name(table.name, table.schema)}"
 
 
+def set_user_triggers(table: Table, *, enabled: bool) -> str:
+    """``ALTER TABLE ... ENABLE|DISABLE TRIGGER USER``, as SQL text: the benchmark turns the
+    NOTIFY trigger off to measure what it costs an enqueue."""
+    action = "ENABLE" if enabled else "DISABLE"
+    return f"ALTER TABLE {qualified_name(table.name, table.schema)} {action} TRIGGER USER"
+
+
 def truncate(*tables: Table) -> str:
     """``TRUNCATE ... RESTART IDENTITY`` of these tables, as SQL text (benchmark resets)."""
     return (
