@@ -61,7 +61,6 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import queue as queue_module
 import signal
 import threading
 import time
@@ -107,6 +106,9 @@ _MAX_OUTCOME_BATCH: Final = 1000
 _OUTCOME_GATHER: Final = 0.001
 _SPILL_AFTER: Final = 0.002
 _CLAIM_GATHER: Final = 0.005
+# How long a completion may wait for the fetch loop's next claim before the outcome writer
+# commits it on its own (a claim that waits on a lock must not hold completions back).
+_HANDOFF_WAIT: Final = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,7 @@ class _Attempt:
     lock_pid: int | None = None
     future: concurrent.futures.Future[Any] | None = None
     queued_at: float = 0.0  # when it was queued for a handler thread
+    posted: bool = False  # its handler is done: its outcome waits to be written
 
 
 @dataclass(eq=False)
@@ -149,6 +152,9 @@ class _Outcome:
     error: str | BaseException = ""
     retry: bool = True
     action: str = "job_failed"
+    posted_at: float = 0.0
+    # Written by the outcome writer only (a combined claim transaction with it failed).
+    writer_only: bool = False
 
 
 @dataclass
@@ -294,7 +300,13 @@ class Worker:
         self._wakeup = threading.Condition(self._lock)
         self._notified = False
         self._in_flight: dict[tuple[int, int], _Attempt] = {}
-        self._outcomes: queue_module.SimpleQueue[_Outcome] = queue_module.SimpleQueue()
+        # Outcomes waiting to be written (under self._lock). Successful ones are taken by the
+        # fetch loop into its next claim's transaction when it is about to claim, the rest
+        # (and those, when it is not) by the outcome writer.
+        self._pending: list[_Outcome] = []
+        self._settling = 0  # attempts in _in_flight whose outcome is posted, not yet written
+        self._fetch_will_claim = False
+        self._outcome_ready = threading.Condition(self._lock)
         # Jobs waiting for a handler thread. A batch is added at once and wakes one idle
         # handler, which passes the wake-up on while jobs remain: quick jobs are run by the
         # few threads that come back first, slow ones each get a thread of their own.
@@ -630,36 +642,99 @@ class Worker:
     def _fetch_loop(self) -> None:
         backoff = Backoff()
         link = _Link(self.engine)
+        done: list[_Outcome] = []
         try:
             while not self._stopping.is_set():
                 self._fetch_beat = time.monotonic()
                 with self._wakeup:
-                    free = self.concurrency - len(self._in_flight)
+                    # Until it waits for a notification, the loop claims again as soon as
+                    # slots free: completions posted meanwhile are left for that claim's
+                    # transaction (one commit for both), not written on their own.
+                    self._fetch_will_claim = True
+                    free = self.concurrency - self._busy()
                     if free <= 0:
                         self._wait(self._slot_free_or_stopping)
                         continue
-                    if free < self._min_claim and self._in_flight:
+                    if free < self._min_claim and self._busy():
                         # A few slots free while jobs run: give others a moment to free
                         # too, so that one claim fills many slots instead of one each.
                         self._wakeup.wait_for(self._enough_free_or_stopping, _CLAIM_GATHER)
-                        free = self.concurrency - len(self._in_flight)
+                        free = self.concurrency - self._busy()
+                    # While handlers keep finishing jobs, let them: a commit costs more than
+                    # the wait, and a batch of quick jobs finishes within it.
+                    while free < self.batch_size and self._busy() and self._pending:
+                        self._wakeup.wait(_OUTCOME_GATHER)
+                        now_free = self.concurrency - self._busy()
+                        if now_free == free or self._stopping.is_set():
+                            break
+                        free = now_free
                     self._notified = False
+                    done = self._take_completions()
                 limit = min(free, self.batch_size)
                 try:
-                    jobs = self._claim(link, limit)
+                    jobs = self._claim(link, limit, done)
                 except Exception as exc:
+                    self._give_back(done)
+                    done = []
+                    self._idle_fetch()
                     self._database_failed("claim", exc, backoff, self._stopping)
                     continue
                 self._database_recovered(backoff)
+                if done:
+                    self._done_many([outcome.attempt for outcome in done])
+                    done = []
                 if jobs:
                     self._dispatch(jobs)
                 if len(jobs) == limit:
                     continue  # there may be more right away
                 with self._wakeup:
+                    self._fetch_will_claim = False
+                    self._outcome_ready.notify_all()
                     self._wait(self._notified_or_stopping)
         finally:
+            self._give_back(done)
+            self._idle_fetch()
             link.close()
         self._fetch_beat = time.monotonic()
+
+    def _busy(self) -> int:
+        # Holding self._lock: the attempts whose handler has not finished.
+        return len(self._in_flight) - self._settling
+
+    def _idle_fetch(self) -> None:
+        with self._wakeup:
+            self._fetch_will_claim = False
+            self._outcome_ready.notify_all()
+
+    def _take_completions(self) -> list[_Outcome]:
+        """Holding self._lock: take the successful outcomes for the next claim's transaction."""
+        pending = self._pending
+        if not pending:
+            return []
+        taken: list[_Outcome] = []
+        kept: list[_Outcome] = []
+        for outcome in pending:
+            if (
+                outcome.kind == "complete"
+                and not outcome.writer_only
+                and len(taken) < _MAX_OUTCOME_BATCH
+            ):
+                taken.append(outcome)
+            else:
+                kept.append(outcome)
+        self._pending = kept
+        return taken
+
+    def _give_back(self, outcomes: Sequence[_Outcome]) -> None:
+        """Completions whose claim transaction failed (nothing of it happened): the outcome
+        writer retries them on their own."""
+        if not outcomes:
+            return
+        with self._wakeup:
+            for outcome in outcomes:
+                outcome.writer_only = True
+            self._pending.extend(outcomes)
+            self._outcome_ready.notify_all()
 
     def _wait(self, predicate: Callable[[], bool]) -> None:
         # Holding self._wakeup: wait until ``predicate`` or the poll interval. While jobs
@@ -676,18 +751,36 @@ class Worker:
             self._spill()
 
     def _enough_free_or_stopping(self) -> bool:
-        free = self.concurrency - len(self._in_flight)
+        free = self.concurrency - self._busy()
         return self._stopping.is_set() or free >= self._min_claim
 
     def _slot_free_or_stopping(self) -> bool:
-        return self._stopping.is_set() or len(self._in_flight) < self.concurrency
+        return self._stopping.is_set() or self._busy() < self.concurrency
 
     def _notified_or_stopping(self) -> bool:
         return self._stopping.is_set() or self._notified
 
-    def _claim(self, link: _Link, limit: int) -> list[ClaimedJob]:
+    def _claim(self, link: _Link, limit: int, done: Sequence[_Outcome] = ()) -> list[ClaimedJob]:
+        """Claim up to ``limit`` jobs; complete ``done`` first in the same transaction.
+
+        The completions are marked ended only once that transaction has committed; if it
+        fails, nothing of it happened and the caller gives them back to be written again.
+        """
+        if not done:
+            return self._claim_in(link, limit, ())
+        # Held until the attempts are marked ended (see _write_outcomes).
+        with self._commit_lock:
+            jobs = self._claim_in(link, limit, done)
+            for outcome in done:
+                outcome.attempt.ended = True
+        return jobs
+
+    def _claim_in(self, link: _Link, limit: int, done: Sequence[_Outcome]) -> list[ClaimedJob]:
+        lost: list[ClaimedJob] = []
         with link.begin() as connection:
             session = _core(connection)
+            if done:
+                lost = self._complete(session, [(o.attempt, o.result) for o in done])
             jobs = claim(
                 session,
                 self.model,
@@ -705,6 +798,8 @@ class Worker:
                         longer.setdefault(seconds, []).append(job)
             for seconds, group in longer.items():
                 heartbeat(session, group, lease=seconds)
+        if done:
+            self._log_completions(done, lost)
         if jobs and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "claimed %d jobs",
@@ -734,7 +829,7 @@ class Worker:
                     "it once a worker knows the task"
                 )
                 logger.error(message, extra=_job_extra(job, "unknown_task"))
-                self._outcomes.put(
+                self._post(
                     _Outcome(attempt, "fail", error=message, retry=False, action="unknown_task")
                 )
             elif job.attempt > job.max_attempts:
@@ -744,7 +839,7 @@ class Worker:
                     "not run again"
                 )
                 logger.error(message, extra=_job_extra(job, "attempts_exhausted"))
-                self._outcomes.put(
+                self._post(
                     _Outcome(
                         attempt, "fail", error=message, retry=False, action="attempts_exhausted"
                     )
@@ -865,9 +960,9 @@ class Worker:
         try:
             result = self._checked(task.function(JobContext(job, self.name)))
         except BaseException as exc:
-            self._outcomes.put(_Outcome(attempt, "fail", error=exc))
+            self._post(_Outcome(attempt, "fail", error=exc))
         else:
-            self._outcomes.put(_Outcome(attempt, "complete", result=result))
+            self._post(_Outcome(attempt, "complete", result=result))
 
     def _run_coroutine(self, attempt: _Attempt) -> None:
         job, task, loop = attempt.job, attempt.task, self._loop
@@ -887,9 +982,9 @@ class Worker:
                 except InvalidJobError as exc:
                     error = exc
                 else:
-                    self._outcomes.put(_Outcome(attempt, "complete", result=result))
+                    self._post(_Outcome(attempt, "complete", result=result))
                     return
-            self._outcomes.put(_Outcome(attempt, "fail", error=error))
+            self._post(_Outcome(attempt, "fail", error=error))
 
         future.add_done_callback(done)
 
@@ -918,7 +1013,7 @@ class Worker:
                 except BaseException as exc:
                     attempt.lock_pid = None
                     _rollback_quietly(session)
-                    self._outcomes.put(_Outcome(attempt, "fail", error=exc))
+                    self._post(_Outcome(attempt, "fail", error=exc))
                     return
                 lost = self._complete(session, [(attempt, result)])
                 committing = True
@@ -948,7 +1043,7 @@ class Worker:
                     describe(exc),
                     extra=_job_extra(job, "database_error", error=describe(exc)),
                 )
-            self._outcomes.put(_Outcome(attempt, "release"))
+            self._post(_Outcome(attempt, "release"))
 
     # -- outcomes -------------------------------------------------------------------------
 
@@ -968,6 +1063,21 @@ class Worker:
                 )
         return lost
 
+    def _post(self, outcome: _Outcome) -> None:
+        """A handler is done with its attempt: its slot is free, its outcome to be written."""
+        with self._wakeup:
+            attempt = outcome.attempt
+            key = (attempt.job.id, attempt.job.attempt)
+            if not attempt.posted and self._in_flight.get(key) is attempt:
+                attempt.posted = True
+                self._settling += 1
+            outcome.posted_at = time.monotonic()
+            self._pending.append(outcome)
+            self._wakeup.notify_all()  # a slot is free: the fetch loop
+            if outcome.kind != "complete" or not self._fetch_will_claim:
+                # (A completion left to the fetch loop wakes the writer only when due.)
+                self._outcome_ready.notify()
+
     def _outcome_loop(self) -> None:
         backoff = Backoff()
         link = _Link(self.engine)
@@ -975,26 +1085,9 @@ class Worker:
         try:
             while True:
                 if not batch:
-                    try:
-                        batch.append(self._outcomes.get(timeout=0.2))
-                    except queue_module.Empty:
-                        if self._finished.is_set():
-                            return
-                        continue
-                    # Whatever else is ready joins this transaction: batches grow with load.
-                    # While other jobs are in flight, their outcomes are given a moment to
-                    # arrive: a commit costs more than the wait, and a batch of quick jobs
-                    # finishes within it.
-                    while len(batch) < _MAX_OUTCOME_BATCH:
-                        if not self._outcomes.empty():
-                            batch.append(self._outcomes.get_nowait())
-                        elif len(self._in_flight) > len(batch):
-                            try:
-                                batch.append(self._outcomes.get(timeout=_OUTCOME_GATHER))
-                            except queue_module.Empty:
-                                break
-                        else:
-                            break
+                    batch = self._next_outcomes()
+                    if not batch:
+                        return  # finished
                 try:
                     self._write_outcomes(link, batch)
                 except Exception as exc:
@@ -1006,6 +1099,54 @@ class Worker:
                 batch = []
         finally:
             link.close()
+
+    def _next_outcomes(self) -> list[_Outcome]:
+        """The outcome writer's next batch, waiting for one; empty once the worker finished.
+
+        Successful outcomes are left to the fetch loop while it is about to claim (it commits
+        them with its claim), unless they have waited ``_HANDOFF_WAIT`` for it.
+        """
+        with self._outcome_ready:
+            while True:
+                batch, wait = self._writer_share()
+                if batch:
+                    break
+                if self._finished.is_set():
+                    return []
+                self._outcome_ready.wait(min(wait, 0.2))
+            # Whatever else is ready joins this transaction: batches grow with load. While
+            # other jobs run, their outcomes are given a moment to arrive: a commit costs
+            # more than the wait, and a batch of quick jobs finishes within it.
+            while len(batch) < _MAX_OUTCOME_BATCH and self._busy():
+                self._outcome_ready.wait(_OUTCOME_GATHER)
+                more, _ = self._writer_share(_MAX_OUTCOME_BATCH - len(batch))
+                if not more:
+                    break
+                batch += more
+            return batch
+
+    def _writer_share(self, room: int = _MAX_OUTCOME_BATCH) -> tuple[list[_Outcome], float]:
+        """Holding self._lock: take the outcomes for the writer; and how long until a
+        completion left to the fetch loop is due."""
+        pending = self._pending
+        if not pending:
+            return [], 1.0
+        if not self._fetch_will_claim or self._stopping.is_set():
+            taken, self._pending = pending[:room], pending[room:]
+            return taken, 1.0
+        due = time.monotonic() - _HANDOFF_WAIT
+        taken, kept = [], []
+        wait = 1.0
+        for outcome in pending:
+            if len(taken) < room and (
+                outcome.kind != "complete" or outcome.writer_only or outcome.posted_at <= due
+            ):
+                taken.append(outcome)
+            else:
+                kept.append(outcome)
+                wait = min(wait, outcome.posted_at - due)
+        self._pending = kept
+        return taken, max(wait, 0.001)
 
     def _write_outcomes(self, link: _Link, batch: Sequence[_Outcome]) -> None:
         completed = [o for o in batch if o.kind == "complete"]
@@ -1039,15 +1180,7 @@ class Worker:
                     given_back = [job for job in jobs if job not in kept_back]
             for outcome in batch:
                 outcome.attempt.ended = True
-        if lost:
-            lost_keys = {(job.id, job.attempt) for job in lost}
-            for outcome in completed:
-                self._log_completed(outcome.attempt, lost_keys)
-        elif logger.isEnabledFor(logging.DEBUG):
-            for outcome in completed:
-                logger.debug(
-                    "job succeeded", extra=_job_extra(outcome.attempt.job, "job_succeeded")
-                )
+        self._log_completions(completed, lost)
         for outcome, status in zip(failed, statuses, strict=True):
             self._log_failed(outcome, status)
         if given_back:
@@ -1061,6 +1194,17 @@ class Worker:
                 },
             )
         self._done_many([outcome.attempt for outcome in batch])
+
+    def _log_completions(self, completed: Sequence[_Outcome], lost: Sequence[ClaimedJob]) -> None:
+        if lost:
+            lost_keys = {(job.id, job.attempt) for job in lost}
+            for outcome in completed:
+                self._log_completed(outcome.attempt, lost_keys)
+        elif logger.isEnabledFor(logging.DEBUG):
+            for outcome in completed:
+                logger.debug(
+                    "job succeeded", extra=_job_extra(outcome.attempt.job, "job_succeeded")
+                )
 
     def _log_completed(self, attempt: _Attempt, lost_keys: set[tuple[int, int]]) -> None:
         job = attempt.job
@@ -1115,7 +1259,8 @@ class Worker:
         with self._wakeup:
             pop = self._in_flight.pop
             for attempt in attempts:
-                pop((attempt.job.id, attempt.job.attempt), None)
+                if pop((attempt.job.id, attempt.job.attempt), None) is attempt and attempt.posted:
+                    self._settling -= 1
             self._wakeup.notify_all()
 
     # -- heartbeat ------------------------------------------------------------------------

@@ -301,3 +301,58 @@ def test_quick_jobs_do_not_wait_behind_a_slow_one(db: JobDatabase) -> None:
             message="the quick jobs succeed while the slow one runs",
         )
         assert db.status(slow) == "running"
+
+
+def test_a_busy_worker_commits_completions_with_its_next_claim(
+    db: JobDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Finished jobs wait for the fetch loop's next claim and are completed in its
+    # transaction: one commit per cycle. The results are stored all the same.
+    combined: list[int] = []
+    original = Worker._claim_in
+
+    def spy(self: Worker, link: Any, limit: int, done: Any) -> list[ClaimedJob]:
+        jobs = original(self, link, limit, done)
+        if done:
+            combined.append(len(done))
+        return jobs
+
+    monkeypatch.setattr(Worker, "_claim_in", spy)
+    ids = db.enqueue_many([("sleepy", {"sleep": 0.01})] * 40)
+    with running(db, concurrency=4, batch_size=4):
+        wait_until(lambda: db.all_succeeded(40), timeout=20, message="all succeed")
+    assert sum(combined) > 0
+    assert all(db.result(job_id) == {"attempt": 1} for job_id in ids)
+
+
+def test_completions_of_a_failed_claim_transaction_are_written_again(
+    db: JobDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The claim fails after the completions ran in its transaction: it rolls back, and the
+    # completions are written again, not dropped (and the jobs do not run twice).
+    from sqla_jobs.queue import claim as original_claim
+
+    state = {"done": 0, "raised": 0}
+    original_claim_in = Worker._claim_in
+
+    def claim_in(self: Worker, link: Any, limit: int, done: Any) -> list[ClaimedJob]:
+        state["done"] = len(done)
+        return original_claim_in(self, link, limit, done)
+
+    def failing_claim(*args: Any, **kwargs: Any) -> list[ClaimedJob]:
+        if state["done"] and not state["raised"]:
+            state["raised"] = state["done"]
+            raise RuntimeError("the claim failed after the completions ran")
+        return original_claim(*args, **kwargs)
+
+    monkeypatch.setattr(Worker, "_claim_in", claim_in)
+    monkeypatch.setattr("sqla_jobs.worker.claim", failing_claim)
+    caplog.set_level(logging.INFO, logger="sqla_jobs")
+    ids = db.enqueue_many([("sleepy", {"sleep": 0.01})] * 20)
+    with running(db, concurrency=4, batch_size=4):
+        wait_until(lambda: db.all_succeeded(20), timeout=20, message="all succeed")
+    assert state["raised"] > 0
+    assert any(r.__dict__.get("operation") == "claim" for r in caplog.records)
+    for job_id in ids:
+        assert db.job(job_id).attempts == 1
+        assert len(db.effects(job_id, "start")) == 1
