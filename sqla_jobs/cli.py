@@ -377,11 +377,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_alembic(args: argparse.Namespace) -> None:
+    if args.log_level == "INFO":  # Alembic narrates every migration at INFO
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from sqla_jobs import bench
 
-    if args.log_level == "INFO":  # Alembic narrates every migration at INFO
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+    _quiet_alembic(args)
     return bench.main(list(args.bench_args))
 
 
@@ -389,8 +393,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from sqla_jobs import demo
 
     url = database_url(args.database_url) if args.database_url else None
-    if args.log_level == "INFO":  # Alembic narrates every migration at INFO
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+    _quiet_alembic(args)
     return demo.run(
         url=url,
         jobs=args.jobs,

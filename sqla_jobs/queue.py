@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
-from typing import Any, Final, NamedTuple, TypeAlias, TypeVar, cast
+from typing import Any, Final, NamedTuple, TypeAlias, cast
 from uuid import UUID
 
 from sqlalchemy import Connection, CursorResult, Executable, Table, inspect
@@ -139,8 +139,6 @@ class QueueStat:
 
 # -- plumbing ---------------------------------------------------------------------------
 
-_Builder = TypeVar("_Builder", bound=Callable[..., Executable])
-
 
 @functools.lru_cache(maxsize=512)
 def _statement(builder: Callable[..., Executable], table: Table, **options: Any) -> Executable:
@@ -149,21 +147,20 @@ def _statement(builder: Callable[..., Executable], table: Table, **options: Any)
     return builder(table, **options)
 
 
-def _job_table(model: object) -> Table:
-    if not (isinstance(model, type) and issubclass(model, JobMixin)):
-        raise ConfigurationError(f"{model!r} is not a mapped class that mixes in JobMixin")
-    mapper = inspect(model, raiseerr=False)
-    if mapper is None:
-        raise ConfigurationError(f"{model.__name__} mixes in JobMixin but is not mapped")
+def _mapped_table(model: object, mixin: type) -> Table:
+    if not (isinstance(model, type) and issubclass(model, mixin)):
+        raise ConfigurationError(f"{model!r} is not a mapped class that mixes in {mixin.__name__}")
+    if inspect(model, raiseerr=False) is None:
+        raise ConfigurationError(f"{model.__name__} mixes in {mixin.__name__} but is not mapped")
     return cast(Table, model.__table__)  # type: ignore[attr-defined]
+
+
+def _job_table(model: object) -> Table:
+    return _mapped_table(model, JobMixin)
 
 
 def _result_table(model: object) -> Table:
-    if not (isinstance(model, type) and issubclass(model, JobResultMixin)):
-        raise ConfigurationError(f"{model!r} is not a mapped class that mixes in JobResultMixin")
-    if inspect(model, raiseerr=False) is None:
-        raise ConfigurationError(f"{model.__name__} mixes in JobResultMixin but is not mapped")
-    return cast(Table, model.__table__)  # type: ignore[attr-defined]
+    return _mapped_table(model, JobResultMixin)
 
 
 def _one_model(jobs: Sequence[ClaimedJob]) -> type[JobMixin]:
@@ -260,36 +257,18 @@ def _attribute_values(model: type[JobMixin], job: JobMixin) -> dict[str, Any]:
     }
 
 
-# Queue and task names repeat across a batch: check each distinct one once.
-_check_name_cached = functools.lru_cache(maxsize=1024)(validation.check_name)
-
-
-def _check_name(field: str, value: object) -> str:
-    if type(value) is str:
-        return _check_name_cached(field, value)
-    return validation.check_name(field, value)
-
-
 def _job_row(
     model: type[JobMixin], job: Mapping[str, Any] | JobMixin, own: frozenset[str]
 ) -> dict[str, Any]:
     """Check one job as the mixin's validators would; return its row for the statement."""
     values: Mapping[str, Any] = job if isinstance(job, Mapping) else _attribute_values(model, job)
-    row: dict[str, Any] = {"task": _check_name("task", values.get("task"))}
+    row: dict[str, Any] = {"task": validation.check_name("task", values.get("task"))}
     for key, value in values.items():
         if key == "task" or value is None:
             continue  # None: the column's server default
-        if key == "queue":
-            _check_name(key, value)
-        elif key == "args":
-            validation.check_args(key, value, max_bytes=model.max_args_bytes)
-        elif key == "priority":
-            validation.check_priority(key, value)
-        elif key == "max_attempts":
-            validation.check_max_attempts(key, value)
-        elif key == "run_at":
-            validation.check_run_at(key, value)
-            if not isinstance(value, datetime):
+        if key in validation.JOB_FIELDS:
+            validation.check_field(key, value, max_args_bytes=model.max_args_bytes)
+            if key == "run_at" and not isinstance(value, datetime):
                 raise InvalidJobError(
                     key, "enqueue_many takes a datetime, not a SQL expression; use add() for that"
                 )

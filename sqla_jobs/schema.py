@@ -218,26 +218,9 @@ class JobMixin:
             CheckConstraint("attempts >= 0 AND max_attempts >= 1", name=n.attempts_check),
         )
 
-    @validates("queue", "task")
-    def _validate_name(self, key: str, value: object) -> str:
-        return validation.check_name(key, value)
-
-    @validates("args")
-    def _validate_args(self, key: str, value: object) -> dict[str, Any]:
-        validation.check_args(key, value, max_bytes=self.max_args_bytes)
-        return value  # type: ignore[return-value]
-
-    @validates("priority")
-    def _validate_priority(self, key: str, value: object) -> int:
-        return validation.check_priority(key, value)
-
-    @validates("max_attempts")
-    def _validate_max_attempts(self, key: str, value: object) -> int:
-        return validation.check_max_attempts(key, value)
-
-    @validates("run_at")
-    def _validate_run_at(self, key: str, value: object) -> object:
-        return validation.check_run_at(key, value)
+    @validates(*sorted(validation.JOB_FIELDS))
+    def _validate_field(self, key: str, value: object) -> object:
+        return validation.check_field(key, value, max_args_bytes=self.max_args_bytes)
 
     @validates("status")
     def _validate_status(self, key: str, value: object) -> str:

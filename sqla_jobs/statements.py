@@ -59,7 +59,6 @@ __all__ = [
     "fail",
     "heartbeat",
     "lock",
-    "notify",
     "prune",
     "queue_stats",
     "release",
@@ -422,16 +421,6 @@ def queue_stats(table: Table) -> Select[Any]:
         .group_by(table.c.queue, table.c.status)
         .order_by(table.c.queue, table.c.status)
     )
-
-
-def notify(table: Table) -> Select[Any]:
-    """``pg_notify`` on the table's channel with ``:payload`` (a queue name).
-
-    Delivered when the surrounding transaction commits, and never before, so a listener
-    cannot see a job its enqueuer has not committed.
-    """
-    channel = names(table.name).channel
-    return select(func.pg_notify(channel, bindparam("payload", type_=Text)))
 
 
 # -- worker runtime and command line (appended) -------------------------------------------

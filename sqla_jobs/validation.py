@@ -6,6 +6,7 @@ or raises :class:`~sqla_jobs.errors.InvalidJobError` naming the field.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -20,11 +21,13 @@ from sqla_jobs.errors import InvalidJobError, JobArgumentsError
 __all__ = [
     "DEFAULT_MAX_ARGS_BYTES",
     "DEFAULT_MAX_ATTEMPTS",
+    "JOB_FIELDS",
     "MAX_ATTEMPTS_LIMIT",
     "MAX_NAME_LENGTH",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "check_args",
+    "check_field",
     "check_json",
     "check_max_attempts",
     "check_name",
@@ -48,6 +51,13 @@ def check_name(field: str, value: object) -> str:
     """A queue or task name: 1-200 characters of letters, digits and ``_ . : -``."""
     if not isinstance(value, str):
         raise InvalidJobError(field, f"must be a string, not {type(value).__name__}")
+    return _check_name_text(field, value)
+
+
+# Queue and task names repeat from job to job: check each distinct one once. (Only a name
+# that passes is remembered; a bad one raises again every time.)
+@functools.lru_cache(maxsize=1024)
+def _check_name_text(field: str, value: str) -> str:
     if not value:
         raise InvalidJobError(field, "must not be empty")
     if len(value) > MAX_NAME_LENGTH:
@@ -188,6 +198,12 @@ def check_args(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_B
         raise JobArgumentsError(
             field, f"must be a JSON object (a dict), not {type(value).__name__}"
         )
+    return check_json(field, value, max_bytes=max_bytes)
+
+
+def check_json(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> int:
+    """Any JSON value (a stored result, say) that jsonb stores unchanged, at most
+    ``max_bytes``. Returns the size in bytes of its compact JSON form."""
     size = _compact_size(field, value)
     if size is None:
         size = _exact_size(field, value)
@@ -196,10 +212,23 @@ def check_args(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_B
     return size
 
 
-def check_json(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> None:
-    """Any JSON value (a stored result, say) that jsonb stores unchanged."""
-    size = _compact_size(field, value)
-    if size is None:
-        size = _exact_size(field, value)
-    if size > max_bytes:
-        raise JobArgumentsError(field, f"is {size} bytes as JSON, the limit is {max_bytes}")
+#: The job fields an enqueuer sets, each with its check. The mixin's validators and
+#: ``enqueue_many`` both go through :func:`check_field`, so they cannot disagree.
+JOB_FIELDS: Final = frozenset({"queue", "task", "args", "priority", "max_attempts", "run_at"})
+
+
+def check_field(field: str, value: object, *, max_args_bytes: int) -> object:
+    """Check ``value`` for the job field ``field`` (one of :data:`JOB_FIELDS`); return the
+    value to store."""
+    if field in ("queue", "task"):
+        return check_name(field, value)
+    if field == "args":
+        check_args(field, value, max_bytes=max_args_bytes)
+        return value
+    if field == "priority":
+        return check_priority(field, value)
+    if field == "max_attempts":
+        return check_max_attempts(field, value)
+    if field == "run_at":
+        return check_run_at(field, value)
+    raise ValueError(f"{field!r} is not one of {sorted(JOB_FIELDS)}")
