@@ -18,6 +18,9 @@ def claim_until_empty(url: str, batch: int) -> list[tuple[int, int]]:
         with Session(engine) as session:
             while empty_rounds < 3:
                 with session.begin():
+                    # A claim that blocked on another worker's locked rows would fail here
+                    # (a claim without SKIP LOCKED would wait for as long as they are held).
+                    session.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
                     jobs = sqla_jobs.claim(session, EmailJob, limit=batch, lease=300)
                 if not jobs:
                     empty_rounds += 1
