@@ -376,8 +376,8 @@ def claim(
     Runnable means pending with ``run_at`` no later than the database's clock, or running
     with an expired lease (its worker crashed or stalled). Jobs are taken in
     ``(priority, run_at, id)`` order, with ``FOR UPDATE SKIP LOCKED``, in one statement:
-    concurrent claimers get disjoint jobs and never wait on each other's locks. Each
-    claimed job's ``attempts`` grows by one; that number is the attempt's fence.
+    concurrent claimers get disjoint jobs and skip, never wait for, jobs another worker
+    holds. Each claimed job's ``attempts`` grows by one; that number is the attempt's fence.
 
     **Lease mode** (``hold=False``, the default). The claim runs in the caller's transaction
     and is durable once the caller commits. Each job is then ``running`` with a lease that

@@ -112,7 +112,9 @@ def claim(table: Table, *, queue_count: int) -> Update:
     for crashed jobs to come back). Order: ``(priority, run_at, id)``.
 
     Locks: ``FOR UPDATE SKIP LOCKED`` on the chosen rows, so concurrent claimers take
-    disjoint rows and never wait on each other. Index: the partial claim index
+    disjoint rows and skip the rows other workers hold. (Following the update chain of a row
+    claimed after this statement's snapshot, PostgreSQL may wait a moment for that claimer's
+    completion to commit: brief, never for a held job.) Index: the partial claim index
     ``(queue, priority, run_at, id) WHERE status IN ('pending', 'running')``; with one queue
     the index scan returns rows already in claim order.
 
