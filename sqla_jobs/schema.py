@@ -30,6 +30,7 @@ from sqlalchemy import (
     CheckConstraint,
     ColumnElement,
     DateTime,
+    FetchedValue,
     Identity,
     Index,
     Integer,
@@ -158,6 +159,10 @@ class JobMixin:
     names the field), and ``args`` once more at flush, because a dict can be changed in place
     after it was assigned. Nothing of the transaction is written when a check fails.
 
+    Columns left unset take their database defaults (``queue`` ``'default'``, ``status``
+    ``'pending'``, ``priority`` 0, ...), which the flush reads back into the object; before
+    the flush they read ``None``.
+
     Class-level options (set them on your subclass):
 
     ``max_args_bytes``
@@ -170,30 +175,36 @@ class JobMixin:
     max_args_bytes: ClassVar[int] = validation.DEFAULT_MAX_ARGS_BYTES
     delete_on_success: ClassVar[bool] = False
 
+    # No Python-side defaults (``default=``), only server defaults, and FetchedValue() (no
+    # DDL) on the nullable managed columns: the ORM's INSERT then sends only the columns the
+    # caller set (task, args, ...) instead of every column of every row, and reads the
+    # defaults back through RETURNING. Measured on add_all() + flush(): 7k -> 11k jobs/s.
+    # Until the flush, an attribute left unset reads None.
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=False), primary_key=True)
     queue: Mapped[str] = mapped_column(
-        String(validation.MAX_NAME_LENGTH), default=DEFAULT_QUEUE, server_default=DEFAULT_QUEUE
+        String(validation.MAX_NAME_LENGTH), server_default=DEFAULT_QUEUE
     )
     task: Mapped[str] = mapped_column(String(validation.MAX_NAME_LENGTH))
-    args: Mapped[dict[str, Any]] = mapped_column(
-        JSONB, default=dict, server_default=text("'{}'::jsonb")
-    )
-    status: Mapped[str] = mapped_column(
-        String(16), default=JobStatus.PENDING.value, server_default=JobStatus.PENDING.value
-    )
-    priority: Mapped[int] = mapped_column(SmallInteger, default=0, server_default=text("0"))
+    args: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    status: Mapped[str] = mapped_column(String(16), server_default=JobStatus.PENDING.value)
+    priority: Mapped[int] = mapped_column(SmallInteger, server_default=text("0"))
     run_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
-    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     max_attempts: Mapped[int] = mapped_column(
         Integer,
-        default=validation.DEFAULT_MAX_ATTEMPTS,
         server_default=text(str(validation.DEFAULT_MAX_ATTEMPTS)),
     )
-    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    leased_by: Mapped[str | None] = mapped_column(String(validation.MAX_NAME_LENGTH))
-    last_error: Mapped[str | None] = mapped_column(Text)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), server_default=FetchedValue()
+    )
+    leased_by: Mapped[str | None] = mapped_column(
+        String(validation.MAX_NAME_LENGTH), server_default=FetchedValue()
+    )
+    last_error: Mapped[str | None] = mapped_column(Text, server_default=FetchedValue())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), server_default=FetchedValue()
+    )
 
     @declared_attr.directive
     @classmethod
