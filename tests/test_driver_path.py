@@ -1,0 +1,139 @@
+"""The claim and completion on a Core Connection run their compiled SQL on the psycopg
+connection itself (the worker's hot path). Same statements, same transaction, same results
+as through an ORM Session; and never outside a transaction SQLAlchemy knows of."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from models import EmailJob
+from sqlalchemy.orm import Session
+
+import sqla_jobs
+from sqla_jobs import JobStatus, queue
+
+
+def enqueue(engine: sa.Engine, count: int, **values: Any) -> list[int]:
+    with Session(engine) as session, session.begin():
+        jobs = [EmailJob(task="send", args={"n": n}, **values) for n in range(count)]
+        session.add_all(jobs)
+        session.flush()
+        return [job.id for job in jobs]
+
+
+def statuses(engine: sa.Engine) -> dict[int, tuple[str, int]]:
+    with engine.connect() as connection:
+        rows = connection.execute(sa.text("SELECT id, status, attempts FROM email_jobs"))
+        return {row.id: (row.status, row.attempts) for row in rows}
+
+
+def count_driver_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the SQL that the fast path hands to psycopg directly."""
+    calls: list[str] = []
+    original = psycopg.Connection.execute
+
+    def spy(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(str(query))
+        return original(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", spy)
+    return calls
+
+
+def test_core_connection_claims_and_completes_through_the_driver(
+    queue_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = enqueue(queue_engine, 3, queue="mail", priority=1)
+    calls = count_driver_calls(monkeypatch)
+    with queue_engine.connect() as connection, connection.begin():
+        jobs = sqla_jobs.claim(connection, EmailJob, queues="mail", limit=10, worker="w:1")
+        lost = sqla_jobs.complete_many(connection, jobs)
+    assert lost == []
+    assert sorted(job.id for job in jobs) == ids
+    # The rows carry the same Python values the ORM path hands out.
+    assert [job.args for job in jobs] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert all(job.attempt == 1 and job.queue == "mail" and job.priority == 1 for job in jobs)
+    assert all(job.run_at.tzinfo is not None for job in jobs)
+    assert statuses(queue_engine) == dict.fromkeys(ids, (JobStatus.SUCCEEDED.value, 1))
+    assert any("FOR UPDATE SKIP LOCKED" in sql for sql in calls)
+    assert any(sql.startswith("UPDATE email_jobs SET status='succeeded'") for sql in calls)
+
+
+def test_driver_path_is_fenced(queue_engine: sa.Engine) -> None:
+    enqueue(queue_engine, 2)
+    with queue_engine.connect() as connection, connection.begin():
+        jobs = sqla_jobs.claim(connection, EmailJob, limit=2, lease=0.01)
+    stale = jobs[0]
+    with queue_engine.connect() as connection, connection.begin():
+        connection.execute(
+            sa.text("UPDATE email_jobs SET lease_expires_at = now() - interval '1 second'")
+        )
+    with queue_engine.connect() as connection, connection.begin():
+        again = sqla_jobs.claim(connection, EmailJob, limit=2)
+    assert sorted(job.attempt for job in again) == [2, 2]
+    with queue_engine.connect() as connection, connection.begin():
+        lost = sqla_jobs.complete_many(connection, [stale])
+    assert lost == [stale]  # attempt 1 was taken over: its completion matches nothing
+    assert statuses(queue_engine)[stale.id] == (JobStatus.RUNNING.value, 2)
+
+
+def test_rolled_back_transaction_undoes_a_driver_path_claim(queue_engine: sa.Engine) -> None:
+    (job_id,) = enqueue(queue_engine, 1)
+    with queue_engine.connect() as connection:
+        transaction = connection.begin()
+        (job,) = sqla_jobs.claim(connection, EmailJob)
+        transaction.rollback()
+    assert job.id == job_id
+    assert statuses(queue_engine)[job_id] == (JobStatus.PENDING.value, 0)
+
+
+def test_no_transaction_begun_goes_through_execute(
+    queue_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without begin(), only SQLAlchemy's own execute starts the transaction that commit()
+    # then commits; a claim sent past it would be rolled back when the connection closes.
+    (job_id,) = enqueue(queue_engine, 1)
+    calls = count_driver_calls(monkeypatch)
+    with queue_engine.connect() as connection:
+        (job,) = sqla_jobs.claim(connection, EmailJob)
+        connection.commit()
+    assert not any("SKIP LOCKED" in sql for sql in calls)
+    assert statuses(queue_engine)[job_id] == (JobStatus.RUNNING.value, 1)
+    assert job.attempt == 1
+
+
+def test_orm_session_goes_through_execute(
+    queue_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    enqueue(queue_engine, 1)
+    calls = count_driver_calls(monkeypatch)
+    seen: list[str] = []
+
+    def record(*args: Any) -> None:
+        seen.append(args[2])
+
+    sa.event.listen(queue_engine, "before_cursor_execute", record)
+    try:
+        with Session(queue_engine) as session, session.begin():
+            (job,) = sqla_jobs.claim(session, EmailJob)
+            sqla_jobs.complete(session, job)
+    finally:
+        sa.event.remove(queue_engine, "before_cursor_execute", record)
+    assert not any("SKIP LOCKED" in sql for sql in calls)
+    assert any("SKIP LOCKED" in sql for sql in seen)
+
+
+def test_driver_sql_is_compiled_once_per_table_and_dialect(queue_engine: sa.Engine) -> None:
+    table = EmailJob.__table__
+    first = queue._driver_sql(
+        sqla_jobs.statements.claim, table, queue_engine.dialect, queue_count=1
+    )
+    again = queue._driver_sql(
+        sqla_jobs.statements.claim, table, queue_engine.dialect, queue_count=1
+    )
+    assert first is again
+    assert first is not None
+    assert "%(queue_name)s" in first
