@@ -11,7 +11,9 @@ side do not drift with them. Sections (``--only``):
              then lock + complete per job in one transaction), with 1 and 2 processes; and
              the bulk INSERT.
 ``enqueue``  ORM ``session.add_all`` with a flush per 1000 jobs, and
-             :func:`sqla_jobs.enqueue_many`, both in one transaction.
+             :func:`sqla_jobs.enqueue_many`, both in one transaction. The ceiling of
+             ``add_all`` is the same ``add_all`` on a bare declarative model with the four
+             columns an enqueue sets (``ceiling.orm_add_all``): SQLAlchemy's own cost.
 ``drain``    no-op jobs through the real :class:`~sqla_jobs.worker.Worker`, in 1 and 2
              worker processes: one job per claim (``concurrency=1, batch_size=1``) and
              batched (``batch_size=B``), in lease and lock-held mode. Workers wait idle;
@@ -53,9 +55,10 @@ from typing import Any, Final
 
 import psycopg
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.engine import make_url
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import NullPool
 
 from sqla_jobs import statements
@@ -102,6 +105,25 @@ def bench_noop_lock(ctx: JobContext) -> None:
 def bench_stamp(ctx: JobContext) -> float:
     """Returns the wall-clock time at which the handler started."""
     return time.time()
+
+
+# -- the ORM's own ceiling -------------------------------------------------------------------
+
+
+class _PlainBase(DeclarativeBase):
+    pass
+
+
+class _PlainJob(_PlainBase):
+    """A bare declarative model with the columns an enqueue sets, nothing of sqla_jobs: what
+    SQLAlchemy's unit of work itself does with ``add_all``, the ceiling of ours."""
+
+    __tablename__ = "sqla_jobs_bench_plain"
+
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    queue: Mapped[str] = mapped_column(sa.Text)
+    task: Mapped[str] = mapped_column(sa.Text)
+    args: Mapped[dict[str, Any]] = mapped_column(JSONB)
 
 
 # -- plumbing ----------------------------------------------------------------------------------
@@ -434,26 +456,32 @@ def run_drain(cfg: Config, engine: sa.Engine, results: Results) -> None:
         _progress(f"{mode} {batch_kind} {procs}p")
 
 
-def run_enqueue(cfg: Config, engine: sa.Engine, results: Results) -> None:
-    count = cfg.jobs
-    if "ceiling" in cfg.sections:
-        results.add("ceiling.insert", _bare_insert(cfg, engine, count), "jobs/s")
-    if "enqueue" not in cfg.sections:
-        return
-    _reset(engine)
+def _add_all(engine: sa.Engine, model: type[Job] | type[_PlainJob], count: int) -> float:
+    """ORM ``add_all`` of ``count`` jobs, a flush per ``_FLUSH_EVERY``, one transaction."""
     started = time.perf_counter()
     with Session(engine) as session, session.begin():
         for first in range(0, count, _FLUSH_EVERY):
             session.add_all(
                 [
-                    Job(task="bench_noop", queue=_Q_ENQUEUE, args={"n": n})
+                    model(task="bench_noop", queue=_Q_ENQUEUE, args={"n": n})
                     for n in range(first, min(first + _FLUSH_EVERY, count))
                 ]
             )
             session.flush()
-    results.add(
-        "enqueue.add_all", count / (time.perf_counter() - started), "jobs/s", "ceiling.insert"
-    )
+    return count / (time.perf_counter() - started)
+
+
+def run_enqueue(cfg: Config, engine: sa.Engine, results: Results) -> None:
+    count = cfg.jobs
+    if "ceiling" in cfg.sections:
+        results.add("ceiling.insert", _bare_insert(cfg, engine, count), "jobs/s")
+        with engine.begin() as connection:
+            connection.execute(sa.delete(_PlainJob))
+        results.add("ceiling.orm_add_all", _add_all(engine, _PlainJob, count), "jobs/s")
+    if "enqueue" not in cfg.sections:
+        return
+    _reset(engine)
+    results.add("enqueue.add_all", _add_all(engine, Job, count), "jobs/s", "ceiling.orm_add_all")
     _reset(engine)
     started = time.perf_counter()
     with Session(engine) as session, session.begin():
@@ -858,6 +886,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = _engine(url, pool_size=10)
         stack.callback(engine.dispose)
         metadata.create_all(engine)
+        _PlainBase.metadata.create_all(engine)
         results = Results()
         machine = _machine(engine, cfg, server)
         _progress(f"bench on {machine['version'].split(',')[0]}, sections {','.join(cfg.sections)}")

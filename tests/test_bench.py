@@ -49,6 +49,7 @@ def test_quick_bench_writes_every_section(
                 drain = metrics[f"drain.{mode}.{kind}.{procs}p"]
                 assert drain["ceiling"] == f"ceiling.{mode}.{kind}.{procs}p"
     assert metrics["enqueue.bulk"]["ceiling"] == "ceiling.insert"
+    assert metrics["enqueue.add_all"]["ceiling"] == "ceiling.orm_add_all"
     assert {row["metric"] for row in document["targets"]} >= {
         "drain.lease.batched.1p",
         "enqueue.add_all",
