@@ -231,7 +231,12 @@ class JobMixin:
 
     @validates(*sorted(validation.JOB_FIELDS))
     def _validate_field(self, key: str, value: object) -> object:
-        return validation.check_field(key, value, max_args_bytes=self.max_args_bytes)
+        limit = self.max_args_bytes
+        checked = validation.check_field(key, value, max_args_bytes=limit)
+        if key == "args":
+            # Remember what passed, so that the flush can tell cheaply that it is unchanged.
+            self.__dict__[_CHECKED_ARGS] = (validation.args_snapshot(value), limit)
+        return checked
 
     @validates("status")
     def _validate_status(self, key: str, value: object) -> str:
@@ -263,12 +268,28 @@ class JobResultMixin:
     )
 
 
+# Set on an instance by the ``args`` validator: (validation.args_snapshot() of the value it
+# passed, the size limit it was checked against).
+_CHECKED_ARGS = "_sqla_jobs_checked_args"
+
+
 def _recheck_args(_mapper: object, _connection: object, target: JobMixin) -> None:
     # A dict can be changed in place after it was assigned, which no validator sees; check
     # once more before the INSERT. Raising here aborts the flush and the session's
     # transaction, so nothing of the transaction is written.
-    if target.args is not None:  # None: never assigned, the column default ({}) applies
-        validation.check_args("args", target.args, max_bytes=target.max_args_bytes)
+    args: dict[str, Any] | None = target.args
+    if args is None:  # never assigned: the column default ({}) applies
+        return
+    # The same bytes are the same value (see args_snapshot), whatever happened in between:
+    # then the check at assignment still holds, and the JSON encoding can be skipped.
+    snapshot, limit = target.__dict__.pop(_CHECKED_ARGS, (None, 0))
+    if (
+        snapshot is not None
+        and limit <= target.max_args_bytes
+        and validation.args_snapshot(args) == snapshot
+    ):
+        return
+    validation.check_args("args", args, max_bytes=target.max_args_bytes)
 
 
 event.listen(JobMixin, "before_insert", _recheck_args, propagate=True)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import functools
 import json
+import marshal
 import math
 import re
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from sqlalchemy.sql.elements import ClauseElement
 
@@ -26,6 +27,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
+    "args_snapshot",
     "check_args",
     "check_field",
     "check_json",
@@ -141,6 +143,10 @@ def _check_text(field: str, text: str, path: str) -> None:
         ) from exc
 
 
+# Built once: json.dumps() with options other than the defaults builds an encoder per call.
+_COMPACT: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def _compact_size(field: str, value: object) -> int | None:
     """The byte size of ``value`` as compact JSON when it is certainly storable, else None.
 
@@ -150,8 +156,9 @@ def _compact_size(field: str, value: object) -> int | None:
     problem (or finds none: a string that merely contains a backslash and ``u0000``).
     """
     try:
-        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        size = len(text.encode("utf-8"))
+        text = _COMPACT.encode(value)
+        # ASCII text is its own UTF-8 (and holds no lone surrogate): no need to encode it.
+        size = len(text) if text.isascii() else len(text.encode("utf-8"))
     except (TypeError, ValueError):  # UnicodeEncodeError is a ValueError
         return None
     if "\\u0000" in text or not _string_keys(value):
@@ -161,27 +168,25 @@ def _compact_size(field: str, value: object) -> int | None:
 
 def _string_keys(value: object) -> bool:
     # json.dumps silently turns int, float, bool and None keys into strings; refuse them.
-    # Exact type checks first: isinstance against the Mapping ABC is slow on the hot path.
+    # Exact type checks first (isinstance against the Mapping ABC is slow on the hot path),
+    # and scalars are never pushed: most values are flat.
     stack = [value]
     while stack:
         node = stack.pop()
         kind = type(node)
-        if kind is dict or (kind is not list and kind is not tuple and isinstance(node, Mapping)):
+        if kind is dict or (kind not in _SEQUENCES and isinstance(node, Mapping)):
             for key, item in node.items():  # type: ignore[attr-defined]
                 if type(key) is not str:
                     return False
-                if type(item) in _CONTAINERS or isinstance(item, Mapping):
+                if type(item) not in _SCALARS:
                     stack.append(item)
-        elif kind is list or kind is tuple:
-            stack.extend(
-                item
-                for item in node  # type: ignore[attr-defined]
-                if type(item) in _CONTAINERS or isinstance(item, Mapping)
-            )
+        elif kind in _SEQUENCES or isinstance(node, list | tuple):
+            stack.extend(item for item in node if type(item) not in _SCALARS)  # type: ignore[attr-defined]
     return True
 
 
-_CONTAINERS: Final = frozenset({dict, list, tuple})
+_SCALARS: Final = frozenset({str, int, float, bool, type(None)})
+_SEQUENCES: Final = frozenset({list, tuple})
 
 
 def _exact_size(field: str, value: object) -> int:
@@ -210,6 +215,24 @@ def check_json(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_B
     if size > max_bytes:
         raise JobArgumentsError(field, f"is {size} bytes as JSON, the limit is {max_bytes}")
     return size
+
+
+def args_snapshot(value: object) -> bytes | None:
+    """An exact fingerprint of a JSON value that passed :func:`check_json`, to tell later,
+    cheaply, whether it is still the same value; None when there is none to take.
+
+    ``marshal`` format 2, in C and several times faster than a JSON encoding: it takes only
+    the exact built-in types (a subclass or any other type gives None), writes no
+    back-references (format 3 and later would mark shared objects, so the bytes would depend
+    on reference counts), and can be read back, so equal bytes mean a value of the same
+    exact types, structure, order and contents: one with the same JSON text, which passes
+    the same checks. Any change, even ``1`` to ``True`` or ``1.0`` (equal in Python, longer
+    in JSON), gives other bytes.
+    """
+    try:
+        return marshal.dumps(cast(Any, value), 2)
+    except ValueError:  # a type marshal does not take; also nesting too deep for it
+        return None
 
 
 #: The job fields an enqueuer sets, each with its check. The mixin's validators and
