@@ -209,9 +209,13 @@ def check_args(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_B
 def check_json(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> int:
     """Any JSON value (a stored result, say) that jsonb stores unchanged, at most
     ``max_bytes``. Returns the size in bytes of its compact JSON form."""
-    size = _compact_size(field, value)
-    if size is None:
-        size = _exact_size(field, value)
+    try:
+        size = _compact_size(field, value)
+        if size is None:
+            size = _exact_size(field, value)
+    except RecursionError:
+        # Nesting deeper than Python's recursion limit: json cannot encode it either.
+        raise JobArgumentsError(field, "is nested too deeply to encode as JSON") from None
     if size > max_bytes:
         raise JobArgumentsError(field, f"is {size} bytes as JSON, the limit is {max_bytes}")
     return size

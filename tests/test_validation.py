@@ -64,6 +64,18 @@ def test_bad_arguments_raise_before_any_sql(
     assert isinstance(info.value, ValueError)
 
 
+def test_arguments_nested_too_deeply_raise_a_typed_error(queue_engine: sa.Engine) -> None:
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(5000):  # past Python's recursion limit: json itself cannot encode it
+        node["a"] = {}
+        node = node["a"]
+    with no_sql(queue_engine), pytest.raises(JobArgumentsError, match="nested too deeply"):
+        EmailJob(task="t", args=deep)
+    with no_sql(queue_engine), pytest.raises(JobArgumentsError, match="nested too deeply"):
+        sqla_jobs.validation.check_json("result", [deep])
+
+
 def test_arguments_over_the_size_limit(queue_engine: sa.Engine) -> None:
     limit = EmailJob.max_args_bytes
     EmailJob(task="t", args={"s": "x" * (limit - 20)})  # just under the limit is fine
