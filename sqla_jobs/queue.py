@@ -38,6 +38,7 @@ from typing import Any, Final, NamedTuple, TypeAlias, cast
 from uuid import UUID
 
 import psycopg
+from psycopg.rows import tuple_row
 from sqlalchemy import ClauseElement, Connection, CursorResult, Dialect, Executable, Table, inspect
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -172,21 +173,29 @@ def _rows(
     """Run one of the hot-path statements (claim, complete) and return its rows, as tuples.
 
     On a Core ``Connection`` of the psycopg driver, inside a transaction SQLAlchemy knows
-    of, the statement's compiled text runs straight on the driver connection, prepared: the
+    of, the statement's compiled text runs straight on the driver connection: the
     same SQL in the same transaction, without SQLAlchemy's per-execution work (the context,
     the result wrapper, the row processors, the cursor events), which cost a busy worker
     more CPU than the statement itself. Every parameter here is a plain ``str``, ``int``,
     ``float`` or list of ``str``, which psycopg adapts as SQLAlchemy would. Anything else
-    (an ORM ``Session``, another driver, ``paramstyle`` changed, no transaction begun)
-    goes through ``execute``.
+    (an ORM ``Session``, another driver, ``paramstyle`` changed, a
+    ``schema_translate_map``, no transaction begun) goes through ``execute``.
     """
-    if type(session) is Connection and session.in_transaction():
-        dialect = session.dialect
-        if dialect.driver == "psycopg" and dialect.paramstyle == "pyformat":
-            driver = session.connection.driver_connection
-            sql = _driver_sql(builder, table, dialect, **options)
-            if sql is not None and isinstance(driver, psycopg.Connection):
-                return driver.execute(sql, params, prepare=True).fetchall()
+    if (
+        type(session) is Connection
+        and session.in_transaction()
+        and session.dialect.driver == "psycopg"
+        and session.dialect.paramstyle == "pyformat"
+        and not session.get_execution_options().get("schema_translate_map")
+    ):
+        driver = session.connection.driver_connection
+        sql = _driver_sql(builder, table, session.dialect, **options)
+        if sql is not None and isinstance(driver, psycopg.Connection):
+            # Prepared as psycopg decides (after ``prepare_threshold`` runs; never when it
+            # is None, as behind PgBouncer in transaction mode); rows as tuples whatever
+            # row factory the connection was given.
+            with driver.cursor(row_factory=tuple_row) as cursor:
+                return cursor.execute(sql, params).fetchall()
     return session.execute(_statement(builder, table, **options), params).all()
 
 

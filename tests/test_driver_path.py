@@ -4,6 +4,7 @@ as through an ORM Session; and never outside a transaction SQLAlchemy knows of."
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import psycopg
@@ -31,15 +32,26 @@ def statuses(engine: sa.Engine) -> dict[int, tuple[str, int]]:
 
 
 def count_driver_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record the SQL that the fast path hands to psycopg directly."""
+    """Record the SQL that the fast path hands to psycopg directly: the statements run on
+    cursors opened with an explicit row factory, which SQLAlchemy's own cursors are not."""
     calls: list[str] = []
-    original = psycopg.Connection.execute
+    ours: weakref.WeakSet[Any] = weakref.WeakSet()
+    original_cursor = psycopg.Connection.cursor
+    original_execute = psycopg.Cursor.execute
 
-    def spy(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(str(query))
-        return original(self, query, *args, **kwargs)
+    def cursor(self: psycopg.Connection[Any], *args: Any, **kwargs: Any) -> Any:
+        opened = original_cursor(self, *args, **kwargs)
+        if "row_factory" in kwargs:
+            ours.add(opened)
+        return opened
 
-    monkeypatch.setattr(psycopg.Connection, "execute", spy)
+    def execute(self: psycopg.Cursor[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        if self in ours:
+            calls.append(str(query))
+        return original_execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "cursor", cursor)
+    monkeypatch.setattr(psycopg.Cursor, "execute", execute)
     return calls
 
 
@@ -137,3 +149,46 @@ def test_driver_sql_is_compiled_once_per_table_and_dialect(queue_engine: sa.Engi
     assert first is again
     assert first is not None
     assert "%(queue_name)s" in first
+
+
+def test_schema_translate_map_goes_through_execute(
+    queue_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SQLAlchemy renders schema names at execution time; compiled text would miss the map.
+    (job_id,) = enqueue(queue_engine, 1)
+    calls = count_driver_calls(monkeypatch)
+    options = {"schema_translate_map": {None: None}}
+    with queue_engine.connect().execution_options(**options) as connection, connection.begin():
+        (job,) = sqla_jobs.claim(connection, EmailJob)
+    assert job.id == job_id
+    assert calls == []
+
+
+def test_prepare_threshold_none_is_respected(queue_engine: sa.Engine) -> None:
+    # Behind PgBouncer in transaction mode users turn prepared statements off; so do we.
+    enqueue(queue_engine, 12)
+    engine = sa.create_engine(queue_engine.url, connect_args={"prepare_threshold": None})
+    try:
+        with engine.connect() as connection:
+            for _ in range(12):
+                with connection.begin():
+                    jobs = sqla_jobs.claim(connection, EmailJob)
+                    sqla_jobs.complete_many(connection, jobs)
+            prepared = connection.execute(sa.text("SELECT count(*) FROM pg_prepared_statements"))
+            assert prepared.scalar_one() == 0
+    finally:
+        engine.dispose()
+    assert set(statuses(queue_engine).values()) == {(JobStatus.SUCCEEDED.value, 1)}
+
+
+def test_driver_path_prepares_after_the_threshold(queue_engine: sa.Engine) -> None:
+    enqueue(queue_engine, 12)
+    with queue_engine.connect() as connection:
+        for _ in range(12):
+            with connection.begin():
+                jobs = sqla_jobs.claim(connection, EmailJob)
+                sqla_jobs.complete_many(connection, jobs)
+        prepared = connection.execute(
+            sa.text("SELECT statement FROM pg_prepared_statements")
+        ).scalars()
+        assert any("SKIP LOCKED" in statement for statement in prepared)
