@@ -40,6 +40,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import tuple_row
 from sqlalchemy import ClauseElement, Connection, CursorResult, Dialect, Executable, Table, inspect
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
@@ -194,9 +195,27 @@ def _rows(
             # Prepared as psycopg decides (after ``prepare_threshold`` runs; never when it
             # is None, as behind PgBouncer in transaction mode); rows as tuples whatever
             # row factory the connection was given.
-            with driver.cursor(row_factory=tuple_row) as cursor:
-                return cursor.execute(sql, params).fetchall()
+            try:
+                with driver.cursor(row_factory=tuple_row) as cursor:
+                    return cursor.execute(sql, params).fetchall()
+            except psycopg.Error as exc:
+                raise _wrapped(session, exc, sql, params) from exc
     return session.execute(_statement(builder, table, **options), params).all()
+
+
+def _wrapped(
+    connection: Connection, exc: psycopg.Error, sql: str, params: dict[str, Any]
+) -> BaseException:
+    """A driver error as ``execute`` would have raised it: the matching
+    ``sqlalchemy.exc.DBAPIError`` subclass, with the connection invalidated when the error
+    means it is gone (so the pool does not hand it out again)."""
+    dialect = connection.dialect
+    gone = dialect.is_disconnect(cast(Any, exc), connection.connection.dbapi_connection, None)
+    if gone:
+        connection.invalidate(exc)
+    return DBAPIError.instance(
+        sql, params, exc, psycopg.Error, connection_invalidated=gone, dialect=dialect
+    )
 
 
 def _mapped_table(model: object, mixin: type) -> Table:

@@ -192,3 +192,36 @@ def test_driver_path_prepares_after_the_threshold(queue_engine: sa.Engine) -> No
             sa.text("SELECT statement FROM pg_prepared_statements")
         ).scalars()
         assert any("SKIP LOCKED" in statement for statement in prepared)
+
+
+def test_driver_errors_are_sqlalchemy_errors(queue_engine: sa.Engine) -> None:
+    # Callers catch sqlalchemy.exc.DBAPIError around a claim; the driver path raises the same.
+    (job_id,) = enqueue(queue_engine, 1)
+    with queue_engine.connect() as connection:
+        with connection.begin():
+            connection.execute(sa.text("SET TRANSACTION READ ONLY"))
+            with pytest.raises(sa.exc.DBAPIError) as info:
+                sqla_jobs.claim(connection, EmailJob)
+        assert isinstance(info.value.orig, psycopg.errors.ReadOnlySqlTransaction)
+        assert "SKIP LOCKED" in str(info.value.statement)
+        assert not info.value.connection_invalidated
+        with connection.begin():  # the connection is still good for the next transaction
+            (job,) = sqla_jobs.claim(connection, EmailJob)
+    assert job.id == job_id
+
+
+def test_a_lost_connection_is_invalidated(queue_engine: sa.Engine) -> None:
+    (job_id,) = enqueue(queue_engine, 1)
+    with queue_engine.connect() as connection:
+        transaction = connection.begin()
+        pid = connection.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        with queue_engine.connect() as other:
+            other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(sa.exc.OperationalError) as info:
+            sqla_jobs.claim(connection, EmailJob)
+        transaction.rollback()
+        assert info.value.connection_invalidated
+        assert connection.invalidated
+    with queue_engine.connect() as connection, connection.begin():  # the pool reconnects
+        (job,) = sqla_jobs.claim(connection, EmailJob)
+    assert job.id == job_id
