@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import os
 import socket
 import traceback
@@ -78,11 +79,16 @@ __all__ = [
     "retry",
 ]
 
+logger = logging.getLogger(__name__)
+
 MAX_CLAIM_LIMIT: Final = 10_000
 DEFAULT_ENQUEUE_CHUNK: Final = 1_000
 MAX_ENQUEUE_CHUNK: Final = 100_000
 DEFAULT_LEASE: Final = timedelta(seconds=30)
 MAX_ERROR_CHARS: Final = 16_000
+#: The longest duration a lease, delay or age may be (about 100 years): past it, a
+#: timestamp computed from it would overflow.
+MAX_SECONDS: Final = 100 * 365 * 86_400
 
 _NO_RESULT: Final[Any] = object()
 
@@ -251,8 +257,10 @@ def _fence_params(jobs: Sequence[ClaimedJob]) -> dict[str, Any]:
 
 def _seconds(field: str, value: timedelta | float) -> float:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds > 0:
-        raise InvalidJobError(field, f"must be positive, got {value!r}")
+    if not 0 < seconds <= MAX_SECONDS:
+        raise InvalidJobError(
+            field, f"must be positive and at most {MAX_SECONDS:,} seconds, got {value!r}"
+        )
     return seconds
 
 
@@ -486,6 +494,7 @@ def claim(
         params["queue_names"] = queue_names
     queue_count = min(len(queue_names), 2)
     if hold:
+        _check_holdable(session)
         if isinstance(session, Connection):
             engine = session.engine
         else:
@@ -502,10 +511,49 @@ def claim(
         for job_id, status, queue, task, args, priority, attempt, maximum, run_at, lease in rows
         if status == running
     ]
+    if len(jobs) < len(rows):
+        _log_exhausted(rows, running)
     jobs.sort(key=lambda job: (job.priority, job.run_at, job.id))
     if hold and jobs:
         return lock(session, jobs)
     return jobs
+
+
+def _check_holdable(session: Executor) -> None:
+    """A lock-held claim commits the attempt on another connection and then locks the rows
+    in the caller's transaction: only a READ COMMITTED transaction sees that commit. Under
+    REPEATABLE READ or SERIALIZABLE, a snapshot taken earlier would not, and the job would
+    be left running with an attempt used up."""
+    level = session.execute(statements.transaction_isolation()).scalar()
+    if level != "read committed":
+        raise ConfigurationError(
+            f"claim(hold=True) needs a READ COMMITTED transaction, not {level!s}: the "
+            "attempt is committed on another connection, which an earlier snapshot would not "
+            "see; begin the transaction with isolation_level='READ COMMITTED'"
+        )
+
+
+def _log_exhausted(rows: Sequence[Any], running: str) -> None:
+    # Jobs the claim made dead: their last attempt's lease ran out (its worker died). Logged
+    # here, by whoever claimed, so that alerting on errors hears of a crash-looping job.
+    for job_id, status, queue, task, _args, _priority, attempt, maximum, _run_at, _lease in rows:
+        if status == running:
+            continue
+        logger.error(
+            "job %d (%s) is dead: attempt %d of %d lost its lease (its worker stopped or "
+            "crashed mid-job) and no attempt is left",
+            job_id,
+            task,
+            attempt,
+            maximum,
+            extra={
+                "action": "attempts_exhausted",
+                "job_id": job_id,
+                "task": task,
+                "queue": queue,
+                "attempt": attempt,
+            },
+        )
 
 
 def lock(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
@@ -586,16 +634,30 @@ def complete_many(
     return _lost(jobs, done)
 
 
+def storable_text(text: str) -> str:
+    """``text`` as a PostgreSQL text column stores it: NUL replaced, and lone surrogates
+    (``os.fsdecode`` of a file name that is not UTF-8) written as ``\\udcff`` escapes,
+    which the driver could not encode."""
+    text = text.replace("\x00", "\ufffd")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _error_text(error: str | BaseException) -> str:
     if isinstance(error, BaseException):
-        text = "".join(traceback.format_exception(error))
+        try:
+            text = "".join(traceback.format_exception(error))
+        except Exception:  # an exception whose __str__ raises: say what it was at least
+            text = f"{type(error).__name__} (its message could not be read)"
     else:
         text = str(error)
-    # text columns reject NUL; keep the end of a long traceback, where the cause is.
-    text = text.replace("\x00", "\ufffd")
+    # Keep the end of a long traceback, where the cause is.
     if len(text) > MAX_ERROR_CHARS:
         text = "...\n" + text[-MAX_ERROR_CHARS:]
-    return text
+    return storable_text(text)
 
 
 def fail(
@@ -636,19 +698,31 @@ def fail(
 
 
 def heartbeat(
-    session: Executor, jobs: Sequence[ClaimedJob], *, lease: timedelta | float = DEFAULT_LEASE
+    session: Executor,
+    jobs: Sequence[ClaimedJob],
+    *,
+    lease: timedelta | float | Sequence[timedelta | float] = DEFAULT_LEASE,
 ) -> list[ClaimedJob]:
     """Extend these attempts' leases to ``lease`` from now, in database time.
 
-    Returns the attempts that lost their job (their lease had run out and another attempt
-    took over, or it was finished): stop working on those. Not for lock-held jobs, whose
-    row lock already keeps every other claim away.
+    ``lease`` is one duration for all, or a sequence with one per job. One statement for
+    the batch; it never waits on a row lock (see :func:`sqla_jobs.statements.heartbeat`).
+    Returns the attempts whose lease was not extended: their lease had run out and another
+    attempt took over, or the job is finished, or its row was locked by another transaction
+    at that moment (a lock-held job's own transaction: its row lock keeps every other claim
+    away already). Stop working on a lease-mode attempt returned here.
     """
     if not jobs:
         return []
     table = _job_table(_one_model(jobs))
-    params = _fence_params(jobs) | {"lease_seconds": _seconds("lease", lease)}
-    rows = session.execute(_statement(statements.heartbeat, table), params)
+    if isinstance(lease, timedelta | float | int):
+        seconds = [_seconds("lease", lease)] * len(jobs)
+    else:
+        seconds = [_seconds("lease", value) for value in lease]
+        if len(seconds) != len(jobs):
+            raise InvalidJobError("lease", f"has {len(seconds)} items for {len(jobs)} jobs")
+    params = _fence_params(jobs) | {"fence_leases": ",".join(map(repr, seconds))}
+    rows = _rows(session, statements.heartbeat, table, params)
     return _lost(jobs, _fenced(rows))
 
 

@@ -38,7 +38,6 @@ The two modes:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -150,7 +149,6 @@ class Task(Generic[_R]):
         self.lease = lease
         self.retry = retry
         self.priority = priority
-        self.is_async = inspect.iscoroutinefunction(function)
 
     def __call__(self, ctx: JobContext) -> _R:
         return self.function(ctx)

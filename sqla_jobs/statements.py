@@ -30,6 +30,7 @@ from sqlalchemy import (
     Select,
     Table,
     Text,
+    TextClause,
     Update,
     and_,
     bindparam,
@@ -42,8 +43,10 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    text,
     update,
 )
+from sqlalchemy import table as sa_table
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 from sqlalchemy.sql.dml import ReturningDelete
 
@@ -85,17 +88,22 @@ def _seconds(param: str) -> ColumnElement[Any]:
     return bindparam(param, type_=Float) * _SECOND
 
 
-def _fences(table: Table) -> tuple[Any, ColumnElement[bool]]:
-    """The ``(id, attempt)`` pairs of a batch, and the fenced match against the table."""
+def _split(param: str, element: Any) -> ColumnElement[Any]:
     # The arrays arrive as comma-separated text ('1,2,3') and are split and cast here:
     # cheaper on the client than having the driver inspect and dump a list per parameter.
-    ids = func.string_to_array(bindparam("fence_ids", type_=Text), literal_column("','"))
-    attempts = func.string_to_array(bindparam("fence_attempts", type_=Text), literal_column("','"))
-    pairs = (
-        func.unnest(cast(ids, ARRAY(BigInteger)), cast(attempts, ARRAY(Integer)))
-        .table_valued("id", "attempt")
-        .render_derived(name="fence")
-    )
+    text = func.string_to_array(bindparam(param, type_=Text), literal_column("','"))
+    return cast(text, ARRAY(element))
+
+
+def _fences(table: Table, *, leases: bool = False) -> tuple[Any, ColumnElement[bool]]:
+    """The ``(id, attempt)`` pairs of a batch (with a lease in seconds each, if ``leases``),
+    and the fenced match against the table."""
+    arrays = [_split("fence_ids", BigInteger), _split("fence_attempts", Integer)]
+    names_ = ["id", "attempt"]
+    if leases:
+        arrays.append(_split("fence_leases", Float))
+        names_.append("lease")
+    pairs = func.unnest(*arrays).table_valued(*names_).render_derived(name="fence")
     match = and_(
         table.c.id == pairs.c.id,
         table.c.attempts == pairs.c.attempt,
@@ -199,6 +207,7 @@ def lock(table: Table) -> Select[Any]:
         select(table.c.id, table.c.attempts)
         .select_from(table)
         .join(pairs, match)
+        .order_by(table.c.id)
         .with_for_update(of=table)
     )
 
@@ -259,7 +268,7 @@ def fail(table: Table) -> Update:
     ``:delay_seconds`` if given, else plus an exponential backoff with jitter, computed in
     the database from the row's own attempt count::
 
-        least(:cap, :base * 2 ^ (attempts - 1)) * (1 + :jitter * (2 * random() - 1))
+        least(:cap, :base * 2 ^ least(attempts - 1, 60)) * (1 + :jitter * (2 * random() - 1))
 
     Parameters: ``:job_id``, ``:attempt``, ``:error``, ``:retry``, ``:delay_seconds`` (null for
     the backoff), ``:base``, ``:cap``, ``:jitter``. Returns ``id, status, run_at``.
@@ -269,9 +278,12 @@ def fail(table: Table) -> Update:
         table.c.attempts >= table.c.max_attempts,
         ~bindparam("retry", type_=Boolean),
     )
+    # The exponent is clamped: 2.0 ^ 1024 overflows float8, and the cap is reached long
+    # before 2 ^ 60 anyway.
+    exponent = func.least(table.c.attempts - _ONE, literal_column("60"))
     backoff = func.least(
         bindparam("cap", type_=Float),
-        bindparam("base", type_=Float) * func.power(literal_column("2.0"), table.c.attempts - _ONE),
+        bindparam("base", type_=Float) * func.power(literal_column("2.0"), exponent),
     ) * (_ONE + bindparam("jitter", type_=Float) * (literal_column("2") * func.random() - _ONE))
     delay = func.coalesce(bindparam("delay_seconds", type_=Float), backoff)
     return (
@@ -297,17 +309,31 @@ def fail(table: Table) -> Update:
 
 
 def heartbeat(table: Table) -> Update:
-    """Extend the leases of the given attempts to ``now + :lease_seconds``. Fenced.
+    """Extend the leases of the given attempts, each to ``now + its lease``. Fenced.
+
+    One statement for the whole batch, whatever the attempts' leases (``:fence_leases``
+    pairs a lease in seconds with each fence). It never waits on a row lock: the rows are
+    locked in id order with ``SKIP LOCKED``, so a row that another transaction holds (a
+    lock-mode handler's, an outcome being written, a claim taking over an expired lease) is
+    skipped, not waited for, and a heartbeat can take part in no deadlock.
 
     Only ``lease_expires_at`` changes, and it is in no index, so the update can be HOT.
-    Returns ``id, attempts`` of the attempts still holding their job.
-    Parameters: ``:fence_ids``, ``:fence_attempts``, ``:lease_seconds``.
+    Returns ``id, attempts`` of the attempts whose lease was extended.
+    Parameters: ``:fence_ids``, ``:fence_attempts``, ``:fence_leases``.
     """
-    _, match = _fences(table)
+    pairs, match = _fences(table, leases=True)
+    held = (
+        select(table.c.id, pairs.c.lease)
+        .select_from(table)
+        .join(pairs, match)
+        .order_by(table.c.id)
+        .with_for_update(of=table, skip_locked=True)
+        .cte("held")
+    )
     return (
         update(table)
-        .where(match)
-        .values(lease_expires_at=_now() + _seconds("lease_seconds"))
+        .where(table.c.id == held.c.id)
+        .values(lease_expires_at=_now() + held.c.lease * _SECOND)
         .returning(table.c.id, table.c.attempts)
     )
 
@@ -373,6 +399,11 @@ def cancel(table: Table) -> Update:
         .values(status=_lit(JobStatus.CANCELLED), finished_at=_now())
         .returning(table.c.id)
     )
+
+
+def transaction_isolation() -> Select[Any]:
+    """The current transaction's isolation level (``'read committed'``, ...)."""
+    return select(func.current_setting(literal_column("'transaction_isolation'")))
 
 
 def status_of(table: Table) -> Select[Any]:
@@ -444,28 +475,60 @@ def ping() -> Select[Any]:
     return select(_ONE)
 
 
-def set_local_lock_timeout() -> Select[Any]:
-    """``set_config('lock_timeout', :timeout, true)``: bound the lock waits of the rest of
-    the current transaction (``:timeout`` like ``'5s'``). Used when a worker releases jobs
-    whose row locks it has just had its own backends terminated for."""
+def set_lock_timeout(*, local: bool) -> Select[Any]:
+    """``set_config('lock_timeout', :timeout, local)``: bound lock waits (``:timeout`` like
+    ``'5s'``), for the rest of the transaction (``local``) or of the session. The worker
+    sets it on the connections it keeps (SKIP LOCKED skips row locks, not a migration's
+    table lock) and resets it before they go back to the pool."""
     setting = literal_column("'lock_timeout'", Text)
-    is_local = literal_column("true", Boolean)
+    is_local = literal_column("true" if local else "false", Boolean)
     return select(func.set_config(setting, bindparam("timeout", type_=Text), is_local))
 
 
-def terminate_backends() -> Select[Any]:
-    """``pg_terminate_backend`` on each pid in ``:pids``; returns one boolean per pid.
+def reset_lock_timeout() -> TextClause:
+    """``RESET lock_timeout``: back to the server's (or role's) default for the session."""
+    return text("RESET lock_timeout")
 
-    A worker shutting down uses it on its own lock-mode connections whose handlers did not
-    finish in the grace period: their transactions roll back and the row locks go, so the
-    jobs can be released at once instead of after their lease.
+
+def terminate_transactions() -> Select[Any]:
+    """End the given transactions: ``pg_terminate_backend`` on each backend in ``:pids``
+    whose current transaction began at the matching time in ``:xact_starts`` (epoch seconds,
+    comma-separated like ``:pids``). Returns one row per backend it ended.
+
+    A worker shutting down uses it on its own lock-mode transactions whose handlers did not
+    finish in the grace period: they roll back and their row locks go, so the jobs can be
+    released at once. Matching the transaction's start as well as the pid means a backend
+    whose connection went back to the pool meanwhile, and now serves someone else, is left
+    alone.
     """
-    pids = (
-        func.unnest(bindparam("pids", type_=ARRAY(Integer)))
-        .table_valued("pid")
-        .render_derived(name="backends")
+    wanted = (
+        func.unnest(_split("pids", Integer), _split("xact_starts", Float))
+        .table_valued("pid", "xact_start")
+        .render_derived(name="wanted")
     )
-    return select(func.pg_terminate_backend(pids.c.pid)).select_from(pids)
+    activity = table_valued_activity()
+    return (
+        select(func.pg_terminate_backend(activity.c.pid))
+        .select_from(activity)
+        .join(
+            wanted,
+            and_(
+                activity.c.pid == wanted.c.pid,
+                func.extract("epoch", activity.c.xact_start) == wanted.c.xact_start,
+            ),
+        )
+    )
+
+
+def table_valued_activity() -> Any:
+    """``pg_stat_activity`` (the columns the worker reads), as a selectable."""
+    return func.pg_stat_get_activity(null()).table_valued("pid", "xact_start").alias("activity")
+
+
+def backend_transaction() -> Select[Any]:
+    """``pg_backend_pid(), extract(epoch from transaction_timestamp())``: which backend
+    and which of its transactions this is (see :func:`terminate_transactions`)."""
+    return select(func.pg_backend_pid(), func.extract("epoch", func.transaction_timestamp()))
 
 
 def dead_jobs(table: Table) -> Select[Any]:
@@ -635,3 +698,19 @@ def truncate(*tables: Table) -> str:
 def bench_results(result_table: Table) -> Select[Any]:
     """Every stored result: ``job_id, value``."""
     return select(result_table.c.job_id, result_table.c.value)
+
+
+def wakeup_trigger_exists(table: Table) -> Select[Any]:
+    """Whether ``table`` has its wake-up NOTIFY trigger (one boolean); a table created by
+    Alembic autogenerate or a plain ``create_table`` has none."""
+    pg_trigger = sa_table("pg_trigger", column("tgrelid"), column("tgname"), schema="pg_catalog")
+    regclass = func.to_regclass(bindparam("table_name", qualified_name(table.name, table.schema)))
+    return select(
+        select(_ONE)
+        .select_from(pg_trigger)
+        .where(
+            pg_trigger.c.tgrelid == regclass,
+            pg_trigger.c.tgname == bindparam("trigger_name", names(table.name).notify_trigger),
+        )
+        .exists()
+    )

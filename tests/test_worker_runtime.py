@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +21,8 @@ from worker_tasks import WorkerJob, registry
 from sqla_jobs import ClaimedJob, ConfigurationError, JobMixin, RetryPolicy
 from sqla_jobs.registry import JobContext, Registry
 from sqla_jobs.worker import Worker
+from sqla_jobs.worker.state import Attempt
+from sqla_jobs.worker.writer import OutcomeWriter
 
 # -- the registry (no database) -----------------------------------------------------------
 
@@ -39,7 +41,6 @@ def test_decorator_registers_tasks_with_their_options() -> None:
     assert reg["plain"].queue == "q"
     assert reg["plain"].lease == timedelta(seconds=10)
     assert reg["plain"].mode == "lease"
-    assert not reg["plain"].is_async
     task = reg["billing.charge"]
     assert task is charge
     assert (task.queue, task.max_attempts, task.mode, task.lease) == (
@@ -48,7 +49,6 @@ def test_decorator_registers_tasks_with_their_options() -> None:
         "lock",
         timedelta(seconds=5),
     )
-    assert task.is_async
     assert reg.queues == ["q", "billing"]
     assert "plain" in reg
     assert reg.get("nope") is None
@@ -269,16 +269,16 @@ def test_a_stuck_fetch_loop_is_logged_and_unhealthy(
 def test_a_crashed_thread_is_logged_and_restarted(
     db: JobDatabase, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = Worker._outcome_loop
+    original = OutcomeWriter.loop
     crashes: list[int] = []
 
-    def crash_once(self: Worker) -> None:
+    def crash_once(self: OutcomeWriter) -> None:
         if not crashes:
             crashes.append(1)
             raise RuntimeError("a bug in the outcome writer")
         original(self)
 
-    monkeypatch.setattr(Worker, "_outcome_loop", crash_once)
+    monkeypatch.setattr(OutcomeWriter, "loop", crash_once)
     with running(db):
         job_id = db.enqueue("sleepy")
         wait_until(lambda: db.status(job_id) == "succeeded", timeout=10, message="succeeded")
@@ -303,56 +303,55 @@ def test_quick_jobs_do_not_wait_behind_a_slow_one(db: JobDatabase) -> None:
         assert db.status(slow) == "running"
 
 
-def test_a_busy_worker_commits_completions_with_its_next_claim(
+def test_a_busy_worker_writes_completions_in_batches(
     db: JobDatabase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Finished jobs wait for the fetch loop's next claim and are completed in its
-    # transaction: one commit per cycle. The results are stored all the same.
-    combined: list[int] = []
-    original = Worker._claim_in
+    # Outcomes that settle while the last commit runs are written together: fewer commits
+    # than jobs. The results are stored all the same.
+    sizes: list[int] = []
+    original = OutcomeWriter._write
 
-    def spy(self: Worker, link: Any, limit: int, done: Any) -> list[ClaimedJob]:
-        jobs = original(self, link, limit, done)
-        if done:
-            combined.append(len(done))
-        return jobs
+    def spy(self: OutcomeWriter, batch: Sequence[Attempt]) -> None:
+        sizes.append(len(batch))
+        original(self, batch)
 
-    monkeypatch.setattr(Worker, "_claim_in", spy)
+    monkeypatch.setattr(OutcomeWriter, "_write", spy)
     ids = db.enqueue_many([("sleepy", {"sleep": 0.01})] * 40)
-    with running(db, concurrency=4, batch_size=4):
+    with running(db, concurrency=8, batch_size=8):
         wait_until(lambda: db.all_succeeded(40), timeout=20, message="all succeed")
-    assert sum(combined) > 0
+    assert sum(sizes) == 40
+    assert max(sizes) > 1
     assert all(db.result(job_id) == {"attempt": 1} for job_id in ids)
 
 
-def test_completions_of_a_failed_claim_transaction_are_written_again(
+def test_outcomes_of_a_failed_write_are_written_again(
     db: JobDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The claim fails after the completions ran in its transaction: it rolls back, and the
-    # completions are written again, not dropped (and the jobs do not run twice).
-    from sqla_jobs.queue import claim as original_claim
+    # The connection fails under the outcome writer's transaction: nothing of it happened,
+    # and the whole batch is written again after a backoff, not dropped (and the jobs do not
+    # run twice).
+    import psycopg
+    from sqlalchemy.exc import OperationalError
 
-    state = {"done": 0, "raised": 0}
-    original_claim_in = Worker._claim_in
+    import sqla_jobs.queue
+    from sqla_jobs.worker import writer
 
-    def claim_in(self: Worker, link: Any, limit: int, done: Any) -> list[ClaimedJob]:
-        state["done"] = len(done)
-        return original_claim_in(self, link, limit, done)
+    raised: list[int] = []
+    original = sqla_jobs.queue.complete_many
 
-    def failing_claim(*args: Any, **kwargs: Any) -> list[ClaimedJob]:
-        if state["done"] and not state["raised"]:
-            state["raised"] = state["done"]
-            raise RuntimeError("the claim failed after the completions ran")
-        return original_claim(*args, **kwargs)
+    def failing_once(*args: Any, **kwargs: Any) -> list[ClaimedJob]:
+        if not raised:
+            raised.append(1)
+            raise OperationalError("complete", {}, psycopg.OperationalError("server gone"))
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(Worker, "_claim_in", claim_in)
-    monkeypatch.setattr("sqla_jobs.worker.claim", failing_claim)
+    monkeypatch.setattr(writer, "complete_many", failing_once)
     caplog.set_level(logging.INFO, logger="sqla_jobs")
     ids = db.enqueue_many([("sleepy", {"sleep": 0.01})] * 20)
     with running(db, concurrency=4, batch_size=4):
         wait_until(lambda: db.all_succeeded(20), timeout=20, message="all succeed")
-    assert state["raised"] > 0
-    assert any(r.__dict__.get("operation") == "claim" for r in caplog.records)
+    assert raised
+    assert any(r.__dict__.get("operation") == "recording outcomes" for r in caplog.records)
     for job_id in ids:
         assert db.job(job_id).attempts == 1
         assert len(db.effects(job_id, "start")) == 1

@@ -1,0 +1,150 @@
+"""The fetch loop: claims jobs for free slots and hands them to the handler threads.
+
+One claim per round, in a short transaction of its own that commits (the attempt is
+counted, the lease starts): up to as many jobs as there are free slots, at most
+``batch_size``. When a claim comes back short, the loop waits for a NOTIFY from an
+enqueuer's commit (:mod:`sqla_jobs.worker.listener`), for the listener to reconnect, or for
+the poll interval, whichever comes first: polling is the source of truth. After a database
+error it waits out a backoff, cut short when the listener reconnects (the server is back).
+
+The claim's lease is the shortest of the tasks its queues serve; jobs of tasks with a longer
+lease get theirs extended in the same transaction, so every attempt starts with its own
+task's lease.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from sqlalchemy import Connection
+
+from sqla_jobs.queue import ClaimedJob, claim, heartbeat, release
+from sqla_jobs.registry import Registry
+from sqla_jobs.schema import JobMixin
+from sqla_jobs.worker.link import Link, as_session
+from sqla_jobs.worker.runner import Runner
+from sqla_jobs.worker.state import Attempt, State
+
+__all__ = ["Fetcher"]
+
+logger = logging.getLogger("sqla_jobs.worker")
+
+#: How long a claim may wait for more slots to free when only a few are (seconds).
+GATHER: Final = 0.002
+
+
+class Fetcher:
+    def __init__(
+        self,
+        state: State,
+        runner: Runner,
+        registry: Registry,
+        link: Link,
+        *,
+        model: type[JobMixin],
+        queues: Sequence[str],
+        batch_size: int,
+        poll_interval: float,
+        worker_name: str,
+        stopping: threading.Event,
+        on_database_error: Callable[[str, Exception], float],
+        on_database_ok: Callable[[], None],
+    ) -> None:
+        self.state = state
+        self.runner = runner
+        self.registry = registry
+        self.link = link
+        self.model = model
+        self.queues = list(queues)
+        self.batch_size = batch_size
+        self.poll_interval = poll_interval
+        self.worker_name = worker_name
+        self.stopping = stopping
+        self.on_database_error = on_database_error
+        self.on_database_ok = on_database_ok
+        leases = [t.lease.total_seconds() for t in registry.tasks_in(self.queues)]
+        self.claim_lease = min(leases or [registry.default_lease.total_seconds()])
+        self.min_claim = max(1, min(batch_size, state.concurrency) // 2)
+        self.beat = time.monotonic()  # when the loop last went round (for health)
+
+    def loop(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self.beat = time.monotonic()
+                free = self.state.wait_for_slots(self.min_claim, GATHER, self.poll_interval)
+                if free <= 0 or self.stopping.is_set():
+                    continue
+                limit = min(free, self.batch_size)
+                sent = time.monotonic()
+                try:
+                    jobs = self.link.transaction(functools.partial(self._claim, limit=limit))
+                except Exception as exc:
+                    delay = self.on_database_error("claim", exc)
+                    self.state.wait_for_wakeup(delay)
+                    continue
+                self.on_database_ok()
+                if jobs:
+                    self._hand_out(jobs, sent)
+                if len(jobs) < limit:
+                    self.state.wait_for_wakeup(self.poll_interval)
+        finally:
+            self.link.close()
+            self.beat = time.monotonic()
+
+    def _claim(self, connection: Connection, limit: int) -> list[ClaimedJob]:
+        session = as_session(connection)
+        jobs = claim(
+            session,
+            self.model,
+            queues=self.queues,
+            limit=limit,
+            lease=self.claim_lease,
+            worker=self.worker_name,
+        )
+        longer = [(job, self._lease(job)) for job in jobs]
+        longer = [(job, lease) for job, lease in longer if lease > self.claim_lease]
+        if longer:
+            heartbeat(session, [job for job, _ in longer], lease=[lease for _, lease in longer])
+        if jobs and logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "claimed %d jobs",
+                len(jobs),
+                extra={
+                    "action": "job_claimed",
+                    "count": len(jobs),
+                    "job_ids": [j.id for j in jobs],
+                },
+            )
+        return jobs
+
+    def _lease(self, job: ClaimedJob) -> float:
+        task = self.registry.get(job.task)
+        return task.lease.total_seconds() if task is not None else self.claim_lease
+
+    def _hand_out(self, jobs: list[ClaimedJob], sent: float) -> None:
+        get = self.registry.get
+        attempts = []
+        for job in jobs:
+            task = get(job.task)
+            lease = task.lease.total_seconds() if task is not None else self.claim_lease
+            attempts.append(Attempt(job, task, claimed_at=sent, lease_deadline=sent + lease))
+        if self.state.admit(attempts):
+            self.runner.submit(attempts)
+            return
+        # The worker is shutting down and took over its unsettled attempts already: these
+        # came back from a claim that was still running. Give them back here.
+        try:
+            self.link.transaction(lambda c: release(as_session(c), jobs))
+        except Exception as exc:
+            self.on_database_error("releasing a late claim", exc)
+            return
+        logger.info(
+            "gave back %d jobs claimed while the worker was stopping",
+            len(jobs),
+            extra={"action": "jobs_released", "count": len(jobs), "job_ids": [j.id for j in jobs]},
+        )

@@ -1,0 +1,97 @@
+"""The heartbeat: extends the leases of the attempts the worker holds.
+
+Every third of the shortest lease in play, one statement extends every held attempt's lease
+to its task's lease from now, in database time (:func:`sqla_jobs.queue.heartbeat`): those
+whose handler runs, and those whose outcome waits to be written. An attempt stops being
+heartbeated when its outcome is written or given up (it is then no longer held), or when a
+heartbeat finds that another attempt took its job over (``lease_lost``: its handler's work
+will be fenced out).
+
+The statement skips rows that another transaction holds instead of waiting for them (a
+lock-mode handler's own transaction, an outcome being written), so it cannot deadlock with
+the outcome writer; a lock-mode attempt's row lock keeps other claims away meanwhile, and
+an attempt whose outcome is being written is no longer at risk. Only a lease-mode attempt
+whose handler still runs is taken for lost when its lease was not extended.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Connection
+
+from sqla_jobs.queue import ClaimedJob, heartbeat
+from sqla_jobs.worker.link import Link, as_session
+from sqla_jobs.worker.runner import job_extra
+from sqla_jobs.worker.state import Attempt, State
+
+__all__ = ["Heartbeat"]
+
+logger = logging.getLogger("sqla_jobs.worker")
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        state: State,
+        link: Link,
+        *,
+        every: float,
+        finished: threading.Event,
+        on_database_error: Callable[[str, Exception], float],
+        on_database_ok: Callable[[], None],
+    ) -> None:
+        self.state = state
+        self.link = link
+        self.every = every
+        self.finished = finished
+        self.on_database_error = on_database_error
+        self.on_database_ok = on_database_ok
+
+    def loop(self) -> None:
+        try:
+            while not self.finished.wait(self.every):
+                self.beat()
+        finally:
+            self.link.close()
+
+    def beat(self) -> None:
+        held = [a for a in self.state.snapshot() if not a.lost and a.task is not None]
+        if not held:
+            return
+        jobs = [a.job for a in held]
+        leases = [a.lease_seconds for a in held]
+        sent = time.monotonic()
+
+        def extend(connection: Connection) -> list[ClaimedJob]:
+            return heartbeat(as_session(connection), jobs, lease=leases)
+
+        try:
+            refused = self.link.transaction(extend)
+        except Exception as exc:
+            self.on_database_error("heartbeat", exc)
+            return
+        self.on_database_ok()
+        refused_keys = {(job.id, job.attempt) for job in refused}
+        for attempt in held:
+            if attempt.key not in refused_keys:
+                attempt.lease_deadline = sent + attempt.lease_seconds
+            elif _taken_over(attempt):
+                attempt.lost = True
+                logger.warning(
+                    "job %d attempt %d lost its lease (another attempt owns the job); its "
+                    "handler's outcome will change nothing",
+                    attempt.job.id,
+                    attempt.job.attempt,
+                    extra=job_extra(attempt, "lease_lost"),
+                )
+
+
+def _taken_over(attempt: Attempt) -> bool:
+    # A lease-mode attempt whose handler still runs holds no row lock, so a refused
+    # heartbeat means another attempt owns the job. Anything else was merely skipped.
+    task = attempt.task
+    return task is not None and task.mode == "lease" and attempt.outcome is None

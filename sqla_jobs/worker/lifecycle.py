@@ -1,0 +1,622 @@
+"""The worker's life: configuration, start, supervision, signals, shutdown and health.
+
+The roles it starts, each a named thread (``sqla-jobs-<worker name>-<role>``):
+
+``fetch``       claims jobs for free slots (:mod:`~sqla_jobs.worker.fetcher`)
+``handler-N``   ``concurrency`` threads that run attempts (:mod:`~sqla_jobs.worker.runner`),
+                plus ``event-loop`` once a handler returns an awaitable
+``outcomes``    writes outcomes (:mod:`~sqla_jobs.worker.writer`)
+``heartbeat``   extends leases (:mod:`~sqla_jobs.worker.heartbeat`)
+``notifier``    LISTENs for new jobs (:mod:`~sqla_jobs.worker.listener`)
+
+They share one :class:`~sqla_jobs.worker.state.State`, whose module states its locking
+rules. The thread that calls :meth:`Worker.run` supervises them: a role thread that dies of
+a bug is logged and restarted, and health is computed from what they report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, Final
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
+
+from sqla_jobs import statements, validation
+from sqla_jobs.backoff import Backoff
+from sqla_jobs.errors import ConfigurationError
+from sqla_jobs.events import describe
+from sqla_jobs.queue import MAX_CLAIM_LIMIT, default_worker_name
+from sqla_jobs.registry import Registry
+from sqla_jobs.worker.fetcher import Fetcher
+from sqla_jobs.worker.heartbeat import Heartbeat
+from sqla_jobs.worker.link import Link, is_transient
+from sqla_jobs.worker.listener import Notifier
+from sqla_jobs.worker.runner import Runner
+from sqla_jobs.worker.state import Attempt, State
+from sqla_jobs.worker.writer import OutcomeWriter
+
+__all__ = ["Worker", "WorkerHealth"]
+
+logger = logging.getLogger("sqla_jobs.worker")
+
+_SUPERVISE_EVERY: Final = 0.1
+_HEALTH_FILE_EVERY: Final = 1.0
+_STUCK_LOG_EVERY: Final = 10.0
+_DRAIN_TIMEOUT: Final = 5.0
+# A connection refused by the server for good (not while it starts or stops): a wrong
+# database, role or password. The server sends no SQLSTATE the driver exposes at connect.
+_REFUSED_FOR_GOOD: Final = re.compile(
+    r"does not exist|authentication failed|pg_hba\.conf|permission denied", re.IGNORECASE
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHealth:
+    """A snapshot of the worker's liveness.
+
+    ``healthy`` means the worker runs, every role thread is alive, the fetch loop went
+    round within ``stuck_after`` seconds, no claimed attempt waited that long for a handler
+    thread, and no outcome waited that long to be written; ``problems`` says which of these
+    failed. ``database_ok`` is whether the last database call succeeded: a worker waiting
+    out an outage is alive (restarting it would not help), but not doing work.
+    ``oldest_attempt_age`` is how long ago the oldest attempt still held was claimed (a
+    long-running handler shows here), ``outcomes_waiting`` how many finished attempts wait
+    for the outcome writer, and ``oldest_outcome_age`` how long the oldest of them waited.
+    """
+
+    healthy: bool
+    fetch_loop_age: float
+    database_ok: bool
+    listening: bool
+    in_flight: int
+    dead_threads: tuple[str, ...]
+    oldest_attempt_age: float | None = None
+    outcomes_waiting: int = 0
+    oldest_outcome_age: float | None = None
+    problems: tuple[str, ...] = ()
+
+
+class _Role:
+    """A named runtime thread the supervisor restarts if it dies."""
+
+    def __init__(self, name: str, prefix: str, target: Callable[[], None]) -> None:
+        self.name = name
+        self.target = target
+        self.thread_name = f"{prefix}-{name}"
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        def guarded() -> None:
+            try:
+                self.target()
+            except BaseException:
+                logger.critical(
+                    "worker thread %s crashed",
+                    self.name,
+                    exc_info=True,
+                    extra={"action": "thread_crashed", "thread_name": self.name},
+                )
+
+        self.thread = threading.Thread(target=guarded, name=self.thread_name, daemon=True)
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
+class _DatabaseWatch:
+    """Each role's view of the database: logs failures with a backoff of its own and the
+    recovery after them; ``ok`` is whether the last call of any role succeeded."""
+
+    def __init__(self) -> None:
+        self.ok = True
+
+    def role(self, what: str) -> tuple[Callable[[str, Exception], float], Callable[[], None]]:
+        backoff = Backoff()
+
+        def failed(operation: str, exc: Exception) -> float:
+            self.ok = False
+            delay = backoff.next_delay()
+            logger.warning(
+                "database error in %s (%s); retrying in %.1fs",
+                operation,
+                describe(exc),
+                delay,
+                extra={
+                    "action": "database_error",
+                    "operation": operation,
+                    "error": describe(exc),
+                    "delay": round(delay, 3),
+                    "failures": backoff.failures,
+                },
+            )
+            return delay
+
+        def recovered() -> None:
+            self.ok = True
+            if backoff.reset():
+                logger.info(
+                    "the database answers again (%s)",
+                    what,
+                    extra={"action": "database_recovered", "operation": what},
+                )
+
+        return failed, recovered
+
+
+class Worker:
+    """Runs the jobs of ``registry`` from ``queues`` (default: every queue it has tasks in).
+
+    ``engine`` must be a PostgreSQL engine (psycopg 3) whose pool holds at least
+    ``concurrency + 3`` connections (one per lock-mode handler, the fetch loop, the outcome
+    writer, the heartbeat), plus one for the listener. The connections the worker keeps
+    run at READ COMMITTED whatever the engine's isolation level, with ``lock_timeout``
+    seconds as their ``lock_timeout``; after a server restart each is replaced at its first
+    failure without an error logged.
+
+    ``poll_interval`` is the longest time a runnable job waits for an idle worker when no
+    notification arrives (a delayed job starts within one interval of its ``run_at``);
+    ``batch_size`` caps one claim (default: ``concurrency``); ``grace`` is how long running
+    jobs may finish after a stop is asked for; ``listen=False`` turns LISTEN/NOTIFY off;
+    ``stuck_after`` is how long a stalled fetch loop, handler hand-off or outcome write may
+    last before :meth:`health` reports the worker unhealthy.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        engine: Engine,
+        *,
+        queues: Iterable[str] | None = None,
+        concurrency: int = 4,
+        batch_size: int | None = None,
+        poll_interval: float = 1.0,
+        grace: float = 30.0,
+        listen: bool = True,
+        name: str | None = None,
+        stuck_after: float | None = None,
+        health_file: str | os.PathLike[str] | None = None,
+        handle_signals: bool = True,
+        lock_timeout: float = 5.0,
+    ) -> None:
+        if not isinstance(registry, Registry):
+            raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
+        if not _positive_int(concurrency):
+            raise ConfigurationError(f"concurrency must be a positive integer, not {concurrency!r}")
+        if batch_size is not None and not (
+            _positive_int(batch_size) and batch_size <= MAX_CLAIM_LIMIT
+        ):
+            raise ConfigurationError(f"batch_size must be an integer in [1, {MAX_CLAIM_LIMIT}]")
+        for label, value in (("poll_interval", poll_interval), ("grace", grace)):
+            if not value >= 0:
+                raise ConfigurationError(f"{label} must not be negative, got {value!r}")
+        if not 0 < lock_timeout < 3600:
+            raise ConfigurationError(
+                f"lock_timeout must be in (0, 3600) seconds, not {lock_timeout!r}"
+            )
+        self.registry = registry
+        self.engine = engine
+        self.model = registry.model
+        self.queues = [
+            validation.check_name("queues", queue)
+            for queue in dict.fromkeys(queues or registry.queues)
+        ]
+        if not self.queues:
+            raise ConfigurationError("a worker needs at least one queue")
+        self.concurrency = concurrency
+        self.batch_size = batch_size or concurrency
+        self.poll_interval = max(poll_interval, 0.01)
+        self.grace = grace
+        self.listen = listen
+        self.name = name or default_worker_name()
+        self.stuck_after = stuck_after or max(30.0, 3 * self.poll_interval)
+        self.health_file = Path(health_file) if health_file is not None else None
+        self.handle_signals = handle_signals
+        self.lock_timeout = lock_timeout
+        self._table = self.model.__table__  # type: ignore[attr-defined]
+        self._prefix = f"sqla-jobs-{self.name}"
+
+        self._state = State(concurrency)
+        self._stopping = threading.Event()  # no more claims
+        self._finished = threading.Event()  # the writer and the heartbeat end
+        self._stop_requested = False
+        self._stop_signal: int | None = None
+        self._signals = 0
+        self._running = False
+        self._database = _DatabaseWatch()
+        self._last_stuck_log = 0.0
+        self._runner = Runner(self._state, registry, engine, self.name, self._prefix)
+        self._fetcher: Fetcher | None = None
+        self._roles: dict[str, _Role] = {}
+        self._notifier: Notifier | None = None
+
+    # -- public -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run until stopped; return the exit status (0 after a graceful stop).
+
+        Raises :class:`~sqla_jobs.errors.ConfigurationError` at once when the database
+        refuses the worker for good (no such database, role or table, a wrong password);
+        a server that is down or restarting is waited for.
+        """
+        if self._running:
+            raise ConfigurationError("this worker is already running")
+        self._running = True
+        try:
+            self._preflight()
+            previous = self._install_signal_handlers()
+            try:
+                self._start()
+                last_health_write = 0.0
+                while not self._stop_requested:
+                    time.sleep(_SUPERVISE_EVERY)
+                    self._supervise()
+                    now = time.monotonic()
+                    if now - last_health_write >= _HEALTH_FILE_EVERY:
+                        self._write_health_file()
+                        last_health_write = now
+                return self._shutdown()
+            finally:
+                self._restore_signal_handlers(previous)
+        finally:
+            self._running = False
+
+    def stop(self, *, graceful: bool = True) -> None:
+        """Ask a running worker to stop (from any thread): like SIGTERM, or with
+        ``graceful=False`` without the grace period (running jobs are released at once)."""
+        if not graceful:
+            self.grace = 0.0
+        self._stop_requested = True
+
+    def health(self) -> WorkerHealth:
+        """The worker's liveness; see :class:`WorkerHealth`."""
+        now = time.monotonic()
+        fetcher = self._fetcher
+        age = now - fetcher.beat if fetcher is not None else 0.0
+        dead = tuple(name for name, role in self._roles.items() if not role.alive())
+        dead += tuple(t.name for t in self._runner.threads if not t.is_alive())
+        if self._notifier is not None and not self._notifier.is_alive():
+            dead += ("notifier",)
+        held = self._state.snapshot()
+        waiting = [a for a in held if a.outcome is None and not a.started_at]
+        settled = [a for a in held if a.outcome is not None]
+        problems = []
+        if not self._running:
+            problems.append("not running")
+        elif fetcher is None:
+            problems.append("starting: waiting for the database")
+        if dead:
+            problems.append(f"dead threads: {', '.join(dead)}")
+        if age >= self.stuck_after and not self._stopping.is_set():
+            problems.append(f"the fetch loop has not gone round for {age:.0f}s")
+        oldest_waiting = _oldest(now, [a.claimed_at for a in waiting])
+        if oldest_waiting is not None and oldest_waiting >= self.stuck_after:
+            problems.append(f"a claimed job waited {oldest_waiting:.0f}s for a handler thread")
+        oldest_outcome = _oldest(now, [a.settled_at for a in settled])
+        if oldest_outcome is not None and oldest_outcome >= self.stuck_after:
+            problems.append(f"an outcome has waited {oldest_outcome:.0f}s to be written")
+        return WorkerHealth(
+            healthy=not problems,
+            fetch_loop_age=age,
+            database_ok=self._database.ok,
+            listening=self._notifier is not None and self._notifier.connected,
+            in_flight=len(held),
+            dead_threads=dead,
+            oldest_attempt_age=_oldest(now, [a.claimed_at for a in held]),
+            outcomes_waiting=len(settled),
+            oldest_outcome_age=oldest_outcome,
+            problems=tuple(problems),
+        )
+
+    def is_healthy(self) -> bool:
+        """Whether the worker runs and nothing in it is stuck (see :class:`WorkerHealth`)."""
+        return self.health().healthy
+
+    # -- start ----------------------------------------------------------------------------
+
+    def _preflight(self) -> None:
+        """Fail at once on a database that refuses the worker for good; wait for one that
+        is down (a worker may start before its server)."""
+        backoff = Backoff(initial=0.2, cap=5.0)
+        probe = statements.status_of(self._table)
+        while True:
+            try:
+                with self.engine.connect() as connection:
+                    connection.execute(probe, {"job_id": 0})
+                    trigger = connection.execute(
+                        statements.wakeup_trigger_exists(self._table)
+                    ).scalar()
+                break
+            except DBAPIError as exc:
+                message = str(exc.orig or exc)
+                if not is_transient(exc) or _REFUSED_FOR_GOOD.search(message):
+                    raise ConfigurationError(
+                        f"the worker cannot use {self.model.__name__}'s table "
+                        f"{self._table.name!r}: {describe(exc)}"
+                    ) from exc
+                delay = backoff.next_delay()
+                logger.warning(
+                    "cannot reach the database (%s); retrying in %.1fs",
+                    describe(exc),
+                    delay,
+                    extra={"action": "database_error", "operation": "start", "delay": delay},
+                )
+                if self._stop_requested:
+                    raise
+                time.sleep(delay)
+        if self.listen and not trigger:
+            logger.warning(
+                "table %s has no wake-up trigger: new jobs wait up to the poll interval "
+                "(%.1fs) instead of starting at once; add it with the migration helper "
+                "sqla_jobs.migrations.create_notify_trigger (see the README)",
+                self._table.name,
+                self.poll_interval,
+                extra={"action": "wakeup_trigger_missing", "table": self._table.name},
+            )
+
+    def _start(self) -> None:
+        state = self._state
+        self._fetcher = self._make_fetcher()
+        writer_failed, writer_ok = self._database.role("outcomes")
+        writer = OutcomeWriter(
+            state,
+            self.registry,
+            self._link(),
+            finished=self._finished,
+            on_database_error=writer_failed,
+            on_database_ok=writer_ok,
+        )
+        leases = [t.lease.total_seconds() for t in self.registry.tasks_in(self.queues)]
+        beat_failed, beat_ok = self._database.role("heartbeat")
+        heartbeat = Heartbeat(
+            state,
+            self._link(),
+            every=max(0.05, min(leases or [self.registry.default_lease.total_seconds()]) / 3),
+            finished=self._finished,
+            on_database_error=beat_failed,
+            on_database_ok=beat_ok,
+        )
+        self._roles = {
+            "fetch": _Role("fetch", self._prefix, self._fetcher.loop),
+            "outcomes": _Role("outcomes", self._prefix, writer.loop),
+            "heartbeat": _Role("heartbeat", self._prefix, heartbeat.loop),
+        }
+        self._runner.start(self.concurrency)
+        for role in self._roles.values():
+            role.start()
+        if self.listen:
+            self._start_notifier()
+        logger.info(
+            "worker %s started: queues %s, concurrency %d",
+            self.name,
+            ",".join(self.queues),
+            self.concurrency,
+            extra={
+                "action": "worker_started",
+                "worker": self.name,
+                "queues": self.queues,
+                "concurrency": self.concurrency,
+                "model": self.model.__name__,
+            },
+        )
+        idle = [q for q in self.queues if not self.registry.tasks_in([q])]
+        if idle:
+            logger.warning(
+                "no task of the registry uses queue %s: its jobs run only if their task is "
+                "registered under another queue, and are made dead as unknown otherwise",
+                ",".join(idle),
+                extra={"action": "queue_without_tasks", "queues": idle},
+            )
+
+    def _make_fetcher(self) -> Fetcher:
+        failed, ok = self._database.role("claim")
+        return Fetcher(
+            self._state,
+            self._runner,
+            self.registry,
+            self._link(),
+            model=self.model,
+            queues=self.queues,
+            batch_size=self.batch_size,
+            poll_interval=self.poll_interval,
+            worker_name=self.name,
+            stopping=self._stopping,
+            on_database_error=failed,
+            on_database_ok=ok,
+        )
+
+    def _link(self) -> Link:
+        return Link(self.engine, lock_timeout=self.lock_timeout)
+
+    def _start_notifier(self) -> None:
+        self._notifier = Notifier(
+            self.engine,
+            self._table,
+            on_notify=self._on_notify,
+            on_connect=self._state.wake,
+            name=f"{self._prefix}-notifier",
+        )
+        self._notifier.start()
+
+    def _on_notify(self, payload: str) -> None:
+        if payload in self.queues:
+            self._state.wake()
+
+    # -- supervise --------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        if not self._stopping.is_set():  # threads end on purpose once stopping
+            for role in self._roles.values():
+                if not role.alive():
+                    logger.error(
+                        "worker thread %s is dead; restarting it",
+                        role.name,
+                        extra={"action": "thread_crashed", "thread_name": role.name},
+                    )
+                    role.start()
+            if self._notifier is not None and not self._notifier.is_alive():
+                logger.error(
+                    "the notifier thread is dead; restarting it",
+                    extra={"action": "thread_crashed", "thread_name": "notifier"},
+                )
+                self._start_notifier()
+        report = self.health()
+        now = time.monotonic()
+        if (
+            not report.healthy
+            and not self._stopping.is_set()
+            and now - self._last_stuck_log >= _STUCK_LOG_EVERY
+        ):
+            self._last_stuck_log = now
+            stuck = report.fetch_loop_age >= self.stuck_after
+            logger.error(
+                "the worker is unhealthy: %s",
+                "; ".join(report.problems),
+                extra={
+                    "action": "fetch_loop_stuck" if stuck else "worker_unhealthy",
+                    "seconds": round(report.fetch_loop_age, 1),
+                    "problems": list(report.problems),
+                },
+            )
+
+    def _write_health_file(self) -> None:
+        if self.health_file is None or not self.is_healthy():
+            return
+        try:
+            self.health_file.write_text(f"{time.time():.3f}\n")
+        except OSError as exc:
+            logger.warning(
+                "cannot write the health file %s: %s",
+                self.health_file,
+                describe(exc),
+                extra={"action": "health_file_error", "error": describe(exc)},
+            )
+
+    # -- signals ------------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        previous: dict[int, Any] = {}
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return previous
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, self._on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # Runs in the main thread between two bytecodes: only set flags here (taking a lock
+        # the interrupted code may hold would deadlock), or leave at once.
+        self._signals += 1
+        if self._signals > 1:
+            # Not through logging: a handler lock held by the interrupted code would deadlock.
+            name = signal.Signals(signum).name
+            os.write(2, f"sqla-jobs: second {name}: exiting at once\n".encode())
+            os._exit(128 + signum)
+        self._stop_signal = signum
+        self._stop_requested = True
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def _shutdown(self) -> int:
+        """Stop claiming; give running jobs ``grace`` seconds; give back the rest (ending
+        this worker's own lock-mode transactions first, so their row locks go); let the
+        outcome writer write what is left; stop."""
+        in_flight = len(self._state.snapshot())
+        logger.info(
+            "stopping: no more claims; waiting up to %.0fs for %d running jobs",
+            self.grace,
+            in_flight,
+            extra={
+                "action": "worker_stopping",
+                "signal": self._stop_signal,
+                "grace": self.grace,
+                "in_flight": in_flight,
+            },
+        )
+        self._stopping.set()
+        self._state.wake()
+        fetch = self._roles["fetch"]
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and (fetch.alive() or self._state.snapshot()):
+            time.sleep(0.02)
+        released = self._state.abandon("the worker stopped before the job finished")
+        self._end_lock_transactions(released)
+        # The fetch loop's claim is bounded by lock_timeout; jobs it returns now are given
+        # back by the fetch loop itself (admission is closed).
+        fetch.join(self.lock_timeout + 1.0)
+        drain_until = time.monotonic() + _DRAIN_TIMEOUT
+        while self._state.snapshot() and time.monotonic() < drain_until:
+            time.sleep(0.02)
+        self._finished.set()
+        for name in ("outcomes", "heartbeat"):
+            self._roles[name].join(_DRAIN_TIMEOUT)
+        self._runner.close(0.5)  # handlers still running are daemon threads
+        if self._notifier is not None:
+            self._notifier.stop()
+        unwritten = self._state.snapshot()
+        if unwritten:
+            logger.error(
+                "%d outcomes could not be written before exit; those jobs run again when "
+                "their leases end",
+                len(unwritten),
+                extra={"action": "outcomes_unwritten", "job_ids": [a.job.id for a in unwritten]},
+            )
+        logger.info(
+            "worker %s stopped; %d unfinished jobs given back",
+            self.name,
+            len(released),
+            extra={"action": "worker_stopped", "worker": self.name, "released": len(released)},
+        )
+        return 0
+
+    def _end_lock_transactions(self, attempts: list[Attempt]) -> None:
+        """End this worker's own open lock-mode transactions of these attempts, so that
+        their row locks go and the releases do not wait for handlers that will not finish."""
+        backends = [a.backend for a in attempts if a.backend is not None]
+        for attempt in attempts:
+            if attempt.future is not None:
+                attempt.future.cancel()
+        if not backends:
+            return
+        params = {
+            "pids": ",".join(str(pid) for pid, _ in backends),
+            "xact_starts": ",".join(repr(float(start)) for _, start in backends),
+        }
+        try:
+            with self.engine.connect() as connection:
+                connection.execute(statements.terminate_transactions(), params)
+                connection.commit()
+        except Exception as exc:
+            logger.warning(
+                "could not end %d lock-mode transactions (%s); their jobs come back when "
+                "the transactions end",
+                len(backends),
+                describe(exc),
+                extra={"action": "database_error", "operation": "shutdown"},
+            )
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _oldest(now: float, times: list[float]) -> float | None:
+    return now - min(times) if times else None

@@ -1,0 +1,130 @@
+"""A pool connection that one worker thread keeps from one transaction to the next.
+
+A checkout from the pool and an ORM Session around it cost more CPU than the claim or
+completion statement they carry, so the fetch loop, the outcome writer and the heartbeat
+each keep a Core connection of their own. Every transaction on it runs at READ COMMITTED
+whatever the engine's default (a claim under REPEATABLE READ would raise serialization
+failures instead of skipping locked rows) and with a ``lock_timeout`` (SKIP LOCKED skips row
+locks only: a claim behind a migration's table lock would otherwise wait without end).
+Both are restored when the connection goes back to the pool.
+
+A kept connection never sees the pool's ``pool_pre_ping``, so after a server restart its
+first statement fails. :meth:`Link.transaction` stands in for the ping: a transaction that
+fails because the connection is gone is tried once more, at once, on a fresh connection,
+and only a second failure reaches the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Final, TypeVar, cast
+
+import psycopg
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from sqla_jobs import statements
+from sqla_jobs.events import describe
+
+__all__ = ["Link", "as_session", "is_transient"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+ISOLATION: Final = "READ COMMITTED"
+
+
+def as_session(connection: Connection) -> Session:
+    """A Core connection where the queue functions take a session: they only call
+    ``execute``, which a Connection has with the same signature (and the claim and complete
+    statements take the driver path on it, :func:`sqla_jobs.queue._rows`)."""
+    return cast(Session, connection)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed database call may succeed if simply tried again later: the
+    connection or the server went away, a lock or statement timeout, a deadlock or
+    serialization failure. Anything else (bad data, a constraint, a bug) would fail the
+    same way again."""
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        exc = exc.orig or exc
+    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+
+
+class Link:
+    """One kept connection of ``engine``; see the module docstring."""
+
+    def __init__(self, engine: Engine, *, lock_timeout: float) -> None:
+        self.engine = engine
+        self.lock_timeout = f"{max(1, round(lock_timeout * 1000))}ms"
+        self.connection: Connection | None = None
+
+    def _connect(self) -> Connection:
+        connection = self.connection
+        if connection is None or connection.closed or connection.invalidated:
+            self.close()
+            connection = self.engine.connect().execution_options(isolation_level=ISOLATION)
+            self.connection = connection
+            try:
+                with connection.begin():
+                    connection.execute(
+                        statements.set_lock_timeout(local=False), {"timeout": self.lock_timeout}
+                    )
+            except BaseException:
+                self.close()
+                raise
+        return connection
+
+    def transaction(self, work: Callable[[Connection], _T]) -> _T:
+        """Run ``work`` in one transaction on the kept connection and commit it.
+
+        On an error the transaction rolls back and the connection goes back to the pool;
+        when the error was the connection being gone, ``work`` runs once more on a fresh
+        one. ``work`` must be safe to run twice (every worker transition is fenced).
+        """
+        for last_try in (False, True):
+            connection = self._connect()
+            try:
+                with connection.begin():
+                    return work(connection)
+            except DBAPIError as exc:
+                self.close()
+                if last_try or not exc.connection_invalidated:
+                    raise
+                logger.debug(
+                    "a kept connection was gone (%s); trying once more on a fresh one",
+                    describe(exc),
+                    extra={"action": "database_reconnect"},
+                )
+            except BaseException:
+                self.close()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        """Give the connection back to the pool, its session settings restored."""
+        connection, self.connection = self.connection, None
+        if connection is None:
+            return
+        try:
+            if not (connection.closed or connection.invalidated):
+                if connection.in_transaction():
+                    connection.rollback()
+                with connection.begin():
+                    connection.execute(statements.reset_lock_timeout())
+            connection.close()
+        except Exception as exc:  # a broken connection: the pool discards it
+            logger.debug(
+                "closing a kept connection failed: %s",
+                describe(exc),
+                extra={"action": "database_error"},
+            )
+            try:
+                connection.invalidate()
+                connection.close()
+            except Exception:  # it is gone either way
+                logger.debug("discarding a broken connection failed", exc_info=True)

@@ -1,0 +1,302 @@
+"""Running handlers: the one path every claimed attempt takes to its outcome.
+
+:meth:`Runner.run` is that path. Whatever the handler is (a function, a coroutine function,
+a sync wrapper around one, an object whose ``__call__`` is ``async def``), it is called on a
+handler thread, and when what it returns is awaitable, that is awaited on the runner's event
+loop (started on first use) while the thread waits for it. Whatever happens, a ``finally``
+hands the attempt's outcome to :meth:`State.settle <sqla_jobs.worker.state.State.settle>`
+exactly once:
+
+* the handler returned: ``complete`` (with its result, once checked storable);
+* it raised, or its result cannot be stored: ``fail``;
+* no handler is registered for the task, or the attempt exceeds ``max_attempts``: ``fail``
+  without retry (logged at once);
+* its lease may have run out before the handler could start (the worker was stopped or
+  starved): ``release``, and the handler never starts (the rule "a lease is checked before
+  a handler starts" lives in :meth:`Runner._execute`);
+* lock mode: the handler's transaction committed the completion itself (``committed``), or
+  the row was no longer this attempt's (``lost``), or the database failed under it
+  (``release``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any, Final
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from sqla_jobs import statements, validation
+from sqla_jobs.errors import ConfigurationError
+from sqla_jobs.events import describe
+from sqla_jobs.queue import complete_many, lock
+from sqla_jobs.registry import JobContext, Registry, Task
+from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
+
+__all__ = ["Runner", "job_extra"]
+
+logger = logging.getLogger("sqla_jobs.worker")
+
+#: A handler does not start when less than this is left of its lease (seconds).
+LEASE_MARGIN: Final = 0.05
+
+
+def job_extra(attempt: Attempt, action: str, **more: Any) -> dict[str, Any]:
+    job = attempt.job
+    return {
+        "action": action,
+        "job_id": job.id,
+        "task": job.task,
+        "queue": job.queue,
+        "attempt": job.attempt,
+        **more,
+    }
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+class Runner:
+    """``concurrency`` handler threads taking attempts from one queue, and an event loop
+    thread for handlers that return awaitables."""
+
+    def __init__(
+        self, state: State, registry: Registry, engine: Engine, worker_name: str, prefix: str
+    ) -> None:
+        self.state = state
+        self.registry = registry
+        self.engine = engine
+        self.worker_name = worker_name
+        self.prefix = prefix
+        self._queue: collections.deque[Attempt] = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
+        self._idle = 0
+        self._closed = False
+        self.threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+
+    # -- threads --------------------------------------------------------------------------
+
+    def start(self, count: int) -> None:
+        for n in range(count):
+            thread = threading.Thread(
+                target=self._thread_main, name=f"{self.prefix}-handler-{n}", daemon=True
+            )
+            self.threads.append(thread)
+            thread.start()
+
+    def submit(self, attempts: Sequence[Attempt]) -> None:
+        """Queue attempts for the handler threads; wakes one idle thread, which passes the
+        wake-up on while attempts remain, so a batch's jobs start in parallel."""
+        with self._ready:
+            self._queue.extend(attempts)
+            if self._idle:
+                self._ready.notify()
+
+    def waiting(self) -> int:
+        """Attempts queued that no handler thread has taken yet."""
+        with self._ready:
+            return len(self._queue)
+
+    def _next(self) -> Attempt | None:
+        with self._ready:
+            self._idle += 1
+            try:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+            finally:
+                self._idle -= 1
+            if self._closed:
+                return None
+            attempt = self._queue.popleft()
+            if self._queue and self._idle:
+                self._ready.notify()
+            return attempt
+
+    def _thread_main(self) -> None:
+        while (attempt := self._next()) is not None:
+            self.run(attempt)
+
+    def close(self, timeout: float) -> None:
+        """Stop the handler threads (queued attempts were settled by shutdown) and the
+        event loop, cancelling coroutines still running."""
+        with self._ready:
+            self._closed = True
+            self._queue.clear()
+            self._ready.notify_all()
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_cancel_all_and_stop, loop)
+        deadline = time.monotonic() + timeout
+        for thread in [*self.threads, self._loop_thread]:
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop coroutine handlers run on, started by the first one."""
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(
+                    target=_run_loop, args=(loop,), name=f"{self.prefix}-event-loop", daemon=True
+                )
+                thread.start()
+                self._loop, self._loop_thread = loop, thread
+            return self._loop
+
+    # -- the path ---------------------------------------------------------------------------
+
+    def run(self, attempt: Attempt) -> None:
+        """Run one attempt to exactly one outcome (see the module docstring)."""
+        outcome = Outcome(Kind.RELEASE, why="its handler thread ended unexpectedly")
+        try:
+            outcome = self._execute(attempt)
+        except BaseException as exc:  # the handler's error, whatever it is, fails the job
+            outcome = Outcome(Kind.FAIL, error=exc)
+        finally:
+            self.state.settle(attempt, outcome)
+
+    def _execute(self, attempt: Attempt) -> Outcome:
+        job, task = attempt.job, attempt.task
+        if task is None:
+            known = ", ".join(sorted(t.name for t in self.registry)) or "none"
+            message = (
+                f"unknown task {job.task!r}: no handler is registered for it in this worker's "
+                f"registry (known tasks: {known}); the job is kept as dead, retry it once a "
+                "worker knows the task"
+            )
+            logger.error(message, extra=job_extra(attempt, "unknown_task"))
+            return Outcome(Kind.FAIL, error=message, retry=False, action="unknown_task")
+        if job.attempt > job.max_attempts:
+            message = (
+                f"attempt {job.attempt} exceeds max_attempts {job.max_attempts}: earlier "
+                "attempts ended without an outcome; not run again"
+            )
+            logger.error(message, extra=job_extra(attempt, "attempts_exhausted"))
+            return Outcome(Kind.FAIL, error=message, retry=False, action="attempts_exhausted")
+        left = attempt.lease_deadline - time.monotonic()
+        if left < LEASE_MARGIN:
+            # The worker was stopped or starved past the lease: another worker may run this
+            # attempt's job already. Give it back (fenced: a no-op if it was taken over).
+            return Outcome(
+                Kind.RELEASE,
+                why=f"its lease may have run out ({-left:.1f}s past) before it started",
+            )
+        attempt.started_at = time.monotonic()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("job started", extra=job_extra(attempt, "job_started"))
+        if task.mode == "lock":
+            return self._run_locked(attempt, task)
+        result = self._call(attempt, task, JobContext(job, self.worker_name))
+        return Outcome(Kind.COMPLETE, result=self._storable(result))
+
+    def _call(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any:
+        value = task.function(ctx)
+        if inspect.isawaitable(value):
+            future = asyncio.run_coroutine_threadsafe(_awaited(value), self._event_loop())
+            attempt.future = future
+            try:
+                value = future.result()
+            except concurrent.futures.CancelledError:
+                raise asyncio.CancelledError("the worker cancelled the coroutine") from None
+        return value
+
+    def _storable(self, result: Any) -> Any:
+        # A result jsonb cannot store fails its own job here, not the batch it is written in.
+        if self.registry.result_model is not None and result is not None:
+            try:
+                validation.check_json("result", result)
+            except RecursionError as exc:
+                raise ValueError("result: nested too deeply to store") from exc
+        return result
+
+    def _run_locked(self, attempt: Attempt, task: Task[Any]) -> Outcome:
+        """Lock the row, run the handler in that transaction, complete the job in it and
+        commit: the handler's writes and the completion commit together, or not at all."""
+        job = attempt.job
+        committing = False
+        try:
+            with Session(self.engine) as session:
+                transaction = session.begin()
+                if not lock(session, [job]):
+                    session.rollback()
+                    return Outcome(Kind.LOST, why="it was taken over before it could be locked")
+                pid, started = session.execute(statements.backend_transaction()).one()
+                attempt.backend = (pid, float(started))
+                try:
+                    result = self._storable(
+                        self._call(attempt, task, JobContext(job, self.worker_name, session))
+                    )
+                    if session.get_transaction() is not transaction or not transaction.is_active:
+                        raise ConfigurationError(
+                            "the handler ended the claim's transaction (commit, rollback or "
+                            "close); a lock-mode handler must leave it to the worker"
+                        )
+                except BaseException as exc:
+                    _rollback_quietly(session)
+                    return Outcome(Kind.FAIL, error=exc)
+                lost = self._complete(session, attempt, result)
+                committing = True
+                session.commit()
+            if lost:
+                return Outcome(Kind.LOST, why="its completion was fenced out")
+            return Outcome(Kind.COMMITTED)
+        except Exception as exc:
+            # The database failed under the worker, not the handler. Give the job back: the
+            # release is fenced, so if the commit did go through it changes nothing.
+            what = "its commit failed" if committing else "a database error"
+            logger.warning(
+                "lock-mode job %d: %s (%s); if nothing was committed the job is given back",
+                job.id,
+                what,
+                describe(exc),
+                extra=job_extra(
+                    attempt,
+                    "outcome_unknown" if committing else "database_error",
+                    error=describe(exc),
+                ),
+            )
+            return Outcome(Kind.RELEASE, why=what)
+        finally:
+            attempt.backend = None
+
+    def _complete(self, session: Session, attempt: Attempt, result: Any) -> bool:
+        """Complete ``attempt`` in ``session``'s transaction; whether it was fenced out."""
+        result_model = self.registry.result_model
+        if result_model is None or result is None:
+            return bool(complete_many(session, [attempt.job]))
+        return bool(
+            complete_many(session, [attempt.job], results=[result], result_model=result_model)
+        )
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def _cancel_all_and_stop(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+    loop.call_soon(loop.stop)
+
+
+def _rollback_quietly(session: Session) -> None:
+    try:
+        session.rollback()
+    except Exception as exc:  # a broken connection: the server rolls back for us
+        logger.debug("rollback failed: %s", describe(exc), extra={"action": "database_error"})

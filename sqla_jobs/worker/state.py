@@ -1,0 +1,226 @@
+"""What the worker's threads share: the attempts it holds, its slots, the outcomes to write.
+
+The rule this module exists for: **every claimed attempt reaches exactly one outcome**
+(complete, fail, release, lost, or committed by its own lock-mode transaction). It lives
+in one place, :meth:`State.settle`: the first outcome given for an attempt is kept, any
+later one is refused. The handler path settles every attempt it starts in a ``finally``
+(:mod:`sqla_jobs.worker.runner`), and shutdown settles whatever is still unsettled as a
+release through the same method, so a handler that finishes after the worker gave its job
+back changes nothing.
+
+An attempt's life here::
+
+    admit()  ->  held, busy (a slot taken)
+    settle() ->  outcome fixed, slot free, queued for the outcome writer
+    written()->  no longer held (its outcome is committed, or given up): no more heartbeats
+
+Locking rules
+    One lock, :attr:`State.lock`, guards every mutable field of :class:`State` and the
+    ``outcome`` and ``settled_at`` fields of every :class:`Attempt`. It is held only for
+    bookkeeping: never across database calls, handler calls or logging, and no other lock
+    is taken while it is held. Two conditions share it: ``changed`` (a slot freed, a wake-up
+    arrived, the worker is stopping: the fetch loop waits on it) and ``outcomes_ready``
+    (the outcome writer waits on it). Fields of an attempt outside that list are written by
+    one thread only, as noted on each.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqla_jobs.queue import ClaimedJob
+from sqla_jobs.registry import Task
+
+__all__ = ["Attempt", "Kind", "Outcome", "State"]
+
+
+class Kind(enum.Enum):
+    """What became of an attempt."""
+
+    COMPLETE = "complete"  # the handler returned: mark the job succeeded (with its result)
+    FAIL = "fail"  # the handler raised (or could not run): retry later, or dead
+    RELEASE = "release"  # not run to the end: give the job back, the attempt not charged
+    LOST = "lost"  # another attempt owns the job: nothing to write
+    COMMITTED = "committed"  # a lock-mode handler's transaction completed it: nothing to write
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    kind: Kind
+    result: Any = None
+    error: str | BaseException = ""
+    retry: bool = True
+    # The log action of a failure: job_failed (logged when written), or an action already
+    # logged when it was decided (unknown_task, attempts_exhausted, ...).
+    action: str = "job_failed"
+    why: str = ""  # for LOST and RELEASE: said in the log
+
+    @property
+    def writes(self) -> bool:
+        return self.kind in (Kind.COMPLETE, Kind.FAIL, Kind.RELEASE)
+
+
+@dataclass(eq=False, slots=True)
+class Attempt:
+    """One claimed attempt held by this worker."""
+
+    job: ClaimedJob
+    task: Task[Any] | None
+    claimed_at: float  # monotonic: when the claim that made it was sent
+    # Monotonic time before which the database's lease surely still holds: measured from
+    # when the claim (or the last heartbeat) was *sent*, so it never overestimates the
+    # lease, and no wall clock is compared with the database's. Written by the fetch loop
+    # at admission and by the heartbeat afterwards.
+    lease_deadline: float
+    outcome: Outcome | None = None  # under State.lock, by State.settle only
+    settled_at: float = 0.0  # under State.lock
+    started_at: float = 0.0  # by the handler thread, when the handler is called
+    lost: bool = False  # by the heartbeat: its lease was taken over; no more heartbeats
+    # By the handler thread: (backend pid, transaction start) of a lock-mode attempt's open
+    # transaction, so that shutdown can end that transaction and nothing else.
+    backend: tuple[int, float] | None = None
+    # By the handler thread: the future of a coroutine handler, cancelled at shutdown.
+    future: concurrent.futures.Future[Any] | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.job.id, self.job.attempt)
+
+    @property
+    def lease_seconds(self) -> float:
+        task = self.task
+        return task.lease.total_seconds() if task is not None else 0.0
+
+
+@dataclass
+class State:
+    """The bookkeeping every worker thread shares; see the module docstring for its rules."""
+
+    concurrency: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    held: dict[tuple[int, int], Attempt] = field(default_factory=dict)
+    busy: int = 0  # admitted attempts not yet settled: the slots taken
+    outcomes: list[Attempt] = field(default_factory=list)  # settled, not yet taken to write
+    woken: bool = False  # a notification (or the listener's reconnection) since the last claim
+    accepting: bool = True  # False once shutdown took over the unsettled attempts
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition(self.lock)
+        self.outcomes_ready = threading.Condition(self.lock)
+
+    # -- the fetch loop's side ----------------------------------------------------------
+
+    def admit(self, attempts: list[Attempt]) -> bool:
+        """Hold newly claimed attempts, taking a slot each. False (and nothing held) once
+        shutdown has begun giving attempts back: the caller releases them itself."""
+        with self.lock:
+            if not self.accepting:
+                return False
+            for attempt in attempts:
+                self.held[attempt.key] = attempt
+            self.busy += len(attempts)
+            return True
+
+    def free_slots(self) -> int:
+        with self.lock:
+            return self.concurrency - self.busy
+
+    def wait_for_slots(self, at_least: int, gather: float, timeout: float) -> int:
+        """Wait until a slot is free (``timeout`` at most), then up to ``gather`` seconds
+        more while fewer than ``at_least`` are free and handlers are running: one claim
+        for many slots costs less than one claim each. Returns the free slots."""
+        with self.lock:
+            if self.busy >= self.concurrency:
+                self.changed.wait_for(lambda: self.busy < self.concurrency, timeout)
+            free = self.concurrency - self.busy
+            if 0 < free < at_least and self.busy:
+                self.changed.wait_for(lambda: self.concurrency - self.busy >= at_least, gather)
+                free = self.concurrency - self.busy
+            return free
+
+    def wait_for_wakeup(self, timeout: float) -> None:
+        """Wait for a notification, a stop or ``timeout``; forget the notification."""
+        with self.lock:
+            if not self.woken:
+                self.changed.wait(timeout)
+            self.woken = False
+
+    def wake(self) -> None:
+        """A job may be waiting (a NOTIFY, the listener reconnected, a stop): claim now."""
+        with self.lock:
+            self.woken = True
+            self.changed.notify_all()
+
+    # -- the one outcome per attempt ----------------------------------------------------
+
+    def settle(self, attempt: Attempt, outcome: Outcome) -> bool:
+        """Fix ``attempt``'s outcome, free its slot and queue it for the outcome writer.
+
+        The first outcome wins; a later one is refused (returns False) and changes
+        nothing: this is where "exactly one outcome per attempt" holds.
+        """
+        with self.lock:
+            if attempt.outcome is not None:
+                return False
+            attempt.outcome = outcome
+            attempt.settled_at = time.monotonic()
+            self.busy -= 1
+            self.outcomes.append(attempt)
+            self.outcomes_ready.notify()
+            self.changed.notify_all()
+            return True
+
+    def abandon(self, why: str) -> list[Attempt]:
+        """Shutdown: stop admitting, and settle every unsettled attempt as a release.
+        Returns the attempts so settled (their handlers may still be running)."""
+        with self.lock:
+            self.accepting = False
+            unsettled = [a for a in self.held.values() if a.outcome is None]
+        released = Outcome(Kind.RELEASE, why=why)
+        return [attempt for attempt in unsettled if self.settle(attempt, released)]
+
+    # -- the outcome writer's side ------------------------------------------------------
+
+    def take_outcomes(self, limit: int, gather: float, timeout: float) -> list[Attempt]:
+        """The next outcomes to write: waits ``timeout`` at most for a first one, then, while
+        handlers are still running and more keep arriving, ``gather`` seconds at a time for
+        more (a commit costs more than the wait, and quick jobs finish within it)."""
+        with self.lock:
+            if not self.outcomes:
+                self.outcomes_ready.wait(timeout)
+            seen = 0
+            while seen < len(self.outcomes) < limit and self.busy:
+                seen = len(self.outcomes)
+                deadline = time.monotonic() + gather
+                while len(self.outcomes) == seen and self.busy:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self.outcomes_ready.wait(remaining)
+            taken, self.outcomes = self.outcomes[:limit], self.outcomes[limit:]
+            return taken
+
+    def written(self, attempts: Iterable[Attempt]) -> None:
+        """These attempts' outcomes are committed (or given up): no longer held."""
+        with self.lock:
+            for attempt in attempts:
+                if self.held.get(attempt.key) is attempt:
+                    del self.held[attempt.key]
+            self.changed.notify_all()
+
+    # -- the heartbeat's and the supervisor's side --------------------------------------
+
+    def snapshot(self) -> list[Attempt]:
+        """The attempts held right now."""
+        with self.lock:
+            return list(self.held.values())
+
+    def unwritten(self) -> int:
+        with self.lock:
+            return len(self.outcomes)
