@@ -47,7 +47,6 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 from sqlalchemy.sql.dml import ReturningDelete
 
-from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names, runnable_clause
 
 __all__ = [
@@ -102,6 +101,74 @@ def _fences(table: Table) -> tuple[Any, ColumnElement[bool]]:
         table.c.status == _lit(JobStatus.RUNNING),
     )
     return pairs, match
+
+
+# -- enqueue -------------------------------------------------------------------------------
+
+#: The job inputs that the mixin declares, which :func:`enqueue_many` always takes.
+ENQUEUE_COLUMNS: Final = ("queue", "task", "args", "priority", "run_at", "max_attempts")
+#: The columns the queue itself manages; an enqueuer never sets them.
+MANAGED_COLUMNS: Final = frozenset(
+    {
+        "id",
+        "status",
+        "attempts",
+        "lease_expires_at",
+        "leased_by",
+        "last_error",
+        "created_at",
+        "finished_at",
+    }
+)
+
+
+def enqueue_columns(table: Table) -> tuple[str, ...]:
+    """The columns :func:`enqueue_many` inserts: :data:`ENQUEUE_COLUMNS`, then the model's own
+    columns (neither the mixin's inputs nor :data:`MANAGED_COLUMNS`) in table order."""
+    own = tuple(
+        c.name
+        for c in table.columns
+        if c.name not in MANAGED_COLUMNS and c.name not in ENQUEUE_COLUMNS
+    )
+    return ENQUEUE_COLUMNS + own
+
+
+def enqueue_many(table: Table) -> Insert:
+    """Insert a batch of pending jobs from ``:rows``, a JSON array of objects (as text).
+
+    ``INSERT INTO t (queue, task, args, ...) SELECT ... FROM jsonb_to_recordset(:rows)``:
+    one statement per batch whatever its size, and the same SQL text for every size, so
+    PostgreSQL prepares it once; the whole batch crosses the wire as one JSON document that
+    the client encodes in one call (measured faster than one array per column, whose text
+    elements the driver must escape one by one, and close to ``COPY``).
+
+    The keys are :func:`enqueue_columns`; a missing key or a JSON null takes the column's
+    server default (``coalesce``), so a row lands exactly as an ORM insert without that
+    value would, and the columns not inserted (``id``, ``status``, ``attempts``,
+    ``created_at``, ...) take their defaults as usual. Locks: only the new rows. The
+    statement-level NOTIFY trigger runs once per statement.
+    """
+    columns = [table.c[name] for name in enqueue_columns(table)]
+    rows = (
+        func.jsonb_to_recordset(func.cast(bindparam("rows", type_=Text), JSONB))
+        .table_valued(*(column(c.name, c.type) for c in columns))
+        .render_derived(name="r", with_types=True)
+    )
+    values: list[ColumnElement[Any]] = []
+    for column_ in columns:
+        value: ColumnElement[Any] = rows.c[column_.name]
+        default_arg = getattr(column_.server_default, "arg", None)
+        if isinstance(default_arg, str):
+            value = func.coalesce(value, literal_column("'" + default_arg.replace("'", "''") + "'"))
+        elif default_arg is not None:
+            value = func.coalesce(value, default_arg)
+        values.append(value)
+    return insert(table).from_select(
+        [c.name for c in columns], select(*values).select_from(rows), include_defaults=False
+    )
+
+
+# -- claim, outcomes and administration ----------------------------------------------------
 
 
 def claim(table: Table, *, queue_count: int) -> Update:
@@ -425,7 +492,7 @@ def queue_stats(table: Table) -> Select[Any]:
     )
 
 
-# -- worker runtime and command line (appended) -------------------------------------------
+# -- worker runtime and command line -------------------------------------------------------
 
 
 def listen(table: Table) -> str:
@@ -484,154 +551,3 @@ def dead_jobs(table: Table) -> Select[Any]:
         .order_by(table.c.finished_at.desc(), table.c.id.desc())
         .limit(bindparam("limit", type_=Integer))
     )
-
-
-# -- bulk enqueue and benchmarks (appended) -------------------------------------------------
-
-#: The job inputs that the mixin declares, which :func:`enqueue_many` always takes.
-ENQUEUE_COLUMNS: Final = ("queue", "task", "args", "priority", "run_at", "max_attempts")
-#: The columns the queue itself manages; an enqueuer never sets them.
-MANAGED_COLUMNS: Final = frozenset(
-    {
-        "id",
-        "status",
-        "attempts",
-        "lease_expires_at",
-        "leased_by",
-        "last_error",
-        "created_at",
-        "finished_at",
-    }
-)
-
-
-def enqueue_columns(table: Table) -> tuple[str, ...]:
-    """The columns :func:`enqueue_many` inserts: :data:`ENQUEUE_COLUMNS`, then the model's own
-    columns (neither the mixin's inputs nor :data:`MANAGED_COLUMNS`) in table order."""
-    own = tuple(
-        c.name
-        for c in table.columns
-        if c.name not in MANAGED_COLUMNS and c.name not in ENQUEUE_COLUMNS
-    )
-    return ENQUEUE_COLUMNS + own
-
-
-def enqueue_many(table: Table) -> Insert:
-    """Insert a batch of pending jobs from ``:rows``, a JSON array of objects (as text).
-
-    ``INSERT INTO t (queue, task, args, ...) SELECT ... FROM jsonb_to_recordset(:rows)``:
-    one statement per batch whatever its size, and the same SQL text for every size, so
-    PostgreSQL prepares it once; the whole batch crosses the wire as one JSON document that
-    the client encodes in one call (measured faster than one array per column, whose text
-    elements the driver must escape one by one, and close to ``COPY``).
-
-    The keys are :func:`enqueue_columns`; a missing key or a JSON null takes the column's
-    server default (``coalesce``), so a row lands exactly as an ORM insert without that
-    value would, and the columns not inserted (``id``, ``status``, ``attempts``,
-    ``created_at``, ...) take their defaults as usual. Locks: only the new rows. The
-    statement-level NOTIFY trigger runs once per statement.
-    """
-    columns = [table.c[name] for name in enqueue_columns(table)]
-    rows = (
-        func.jsonb_to_recordset(func.cast(bindparam("rows", type_=Text), JSONB))
-        .table_valued(*(column(c.name, c.type) for c in columns))
-        .render_derived(name="r", with_types=True)
-    )
-    values: list[ColumnElement[Any]] = []
-    for column_ in columns:
-        value: ColumnElement[Any] = rows.c[column_.name]
-        default_arg = getattr(column_.server_default, "arg", None)
-        if isinstance(default_arg, str):
-            value = func.coalesce(value, literal_column("'" + default_arg.replace("'", "''") + "'"))
-        elif default_arg is not None:
-            value = func.coalesce(value, default_arg)
-        values.append(value)
-    return insert(table).from_select(
-        [c.name for c in columns], select(*values).select_from(rows), include_defaults=False
-    )
-
-
-def bench_fill(table: Table, *, finished: bool = False) -> Insert:
-    """Insert ``:count`` no-op jobs of task ``:task`` in queue ``:queue`` in one statement
-    (``generate_series``): pending ones for a drain, or ``succeeded`` ones (``finished``)
-    as the history a long-lived queue table carries. For the benchmark only."""
-    series = func.generate_series(_ONE, bindparam("count", type_=Integer)).table_valued("n")
-    values: list[ColumnElement[Any]] = [
-        bindparam("queue", type_=Text),
-        bindparam("task", type_=Text),
-        literal_column("'{}'::jsonb"),
-    ]
-    names_ = ["queue", "task", "args"]
-    if finished:
-        values += [_lit(JobStatus.SUCCEEDED), _ONE, _now()]
-        names_ += ["status", "attempts", "finished_at"]
-    return insert(table).from_select(
-        names_, select(*values).select_from(series), include_defaults=False
-    )
-
-
-def bench_has_runnable(table: Table) -> Select[Any]:
-    """Whether queue ``:queue`` has a pending or running job (reads the claim index only)."""
-    return select(
-        select(_ONE)
-        .where(runnable_clause(table.c.status), table.c.queue == bindparam("queue", type_=Text))
-        .exists()
-    )
-
-
-def bench_finished(table: Table) -> Select[Any]:
-    """How many jobs of queue ``:queue`` succeeded, and when the last one finished."""
-    counts: list[ColumnElement[Any]] = [func.count(), func.max(table.c.finished_at)]
-    return select(*counts).where(
-        table.c.queue == bindparam("queue", type_=Text),
-        table.c.status == _lit(JobStatus.SUCCEEDED),
-    )
-
-
-def bench_delete_queue(table: Table) -> Delete:
-    """Delete every job of queue ``:queue`` (a benchmark's own rows, between runs)."""
-    return delete(table).where(table.c.queue == bindparam("queue", type_=Text))
-
-
-def database_clock() -> Select[Any]:
-    """``clock_timestamp()``: the database's wall clock now (not the transaction's start)."""
-    return select(func.clock_timestamp())
-
-
-def server_facts() -> Select[Any]:
-    """The server's version and the settings that decide commit cost."""
-    setting = func.current_setting
-    return select(
-        func.version().label("version"),
-        setting(literal_column("'server_version'")).label("server_version"),
-        setting(literal_column("'fsync'")).label("fsync"),
-        setting(literal_column("'synchronous_commit'")).label("synchronous_commit"),
-        setting(literal_column("'shared_buffers'")).label("shared_buffers"),
-        setting(literal_column("'max_connections'")).label("max_connections"),
-    )
-
-
-def vacuum_analyze(table: Table) -> str:
-    """``VACUUM (ANALYZE) <table>`` as SQL text; run it outside a transaction (autocommit)."""
-    return f"VACUUM (ANALYZE) {qualified_name(table.name, table.schema)}"
-
-
-def set_user_triggers(table: Table, *, enabled: bool) -> str:
-    """``ALTER TABLE ... ENABLE|DISABLE TRIGGER USER``, as SQL text: the benchmark turns the
-    NOTIFY trigger off to measure what it costs an enqueue."""
-    action = "ENABLE" if enabled else "DISABLE"
-    return f"ALTER TABLE {qualified_name(table.name, table.schema)} {action} TRIGGER USER"
-
-
-def truncate(*tables: Table) -> str:
-    """``TRUNCATE ... RESTART IDENTITY`` of these tables, as SQL text (benchmark resets)."""
-    return (
-        "TRUNCATE "
-        + ", ".join(qualified_name(t.name, t.schema) for t in tables)
-        + (" RESTART IDENTITY")
-    )
-
-
-def bench_results(result_table: Table) -> Select[Any]:
-    """Every stored result: ``job_id, value``."""
-    return select(result_table.c.job_id, result_table.c.value)
