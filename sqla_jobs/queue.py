@@ -56,6 +56,7 @@ from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin, JobStatus
 
 __all__ = [
+    "DEFAULT_LEASE",
     "MAX_CLAIM_LIMIT",
     "ClaimedJob",
     "DeadJob",
@@ -81,6 +82,8 @@ __all__ = [
 MAX_CLAIM_LIMIT: Final = 10_000
 DEFAULT_ENQUEUE_CHUNK: Final = 1_000
 MAX_ENQUEUE_CHUNK: Final = 100_000
+#: How long a claimed attempt owns its job unless heartbeated, when nobody says otherwise
+#: (a registry's tasks, and so the worker, start from it too).
 DEFAULT_LEASE: Final = timedelta(seconds=30)
 MAX_ERROR_CHARS: Final = 16_000
 
@@ -250,10 +253,8 @@ def _fence_params(jobs: Sequence[ClaimedJob]) -> dict[str, Any]:
 
 
 def _seconds(field: str, value: timedelta | float) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds > 0:
-        raise InvalidJobError(field, f"must be positive, got {value!r}")
-    return seconds
+    # The statements take durations as float seconds (``:lease_seconds``, ...).
+    return validation.check_duration(field, value).total_seconds()
 
 
 def _check_count(field: str, value: object, maximum: int) -> None:

@@ -1,4 +1,4 @@
-"""Checks on job values, run in Python before any SQL.
+"""Checks on job values and on the queue operations' arguments, run in Python before any SQL.
 
 Pure functions: each takes the field name and the value and either returns the value to store
 or raises :class:`~sqla_jobs.errors.InvalidJobError` naming the field.
@@ -12,7 +12,7 @@ import marshal
 import math
 import re
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final, cast
 
 from sqlalchemy.sql.elements import ClauseElement
@@ -29,6 +29,7 @@ __all__ = [
     "PRIORITY_MIN",
     "args_snapshot",
     "check_args",
+    "check_duration",
     "check_field",
     "check_json",
     "check_max_attempts",
@@ -89,6 +90,20 @@ def check_max_attempts(field: str, value: object) -> int:
     if not 1 <= value <= MAX_ATTEMPTS_LIMIT:
         raise InvalidJobError(field, f"{value} is out of range [1, {MAX_ATTEMPTS_LIMIT}]")
     return value
+
+
+def check_duration(field: str, value: timedelta | float) -> timedelta:
+    """A positive duration, given as a ``timedelta`` or a number of seconds: a lease, a
+    retry delay, an age. Less than a microsecond (the resolution of ``timedelta`` and of
+    PostgreSQL's intervals) is not positive."""
+    if isinstance(value, timedelta):
+        duration = value
+    else:
+        seconds = float(value)
+        duration = timedelta(seconds=seconds) if seconds > 0 else timedelta(0)  # NaN too
+    if duration <= timedelta(0):
+        raise InvalidJobError(field, f"must be positive, got {value!r}")
+    return duration
 
 
 def check_run_at(field: str, value: object) -> object:
