@@ -26,12 +26,12 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
 from conftest import FreshDatabase
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 import sqla_jobs.models
 from sqla_jobs import ddl, migrations, names
+from sqla_jobs.urls import libpq_url
 
 EXAMPLE_ENV = Path(__file__).resolve().parents[1] / "alembic"
 JOB_MODELS = (models.EmailJob, models.ReportJob, sqla_jobs.models.Job)
@@ -271,8 +271,7 @@ def test_one_notification_per_queue_at_commit(
 ) -> None:
     set_up(db_engine)
     channel = names("email_jobs").channel
-    conninfo = make_url(url_of(db_engine)).set(drivername="postgresql")
-    with psycopg.connect(conninfo.render_as_string(hide_password=False), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(db_engine.url), autocommit=True) as conn:
         conn.execute(f'LISTEN "{channel}"')
 
         with Session(db_engine) as session, session.begin():
@@ -300,8 +299,7 @@ def test_one_notification_per_queue_at_commit(
 
 def test_no_notification_on_rollback(db_engine: sa.Engine) -> None:
     set_up_by_migrations(db_engine)
-    conninfo = make_url(url_of(db_engine)).set(drivername="postgresql")
-    with psycopg.connect(conninfo.render_as_string(hide_password=False), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(db_engine.url), autocommit=True) as conn:
         conn.execute(f'LISTEN "{names("email_jobs").channel}"')
         with Session(db_engine) as session:
             session.add(models.EmailJob(task="send"))

@@ -40,6 +40,7 @@ from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.models import Job, JobResult, metadata
 from sqla_jobs.queue import claim, complete_many, enqueue_many
 from sqla_jobs.registry import JobContext, Registry
+from sqla_jobs.urls import libpq_url, psycopg_url
 from sqla_jobs.worker import Worker
 
 __all__ = ["SECTIONS", "main"]
@@ -161,10 +162,6 @@ def _sql(stmt: sa.ClauseElement) -> str:
     return str(stmt.compile(dialect=psycopg_dialect.dialect()))  # type: ignore[no-untyped-call]
 
 
-def _libpq_url(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 def _engine(url: str, **kwargs: Any) -> sa.Engine:
     return sa.create_engine(url, **kwargs)
 
@@ -235,7 +232,7 @@ def _bare_loop(url: str, queue: str, batch: int, mode: str, start_at: float, out
     params = {"queue_name": queue, "limit": batch, "lease_seconds": _LEASE_SECONDS}
     params["worker"] = f"bare:{os.getpid()}"
     done = 0
-    with psycopg.connect(_libpq_url(url), autocommit=True) as connection:
+    with psycopg.connect(libpq_url(url), autocommit=True) as connection:
         connection.execute(_sql(statements.ping()))
         time.sleep(max(0.0, start_at - time.time()))
         started = time.time()
@@ -292,7 +289,7 @@ def _bare_insert(cfg: Config, engine: sa.Engine, count: int) -> float:
     _reset(engine)
     insert_sql = _sql(statements.enqueue_many(_TABLE))
     encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-    with psycopg.connect(_libpq_url(cfg.url)) as connection:
+    with psycopg.connect(libpq_url(cfg.url)) as connection:
         started = time.perf_counter()
         with connection.transaction():
             for first in range(0, count, cfg.chunk):
@@ -858,7 +855,9 @@ def main(argv: list[str] | None = None) -> int:
             previous = signal.signal(signal.SIGTERM, _terminate)
             stack.callback(signal.signal, signal.SIGTERM, previous)
         if args.database_url:
-            server_url, server = args.database_url, "url"
+            # As every sqla-jobs command takes it: postgresql:// means psycopg 3.
+            server_url = psycopg_url(args.database_url).render_as_string(hide_password=False)
+            server = "url"
         else:
             embedded = EmbeddedPostgres()
             embedded.start()
