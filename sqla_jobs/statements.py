@@ -37,6 +37,7 @@ from sqlalchemy import (
     cast,
     column,
     delete,
+    exists,
     func,
     literal_column,
     null,
@@ -44,9 +45,11 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy import table as catalog_table
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 from sqlalchemy.sql.dml import ReturningDelete
 
+from sqla_jobs.ddl import TRANSITION_TABLE, qualified_name
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names, runnable_clause
 
 __all__ = [
@@ -63,6 +66,7 @@ __all__ = [
     "release",
     "retry",
     "store_results",
+    "wakeup_trigger_exists",
 ]
 
 
@@ -504,6 +508,70 @@ def listen(table: Table) -> str:
     """
     channel = names(table.name).channel
     return 'LISTEN "{}"'.format(channel.replace('"', '""'))
+
+
+_PG_TRIGGER: Final = catalog_table(
+    "pg_trigger",
+    column("tgrelid"),
+    column("tgname"),
+    column("tgfoid"),
+    column("tgenabled"),
+    column("tgtype", Integer),
+    column("tgnewtable"),
+    schema="pg_catalog",
+)
+_PG_PROC: Final = catalog_table(
+    "pg_proc", column("oid"), column("prosrc", Text), schema="pg_catalog"
+)
+# pg_trigger.tgtype bits: FOR EACH ROW, BEFORE and INSTEAD OF (none of which the wake-up
+# trigger is), and INSERT (which it is).
+_TRIGGER_ROW_BEFORE_INSTEAD: Final[ColumnElement[int]] = literal_column("67", Integer)
+_TRIGGER_INSERT: Final[ColumnElement[int]] = literal_column("4", Integer)
+
+
+def wakeup_trigger_exists(table: Table) -> Select[Any]:
+    """Whether the table has a working wake-up trigger: one boolean, false also when the
+    table does not exist.
+
+    Working means the trigger the migration helpers and ``create_all()`` create
+    (:mod:`sqla_jobs.ddl`): ``names(table).notify_trigger`` on the table, enabled, ``AFTER
+    INSERT ... FOR EACH STATEMENT`` with the ``NEW TABLE`` the function reads, running
+    ``names(table).notify_function``, whose body notifies ``names(table).channel``. A table
+    created by Alembic's autogenerate or a plain ``create_table`` has none, and then
+    ``LISTEN`` hears nothing: workers find new jobs by polling only.
+
+    The table's names are bound into the statement: execute it without parameters. Reads
+    the catalog through its indexes (``pg_trigger`` by table and trigger name, ``pg_proc``
+    by ``oid``); takes no lock. Names resolve through the connection's ``search_path``, as
+    the queue's own statements do. For a worker at start, and for
+    :func:`sqla_jobs.migrations.check_job_tables`.
+    """
+    n = names(table.name)
+    trigger = _PG_TRIGGER.alias("t")
+    function = _PG_PROC.alias("p")
+    relation = func.to_regclass(
+        bindparam("wakeup_table", qualified_name(table.name, table.schema), type_=Text)
+    )
+    notify_function = func.to_regprocedure(
+        bindparam(
+            "wakeup_function", qualified_name(n.notify_function, table.schema) + "()", type_=Text
+        )
+    )
+    channel = func.quote_literal(bindparam("wakeup_channel", n.channel, type_=Text))
+    return select(
+        exists()
+        .select_from(trigger.join(function, function.c.oid == trigger.c.tgfoid))
+        .where(
+            trigger.c.tgrelid == relation,
+            trigger.c.tgname == bindparam("wakeup_trigger", n.notify_trigger, type_=Text),
+            trigger.c.tgfoid == notify_function,
+            trigger.c.tgenabled.in_([literal_column("'O'"), literal_column("'A'")]),
+            trigger.c.tgtype.bitwise_and(_TRIGGER_ROW_BEFORE_INSTEAD) == literal_column("0"),
+            trigger.c.tgtype.bitwise_and(_TRIGGER_INSERT) == _TRIGGER_INSERT,
+            trigger.c.tgnewtable == literal_column(f"'{TRANSITION_TABLE}'"),
+            func.strpos(function.c.prosrc, channel) > literal_column("0"),
+        )
+    )
 
 
 def ping() -> Select[Any]:
