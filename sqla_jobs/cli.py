@@ -34,7 +34,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Final, NoReturn, TextIO
 
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -43,6 +43,7 @@ from sqla_jobs.errors import SqlaJobsError
 from sqla_jobs.events import describe
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobMixin, JobStatus
+from sqla_jobs.urls import psycopg_url
 
 __all__ = ["DATABASE_URL_VARIABLE", "main", "make_engine", "parse_duration"]
 
@@ -94,11 +95,9 @@ def database_url(value: str | None) -> URL:
             "(e.g. postgresql://user@localhost/app)"
         )
     try:
-        url = make_url(raw)
+        url = psycopg_url(raw)
     except ArgumentError:
         raise CommandError(f"{raw!r} is not a database URL") from None
-    if url.drivername in ("postgres", "postgresql"):
-        url = url.set(drivername="postgresql+psycopg")
     if url.get_backend_name() != "postgresql":
         raise CommandError(f"sqla_jobs needs PostgreSQL, not {url.get_backend_name()!r}")
     if url.get_driver_name() != "psycopg":

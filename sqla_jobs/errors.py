@@ -41,11 +41,13 @@ class InvalidJobError(SqlaJobsError, ValueError):
     """A job was given a value that cannot be stored; fix the named field.
 
     Raised when the job is built or assigned, or at the latest when it is flushed, before
-    any SQL for it runs. ``field`` names the offending attribute.
+    any SQL for it runs. ``field`` names the offending attribute, ``reason`` what is wrong
+    with its value.
     """
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.reason = message
         super().__init__(f"{field}: {message}")
 
 

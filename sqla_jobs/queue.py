@@ -57,6 +57,7 @@ from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin, JobStatus
 
 __all__ = [
+    "DEFAULT_LEASE",
     "MAX_CLAIM_LIMIT",
     "ClaimedJob",
     "DeadJob",
@@ -84,11 +85,10 @@ logger = logging.getLogger(__name__)
 MAX_CLAIM_LIMIT: Final = 10_000
 DEFAULT_ENQUEUE_CHUNK: Final = 1_000
 MAX_ENQUEUE_CHUNK: Final = 100_000
+#: How long a claimed attempt owns its job unless heartbeated, when nobody says otherwise
+#: (a registry's tasks, and so the worker, start from it too).
 DEFAULT_LEASE: Final = timedelta(seconds=30)
 MAX_ERROR_CHARS: Final = 16_000
-#: The longest duration a lease, delay or age may be (about 100 years): past it, a
-#: timestamp computed from it would overflow.
-MAX_SECONDS: Final = 100 * 365 * 86_400
 
 _NO_RESULT: Final[Any] = object()
 
@@ -256,12 +256,8 @@ def _fence_params(jobs: Sequence[ClaimedJob]) -> dict[str, Any]:
 
 
 def _seconds(field: str, value: timedelta | float) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not 0 < seconds <= MAX_SECONDS:
-        raise InvalidJobError(
-            field, f"must be positive and at most {MAX_SECONDS:,} seconds, got {value!r}"
-        )
-    return seconds
+    # The statements take durations as float seconds (``:lease_seconds``, ...).
+    return validation.check_duration(field, value).total_seconds()
 
 
 def _check_count(field: str, value: object, maximum: int) -> None:

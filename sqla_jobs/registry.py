@@ -44,9 +44,9 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, overload
 
 from sqla_jobs import validation
-from sqla_jobs.errors import ConfigurationError
+from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.policy import RetryPolicy
-from sqla_jobs.queue import ClaimedJob
+from sqla_jobs.queue import DEFAULT_LEASE, ClaimedJob
 from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin
 
 if TYPE_CHECKING:
@@ -62,7 +62,6 @@ __all__ = [
 ]
 
 Mode: TypeAlias = Literal["lease", "lock"]
-DEFAULT_LEASE = timedelta(seconds=30)
 
 _R = TypeVar("_R")
 Handler: TypeAlias = Callable[["JobContext"], Any]
@@ -113,11 +112,12 @@ class JobContext:
         return self._session
 
 
-def _seconds(name: str, value: timedelta | float) -> timedelta:
-    delta = value if isinstance(value, timedelta) else timedelta(seconds=float(value))
-    if delta <= timedelta(0):
-        raise ConfigurationError(f"{name} must be positive, got {value!r}")
-    return delta
+def _duration(name: str, value: timedelta | float) -> timedelta:
+    try:
+        return validation.check_duration(name, value)
+    except InvalidJobError as exc:
+        # A task option is configuration: the same check, the registry's error.
+        raise ConfigurationError(f"{name} {exc.reason}") from None
 
 
 class Task(Generic[_R]):
@@ -225,7 +225,7 @@ class Registry:
         self.default_max_attempts = validation.check_max_attempts(
             "default_max_attempts", default_max_attempts
         )
-        self.default_lease = _seconds("default_lease", default_lease)
+        self.default_lease = _duration("default_lease", default_lease)
         self.default_retry = default_retry or RetryPolicy()
         self.default_mode: Mode = _check_mode(default_mode)
         self._tasks: dict[str, Task[Any]] = {}
@@ -321,7 +321,7 @@ class Registry:
                 "max_attempts", self.default_max_attempts if max_attempts is None else max_attempts
             ),
             mode=_check_mode(mode or self.default_mode),
-            lease=self.default_lease if lease is None else _seconds("lease", lease),
+            lease=self.default_lease if lease is None else _duration("lease", lease),
             retry=retry or self.default_retry,
             priority=validation.check_priority("priority", priority),
         )

@@ -38,6 +38,7 @@ from sqlalchemy import (
     cast,
     column,
     delete,
+    exists,
     func,
     literal_column,
     null,
@@ -46,11 +47,11 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy import table as sa_table
+from sqlalchemy import table as catalog_table
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 from sqlalchemy.sql.dml import ReturningDelete
 
-from sqla_jobs.ddl import qualified_name
+from sqla_jobs.ddl import TRANSITION_TABLE, qualified_name
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names, runnable_clause
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "release",
     "retry",
     "store_results",
+    "wakeup_trigger_exists",
 ]
 
 
@@ -110,6 +112,74 @@ def _fences(table: Table, *, leases: bool = False) -> tuple[Any, ColumnElement[b
         table.c.status == _lit(JobStatus.RUNNING),
     )
     return pairs, match
+
+
+# -- enqueue -------------------------------------------------------------------------------
+
+#: The job inputs that the mixin declares, which :func:`enqueue_many` always takes.
+ENQUEUE_COLUMNS: Final = ("queue", "task", "args", "priority", "run_at", "max_attempts")
+#: The columns the queue itself manages; an enqueuer never sets them.
+MANAGED_COLUMNS: Final = frozenset(
+    {
+        "id",
+        "status",
+        "attempts",
+        "lease_expires_at",
+        "leased_by",
+        "last_error",
+        "created_at",
+        "finished_at",
+    }
+)
+
+
+def enqueue_columns(table: Table) -> tuple[str, ...]:
+    """The columns :func:`enqueue_many` inserts: :data:`ENQUEUE_COLUMNS`, then the model's own
+    columns (neither the mixin's inputs nor :data:`MANAGED_COLUMNS`) in table order."""
+    own = tuple(
+        c.name
+        for c in table.columns
+        if c.name not in MANAGED_COLUMNS and c.name not in ENQUEUE_COLUMNS
+    )
+    return ENQUEUE_COLUMNS + own
+
+
+def enqueue_many(table: Table) -> Insert:
+    """Insert a batch of pending jobs from ``:rows``, a JSON array of objects (as text).
+
+    ``INSERT INTO t (queue, task, args, ...) SELECT ... FROM jsonb_to_recordset(:rows)``:
+    one statement per batch whatever its size, and the same SQL text for every size, so
+    PostgreSQL prepares it once; the whole batch crosses the wire as one JSON document that
+    the client encodes in one call (measured faster than one array per column, whose text
+    elements the driver must escape one by one, and close to ``COPY``).
+
+    The keys are :func:`enqueue_columns`; a missing key or a JSON null takes the column's
+    server default (``coalesce``), so a row lands exactly as an ORM insert without that
+    value would, and the columns not inserted (``id``, ``status``, ``attempts``,
+    ``created_at``, ...) take their defaults as usual. Locks: only the new rows. The
+    statement-level NOTIFY trigger runs once per statement.
+    """
+    columns = [table.c[name] for name in enqueue_columns(table)]
+    rows = (
+        func.jsonb_to_recordset(func.cast(bindparam("rows", type_=Text), JSONB))
+        .table_valued(*(column(c.name, c.type) for c in columns))
+        .render_derived(name="r", with_types=True)
+    )
+    values: list[ColumnElement[Any]] = []
+    for column_ in columns:
+        value: ColumnElement[Any] = rows.c[column_.name]
+        default_arg = getattr(column_.server_default, "arg", None)
+        if isinstance(default_arg, str):
+            value = func.coalesce(value, literal_column("'" + default_arg.replace("'", "''") + "'"))
+        elif default_arg is not None:
+            value = func.coalesce(value, default_arg)
+        values.append(value)
+    return insert(table).from_select(
+        [c.name for c in columns], select(*values).select_from(rows), include_defaults=False
+    )
+
+
+# -- claim, outcomes and administration ----------------------------------------------------
 
 
 def claim(table: Table, *, queue_count: int) -> Update:
@@ -456,7 +526,7 @@ def queue_stats(table: Table) -> Select[Any]:
     )
 
 
-# -- worker runtime and command line (appended) -------------------------------------------
+# -- worker runtime and command line -------------------------------------------------------
 
 
 def listen(table: Table) -> str:
@@ -468,6 +538,70 @@ def listen(table: Table) -> str:
     """
     channel = names(table.name).channel
     return 'LISTEN "{}"'.format(channel.replace('"', '""'))
+
+
+_PG_TRIGGER: Final = catalog_table(
+    "pg_trigger",
+    column("tgrelid"),
+    column("tgname"),
+    column("tgfoid"),
+    column("tgenabled"),
+    column("tgtype", Integer),
+    column("tgnewtable"),
+    schema="pg_catalog",
+)
+_PG_PROC: Final = catalog_table(
+    "pg_proc", column("oid"), column("prosrc", Text), schema="pg_catalog"
+)
+# pg_trigger.tgtype bits: FOR EACH ROW, BEFORE and INSTEAD OF (none of which the wake-up
+# trigger is), and INSERT (which it is).
+_TRIGGER_ROW_BEFORE_INSTEAD: Final[ColumnElement[int]] = literal_column("67", Integer)
+_TRIGGER_INSERT: Final[ColumnElement[int]] = literal_column("4", Integer)
+
+
+def wakeup_trigger_exists(table: Table) -> Select[Any]:
+    """Whether the table has a working wake-up trigger: one boolean, false also when the
+    table does not exist.
+
+    Working means the trigger the migration helpers and ``create_all()`` create
+    (:mod:`sqla_jobs.ddl`): ``names(table).notify_trigger`` on the table, enabled, ``AFTER
+    INSERT ... FOR EACH STATEMENT`` with the ``NEW TABLE`` the function reads, running
+    ``names(table).notify_function``, whose body notifies ``names(table).channel``. A table
+    created by Alembic's autogenerate or a plain ``create_table`` has none, and then
+    ``LISTEN`` hears nothing: workers find new jobs by polling only.
+
+    The table's names are bound into the statement: execute it without parameters. Reads
+    the catalog through its indexes (``pg_trigger`` by table and trigger name, ``pg_proc``
+    by ``oid``); takes no lock. Names resolve through the connection's ``search_path``, as
+    the queue's own statements do. For a worker at start, and for
+    :func:`sqla_jobs.migrations.check_job_tables`.
+    """
+    n = names(table.name)
+    trigger = _PG_TRIGGER.alias("t")
+    function = _PG_PROC.alias("p")
+    relation = func.to_regclass(
+        bindparam("wakeup_table", qualified_name(table.name, table.schema), type_=Text)
+    )
+    notify_function = func.to_regprocedure(
+        bindparam(
+            "wakeup_function", qualified_name(n.notify_function, table.schema) + "()", type_=Text
+        )
+    )
+    channel = func.quote_literal(bindparam("wakeup_channel", n.channel, type_=Text))
+    return select(
+        exists()
+        .select_from(trigger.join(function, function.c.oid == trigger.c.tgfoid))
+        .where(
+            trigger.c.tgrelid == relation,
+            trigger.c.tgname == bindparam("wakeup_trigger", n.notify_trigger, type_=Text),
+            trigger.c.tgfoid == notify_function,
+            trigger.c.tgenabled.in_([literal_column("'O'"), literal_column("'A'")]),
+            trigger.c.tgtype.bitwise_and(_TRIGGER_ROW_BEFORE_INSTEAD) == literal_column("0"),
+            trigger.c.tgtype.bitwise_and(_TRIGGER_INSERT) == _TRIGGER_INSERT,
+            trigger.c.tgnewtable == literal_column(f"'{TRANSITION_TABLE}'"),
+            func.strpos(function.c.prosrc, channel) > literal_column("0"),
+        )
+    )
 
 
 def ping() -> Select[Any]:
@@ -546,171 +680,4 @@ def dead_jobs(table: Table) -> Select[Any]:
         .where(table.c.status == _lit(JobStatus.DEAD))
         .order_by(table.c.finished_at.desc(), table.c.id.desc())
         .limit(bindparam("limit", type_=Integer))
-    )
-
-
-# -- bulk enqueue and benchmarks (appended) -------------------------------------------------
-
-#: The job inputs that the mixin declares, which :func:`enqueue_many` always takes.
-ENQUEUE_COLUMNS: Final = ("queue", "task", "args", "priority", "run_at", "max_attempts")
-#: The columns the queue itself manages; an enqueuer never sets them.
-MANAGED_COLUMNS: Final = frozenset(
-    {
-        "id",
-        "status",
-        "attempts",
-        "lease_expires_at",
-        "leased_by",
-        "last_error",
-        "created_at",
-        "finished_at",
-    }
-)
-
-
-def enqueue_columns(table: Table) -> tuple[str, ...]:
-    """The columns :func:`enqueue_many` inserts: :data:`ENQUEUE_COLUMNS`, then the model's own
-    columns (neither the mixin's inputs nor :data:`MANAGED_COLUMNS`) in table order."""
-    own = tuple(
-        c.name
-        for c in table.columns
-        if c.name not in MANAGED_COLUMNS and c.name not in ENQUEUE_COLUMNS
-    )
-    return ENQUEUE_COLUMNS + own
-
-
-def enqueue_many(table: Table) -> Insert:
-    """Insert a batch of pending jobs from ``:rows``, a JSON array of objects (as text).
-
-    ``INSERT INTO t (queue, task, args, ...) SELECT ... FROM jsonb_to_recordset(:rows)``:
-    one statement per batch whatever its size, and the same SQL text for every size, so
-    PostgreSQL prepares it once; the whole batch crosses the wire as one JSON document that
-    the client encodes in one call (measured faster than one array per column, whose text
-    elements the driver must escape one by one, and close to ``COPY``).
-
-    The keys are :func:`enqueue_columns`; a missing key or a JSON null takes the column's
-    server default (``coalesce``), so a row lands exactly as an ORM insert without that
-    value would, and the columns not inserted (``id``, ``status``, ``attempts``,
-    ``created_at``, ...) take their defaults as usual. Locks: only the new rows. The
-    statement-level NOTIFY trigger runs once per statement.
-    """
-    columns = [table.c[name] for name in enqueue_columns(table)]
-    rows = (
-        func.jsonb_to_recordset(func.cast(bindparam("rows", type_=Text), JSONB))
-        .table_valued(*(column(c.name, c.type) for c in columns))
-        .render_derived(name="r", with_types=True)
-    )
-    values: list[ColumnElement[Any]] = []
-    for column_ in columns:
-        value: ColumnElement[Any] = rows.c[column_.name]
-        default_arg = getattr(column_.server_default, "arg", None)
-        if isinstance(default_arg, str):
-            value = func.coalesce(value, literal_column("'" + default_arg.replace("'", "''") + "'"))
-        elif default_arg is not None:
-            value = func.coalesce(value, default_arg)
-        values.append(value)
-    return insert(table).from_select(
-        [c.name for c in columns], select(*values).select_from(rows), include_defaults=False
-    )
-
-
-def bench_fill(table: Table, *, finished: bool = False) -> Insert:
-    """Insert ``:count`` no-op jobs of task ``:task`` in queue ``:queue`` in one statement
-    (``generate_series``): pending ones for a drain, or ``succeeded`` ones (``finished``)
-    as the history a long-lived queue table carries. For the benchmark only."""
-    series = func.generate_series(_ONE, bindparam("count", type_=Integer)).table_valued("n")
-    values: list[ColumnElement[Any]] = [
-        bindparam("queue", type_=Text),
-        bindparam("task", type_=Text),
-        literal_column("'{}'::jsonb"),
-    ]
-    names_ = ["queue", "task", "args"]
-    if finished:
-        values += [_lit(JobStatus.SUCCEEDED), _ONE, _now()]
-        names_ += ["status", "attempts", "finished_at"]
-    return insert(table).from_select(
-        names_, select(*values).select_from(series), include_defaults=False
-    )
-
-
-def bench_has_runnable(table: Table) -> Select[Any]:
-    """Whether queue ``:queue`` has a pending or running job (reads the claim index only)."""
-    return select(
-        select(_ONE)
-        .where(runnable_clause(table.c.status), table.c.queue == bindparam("queue", type_=Text))
-        .exists()
-    )
-
-
-def bench_finished(table: Table) -> Select[Any]:
-    """How many jobs of queue ``:queue`` succeeded, and when the last one finished."""
-    counts: list[ColumnElement[Any]] = [func.count(), func.max(table.c.finished_at)]
-    return select(*counts).where(
-        table.c.queue == bindparam("queue", type_=Text),
-        table.c.status == _lit(JobStatus.SUCCEEDED),
-    )
-
-
-def bench_delete_queue(table: Table) -> Delete:
-    """Delete every job of queue ``:queue`` (a benchmark's own rows, between runs)."""
-    return delete(table).where(table.c.queue == bindparam("queue", type_=Text))
-
-
-def database_clock() -> Select[Any]:
-    """``clock_timestamp()``: the database's wall clock now (not the transaction's start)."""
-    return select(func.clock_timestamp())
-
-
-def server_facts() -> Select[Any]:
-    """The server's version and the settings that decide commit cost."""
-    setting = func.current_setting
-    return select(
-        func.version().label("version"),
-        setting(literal_column("'server_version'")).label("server_version"),
-        setting(literal_column("'fsync'")).label("fsync"),
-        setting(literal_column("'synchronous_commit'")).label("synchronous_commit"),
-        setting(literal_column("'shared_buffers'")).label("shared_buffers"),
-        setting(literal_column("'max_connections'")).label("max_connections"),
-    )
-
-
-def vacuum_analyze(table: Table) -> str:
-    """``VACUUM (ANALYZE) <table>`` as SQL text; run it outside a transaction (autocommit)."""
-    return f"VACUUM (ANALYZE) {qualified_name(table.name, table.schema)}"
-
-
-def set_user_triggers(table: Table, *, enabled: bool) -> str:
-    """``ALTER TABLE ... ENABLE|DISABLE TRIGGER USER``, as SQL text: the benchmark turns the
-    NOTIFY trigger off to measure what it costs an enqueue."""
-    action = "ENABLE" if enabled else "DISABLE"
-    return f"ALTER TABLE {qualified_name(table.name, table.schema)} {action} TRIGGER USER"
-
-
-def truncate(*tables: Table) -> str:
-    """``TRUNCATE ... RESTART IDENTITY`` of these tables, as SQL text (benchmark resets)."""
-    return (
-        "TRUNCATE "
-        + ", ".join(qualified_name(t.name, t.schema) for t in tables)
-        + (" RESTART IDENTITY")
-    )
-
-
-def bench_results(result_table: Table) -> Select[Any]:
-    """Every stored result: ``job_id, value``."""
-    return select(result_table.c.job_id, result_table.c.value)
-
-
-def wakeup_trigger_exists(table: Table) -> Select[Any]:
-    """Whether ``table`` has its wake-up NOTIFY trigger (one boolean); a table created by
-    Alembic autogenerate or a plain ``create_table`` has none."""
-    pg_trigger = sa_table("pg_trigger", column("tgrelid"), column("tgname"), schema="pg_catalog")
-    regclass = func.to_regclass(bindparam("table_name", qualified_name(table.name, table.schema)))
-    return select(
-        select(_ONE)
-        .select_from(pg_trigger)
-        .where(
-            pg_trigger.c.tgrelid == regclass,
-            pg_trigger.c.tgname == bindparam("trigger_name", names(table.name).notify_trigger),
-        )
-        .exists()
     )

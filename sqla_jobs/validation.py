@@ -1,4 +1,4 @@
-"""Checks on job values, run in Python before any SQL.
+"""Checks on job values and on the queue operations' arguments, run in Python before any SQL.
 
 Pure functions: each takes the field name and the value and either returns the value to store
 or raises :class:`~sqla_jobs.errors.InvalidJobError` naming the field.
@@ -12,7 +12,7 @@ import marshal
 import math
 import re
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final, cast
 
 from sqlalchemy.sql.elements import ClauseElement
@@ -24,11 +24,13 @@ __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
     "JOB_FIELDS",
     "MAX_ATTEMPTS_LIMIT",
+    "MAX_DURATION_SECONDS",
     "MAX_NAME_LENGTH",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "args_snapshot",
     "check_args",
+    "check_duration",
     "check_field",
     "check_json",
     "check_max_attempts",
@@ -41,6 +43,9 @@ DEFAULT_MAX_ARGS_BYTES = 256 * 1024
 DEFAULT_MAX_ATTEMPTS = 20
 MAX_ATTEMPTS_LIMIT = 1000
 MAX_NAME_LENGTH = 200
+#: The longest duration a lease, delay or age may be: past it, a timestamp computed from it
+#: would overflow.
+MAX_DURATION_SECONDS = 100 * 365 * 86_400
 PRIORITY_MIN = -100
 PRIORITY_MAX = 100
 
@@ -89,6 +94,22 @@ def check_max_attempts(field: str, value: object) -> int:
     if not 1 <= value <= MAX_ATTEMPTS_LIMIT:
         raise InvalidJobError(field, f"{value} is out of range [1, {MAX_ATTEMPTS_LIMIT}]")
     return value
+
+
+def check_duration(field: str, value: timedelta | float) -> timedelta:
+    """A positive duration, given as a ``timedelta`` or a number of seconds: a lease, a
+    retry delay, an age. Less than a microsecond (the resolution of ``timedelta`` and of
+    PostgreSQL's intervals) is not positive."""
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds <= MAX_DURATION_SECONDS:  # NaN and infinity too
+        raise InvalidJobError(
+            field,
+            f"must be at most {MAX_DURATION_SECONDS:,} seconds (about 100 years), got {value!r}",
+        )
+    duration = value if isinstance(value, timedelta) else timedelta(seconds=max(seconds, 0.0))
+    if duration <= timedelta(0):
+        raise InvalidJobError(field, f"must be positive, got {value!r}")
+    return duration
 
 
 def check_run_at(field: str, value: object) -> object:

@@ -43,6 +43,7 @@ from sqlalchemy.pool import NullPool
 
 import sqla_jobs
 from sqla_jobs.embedded import EmbeddedPostgres
+from sqla_jobs.urls import psycopg_url
 
 DATABASE_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
 EXPECT_INSTALLED_VARIABLE = "SQLA_JOBS_EXPECT_INSTALLED"
@@ -64,11 +65,9 @@ def external_database_url() -> URL | None:
     raw = os.environ.get(DATABASE_URL_VARIABLE, "").strip()
     if not raw:
         return None
-    url = make_url(raw)
+    url = psycopg_url(raw)
     if url.get_backend_name() != "postgresql":
         raise pytest.UsageError(f"{DATABASE_URL_VARIABLE} must be a PostgreSQL URL, not {raw!r}")
-    if url.drivername in ("postgresql", "postgres"):
-        url = url.set(drivername="postgresql+psycopg")
     return url
 
 

@@ -21,17 +21,18 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from alembic import command
-from alembic.autogenerate import compare_metadata
+from alembic.autogenerate import compare_metadata, produce_migrations
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
+from alembic.operations.ops import ModifyTableOps
 from conftest import FreshDatabase
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 import sqla_jobs.models
-from sqla_jobs import ddl, migrations, names
+from sqla_jobs import ddl, migrations, names, statements
+from sqla_jobs.urls import libpq_url
 
 EXAMPLE_ENV = Path(__file__).resolve().parents[1] / "alembic"
 JOB_MODELS = (models.EmailJob, models.ReportJob, sqla_jobs.models.Job)
@@ -132,7 +133,7 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
 
     assert schema_differences(db_engine, all_metadata()) == []
     with db_engine.connect() as connection:
-        assert migrations.check_claim_indexes(connection, *JOB_MODELS) == []
+        assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
         assert sorted(versions.scalars()) == ["0001_user_tables", "sqla_jobs_0001"]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
@@ -152,6 +153,8 @@ def test_migrations_build_what_create_all_builds(
         models.Base.metadata.create_all(declared)
         sqla_jobs.models.metadata.create_all(declared)
         expected = catalog(declared)
+        with declared.connect() as connection:
+            assert migrations.check_job_tables(connection, *JOB_MODELS) == []
     finally:
         declared.dispose()
 
@@ -204,7 +207,7 @@ def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -
     assert {row[0] for row in catalog(db_engine)["tables"]} == {"sqla_jobs", "sqla_jobs_results"}
     assert schema_differences(db_engine, sqla_jobs.models.metadata) == []
     with db_engine.connect() as connection:
-        assert migrations.check_claim_indexes(connection, sqla_jobs.models.Job) == []
+        assert migrations.check_job_tables(connection, sqla_jobs.models.Job) == []
         recorded = connection.execute(
             sa.text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")
         )
@@ -257,6 +260,157 @@ def test_claim_index_can_be_rebuilt_concurrently(db_engine: sa.Engine) -> None:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
 
 
+NO_TRIGGER_ON_EMAIL_JOBS = (
+    "wake-up trigger email_jobs_notify_tg on email_jobs: missing, disabled or not the one "
+    "sqla_jobs creates (autogenerate and a plain create_table make none), so workers see new "
+    "jobs only when they poll; add it from a revision with "
+    "sqla_jobs.migrations.create_notify_trigger('email_jobs') (after "
+    "drop_notify_trigger('email_jobs') to replace one that is there but wrong)"
+)
+
+
+def create_as_autogenerate_would(engine: sa.Engine) -> None:
+    """Create the models' tables with the operations of a revision that autogenerate wrote."""
+    with engine.begin() as connection:
+        context = MigrationContext.configure(connection)
+        operations = Operations(context)
+        upgrade = produce_migrations(context, models.Base.metadata).upgrade_ops
+        assert upgrade is not None
+        for operation in upgrade.ops:
+            # A new table's indexes come as a ModifyTableOps that holds CreateIndexOps.
+            nested = operation.ops if isinstance(operation, ModifyTableOps) else [operation]
+            for each in nested:
+                operations.invoke(each)
+
+
+def migrate(engine: sa.Engine, step: Callable[[], object]) -> None:
+    """Run migration helpers as a revision's ``upgrade()`` runs them, and commit."""
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection)
+        with Operations.context(context), context.begin_transaction():
+            step()
+
+
+def wakeup_trigger_exists(connection: sa.Connection, table: sa.Table) -> bool:
+    found = connection.execute(statements.wakeup_trigger_exists(table)).scalar_one()
+    assert isinstance(found, bool)
+    return found
+
+
+def test_a_table_autogenerate_made_is_reported_until_the_helper_adds_the_trigger(
+    db_engine: sa.Engine,
+) -> None:
+    create_as_autogenerate_would(db_engine)
+    email_jobs: sa.Table = models.EmailJob.__table__  # type: ignore[assignment]
+
+    with db_engine.connect() as connection:
+        assert not wakeup_trigger_exists(connection, email_jobs)
+        assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+        problems = migrations.check_job_tables(
+            connection, models.EmailJob, models.EmailJobResult, models.ReportJob
+        )
+        assert problems == [NO_TRIGGER_ON_EMAIL_JOBS, problems[1]]
+        assert "create_notify_trigger('report_jobs')" in problems[1]
+        assert migrations.check_job_tables(connection, models.ReportJob, notify=False) == []
+
+    migrate(db_engine, lambda: migrations.create_notify_trigger("email_jobs"))  # as it says
+    with db_engine.connect() as connection:
+        assert wakeup_trigger_exists(connection, email_jobs)
+        assert migrations.check_job_tables(connection, models.EmailJob) == []
+
+
+def test_a_table_the_helpers_made_is_clean_and_notify_false_is_reported(
+    db_engine: sa.Engine,
+) -> None:
+    migrate(db_engine, lambda: migrations.create_job_table("report_jobs"))
+    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False))
+    with db_engine.connect() as connection:
+        assert migrations.check_job_tables(connection, models.ReportJob) == []
+        (problem,) = migrations.check_job_tables(connection, sqla_jobs.models.Job)
+        assert "create_notify_trigger('sqla_jobs')" in problem
+        assert migrations.check_job_tables(connection, sqla_jobs.models.Job, notify=False) == []
+
+
+def test_the_trigger_is_found_by_quoted_names_in_another_schema(db_engine: sa.Engine) -> None:
+    schema, name = "Job Schema", "MixedJobs"
+    with db_engine.begin() as connection:
+        connection.execute(sa.text(f"CREATE SCHEMA {ddl.quote(schema)}"))
+    made: list[sa.Table] = []
+    migrate(db_engine, lambda: made.append(migrations.create_job_table(name, schema=schema)))
+    migrate(db_engine, lambda: migrations.drop_notify_trigger(name, schema=schema))
+    (table,) = made
+    with db_engine.connect() as connection:
+        assert not wakeup_trigger_exists(connection, table)
+        (problem,) = migrations.check_job_tables(connection, table)
+        assert "create_notify_trigger('MixedJobs', schema='Job Schema')" in problem
+    migrate(db_engine, lambda: migrations.create_notify_trigger(name, schema=schema))
+    with db_engine.connect() as connection:
+        assert wakeup_trigger_exists(connection, table)
+        assert migrations.check_job_tables(connection, table) == []
+
+
+_OTHER_FUNCTION = (
+    "CREATE FUNCTION other_notify_fn() RETURNS trigger LANGUAGE plpgsql AS "
+    "$$BEGIN PERFORM pg_notify('email_jobs_jobs', 'x'); RETURN NULL; END$$"
+)
+_OTHER_CHANNEL = (
+    "CREATE OR REPLACE FUNCTION email_jobs_notify_fn() RETURNS trigger LANGUAGE plpgsql AS "
+    "$$BEGIN PERFORM pg_notify('elsewhere', 'x'); RETURN NULL; END$$"
+)
+
+
+def _replace_trigger(definition: str) -> list[str]:
+    return [
+        "DROP TRIGGER email_jobs_notify_tg ON email_jobs",
+        f"CREATE TRIGGER email_jobs_notify_tg {definition}",
+    ]
+
+
+WRONG_TRIGGERS = {
+    "disabled": ["ALTER TABLE email_jobs DISABLE TRIGGER email_jobs_notify_tg"],
+    "dropped": ["DROP TRIGGER email_jobs_notify_tg ON email_jobs"],
+    "per row": _replace_trigger(
+        "AFTER INSERT ON email_jobs REFERENCING NEW TABLE AS new_jobs "
+        "FOR EACH ROW EXECUTE FUNCTION email_jobs_notify_fn()"
+    ),
+    "before": _replace_trigger(
+        "BEFORE INSERT ON email_jobs FOR EACH STATEMENT EXECUTE FUNCTION email_jobs_notify_fn()"
+    ),
+    "no transition table": _replace_trigger(
+        "AFTER INSERT ON email_jobs FOR EACH STATEMENT EXECUTE FUNCTION email_jobs_notify_fn()"
+    ),
+    "not on insert": _replace_trigger(
+        "AFTER UPDATE ON email_jobs REFERENCING NEW TABLE AS new_jobs "
+        "FOR EACH STATEMENT EXECUTE FUNCTION email_jobs_notify_fn()"
+    ),
+    "another function": [
+        _OTHER_FUNCTION,
+        *_replace_trigger(
+            "AFTER INSERT ON email_jobs REFERENCING NEW TABLE AS new_jobs "
+            "FOR EACH STATEMENT EXECUTE FUNCTION other_notify_fn()"
+        ),
+    ],
+    "another channel": [_OTHER_CHANNEL],
+}
+
+
+@pytest.mark.parametrize("wrong", sorted(WRONG_TRIGGERS))
+def test_a_wrong_wakeup_trigger_is_reported(db_engine: sa.Engine, wrong: str) -> None:
+    set_up_by_migrations(db_engine)
+    with db_engine.begin() as connection:
+        for sql in WRONG_TRIGGERS[wrong]:
+            connection.execute(ddl.executable(sql))
+        problems = migrations.check_job_tables(connection, models.EmailJob, models.ReportJob)
+        assert len(problems) == 1
+        assert problems[0].startswith("wake-up trigger email_jobs_notify_tg on email_jobs: ")
+        # Following the message repairs it.
+        context = MigrationContext.configure(connection)
+        with Operations.context(context):
+            migrations.drop_notify_trigger("email_jobs")
+            migrations.create_notify_trigger("email_jobs")
+        assert migrations.check_job_tables(connection, models.EmailJob, models.ReportJob) == []
+
+
 def set_up_by_migrations(engine: sa.Engine) -> None:
     command.upgrade(example_config(url_of(engine)), "heads")
 
@@ -271,8 +425,7 @@ def test_one_notification_per_queue_at_commit(
 ) -> None:
     set_up(db_engine)
     channel = names("email_jobs").channel
-    conninfo = make_url(url_of(db_engine)).set(drivername="postgresql")
-    with psycopg.connect(conninfo.render_as_string(hide_password=False), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(db_engine.url), autocommit=True) as conn:
         conn.execute(f'LISTEN "{channel}"')
 
         with Session(db_engine) as session, session.begin():
@@ -300,8 +453,7 @@ def test_one_notification_per_queue_at_commit(
 
 def test_no_notification_on_rollback(db_engine: sa.Engine) -> None:
     set_up_by_migrations(db_engine)
-    conninfo = make_url(url_of(db_engine)).set(drivername="postgresql")
-    with psycopg.connect(conninfo.render_as_string(hide_password=False), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(db_engine.url), autocommit=True) as conn:
         conn.execute(f'LISTEN "{names("email_jobs").channel}"')
         with Session(db_engine) as session:
             session.add(models.EmailJob(task="send"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -14,7 +14,8 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 import sqla_jobs
-from sqla_jobs import InvalidJobError, JobArgumentsError
+from sqla_jobs import ConfigurationError, InvalidJobError, JobArgumentsError, Registry, validation
+from sqla_jobs.queue import DEFAULT_LEASE
 
 
 @contextmanager
@@ -174,6 +175,8 @@ def test_in_place_change_is_caught_at_flush_and_nothing_is_written(
         ({"limit": True}, "limit"),
         ({"lease": 0}, "lease"),
         ({"lease": -1.0}, "lease"),
+        ({"lease": float("nan")}, "lease"),
+        ({"lease": timedelta(0)}, "lease"),
         ({"worker": "bad worker name"}, "worker"),
     ],
 )
@@ -184,6 +187,29 @@ def test_bad_claim_arguments_raise_before_any_sql(
         with no_sql(queue_engine), pytest.raises(InvalidJobError) as info:
             sqla_jobs.claim(session, EmailJob, **kwargs)
         assert info.value.field == field
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), 1e-7, timedelta(0), timedelta(-1)])
+def test_a_duration_must_be_positive(value: timedelta | float) -> None:
+    with pytest.raises(InvalidJobError, match=r"^lease: must be positive, got ") as info:
+        validation.check_duration("lease", value)
+    assert info.value.field == "lease"
+
+
+def test_a_duration_is_a_timedelta_or_seconds() -> None:
+    assert validation.check_duration("lease", 1.5) == timedelta(seconds=1.5)
+    assert validation.check_duration("lease", 30) == DEFAULT_LEASE
+    assert validation.check_duration("lease", timedelta(minutes=2)) == timedelta(minutes=2)
+
+
+def test_the_registry_checks_durations_the_same_way_as_configuration() -> None:
+    # The same check as the queue's; a task option is configuration, so the error is the
+    # registry's own.
+    assert Registry(EmailJob).default_lease == DEFAULT_LEASE
+    with pytest.raises(ConfigurationError, match=r"^default_lease must be positive, got 0$"):
+        Registry(EmailJob, default_lease=0)
+    with pytest.raises(ConfigurationError, match=r"^lease must be positive, got -2\.0$"):
+        Registry(EmailJob).add(lambda ctx: None, name="t", lease=-2.0)
 
 
 def test_models_without_the_mixin_are_refused() -> None:

@@ -29,8 +29,9 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
         jobs.drop_result_table("email_job_results")
         jobs.drop_job_table("email_jobs")
 
-Alembic's autogenerate does not compare an index's ``WHERE`` predicate:
-:func:`check_claim_indexes` does, for a test or CI.
+Alembic's autogenerate does not compare an index's ``WHERE`` predicate, and does not see
+triggers (a job table it creates has no wake-up trigger): :func:`check_job_tables` checks
+both, for a test or CI.
 
 **The default tables** of :mod:`sqla_jobs.models` come with revisions of their own (branch
 label ``sqla_jobs``) in this package. Add them to your environment's ``version_locations``
@@ -57,7 +58,7 @@ tables from :func:`upgrade`, which runs the library's standalone environment
 
 from __future__ import annotations
 
-from sqla_jobs.migrations.check import check_claim_indexes
+from sqla_jobs.migrations.check import check_claim_indexes, check_job_tables
 from sqla_jobs.migrations.commands import (
     SCRIPT_LOCATION,
     VERSION_LOCATION,
@@ -84,6 +85,7 @@ __all__ = [
     "VERSION_LOCATION",
     "VERSION_TABLE",
     "check_claim_indexes",
+    "check_job_tables",
     "create_claim_index",
     "create_job_table",
     "create_notify_trigger",

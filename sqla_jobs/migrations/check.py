@@ -1,4 +1,10 @@
-"""Compare the partial indexes in the database with the models' (autogenerate does not)."""
+"""Compare the database with the models where Alembic's autogenerate does not look.
+
+Autogenerate compares an index's name and columns but not its ``WHERE`` predicate, and it
+does not see triggers at all: a table that it (or a plain ``create_table``) creates has no
+wake-up trigger. :func:`check_job_tables` checks both; :func:`check_claim_indexes` only the
+partial indexes.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.schema import CreateIndex
 
-from sqla_jobs import ddl
+from sqla_jobs import ddl, statements
+from sqla_jobs.schema import names
 
-__all__ = ["check_claim_indexes"]
+__all__ = ["check_claim_indexes", "check_job_tables"]
 
 # Key columns, predicate, uniqueness and access method, as PostgreSQL prints them back.
 _INDEX_SHAPE = sa.text(
@@ -32,6 +39,8 @@ _INDEX_SHAPE = sa.text(
     """
 )
 _SCRATCH_TABLE = "sqla_jobs_index_check"
+# Every column of JobMixin: a table that has them all is a job table, whoever made it.
+_JOB_COLUMNS = frozenset(statements.ENQUEUE_COLUMNS) | statements.MANAGED_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,29 @@ def _problems(connection: sa.Connection, table: sa.Table, index: sa.Index) -> li
     ]
 
 
+def _index_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
+    problems: list[str] = []
+    for index in sorted(table.indexes, key=lambda i: str(i.name)):
+        if index.dialect_options["postgresql"]["where"] is not None:
+            problems.extend(_problems(connection, table, index))
+    return problems
+
+
+def _wakeup_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
+    if connection.execute(statements.wakeup_trigger_exists(table)).scalar_one():
+        return []
+    schema = "" if table.schema is None else f", schema={table.schema!r}"
+    arguments = f"({table.name!r}{schema})"
+    problem = (
+        f"wake-up trigger {names(table.name).notify_trigger} on {table.fullname}: missing, "
+        "disabled or not the one sqla_jobs creates (autogenerate and a plain create_table "
+        "make none), so workers see new jobs only when they poll; add it from a revision "
+        f"with sqla_jobs.migrations.create_notify_trigger{arguments} (after "
+        f"drop_notify_trigger{arguments} to replace one that is there but wrong)"
+    )
+    return [problem]
+
+
 def check_claim_indexes(connection: sa.Connection, *models: type[Any] | sa.Table) -> list[str]:
     """Compare each partial index of the models with the database; return the differences.
 
@@ -119,16 +151,39 @@ def check_claim_indexes(connection: sa.Connection, *models: type[Any] | sa.Table
     means they all match.
 
     It reads the catalog and builds the model's index on an empty temporary table inside a
-    savepoint that it rolls back; it changes nothing else in the caller's transaction. Use
-    it in a test or in CI after ``alembic upgrade heads``::
+    savepoint that it rolls back; it changes nothing else in the caller's transaction.
+    :func:`check_job_tables` runs it and checks the wake-up trigger too: use that one in a
+    test or in CI after ``alembic upgrade heads``.
+    """
+    problems: list[str] = []
+    for model in models:
+        problems.extend(_index_problems(connection, _table_of(model)))
+    return problems
+
+
+def check_job_tables(
+    connection: sa.Connection, *models: type[Any] | sa.Table, notify: bool = True
+) -> list[str]:
+    """Check what the job tables need beyond what autogenerate compares; return the problems.
+
+    For each model (or table): the partial indexes, as :func:`check_claim_indexes` does,
+    and, for a job table (one with every column of :class:`~sqla_jobs.schema.JobMixin`), the
+    wake-up trigger (:func:`sqla_jobs.statements.wakeup_trigger_exists`): present, enabled,
+    and the one :func:`~sqla_jobs.migrations.create_notify_trigger` creates. Without it
+    workers hear of no new job and find them by polling only. ``notify=False`` skips the
+    trigger, for tables made with ``create_job_table(..., notify=False)`` on purpose. An
+    empty list means everything matches.
+
+    Changes nothing in the caller's transaction (see :func:`check_claim_indexes`). Use it in
+    a test or in CI after ``alembic upgrade heads``::
 
         with engine.connect() as connection:
-            assert check_claim_indexes(connection, EmailJob, ReportJob) == []
+            assert check_job_tables(connection, EmailJob, ReportJob) == []
     """
     problems: list[str] = []
     for model in models:
         table = _table_of(model)
-        for index in sorted(table.indexes, key=lambda i: str(i.name)):
-            if index.dialect_options["postgresql"]["where"] is not None:
-                problems.extend(_problems(connection, table, index))
+        problems.extend(_index_problems(connection, table))
+        if notify and _JOB_COLUMNS.issubset(column.name for column in table.columns):
+            problems.extend(_wakeup_problems(connection, table))
     return problems

@@ -1,36 +1,7 @@
-"""``sqla-jobs bench``: sqla_jobs measured against PostgreSQL running the same statements bare.
+"""The benchmark itself: its sections, worker processes, report and command line.
 
-Every figure is a ratio to a **ceiling** measured in the same run on the same server: the
-library's own claim, complete, lock and insert statements (compiled from
-:mod:`sqla_jobs.statements`), run by a plain psycopg 3 loop with server-side prepared
-statements, each single-statement transaction in autocommit and the lock-held pair in an
-explicit transaction, as the real path does. Shared machines drift; ratios measured side by
-side do not drift with them. Sections (``--only``):
-
-``ceiling``  the bare loops: claim 1 + complete 1, claim B + complete B, lock-held (claim,
-             then lock + complete per job in one transaction), with 1 and 2 processes; and
-             the bulk INSERT.
-``enqueue``  ORM ``session.add_all`` with a flush per 1000 jobs, and
-             :func:`sqla_jobs.enqueue_many`, both in one transaction. The ceiling of
-             ``add_all`` is the same ``add_all`` on a bare declarative model with the four
-             columns an enqueue sets (``ceiling.orm_add_all``): SQLAlchemy's own cost.
-``drain``    no-op jobs through the real :class:`~sqla_jobs.worker.Worker`, in 1 and 2
-             worker processes: one job per claim (``concurrency=1, batch_size=1``) and
-             batched (``batch_size=B``; ``concurrency=2B`` in lease mode, so the next claim
-             goes out while the handlers run the last batch), in lease and lock-held mode.
-             Workers wait idle; the jobs arrive in one committed INSERT, whose NOTIFY wakes
-             them; the figure is jobs / (last ``finished_at`` - commit), both by the
-             database's clock.
-``latency``  enqueue commit -> handler start on an idle worker (LISTEN/NOTIFY), p50/p99.
-``history``  claim throughput (library claim + complete_many, batched) with 10k and with
-             ``--history-rows`` finished rows in the table.
-``memory``   worker RSS across a drain of ``--memory-jobs`` jobs, and the peak RSS of a
-             process that bulk-enqueues ``--memory-jobs`` jobs from a generator (against
-             one that enqueues a tenth of them).
-
-Runs on a throwaway embedded PostgreSQL by default (``pip install 'sqla-jobs[embedded]'``),
-or on the server of ``--database-url``, where it creates a scratch database
-``sqla_jobs_bench_<hex>`` and drops it afterwards (the role needs CREATEDB).
+What it measures and against what: :mod:`sqla_jobs.bench`. Its own SQL (filling and
+resetting tables, server facts): :mod:`sqla_jobs.bench.statements`.
 """
 
 from __future__ import annotations
@@ -64,10 +35,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import NullPool
 
 from sqla_jobs import statements
+from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.models import Job, JobResult, metadata
 from sqla_jobs.queue import claim, complete_many, enqueue_many
 from sqla_jobs.registry import JobContext, Registry
+from sqla_jobs.urls import libpq_url, psycopg_url
 from sqla_jobs.worker import Worker
 
 __all__ = ["SECTIONS", "main"]
@@ -128,6 +101,9 @@ class _PlainJob(_PlainBase):
     args: Mapped[dict[str, Any]] = mapped_column(JSONB)
 
 
+_PLAIN: Final[sa.Table] = _PlainJob.__table__  # type: ignore[assignment]
+
+
 # -- plumbing ----------------------------------------------------------------------------------
 
 
@@ -186,10 +162,6 @@ def _sql(stmt: sa.ClauseElement) -> str:
     return str(stmt.compile(dialect=psycopg_dialect.dialect()))  # type: ignore[no-untyped-call]
 
 
-def _libpq_url(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 def _engine(url: str, **kwargs: Any) -> sa.Engine:
     return sa.create_engine(url, **kwargs)
 
@@ -213,23 +185,23 @@ def _peak_rss() -> int:
 
 def _reset(engine: sa.Engine) -> None:
     with engine.begin() as connection:
-        connection.execute(sa.text(statements.truncate(_TABLE, _RESULTS)))
+        connection.execute(sa.text(bench_sql.truncate(_TABLE, _RESULTS)))
 
 
 def _fill(engine: sa.Engine, queue: str, task: str, count: int, *, finished: bool = False) -> None:
-    stmt = statements.bench_fill(_TABLE, finished=finished)
+    stmt = bench_sql.fill(_TABLE, finished=finished)
     with engine.begin() as connection:
         connection.execute(stmt, {"queue": queue, "task": task, "count": count})
 
 
 def _vacuum(engine: sa.Engine) -> None:
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        connection.execute(sa.text(statements.vacuum_analyze(_TABLE)))
+        connection.execute(sa.text(bench_sql.vacuum_analyze(_TABLE)))
 
 
 def _db_now(engine: sa.Engine) -> datetime:
     with engine.connect() as connection:
-        value: datetime = connection.execute(statements.database_clock()).scalar_one()
+        value: datetime = connection.execute(bench_sql.database_clock()).scalar_one()
         return value
 
 
@@ -237,14 +209,14 @@ def _wait_drained(engine: sa.Engine, queue: str, timeout: float) -> tuple[int, d
     deadline = time.monotonic() + timeout
     with engine.connect() as connection:
         while time.monotonic() < deadline:
-            busy = connection.execute(statements.bench_has_runnable(_TABLE), {"queue": queue})
+            busy = connection.execute(bench_sql.has_runnable(_TABLE), {"queue": queue})
             connection.commit()
             if not busy.scalar_one():
                 break
             time.sleep(0.02)
         else:
             raise RuntimeError(f"queue {queue} did not drain within {timeout:.0f}s")
-        count, last = connection.execute(statements.bench_finished(_TABLE), {"queue": queue}).one()
+        count, last = connection.execute(bench_sql.finished(_TABLE), {"queue": queue}).one()
         return int(count), last
 
 
@@ -260,8 +232,8 @@ def _bare_loop(url: str, queue: str, batch: int, mode: str, start_at: float, out
     params = {"queue_name": queue, "limit": batch, "lease_seconds": _LEASE_SECONDS}
     params["worker"] = f"bare:{os.getpid()}"
     done = 0
-    with psycopg.connect(_libpq_url(url), autocommit=True) as connection:
-        connection.execute("SELECT 1")
+    with psycopg.connect(libpq_url(url), autocommit=True) as connection:
+        connection.execute(_sql(statements.ping()))
         time.sleep(max(0.0, start_at - time.time()))
         started = time.time()
         while True:
@@ -317,7 +289,7 @@ def _bare_insert(cfg: Config, engine: sa.Engine, count: int) -> float:
     _reset(engine)
     insert_sql = _sql(statements.enqueue_many(_TABLE))
     encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-    with psycopg.connect(_libpq_url(cfg.url)) as connection:
+    with psycopg.connect(libpq_url(cfg.url)) as connection:
         started = time.perf_counter()
         with connection.transaction():
             for first in range(0, count, cfg.chunk):
@@ -429,7 +401,7 @@ def _sample_until_drained(
     started = time.monotonic()
     with engine.connect() as connection:
         while True:
-            busy = connection.execute(statements.bench_has_runnable(_TABLE), {"queue": queue})
+            busy = connection.execute(bench_sql.has_runnable(_TABLE), {"queue": queue})
             connection.commit()
             remaining = bool(busy.scalar_one())
             on_sample(pids, time.monotonic() - started)
@@ -485,7 +457,7 @@ def run_enqueue(cfg: Config, engine: sa.Engine, results: Results) -> None:
     if "ceiling" in cfg.sections:
         results.add("ceiling.insert", _bare_insert(cfg, engine, count), "jobs/s")
         with engine.begin() as connection:
-            connection.execute(sa.delete(_PlainJob))
+            connection.execute(bench_sql.clear(_PLAIN))
         results.add("ceiling.orm_add_all", _add_all(engine, _PlainJob, count), "jobs/s")
     if "enqueue" not in cfg.sections:
         return
@@ -517,7 +489,7 @@ def _notify_cost(cfg: Config, engine: sa.Engine, results: Results) -> None:
     order = (False, True) if next(_NOTIFY_ROUNDS) % 2 == 0 else (True, False)
     for enabled in order:
         with engine.begin() as connection:
-            connection.exec_driver_sql(statements.set_user_triggers(_TABLE, enabled=enabled))
+            connection.exec_driver_sql(bench_sql.set_user_triggers(_TABLE, enabled=enabled))
         try:
             label = "notify" if enabled else "no_notify"
             _reset(engine)
@@ -547,7 +519,7 @@ def _notify_cost(cfg: Config, engine: sa.Engine, results: Results) -> None:
             )
         finally:
             with engine.begin() as connection:
-                connection.exec_driver_sql(statements.set_user_triggers(_TABLE, enabled=True))
+                connection.exec_driver_sql(bench_sql.set_user_triggers(_TABLE, enabled=True))
 
 
 def run_latency(cfg: Config, engine: sa.Engine, results: Results) -> None:
@@ -564,7 +536,7 @@ def run_latency(cfg: Config, engine: sa.Engine, results: Results) -> None:
                 committed[job_id] = time.time()
         _wait_drained(engine, _Q_LATENCY, timeout=60)
     with engine.connect() as connection:
-        rows = connection.execute(statements.bench_results(_RESULTS))
+        rows = connection.execute(bench_sql.stored_results(_RESULTS))
         started = {row.job_id: float(row.value) for row in rows}
     latencies = sorted((started[i] - t) * 1000 for i, t in committed.items())
     p99_index = min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))
@@ -606,7 +578,7 @@ def run_history(cfg: Config, engine: sa.Engine, results: Results) -> None:
             value = _claim_throughput(engine, cfg.batch, cfg.jobs)
             results.add(f"history.claim.{label}", value, "jobs/s", "history.claim.10k")
             with engine.begin() as connection:
-                connection.execute(statements.bench_delete_queue(_TABLE), {"queue": _Q_CLAIM})
+                connection.execute(bench_sql.delete_queue(_TABLE), {"queue": _Q_CLAIM})
             _vacuum(engine)
         results.metrics[f"history.claim.{label}"].extra.update(
             finished_rows=rows, setup_seconds=round(setup, 1)
@@ -618,7 +590,7 @@ def run_history(cfg: Config, engine: sa.Engine, results: Results) -> None:
 def _bulk_memory_child(url: str, count: int, chunk: int, out: Any) -> None:
     engine = _engine(url, poolclass=NullPool)
     with engine.connect() as connection:
-        connection.execute(sa.text("SELECT 1"))
+        connection.execute(statements.ping())
     base = _rss() or 0
     started = time.perf_counter()
     with Session(engine) as session, session.begin():
@@ -801,7 +773,7 @@ def _progress(text: str) -> None:
 
 def _machine(engine: sa.Engine, cfg: Config, server: str) -> dict[str, Any]:
     with engine.connect() as connection:
-        facts = connection.execute(statements.server_facts()).one()._asdict()
+        facts = connection.execute(bench_sql.server_facts()).one()._asdict()
     return {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
@@ -883,7 +855,9 @@ def main(argv: list[str] | None = None) -> int:
             previous = signal.signal(signal.SIGTERM, _terminate)
             stack.callback(signal.signal, signal.SIGTERM, previous)
         if args.database_url:
-            server_url, server = args.database_url, "url"
+            # As every sqla-jobs command takes it: postgresql:// means psycopg 3.
+            server_url = psycopg_url(args.database_url).render_as_string(hide_password=False)
+            server = "url"
         else:
             embedded = EmbeddedPostgres()
             embedded.start()
@@ -919,11 +893,11 @@ def _scratch_database(server_url: str, stack: contextlib.ExitStack) -> str:
     name = f"sqla_jobs_bench_{secrets.token_hex(4)}"
     admin = _engine(server_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     with admin.connect() as connection:
-        connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        connection.execute(sa.text(bench_sql.create_database(name)))
 
     def drop() -> None:
         with admin.connect() as connection:
-            connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            connection.execute(sa.text(bench_sql.drop_database(name)))
         admin.dispose()
 
     stack.callback(drop)

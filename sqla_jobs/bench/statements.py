@@ -1,0 +1,151 @@
+"""The benchmark's own SQL: filling, watching and resetting its tables, and server facts.
+
+Builders in the manner of :mod:`sqla_jobs.statements`, which holds every statement the queue
+itself runs (the benchmark runs those too, bare, as its ceiling). These are the ones only the
+benchmark needs, kept here so that the queue's statement layer stays the queue's. Pure
+functions: no session, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sqlalchemy import (
+    ColumnElement,
+    Delete,
+    Insert,
+    Integer,
+    Select,
+    Table,
+    Text,
+    bindparam,
+    delete,
+    func,
+    insert,
+    literal_column,
+    select,
+)
+
+from sqla_jobs.ddl import qualified_name, quote
+from sqla_jobs.schema import JobStatus, runnable_clause
+
+__all__ = [
+    "clear",
+    "create_database",
+    "database_clock",
+    "delete_queue",
+    "drop_database",
+    "fill",
+    "finished",
+    "has_runnable",
+    "server_facts",
+    "set_user_triggers",
+    "stored_results",
+    "truncate",
+    "vacuum_analyze",
+]
+
+_ONE: Final[ColumnElement[int]] = literal_column("1", Integer)
+_SUCCEEDED: Final[ColumnElement[str]] = literal_column(f"'{JobStatus.SUCCEEDED.value}'")
+
+
+def fill(table: Table, *, finished: bool = False) -> Insert:
+    """Insert ``:count`` no-op jobs of task ``:task`` in queue ``:queue`` in one statement
+    (``generate_series``): pending ones for a drain, or ``succeeded`` ones (``finished``)
+    as the history a long-lived queue table carries."""
+    series = func.generate_series(_ONE, bindparam("count", type_=Integer)).table_valued("n")
+    values: list[ColumnElement[Any]] = [
+        bindparam("queue", type_=Text),
+        bindparam("task", type_=Text),
+        literal_column("'{}'::jsonb"),
+    ]
+    names = ["queue", "task", "args"]
+    if finished:
+        values += [_SUCCEEDED, _ONE, func.statement_timestamp()]
+        names += ["status", "attempts", "finished_at"]
+    return insert(table).from_select(
+        names, select(*values).select_from(series), include_defaults=False
+    )
+
+
+def has_runnable(table: Table) -> Select[Any]:
+    """Whether queue ``:queue`` has a pending or running job (reads the claim index only)."""
+    return select(
+        select(_ONE)
+        .where(runnable_clause(table.c.status), table.c.queue == bindparam("queue", type_=Text))
+        .exists()
+    )
+
+
+def finished(table: Table) -> Select[Any]:
+    """How many jobs of queue ``:queue`` succeeded, and when the last one finished."""
+    counts: list[ColumnElement[Any]] = [func.count(), func.max(table.c.finished_at)]
+    return select(*counts).where(
+        table.c.queue == bindparam("queue", type_=Text),
+        table.c.status == _SUCCEEDED,
+    )
+
+
+def delete_queue(table: Table) -> Delete:
+    """Delete every job of queue ``:queue`` (a benchmark's own rows, between runs)."""
+    return delete(table).where(table.c.queue == bindparam("queue", type_=Text))
+
+
+def clear(table: Table) -> Delete:
+    """Delete every row of ``table`` (the ORM ceiling's plain table, between runs)."""
+    return delete(table)
+
+
+def stored_results(result_table: Table) -> Select[Any]:
+    """Every stored result: ``job_id, value``."""
+    return select(result_table.c.job_id, result_table.c.value)
+
+
+def database_clock() -> Select[Any]:
+    """``clock_timestamp()``: the database's wall clock now (not the transaction's start)."""
+    return select(func.clock_timestamp())
+
+
+def server_facts() -> Select[Any]:
+    """The server's version and the settings that decide commit cost."""
+    setting = func.current_setting
+    return select(
+        func.version().label("version"),
+        setting(literal_column("'server_version'")).label("server_version"),
+        setting(literal_column("'fsync'")).label("fsync"),
+        setting(literal_column("'synchronous_commit'")).label("synchronous_commit"),
+        setting(literal_column("'shared_buffers'")).label("shared_buffers"),
+        setting(literal_column("'max_connections'")).label("max_connections"),
+    )
+
+
+def vacuum_analyze(table: Table) -> str:
+    """``VACUUM (ANALYZE) <table>`` as SQL text; run it outside a transaction (autocommit)."""
+    return f"VACUUM (ANALYZE) {qualified_name(table.name, table.schema)}"
+
+
+def set_user_triggers(table: Table, *, enabled: bool) -> str:
+    """``ALTER TABLE ... ENABLE|DISABLE TRIGGER USER``, as SQL text: the benchmark turns the
+    NOTIFY trigger off to measure what it costs an enqueue."""
+    action = "ENABLE" if enabled else "DISABLE"
+    return f"ALTER TABLE {qualified_name(table.name, table.schema)} {action} TRIGGER USER"
+
+
+def truncate(*tables: Table) -> str:
+    """``TRUNCATE ... RESTART IDENTITY`` of these tables, as SQL text (resets between runs)."""
+    return (
+        "TRUNCATE "
+        + ", ".join(qualified_name(t.name, t.schema) for t in tables)
+        + " RESTART IDENTITY"
+    )
+
+
+def create_database(name: str) -> str:
+    """``CREATE DATABASE``, as SQL text: the scratch database of a run on a given server."""
+    return f"CREATE DATABASE {quote(name)}"
+
+
+def drop_database(name: str) -> str:
+    """``DROP DATABASE IF EXISTS ... WITH (FORCE)``, as SQL text (PostgreSQL 13+): the
+    scratch database goes even if a worker process left a connection behind."""
+    return f"DROP DATABASE IF EXISTS {quote(name)} WITH (FORCE)"

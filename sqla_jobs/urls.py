@@ -1,0 +1,36 @@
+"""Database URLs in the two forms sqla_jobs meets them.
+
+SQLAlchemy needs the driver named (``postgresql+psycopg://``: a bare ``postgresql://``
+would pick psycopg2), while libpq, and so ``psycopg.connect()``, takes the plain
+``postgresql://`` form. The command line, the benchmark and the test harness convert here,
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from sqlalchemy.engine import URL, make_url
+
+__all__ = ["PSYCOPG_DRIVER", "libpq_url", "psycopg_url"]
+
+PSYCOPG_DRIVER: Final = "postgresql+psycopg"
+_PLAIN: Final = ("postgres", "postgresql")
+
+
+def psycopg_url(url: str | URL) -> URL:
+    """``url`` for SQLAlchemy with psycopg 3: ``postgres://`` and ``postgresql://`` become
+    ``postgresql+psycopg://``; any other URL comes back unchanged (parsed).
+
+    Raises :class:`sqlalchemy.exc.ArgumentError` for text that is not a URL.
+    """
+    parsed = make_url(url)
+    if parsed.drivername in _PLAIN:
+        return parsed.set(drivername=PSYCOPG_DRIVER)
+    return parsed
+
+
+def libpq_url(url: str | URL) -> str:
+    """``url`` as libpq takes it (``postgresql://...``, password kept), for
+    ``psycopg.connect()``; the reverse of :func:`psycopg_url`."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
