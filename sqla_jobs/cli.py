@@ -478,10 +478,22 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
 
     prune = commands.add_parser(
-        "prune", parents=[db, which], help="delete old finished jobs, in batches"
+        "prune",
+        parents=[db, which],
+        help="delete old finished jobs, in batches",
+        description=(
+            "Delete the succeeded, dead and cancelled jobs that finished more than "
+            "--older-than ago: one batch per transaction, repeated until a batch comes "
+            "back short."
+        ),
     )
     prune.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d, 12h, 30m")
-    prune.add_argument("--batch-size", type=_positive_int, default=10_000)
+    prune.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=10_000,
+        help="jobs deleted per transaction; batches repeat until none is left (10000)",
+    )
     prune.set_defaults(handler=cmd_prune)
 
     demo = commands.add_parser(

@@ -670,8 +670,10 @@ def fail(
     The job is retried after ``delay`` if given, else after the ``policy``'s exponential
     backoff with jitter, both measured from the database's clock; it is dead instead when
     this was its last attempt or ``retry`` is false. The error (a traceback for an
-    exception) is kept in ``last_error``. Raises :class:`LeaseLostError` when the attempt
-    no longer owns the job, and then nothing changes.
+    exception) is kept in ``last_error``, which nothing else clears: a job that later
+    succeeds keeps it, so it is the last error of any attempt. Raises
+    :class:`LeaseLostError` when the attempt no longer owns the job, and then nothing
+    changes.
     """
     policy = policy or RetryPolicy()
     table = _job_table(job.model)
@@ -776,9 +778,14 @@ def prune(
     older_than: timedelta | float,
     limit: int = 10_000,
 ) -> int:
-    """Delete up to ``limit`` finished jobs (succeeded, dead, cancelled) that finished more
-    than ``older_than`` ago, by the database's clock. Returns how many were deleted; call
-    it again, in a new transaction, until it returns 0."""
+    """Delete one batch: up to ``limit`` finished jobs (succeeded, dead, cancelled) that
+    finished more than ``older_than`` ago, by the database's clock, oldest ids first.
+    Returns how many were deleted.
+
+    One call deletes one batch, in the caller's transaction. To delete them all, call it
+    again, each time in a new transaction (so that no transaction holds a long delete),
+    until it returns less than ``limit``. ``sqla-jobs prune --batch-size N`` is that loop:
+    one batch of ``N`` per transaction until a batch comes back short."""
     table = _job_table(model)
     _check_count("limit", limit, MAX_CLAIM_LIMIT * 100)
     params = {"older_than_seconds": _seconds("older_than", older_than), "limit": limit}

@@ -72,6 +72,11 @@ Handler: TypeAlias = Callable[["JobContext"], Any]
 class JobContext:
     """What a handler receives: the claimed attempt, and in lock mode the claim's session.
 
+    ``job`` is the attempt (a :class:`~sqla_jobs.queue.ClaimedJob`); ``id``, ``args``,
+    ``attempt``, ``task`` and ``queue`` are shortcuts to its fields. ``ctx.job.id`` (or
+    ``ctx.id``) is the job's id, the same on every attempt: the key to make a side effect
+    outside the database idempotent. ``worker`` is the name of the worker running it.
+
     ``session`` is the :class:`~sqlalchemy.orm.Session` whose transaction holds the job's
     row lock and will commit its completion. Write through it; never commit, roll back or
     close it (the worker does). Asking for it in lease mode raises
@@ -171,7 +176,10 @@ class Task(Generic[_R]):
         """A new job row of the registry's model for this task, not yet added to a session.
 
         Carries the task's queue, priority and maximum attempts unless overridden;
-        ``columns`` sets the model's own extra columns.
+        ``columns`` sets the model's own attributes, columns and relationships alike, as
+        the model's constructor does: ``send_receipt.job({"order": 7}, order=order)`` ties
+        the job to an ``Order`` object (its foreign key is set at flush, and adding the
+        job to a session adds the order with it).
         """
         values: dict[str, Any] = {
             "task": self.name,

@@ -157,7 +157,10 @@ class JobMixin:
 
     Values are checked as they are assigned (:class:`~sqla_jobs.errors.InvalidJobError`
     names the field), and ``args`` once more at flush, because a dict can be changed in place
-    after it was assigned. Nothing of the transaction is written when a check fails.
+    after it was assigned. A check that fails at assignment (the constructor included) is an
+    ordinary exception: the value is not set and nothing else changes, so a caller who
+    catches it and commits does commit their other rows. A check that fails at flush aborts
+    the session's transaction: nothing of that transaction is written.
 
     Columns left unset take their database defaults (``queue`` ``'default'``, ``status``
     ``'pending'``, ``priority`` 0, ...), which the flush reads back into the object; before
@@ -247,10 +250,24 @@ class JobMixin:
         return value
 
     def __repr__(self) -> str:
-        return (
-            f"<{type(self).__name__} id={self.id} task={self.task!r} queue={self.queue!r} "
-            f"status={self.status} attempts={self.attempts}/{self.max_attempts}>"
-        )
+        # Only what the instance already holds: reading a mapped attribute could load it
+        # (SQL in a log line), or raise DetachedInstanceError once it is expired and its
+        # session gone, which is exactly when a job tends to get logged. An attribute not
+        # loaded is left out; the id of an expired job still shows, from its identity key.
+        loaded = self.__dict__
+        state = loaded.get("_sa_instance_state")
+        job_id = loaded.get("id")
+        if job_id is None and state is not None and state.key is not None:
+            job_id = state.key[1][0]
+        parts = [f"id={job_id}"]
+        parts += [f"{key}={loaded[key]!r}" for key in ("task", "queue") if key in loaded]
+        if "status" in loaded:
+            parts.append(f"status={loaded['status']}")
+        if "attempts" in loaded or "max_attempts" in loaded:
+            parts.append(
+                f"attempts={loaded.get('attempts', '?')}/{loaded.get('max_attempts', '?')}"
+            )
+        return f"<{type(self).__name__} {' '.join(parts)}>"
 
 
 class JobResultMixin:

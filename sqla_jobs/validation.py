@@ -26,6 +26,7 @@ __all__ = [
     "MAX_ATTEMPTS_LIMIT",
     "MAX_DURATION_SECONDS",
     "MAX_NAME_LENGTH",
+    "NAME_RULE",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "args_snapshot",
@@ -49,13 +50,20 @@ MAX_DURATION_SECONDS = 100 * 365 * 86_400
 PRIORITY_MIN = -100
 PRIORITY_MAX = 100
 
-# Queue and task names appear in logs, metrics and NOTIFY payloads: keep them printable and
-# unambiguous. Dotted module paths ("billing.tasks.send_receipt") and "a:b" forms are fine.
+# Queue, task and worker names appear in logs, metrics and NOTIFY payloads: keep them
+# printable and unambiguous. Dotted module paths ("billing.tasks.send_receipt") and "a:b"
+# forms are fine. The one definition of the rule: _NAME enforces it, NAME_RULE says it (in
+# the error message, and word for word in the README, which tests/test_readme.py checks).
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]*")
+#: What :func:`check_name` accepts, in words.
+NAME_RULE: Final = (
+    f"1-{MAX_NAME_LENGTH} characters, each an ASCII letter (A-Z, a-z), a digit (0-9) or one "
+    "of _ . : -, the first one a letter, a digit or _"
+)
 
 
 def check_name(field: str, value: object) -> str:
-    """A queue or task name: 1-200 characters of letters, digits and ``_ . : -``."""
+    """A queue, task or worker name: :data:`NAME_RULE`."""
     if not isinstance(value, str):
         raise InvalidJobError(field, f"must be a string, not {type(value).__name__}")
     return _check_name_text(field, value)
@@ -70,11 +78,7 @@ def _check_name_text(field: str, value: str) -> str:
     if len(value) > MAX_NAME_LENGTH:
         raise InvalidJobError(field, f"is {len(value)} characters, the limit is {MAX_NAME_LENGTH}")
     if not _NAME.fullmatch(value):
-        raise InvalidJobError(
-            field,
-            f"{value!r} is malformed: use letters, digits and '_', '.', ':', '-', "
-            "starting with a letter, digit or '_'",
-        )
+        raise InvalidJobError(field, f"{value!r} is malformed: a name is {NAME_RULE}")
     return value
 
 
