@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 import worker_tasks
 from conftest import FreshDatabase
-from worker_harness import JobDatabase, wait_until
+from worker_harness import JobDatabase, running, wait_until
 from worker_tasks import WorkerJob, registry
 
 from sqla_jobs import ClaimedJob, ConfigurationError, JobMixin, RetryPolicy
@@ -133,24 +131,6 @@ def db(fresh_database: FreshDatabase, monkeypatch: pytest.MonkeyPatch) -> Iterat
         if engine is not None:
             engine.dispose()
         database.dispose()
-
-
-@contextmanager
-def running(db: JobDatabase, **options: Any) -> Iterator[Worker]:
-    engine = sa.create_engine(db.url, pool_size=10, pool_pre_ping=True)
-    options = {"concurrency": 4, "poll_interval": 0.2, "grace": 2.0, **options}
-    worker = Worker(registry, engine, handle_signals=False, **options)
-    status: list[int] = []
-    thread = threading.Thread(target=lambda: status.append(worker.run()))
-    thread.start()
-    try:
-        wait_until(worker.is_healthy, timeout=10, message="the worker is healthy")
-        yield worker
-    finally:
-        worker.stop()
-        thread.join(20)
-        engine.dispose()
-    assert status == [0]
 
 
 def test_unknown_task_is_made_dead_and_kept(db: JobDatabase) -> None:

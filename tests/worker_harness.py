@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 from worker_tasks import DATABASE_URL_VARIABLE, Base, Effect, WorkerJob, WorkerJobResult, registry
+
+from sqla_jobs.worker import Worker
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -203,3 +207,25 @@ class JobDatabase:
 
     def all_succeeded(self, total: int) -> bool:
         return self.count_by_status().get("succeeded", 0) == total
+
+
+@contextmanager
+def running(
+    db: JobDatabase, *, engine_options: Mapping[str, Any] | None = None, **options: Any
+) -> Iterator[Worker]:
+    """A :class:`Worker` of ``worker_tasks.registry`` running in a thread of this process,
+    healthy; stopped (and its exit status checked) at the end."""
+    engine = sa.create_engine(db.url, pool_size=10, pool_pre_ping=True, **(engine_options or {}))
+    options = {"concurrency": 4, "poll_interval": 0.2, "grace": 2.0, **options}
+    worker = Worker(registry, engine, handle_signals=False, **options)
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(worker.run()))
+    thread.start()
+    try:
+        wait_until(worker.is_healthy, timeout=10, message="the worker is healthy")
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(20)
+        engine.dispose()
+    assert status == [0]

@@ -13,9 +13,11 @@ completion). Handlers take their instructions from the job's ``args``:
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -138,3 +140,66 @@ def commits_itself(ctx: JobContext) -> None:
 def bad_result(ctx: JobContext) -> float:
     """Returns a value jsonb cannot store."""
     return float("nan")
+
+
+# -- handlers that earlier workers got wrong (tests/test_worker_faults.py) -------------------
+
+
+@registry.task(queue="elsewhere")
+async def async_elsewhere(ctx: JobContext) -> int:
+    """A coroutine registered on a queue the test worker does not serve, enqueued onto one
+    it does (``Task.job(queue=...)``)."""
+    await asyncio.to_thread(record, ctx, "effect")
+    return ctx.attempt
+
+
+@registry.task(queue="work", max_attempts=1)
+async def huge_result(ctx: JobContext) -> int:
+    """Returns an int too long to encode as JSON (a ValueError, not InvalidJobError)."""
+    return 10**5000
+
+
+@registry.task(queue="work", max_attempts=1)
+def surrogate_error(ctx: JobContext) -> None:
+    """Raises with a message holding a lone surrogate (a non-UTF-8 file name)."""
+    raise RuntimeError("cannot open " + os.fsdecode(b"report-\xff.csv"))
+
+
+def _sync_wrapper(function: Callable[[JobContext], Awaitable[Any]]) -> Callable[[JobContext], Any]:
+    @functools.wraps(function)
+    def wrapper(ctx: JobContext) -> Any:
+        return function(ctx)  # a coroutine object, returned by a plain function
+
+    return wrapper
+
+
+@registry.task(queue="work")
+@_sync_wrapper
+async def wrapped_async(ctx: JobContext) -> str:
+    """An ``async def`` behind a sync decorator: not a coroutine function, returns one."""
+    await asyncio.to_thread(record, ctx, "effect")
+    return "wrapped"
+
+
+class AsyncCallable:
+    """An object whose ``__call__`` is ``async def``."""
+
+    async def __call__(self, ctx: JobContext) -> str:
+        await asyncio.to_thread(record, ctx, "effect")
+        return "called"
+
+
+registry.add(AsyncCallable(), name="async_callable", queue="work")
+
+
+@registry.task(queue="work", mode="lock", lease=30)
+def long_locked(ctx: JobContext) -> None:
+    """Lock mode with a lease longer than the registry's default (1 s)."""
+    record(ctx, "start")
+    time.sleep(_sleep_time(ctx))
+
+
+@registry.task(queue="work")
+def result_of(ctx: JobContext) -> Any:
+    """Returns ``args["result"]``."""
+    return ctx.args.get("result")
