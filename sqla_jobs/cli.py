@@ -125,17 +125,22 @@ def make_engine(url: URL, *, pool_size: int = 5, application_name: str = "sqla-j
 
 
 def load_object(target: str, what: str) -> Any:
-    """Import ``module:attribute`` (the attribute may be dotted)."""
+    """Import ``module:attribute`` (the attribute may be dotted), with the current
+    directory importable as ``python -m`` would have it (``sqla-jobs worker app:registry``
+    run next to ``app.py``)."""
     module_name, sep, attribute = target.partition(":")
     if not sep or not module_name or not attribute:
         raise CommandError(f"{what} must look like module:name, not {target!r}")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
             raise CommandError(
                 f"cannot import {module_name!r}: no module named {exc.name!r} "
-                "(is it on PYTHONPATH?)"
+                "(is it in the current directory or on PYTHONPATH?)"
             ) from exc
         raise CommandError(f"importing {module_name!r} failed: {describe(exc)}") from exc
     except Exception as exc:
