@@ -251,6 +251,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             listen=not args.no_listen,
             name=args.name,
             health_file=args.health_file,
+            lock_timeout=args.lock_timeout,
         )
         return worker.run()
     finally:
@@ -468,6 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--no-listen", action="store_true", help="poll only, no LISTEN/NOTIFY")
     worker.add_argument("--name", help="worker name recorded on its jobs (default host:pid)")
     worker.add_argument("--health-file", metavar="PATH", help="touched every second if healthy")
+    worker.add_argument(
+        "--lock-timeout",
+        type=_seconds,
+        default=5.0,
+        help="lock_timeout of the worker's own connections (5s)",
+    )
     worker.set_defaults(handler=cmd_worker)
 
     status = commands.add_parser("status", parents=[db, which], help="job counts and dead jobs")

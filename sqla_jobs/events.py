@@ -1,6 +1,6 @@
 """The log events of the worker runtime: a stable ``action`` for each, and what it means.
 
-Every record the worker, the notifier and the command line log carries ``action`` in its
+Every record the worker, its listener and the command line log carries ``action`` in its
 ``extra``, and ``job_id`` (with ``task``, ``queue``, ``attempt``) when it is about one job.
 sqla_jobs never configures logging; the ``sqla-jobs`` command does, for itself.
 
@@ -9,27 +9,41 @@ action                 level    meaning
 =====================  =======  ==================================================================
 worker_started         INFO     the worker runs (queues, concurrency, name in ``extra``)
 queue_without_tasks    WARNING  a queue the worker claims from has no task in its registry
+wakeup_trigger_missing WARNING  the job table has no NOTIFY trigger: new jobs wait for a poll
 worker_stopping        INFO     a signal or ``stop()`` asked it to stop; no more claims
 worker_stopped         INFO     it stopped; ``released`` jobs were given back unfinished
-worker_forced_exit     WARNING  a second signal: the process exits at once, nothing released
 job_claimed            DEBUG    a batch was claimed (``count``)
 job_started            DEBUG    a handler started
 job_succeeded          DEBUG    its completion committed
 job_failed             WARNING  the handler raised; the job is pending again at ``run_at``
 job_dead               ERROR    the handler raised on the last attempt (or must not retry)
 unknown_task           ERROR    no handler is registered for the job's task: made dead, kept
-attempts_exhausted     ERROR    claimed past ``max_attempts`` (earlier attempts died): made dead
+attempts_exhausted     ERROR    a claim found the job's last attempt dead with its worker (its
+                                lease ran out): made dead without running again. Logged by
+                                whoever claimed, :func:`sqla_jobs.claim` included
 lease_lost             WARNING  the attempt lost its job (lease ran out and it was taken over);
                                 its outcome was dropped and changed nothing
+jobs_released          INFO     jobs given back unfinished (``count``, ``job_ids``, ``reason``):
+                                at shutdown, after a database error under a lock-mode job, or
+                                because a lease ran out before the handler could start
 outcome_unknown        WARNING  a lock-mode commit failed mid-way: the job either succeeded, or
                                 is given back (the release is fenced)
-jobs_released          INFO     jobs given back unfinished (``count``): at shutdown, or after a
-                                database error under a lock-mode job
-database_error         WARNING  a database call failed; retried with backoff (``delay``)
+outcome_refused        ERROR    the database refused an attempt's outcome (a result a constraint
+                                rejects, ...): the job is failed with that error instead
+outcome_dropped        ERROR    not even that failure could be written: the outcome is given up
+                                and the job runs again when its lease ends
+outcomes_unwritten     ERROR    at exit, outcomes the database did not take (it was down): those
+                                jobs run again when their leases end
+database_error         WARNING  a database call failed; retried with backoff (``delay``,
+                                ``operation``)
+database_reconnect     DEBUG    a kept connection was gone (a server restart); replaced at once
 database_recovered     INFO     the database answers again after errors
-listener_connected     INFO     LISTEN is (again) in place; a catch-up poll follows
+listener_connected     INFO     LISTEN is (again) in place; a catch-up claim follows
 listener_error         WARNING  the LISTEN connection failed; reconnecting with backoff
 fetch_loop_stuck       ERROR    the fetch loop has not gone round for ``seconds``
+worker_unhealthy       ERROR    something else is stuck (``problems``): a claimed job waits for
+                                a handler thread, or an outcome waits to be written
+health_file_error      WARNING  the health file could not be written
 thread_crashed         CRITICAL a runtime thread died of a bug; it is restarted
 =====================  =======  ==================================================================
 """
