@@ -74,6 +74,7 @@ __all__ = [
     "fail",
     "heartbeat",
     "lock",
+    "lock_one",
     "prune",
     "queue_stats",
     "release",
@@ -565,6 +566,15 @@ def lock(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     rows = session.execute(_statement(statements.lock, table), _fence_params(jobs))
     kept = _fenced(rows)
     return [job for job in jobs if (job.id, job.attempt) in kept]
+
+
+def lock_one(session: Executor, job: ClaimedJob) -> float | None:
+    """:func:`lock` for one attempt, for a worker that must later be able to end the
+    transaction holding the lock: returns that transaction's start (epoch seconds), or None
+    when the attempt was taken over (nothing is locked then)."""
+    table = _job_table(job.model)
+    row = session.execute(_statement(statements.lock, table), _fence_params([job])).first()
+    return None if row is None else float(row.xact_start)
 
 
 # -- outcomes ---------------------------------------------------------------------------

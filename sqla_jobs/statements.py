@@ -269,12 +269,19 @@ def lock(table: Table) -> Select[Any]:
     The second half of a lock-held claim: :func:`claim` committed the attempt (so it counts
     even if the worker dies), and this ``SELECT ... FOR UPDATE`` holds the rows for the
     transaction that runs the handlers. Fenced by ``(id, attempts)``: an attempt whose lease
-    already ran out and was taken over is not returned.
+    already ran out and was taken over is not returned. Rows are locked in id order.
+
+    Returns ``id, attempts`` and the locking transaction's start as epoch seconds (which,
+    with the backend's pid, names that transaction: :func:`terminate_transactions`).
     Parameters: ``:fence_ids``, ``:fence_attempts``.
     """
     pairs, match = _fences(table)
     return (
-        select(table.c.id, table.c.attempts)
+        select(
+            table.c.id,
+            table.c.attempts,
+            func.extract("epoch", func.transaction_timestamp()).label("xact_start"),
+        )
         .select_from(table)
         .join(pairs, match)
         .order_by(table.c.id)

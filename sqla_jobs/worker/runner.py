@@ -34,10 +34,10 @@ from typing import Any, Final
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from sqla_jobs import statements, validation
+from sqla_jobs import validation
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
-from sqla_jobs.queue import complete_many, lock
+from sqla_jobs.queue import complete_many, lock_one
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
@@ -229,11 +229,12 @@ class Runner:
         try:
             with Session(self.engine) as session:
                 transaction = session.begin()
-                if not lock(session, [job]):
+                started = lock_one(session, job)
+                if started is None:
                     session.rollback()
                     return Outcome(Kind.LOST, why="it was taken over before it could be locked")
-                pid, started = session.execute(statements.backend_transaction()).one()
-                attempt.backend = (pid, float(started))
+                pid = _backend_pid(session)
+                attempt.backend = None if pid is None else (pid, started)
                 try:
                     result = self._storable(
                         self._call(attempt, task, JobContext(job, self.worker_name, session))
@@ -293,6 +294,13 @@ def _cancel_all_and_stop(loop: asyncio.AbstractEventLoop) -> None:
     for task in asyncio.all_tasks(loop):
         task.cancel()
     loop.call_soon(loop.stop)
+
+
+def _backend_pid(session: Session) -> int | None:
+    # psycopg knows its backend's pid: no query needed (another driver: not known).
+    driver: Any = session.connection().connection.driver_connection
+    pid = getattr(getattr(driver, "info", None), "backend_pid", None)
+    return pid if isinstance(pid, int) else None
 
 
 def _rollback_quietly(session: Session) -> None:
