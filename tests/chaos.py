@@ -1,0 +1,1288 @@
+"""A fault harness for the worker: real worker processes, real faults, exact accounting.
+
+Run it (the nox session ``chaos`` does this in a fresh virtualenv)::
+
+    python tests/chaos.py                       # 120 s of faults, then the accounting
+    python tests/chaos.py --duration 45 --workers 3 --concurrency 4 --jobs 400 --seed 7
+    python tests/chaos.py --json > report.json  # the report as JSON on stdout
+
+or call :func:`run_chaos` (tests/test_chaos.py does, for a short run).
+
+What it does
+    It starts a throwaway embedded PostgreSQL (or creates a fresh database on the server
+    that ``--database-url`` / ``SQLA_JOBS_TEST_DATABASE_URL`` names), creates the tables of
+    ``tests/chaos_tasks.py`` and enqueues a mix of jobs whose ``run_at`` is spread over
+    most of the run, so that work is under way whenever a fault lands: lease-mode jobs
+    (``leased``), lease-mode coroutines (``async_leased``), lock-held jobs (``locked``) and
+    poison jobs (``poison``, always raise, ``max_attempts=3``). Leases are 2 s.
+
+    It runs ``--workers`` processes of ``python -m sqla_jobs --log-format json worker
+    chaos_tasks:registry`` (logs in files), and while they work it injects:
+
+    * a SIGKILL of a random worker every few seconds (``--kill-every``), each replaced at
+      once by a new process;
+    * one PostgreSQL restart at 35 % of the run: an immediate shutdown (like a crash, every
+      connection cut), ``--pg-down`` seconds down, then a start (crash recovery). Skipped,
+      and said so, on an external server, which cannot be restarted from here;
+    * one worker SIGSTOPped at 60 % of the run for ``--pause`` seconds (longer than the
+      lease: its jobs are taken over), then SIGCONT.
+
+    Then it stops injecting, waits (up to ``--drain-timeout``) until no job is pending or
+    running, stops the workers with SIGTERM and counts.
+
+The checks (each must hold; the exit status is 1 when one does not, and the report names it)
+    ``faults_injected``                 the kills, the restart and the pause did happen
+    ``no_job_lost``                     every enqueued job exists and is finished
+    ``no_job_stuck``                    no job is pending or running
+    ``non_poison_succeeded``            every job but the poison ones succeeded
+    ``lock_effect_exactly_once``        every lock-held job has exactly one committed effect,
+                                        written by the attempt that succeeded
+    ``lease_final_attempt_recorded``    every lease-mode job has the effect of the attempt that
+                                        succeeded, and the stored result is that attempt's
+    ``lease_duplicates_bounded``        lease-mode duplicate effects <= the bound below
+    ``lease_duplicates_explained``      each duplicate was written by a killed or paused worker,
+                                        or by an attempt in flight across the restart
+    ``poison_dead_at_max_attempts``     every poison job is dead with attempts == 3
+    ``deaths_logged``                   every dead job's id is in exactly one worker log line
+                                        with action ``job_dead`` or ``attempts_exhausted``,
+                                        and no job that is not dead is logged so
+    ``workers_survived``                no worker exited but those the harness killed, and none
+                                        logged ``thread_crashed``
+    ``workers_stopped_cleanly``         every worker exited 0 after the final SIGTERM
+
+The bound on lease-mode duplicate effects
+    A duplicate is an effect row of a lease-mode job beyond the first: an attempt wrote its
+    effect but its completion never committed, and another attempt ran the job again. Only
+    a fault makes an attempt lose its job that way, and only the attempts *at risk* in one
+    worker at the moment of the fault: those whose handler is running (at most
+    ``concurrency``: the worker claims only for free slots), and those whose handler has
+    returned but whose completion is not committed yet. A slot is free again as soon as
+    its handler returns, so while the outcome writer commits one batch, the slots it freed
+    may be running new jobs: at most one uncommitted outcome and one running handler per
+    slot, so at most ``2 * concurrency`` attempts at risk per worker. Hence::
+
+        duplicates <= 2 * concurrency * (kills + pauses + workers running at the restart)
+
+    (every worker's leases lapse while the server is down). The final SIGTERM adds
+    nothing: it comes only once no job is pending or running. ``lease_duplicates_explained``
+    is the sharper check: it attributes each duplicate to the fault that caused it, by the
+    writing process and the attempt's start time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from chaos_tasks import (
+    LEASE_SECONDS,
+    LEASE_TASKS,
+    LOCK_TASKS,
+    POISON_MAX_ATTEMPTS,
+    POISON_TASKS,
+    QUEUES,
+    Base,
+    ChaosEffect,
+    ChaosJob,
+    ChaosJobResult,
+    registry,
+)
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
+
+from sqla_jobs.embedded import EmbeddedPostgres
+
+TESTS_DIR = Path(__file__).resolve().parent
+SERVER_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
+WORKER_URL_VARIABLE = "SQLA_JOBS_DATABASE_URL"
+DEATH_ACTIONS = frozenset({"job_dead", "attempts_exhausted"})
+FINISHED = frozenset({"succeeded", "dead", "cancelled"})
+#: The job mix: task -> (share of the jobs, shortest and longest sleep in seconds).
+MIX: dict[str, tuple[float, float, float]] = {
+    "leased": (0.35, 0.02, 0.5),
+    "async_leased": (0.20, 0.02, 0.5),
+    "locked": (0.30, 0.01, 0.2),
+    "poison": (0.15, 0.0, 0.3),
+}
+CHECKS = (
+    "faults_injected",
+    "no_job_lost",
+    "no_job_stuck",
+    "non_poison_succeeded",
+    "lock_effect_exactly_once",
+    "lease_final_attempt_recorded",
+    "lease_duplicates_bounded",
+    "lease_duplicates_explained",
+    "poison_dead_at_max_attempts",
+    "deaths_logged",
+    "workers_survived",
+    "workers_stopped_cleanly",
+)
+_SHOWN = 10  # jobs described in detail per failed check
+_RESTART_AT = 0.35
+_PAUSE_AT = 0.6
+_RUN_AT_SPREAD = 0.8
+
+
+@dataclass
+class ChaosConfig:
+    """What to run. ``database_url`` names a server (a fresh database is created on it);
+    ``None`` starts an embedded one. ``log_dir`` keeps the worker logs there (default: a
+    temporary directory, deleted after a run whose checks all pass)."""
+
+    duration: float = 120.0
+    workers: int = 3
+    concurrency: int = 4
+    jobs: int = 1000
+    seed: int | None = None
+    database_url: str | None = None
+    kill_every: tuple[float, float] = (3.0, 6.0)
+    pg_down: float = 3.0
+    pause: float = 3 * LEASE_SECONDS
+    drain_timeout: float = 120.0
+    poll_interval: float = 0.2
+    grace: float = 10.0
+    log_dir: Path | None = None
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    summary: str
+    details: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ChaosReport:
+    seed: int
+    config: dict[str, Any]
+    server: str
+    log_dir: str
+    elapsed: float
+    drain_seconds: float | None
+    jobs_by_task: dict[str, dict[str, int]]
+    faults: dict[str, Any]
+    duplicates: dict[str, Any]
+    log_actions: dict[str, int]
+    checks: list[Check]
+    events: list[dict[str, Any]]
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    @property
+    def failed(self) -> list[str]:
+        return [check.name for check in self.checks if not check.ok]
+
+    def check(self, name: str) -> Check:
+        for check in self.checks:
+            if check.name == name:
+                return check
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["failed"] = self.failed
+        return data
+
+    def render(self) -> str:
+        cfg = self.config
+        head = (
+            f"sqla_jobs chaos run: seed {self.seed}, {cfg['duration']:g} s of faults, "
+            f"{cfg['workers']} workers x concurrency {cfg['concurrency']}, {cfg['jobs']} jobs"
+        )
+        lines = [head, f"server: {self.server}"]
+        faults = self.faults
+        restart = faults["restart"]
+        restart_text = (
+            f"1 PostgreSQL restart (immediate shutdown, down {restart['down_seconds']:.1f} s, "
+            f"{restart['workers_running']} workers running)"
+            if restart.get("done")
+            else f"PostgreSQL restart skipped: {restart.get('skipped', 'not reached')}"
+        )
+        pause = faults["pause"]
+        pause_text = (
+            f"1 SIGSTOP of pid {pause['pid']} for {pause['seconds']:.1f} s"
+            if pause.get("done")
+            else "no SIGSTOP (not reached)"
+        )
+        lines.append(
+            f"faults: {faults['kills']} SIGKILLs (each replaced), {restart_text}, {pause_text}"
+        )
+        drain = "not reached" if self.drain_seconds is None else f"{self.drain_seconds:.1f} s"
+        lines.append(f"drain after the faults: {drain}; whole run {self.elapsed:.1f} s")
+        lines.append("jobs:")
+        for task, statuses in self.jobs_by_task.items():
+            counts = ", ".join(f"{status} {count}" for status, count in sorted(statuses.items()))
+            lines.append(f"  {task:<13} {sum(statuses.values()):>5}  ({counts})")
+        dup = self.duplicates
+        by_cause = ", ".join(f"{cause} {count}" for cause, count in dup["by_cause"].items())
+        lines.append(
+            f"lease-mode duplicate effects: {dup['total']} of {dup['lease_jobs']} lease-mode "
+            f"jobs (bound {dup['bound']} = {dup['bound_formula']}); by cause: {by_cause}"
+        )
+        actions = ", ".join(f"{a} {n}" for a, n in sorted(self.log_actions.items()))
+        lines.append(f"worker log actions (INFO and up): {actions or 'none'}")
+        lines.append("checks:")
+        for check in self.checks:
+            lines.append(f"  {'PASS' if check.ok else 'FAIL'}  {check.name:<29} {check.summary}")
+            lines.extend(f"        {detail}" for detail in check.details)
+        verdict = "PASS" if self.ok else f"FAIL ({', '.join(self.failed)})"
+        lines.append(f"result: {verdict}")
+        lines.append(f"worker logs: {self.log_dir}")
+        return "\n".join(lines)
+
+
+# -- worker processes -----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class WorkerProc:
+    label: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    fate: str = "running"  # running, killed, exited, stopped
+    paused: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def send(self, signum: int) -> None:
+        if self.alive():
+            os.kill(self.pid, signum)
+
+    def log_tail(self, lines: int = 5) -> list[str]:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return []
+        return text.splitlines()[-lines:]
+
+
+def worker_env(url: str) -> dict[str, str]:
+    """The environment of a worker: ``tests/`` on ``PYTHONPATH``, the URL, no other
+    ``SQLA_JOBS_*`` variable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
+    path = [str(TESTS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env[WORKER_URL_VARIABLE] = url
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Pool:
+    """The worker processes of a run, started, killed and replaced by the harness."""
+
+    def __init__(self, url: str, directory: Path, config: ChaosConfig) -> None:
+        self.url = url
+        self.directory = directory
+        self.config = config
+        self.procs: list[WorkerProc] = []
+
+    def start(self) -> WorkerProc:
+        label = f"worker-{len(self.procs):02d}"
+        log = self.directory / f"{label}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "sqla_jobs",
+            "--log-format",
+            "json",
+            "--log-level",
+            "INFO",
+            "worker",
+            "chaos_tasks:registry",
+            "--queues",
+            ",".join(QUEUES),
+            "--concurrency",
+            str(self.config.concurrency),
+            "--poll-interval",
+            f"{self.config.poll_interval:g}s",
+            "--grace",
+            f"{self.config.grace:g}s",
+        ]
+        with log.open("wb") as handle:
+            # The log directory as working directory: `python -m` puts it first on sys.path,
+            # so the workers import the installed sqla_jobs, never a source tree.
+            popen = subprocess.Popen(
+                command,
+                cwd=self.directory,
+                env=worker_env(self.url),
+                stdin=subprocess.DEVNULL,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+            )
+        proc = WorkerProc(label, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def running(self) -> list[WorkerProc]:
+        return [p for p in self.procs if p.fate == "running"]
+
+    def close(self) -> None:
+        """Whatever is left (after an error): continued and killed."""
+        for proc in self.procs:
+            if proc.alive():
+                proc.send(signal.SIGCONT)
+                proc.send(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(10)
+
+
+# -- the database ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: int
+    task: str
+    status: str
+    attempts: int
+    max_attempts: int
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class EffectRow:
+    job_id: int
+    attempt: int
+    kind: str
+    pid: int
+    at: datetime
+
+
+def server_url_from_environment() -> str | None:
+    raw = os.environ.get(SERVER_URL_VARIABLE, "").strip()
+    return raw or None
+
+
+def _psycopg(url: str) -> URL:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        raise ValueError(f"not a PostgreSQL URL: {url!r}")
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def enqueue(engine: sa.Engine, count: int, rng: random.Random, spread: float) -> dict[int, str]:
+    """``count`` jobs of the mix, runnable from now to ``spread`` seconds from now."""
+    tasks = list(MIX)
+    weights = [MIX[task][0] for task in tasks]
+    now = datetime.now(timezone.utc)
+    rows = []
+    for _ in range(count):
+        task = rng.choices(tasks, weights)[0]
+        _, shortest, longest = MIX[task]
+        args = {"sleep": round(rng.uniform(shortest, longest), 3)}
+        run_at = now + timedelta(seconds=rng.uniform(0.0, spread))
+        rows.append(registry[task].job(args, run_at=run_at))
+    with Session(engine) as session, session.begin():
+        session.add_all(rows)
+        session.flush()
+        return {row.id: row.task for row in rows}
+
+
+def status_counts(engine: sa.Engine) -> dict[str, int] | None:
+    """Jobs by status, or None while the server does not answer."""
+    try:
+        with engine.connect() as connection:
+            rows = connection.execute(
+                sa.select(ChaosJob.status, sa.func.count()).group_by(ChaosJob.status)
+            ).all()
+    except sa.exc.DBAPIError:
+        return None
+    return {status: int(count) for status, count in rows}
+
+
+def read_back(
+    engine: sa.Engine,
+) -> tuple[dict[int, JobRow], list[EffectRow], dict[int, Any]]:
+    with engine.connect() as connection:
+        jobs = {
+            row.id: JobRow(
+                row.id, row.task, row.status, row.attempts, row.max_attempts, row.last_error
+            )
+            for row in connection.execute(
+                sa.select(
+                    ChaosJob.id,
+                    ChaosJob.task,
+                    ChaosJob.status,
+                    ChaosJob.attempts,
+                    ChaosJob.max_attempts,
+                    ChaosJob.last_error,
+                )
+            )
+        }
+        effects = [
+            EffectRow(row.job_id, row.attempt, row.kind, row.pid, row.at)
+            for row in connection.execute(
+                sa.select(
+                    ChaosEffect.job_id,
+                    ChaosEffect.attempt,
+                    ChaosEffect.kind,
+                    ChaosEffect.pid,
+                    ChaosEffect.at,
+                ).order_by(ChaosEffect.id)
+            )
+        ]
+        results = {
+            row.job_id: row.value
+            for row in connection.execute(sa.select(ChaosJobResult.job_id, ChaosJobResult.value))
+        }
+    return jobs, effects, results
+
+
+# -- worker logs ----------------------------------------------------------------------------
+
+
+@dataclass
+class Logs:
+    actions: Counter[str] = field(default_factory=Counter)
+    deaths: Counter[int] = field(default_factory=Counter)
+    by_job: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))
+    crashes: list[str] = field(default_factory=list)
+    not_json: list[str] = field(default_factory=list)
+
+
+def read_logs(procs: Sequence[WorkerProc]) -> Logs:
+    logs = Logs()
+    for proc in procs:
+        try:
+            text = proc.log.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                logs.not_json.append(f"{proc.label} (pid {proc.pid}): {line[:200]}")
+                continue
+            if not isinstance(entry, dict):
+                logs.not_json.append(f"{proc.label} (pid {proc.pid}): {line[:200]}")
+                continue
+            action = str(entry.get("action", "-"))
+            logs.actions[action] += 1
+            job_id = entry.get("job_id")
+            shown = (
+                f"{proc.label} (pid {proc.pid}) {entry.get('time', '')} {entry.get('level', '')} "
+                f"{action}: {str(entry.get('message', ''))[:220]}"
+            )
+            if isinstance(job_id, int):
+                logs.by_job[job_id].append(shown)
+                if action in DEATH_ACTIONS:
+                    logs.deaths[job_id] += 1
+            for listed in entry.get("job_ids") or []:
+                if isinstance(listed, int):
+                    logs.by_job[listed].append(shown)
+            if action == "thread_crashed":
+                logs.crashes.append(shown)
+    return logs
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self, progress: Callable[[str], None] | None) -> None:
+        self.started = time.monotonic()
+        self.progress = progress
+        self.events: list[dict[str, Any]] = []
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(f"[{self.elapsed():6.1f}s] {text}")
+
+    def event(self, kind: str, text: str, **data: Any) -> None:
+        self.events.append(
+            {
+                "t": round(self.elapsed(), 3),
+                "wall": datetime.now(timezone.utc).isoformat(),
+                "kind": kind,
+                "text": text,
+                **data,
+            }
+        )
+        self.say(text)
+
+
+@contextlib.contextmanager
+def _database(
+    config: ChaosConfig, clock: _Clock
+) -> Iterator[tuple[str, str, EmbeddedPostgres | None]]:
+    """A fresh database: (its URL, a description of the server, the embedded server)."""
+    server = config.database_url or server_url_from_environment()
+    if server is None:
+        pg = EmbeddedPostgres()
+        pg.start()
+        try:
+            pg.create_database("sqla_jobs_chaos")
+            clock.say(f"embedded PostgreSQL {pg.version} on port {pg.port}")
+            yield pg.url("sqla_jobs_chaos"), f"embedded PostgreSQL {pg.version}", pg
+        finally:
+            pg.stop()
+        return
+    admin_url = _psycopg(server)
+    name = f"sqla_jobs_chaos_{secrets.token_hex(6)}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as connection:
+            connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        shown = admin_url.set(database=name).render_as_string(hide_password=True)
+        clock.say(f"external server: database {shown}")
+        try:
+            yield (
+                admin_url.set(database=name).render_as_string(hide_password=False),
+                f"external server, database {shown}",
+                None,
+            )
+        finally:
+            with admin.connect() as connection:
+                connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None) -> ChaosReport:
+    """Run the harness once; ``progress`` receives a line per event as it happens."""
+    seed = config.seed if config.seed is not None else secrets.randbelow(2**31)
+    rng = random.Random(seed)
+    clock = _Clock(progress)
+    clock.say(f"seed {seed}")
+    own_dir = config.log_dir is None
+    log_dir = (
+        Path(tempfile.mkdtemp(prefix="sqla_jobs_chaos_"))
+        if config.log_dir is None
+        else config.log_dir
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with _database(config, clock) as (url, server, pg):
+        engine = sa.create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
+        pool = Pool(url, log_dir, config)
+        try:
+            Base.metadata.create_all(engine)
+            enqueued = enqueue(engine, config.jobs, rng, _RUN_AT_SPREAD * config.duration)
+            clock.say(f"enqueued {len(enqueued)} jobs: {dict(Counter(enqueued.values()))}")
+            state = _inject(config, rng, clock, pool, engine, pg)
+            drain_seconds = _drain(config, clock, pool, engine, state)
+            stopped = _stop(config, clock, pool)
+            jobs, effects, results = read_back(engine)
+        finally:
+            pool.close()
+            engine.dispose()
+    logs = read_logs(pool.procs)
+    report = _account(
+        config,
+        seed,
+        server,
+        log_dir,
+        clock,
+        enqueued,
+        jobs,
+        effects,
+        results,
+        logs,
+        pool,
+        state,
+        drain_seconds,
+        stopped,
+    )
+    if own_dir and report.ok:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        report.log_dir = f"{log_dir} (deleted: every check passed)"
+    return report
+
+
+@dataclass
+class _FaultState:
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    restart: dict[str, Any] = field(default_factory=dict)
+    pause: dict[str, Any] = field(default_factory=dict)
+    unexpected_exits: list[str] = field(default_factory=list)
+    killed_pids: set[int] = field(default_factory=set)
+
+
+def _watch(pool: Pool, clock: _Clock, state: _FaultState) -> None:
+    """Notice workers that exited on their own: a failure; replace them."""
+    for proc in pool.running():
+        code = proc.popen.poll()
+        if code is not None:
+            proc.fate = "exited"
+            tail = " | ".join(proc.log_tail(3))
+            state.unexpected_exits.append(
+                f"{proc.label} (pid {proc.pid}) exited on its own with status {code}: {tail}"
+            )
+            new = pool.start()
+            clock.event(
+                "unexpected_exit",
+                f"{proc.label} pid {proc.pid} exited with {code}; started {new.label} "
+                f"pid {new.pid}",
+                pid=proc.pid,
+                code=code,
+            )
+
+
+def _progress_line(engine: sa.Engine) -> str:
+    counts = status_counts(engine)
+    if counts is None:
+        return "jobs: (server not answering)"
+    return "jobs: " + ", ".join(f"{s} {n}" for s, n in sorted(counts.items()))
+
+
+def _inject(
+    config: ChaosConfig,
+    rng: random.Random,
+    clock: _Clock,
+    pool: Pool,
+    engine: sa.Engine,
+    pg: EmbeddedPostgres | None,
+) -> _FaultState:
+    state = _FaultState()
+    for _ in range(config.workers):
+        proc = pool.start()
+        clock.event("start", f"started {proc.label} pid {proc.pid}", pid=proc.pid)
+    start = time.monotonic()
+    end = start + config.duration
+    next_kill = start + rng.uniform(*config.kill_every)
+    restart_at: float | None = start + _RESTART_AT * config.duration
+    if pg is None:
+        restart_at = None
+        state.restart = {
+            "done": False,
+            "skipped": f"the server named by {SERVER_URL_VARIABLE} / --database-url is "
+            "external and cannot be restarted from here",
+        }
+        clock.event("restart_skipped", f"PostgreSQL restart skipped: {state.restart['skipped']}")
+    pause_at: float | None = start + _PAUSE_AT * config.duration
+    pause_until = 0.0
+    paused: WorkerProc | None = None
+    next_report = start + 5.0
+    while True:
+        now = time.monotonic()
+        if now >= end and paused is None:
+            break
+        _watch(pool, clock, state)
+        if restart_at is not None and now >= restart_at and pg is not None:
+            restart_at = None
+            workers = len([p for p in pool.running() if not p.paused])
+            clock.event("pg_down", f"PostgreSQL: immediate shutdown ({workers} workers running)")
+            down_wall = datetime.now(timezone.utc)
+            down = time.monotonic()
+            pg.kill()
+            time.sleep(config.pg_down)
+            pg.start()
+            up_wall = datetime.now(timezone.utc)
+            state.restart = {
+                "done": True,
+                "down_seconds": time.monotonic() - down,
+                "down_at": down_wall.isoformat(),
+                "up_at": up_wall.isoformat(),
+                "workers_running": workers,
+            }
+            clock.event("pg_up", "PostgreSQL: started again (crash recovery)")
+            next_kill = max(next_kill, time.monotonic() + rng.uniform(*config.kill_every) / 2)
+            continue
+        if pause_at is not None and now >= pause_at:
+            candidates = [p for p in pool.running() if p.alive()]
+            if candidates:
+                pause_at = None
+                paused = rng.choice(candidates)
+                paused.send(signal.SIGSTOP)
+                paused.paused = True
+                pause_until = time.monotonic() + config.pause
+                state.pause = {
+                    "done": True,
+                    "pid": paused.pid,
+                    "label": paused.label,
+                    "seconds": config.pause,
+                }
+                clock.event(
+                    "sigstop",
+                    f"SIGSTOP {paused.label} pid {paused.pid} for {config.pause:g} s",
+                    pid=paused.pid,
+                )
+        if paused is not None and now >= pause_until:
+            paused.send(signal.SIGCONT)
+            paused.paused = False
+            clock.event("sigcont", f"SIGCONT {paused.label} pid {paused.pid}", pid=paused.pid)
+            paused = None
+        if now >= next_kill and now < end:
+            candidates = [p for p in pool.running() if not p.paused]
+            if candidates:
+                victim = rng.choice(candidates)
+                victim.send(signal.SIGKILL)
+                code = victim.popen.wait(10)
+                victim.fate = "killed"
+                state.killed_pids.add(victim.pid)
+                new = pool.start()
+                state.kills.append({"pid": victim.pid, "label": victim.label, "code": code})
+                clock.event(
+                    "sigkill",
+                    f"SIGKILL {victim.label} pid {victim.pid}; started {new.label} pid {new.pid}",
+                    pid=victim.pid,
+                )
+            next_kill = now + rng.uniform(*config.kill_every)
+        if now >= next_report:
+            next_report = now + 5.0
+            clock.say(_progress_line(engine))
+        time.sleep(0.05)
+    clock.event("faults_over", "no more faults")
+    return state
+
+
+def _drain(
+    config: ChaosConfig, clock: _Clock, pool: Pool, engine: sa.Engine, state: _FaultState
+) -> float | None:
+    """Wait until no job is pending or running; the time it took, or None at the deadline."""
+    started = time.monotonic()
+    deadline = started + config.drain_timeout
+    next_report = started + 5.0
+    while True:
+        _watch(pool, clock, state)
+        counts = status_counts(engine)
+        if counts is not None and not counts.get("pending") and not counts.get("running"):
+            took = time.monotonic() - started
+            clock.say(f"drained in {took:.1f} s: {_progress_line(engine)}")
+            return took
+        now = time.monotonic()
+        if now > deadline:
+            clock.event("drain_timeout", f"not drained after {config.drain_timeout:g} s")
+            return None
+        if now >= next_report:
+            next_report = now + 5.0
+            clock.say(_progress_line(engine))
+        time.sleep(0.2)
+
+
+def _stop(config: ChaosConfig, clock: _Clock, pool: Pool) -> dict[str, int | None]:
+    """SIGTERM every running worker; their exit statuses (None: did not exit in time)."""
+    running = pool.running()
+    for proc in running:
+        proc.send(signal.SIGCONT)
+        proc.send(signal.SIGTERM)
+    codes: dict[str, int | None] = {}
+    deadline = time.monotonic() + config.grace + 20.0
+    for proc in running:
+        try:
+            codes[proc.label] = proc.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[proc.label] = None
+        proc.fate = "stopped"
+    clock.event("stopped", f"SIGTERM to {len(running)} workers: exit statuses {codes}")
+    return codes
+
+
+# -- the accounting -------------------------------------------------------------------------
+
+
+def _job_text(
+    job: JobRow | None, job_id: int, effects: Sequence[EffectRow], logs: Logs
+) -> list[str]:
+    if job is None:
+        head = f"job {job_id}: missing from the table"
+    else:
+        error = (job.last_error or "").strip().splitlines()
+        head = (
+            f"job {job.id} ({job.task}): {job.status}, attempts {job.attempts}/"
+            f"{job.max_attempts}, last_error {(error[-1] if error else '-')[:160]!r}"
+        )
+    rows = [e for e in effects if e.job_id == job_id]
+    lines = [head]
+    if rows:
+        lines.append(
+            "  rows: "
+            + ", ".join(f"{e.kind}#{e.attempt} pid {e.pid} {e.at:%H:%M:%S.%f}"[:-3] for e in rows)
+        )
+    lines.extend(f"  log: {line}" for line in logs.by_job.get(job_id, [])[:8])
+    return lines
+
+
+def _details(
+    ids: Sequence[int], jobs: dict[int, JobRow], effects: Sequence[EffectRow], logs: Logs
+) -> list[str]:
+    lines: list[str] = []
+    for job_id in list(ids)[:_SHOWN]:
+        lines += _job_text(jobs.get(job_id), job_id, effects, logs)
+    if len(ids) > _SHOWN:
+        lines.append(f"... and {len(ids) - _SHOWN} more: {sorted(ids)[_SHOWN:][:50]}")
+    return lines
+
+
+def _account(
+    config: ChaosConfig,
+    seed: int,
+    server: str,
+    log_dir: Path,
+    clock: _Clock,
+    enqueued: dict[int, str],
+    jobs: dict[int, JobRow],
+    effects: list[EffectRow],
+    results: dict[int, Any],
+    logs: Logs,
+    pool: Pool,
+    state: _FaultState,
+    drain_seconds: float | None,
+    stopped: dict[str, int | None],
+) -> ChaosReport:
+    checks: list[Check] = []
+    c = config.concurrency
+
+    # faults_injected
+    restart = state.restart
+    missing_faults = []
+    if not state.kills:
+        missing_faults.append("no SIGKILL")
+    if not state.pause.get("done"):
+        missing_faults.append("no SIGSTOP")
+    if not restart.get("done") and "skipped" not in restart:
+        missing_faults.append("no PostgreSQL restart")
+    restart_text = "1 restart" if restart.get("done") else "restart skipped (external server)"
+    checks.append(
+        Check(
+            "faults_injected",
+            not missing_faults,
+            f"{len(state.kills)} kills, {restart_text}, "
+            f"{'1 pause' if state.pause.get('done') else 'no pause'}"
+            + (f": {', '.join(missing_faults)} (run longer)" if missing_faults else ""),
+        )
+    )
+
+    # no_job_lost, no_job_stuck
+    missing = sorted(i for i in enqueued if i not in jobs)
+    unfinished = sorted(i for i in enqueued if i in jobs and jobs[i].status not in FINISHED)
+    lost = missing + unfinished
+    checks.append(
+        Check(
+            "no_job_lost",
+            not lost,
+            f"{len(enqueued) - len(lost)} of {len(enqueued)} jobs exist and finished; "
+            f"{len(missing)} missing, {len(unfinished)} unfinished",
+            _details(lost, jobs, effects, logs),
+        )
+    )
+    stuck = sorted(i for i, j in jobs.items() if j.status in ("pending", "running"))
+    checks.append(
+        Check(
+            "no_job_stuck",
+            not stuck,
+            f"{len(stuck)} jobs pending or running"
+            + (
+                "" if drain_seconds is not None else f" (not drained in {config.drain_timeout:g} s)"
+            ),
+            _details(stuck, jobs, effects, logs),
+        )
+    )
+
+    # non_poison_succeeded
+    not_ok = sorted(
+        i
+        for i, task in enqueued.items()
+        if task not in POISON_TASKS and (i not in jobs or jobs[i].status != "succeeded")
+    )
+    non_poison = sum(1 for task in enqueued.values() if task not in POISON_TASKS)
+    checks.append(
+        Check(
+            "non_poison_succeeded",
+            not not_ok,
+            f"{non_poison - len(not_ok)} of {non_poison} non-poison jobs succeeded",
+            _details(not_ok, jobs, effects, logs),
+        )
+    )
+
+    effect_rows: dict[int, list[EffectRow]] = defaultdict(list)
+    starts: dict[tuple[int, int], EffectRow] = {}
+    for e in effects:
+        if e.kind == "effect":
+            effect_rows[e.job_id].append(e)
+        else:
+            starts.setdefault((e.job_id, e.attempt), e)
+
+    # lock_effect_exactly_once
+    lock_ids = sorted(i for i, task in enqueued.items() if task in LOCK_TASKS)
+    lock_bad = []
+    lock_duplicates = 0
+    for i in lock_ids:
+        rows = effect_rows.get(i, [])
+        lock_duplicates += max(0, len(rows) - 1)
+        job = jobs.get(i)
+        if job is None or job.status != "succeeded":
+            if rows:
+                lock_bad.append(i)  # an effect committed without its completion
+            continue
+        if [e.attempt for e in rows] != [job.attempts]:
+            lock_bad.append(i)
+    checks.append(
+        Check(
+            "lock_effect_exactly_once",
+            not lock_bad,
+            f"{len(lock_ids) - len(lock_bad)} of {len(lock_ids)} lock-held jobs have exactly one "
+            f"effect, by the attempt that succeeded; {lock_duplicates} duplicate effects",
+            _details(lock_bad, jobs, effects, logs),
+        )
+    )
+
+    # lease_final_attempt_recorded, and the duplicates
+    lease_ids = sorted(i for i, task in enqueued.items() if task in LEASE_TASKS)
+    final_bad = []
+    extras: list[EffectRow] = []
+    for i in lease_ids:
+        job = jobs.get(i)
+        rows = effect_rows.get(i, [])
+        if job is None or job.status != "succeeded":
+            extras += rows  # not succeeded: reported by non_poison_succeeded
+            continue
+        finals = [e for e in rows if e.attempt == job.attempts]
+        if len(finals) != 1 or results.get(i) != {"attempt": job.attempts}:
+            final_bad.append(i)
+        extras += [e for e in rows if e.attempt != job.attempts] + finals[1:]
+    checks.append(
+        Check(
+            "lease_final_attempt_recorded",
+            not final_bad,
+            f"{len(lease_ids) - len(final_bad)} of {len(lease_ids)} lease-mode jobs have the "
+            "effect and the stored result of the attempt that succeeded",
+            _details(final_bad, jobs, effects, logs),
+        )
+    )
+
+    workers_at_restart = int(restart.get("workers_running", 0)) if restart.get("done") else 0
+    at_risk = len(state.kills) + (1 if state.pause.get("done") else 0) + workers_at_restart
+    bound = 2 * c * at_risk
+    formula = (
+        f"2 x concurrency {c} x ({len(state.kills)} kills + "
+        f"{1 if state.pause.get('done') else 0} pause + {workers_at_restart} workers at restart)"
+    )
+    paused_pid = state.pause.get("pid")
+    down_at = datetime.fromisoformat(restart["down_at"]) if restart.get("done") else None
+    up_at = datetime.fromisoformat(restart["up_at"]) if restart.get("done") else None
+    by_cause: Counter[str] = Counter({"kill": 0, "pause": 0, "restart": 0, "unexplained": 0})
+    unexplained: list[EffectRow] = []
+    for e in extras:
+        start = starts.get((e.job_id, e.attempt))
+        if e.pid in state.killed_pids:
+            by_cause["kill"] += 1
+        elif e.pid == paused_pid:
+            by_cause["pause"] += 1
+        elif (
+            down_at is not None
+            and up_at is not None
+            and start is not None
+            and down_at - timedelta(seconds=10) <= start.at <= up_at + timedelta(seconds=2)
+        ):
+            by_cause["restart"] += 1
+        else:
+            by_cause["unexplained"] += 1
+            unexplained.append(e)
+    total = len(extras)
+    checks.append(
+        Check(
+            "lease_duplicates_bounded",
+            total <= bound,
+            f"{total} duplicate effects <= bound {bound}"
+            if total <= bound
+            else f"{total} duplicate effects > bound {bound}",
+        )
+    )
+    checks.append(
+        Check(
+            "lease_duplicates_explained",
+            not unexplained,
+            f"{total - len(unexplained)} of {total} duplicates written by a killed or paused "
+            "worker or an attempt in flight across the restart",
+            [
+                f"effect of job {e.job_id} attempt {e.attempt} by pid {e.pid} at {e.at:%H:%M:%S.%f}"
+                for e in unexplained[:_SHOWN]
+            ]
+            + _details(sorted({e.job_id for e in unexplained}), jobs, effects, logs),
+        )
+    )
+
+    # poison_dead_at_max_attempts
+    poison_ids = sorted(i for i, task in enqueued.items() if task in POISON_TASKS)
+    poison_bad = [
+        i
+        for i in poison_ids
+        if i not in jobs
+        or (jobs[i].status, jobs[i].attempts, jobs[i].max_attempts)
+        != ("dead", POISON_MAX_ATTEMPTS, POISON_MAX_ATTEMPTS)
+    ]
+    checks.append(
+        Check(
+            "poison_dead_at_max_attempts",
+            not poison_bad,
+            f"{len(poison_ids) - len(poison_bad)} of {len(poison_ids)} poison jobs dead with "
+            f"attempts == max_attempts == {POISON_MAX_ATTEMPTS}",
+            _details(poison_bad, jobs, effects, logs),
+        )
+    )
+
+    # deaths_logged, exactly once each way: every dead job is logged dead by one worker (the
+    # one whose fenced transition made it dead), and no job that is not dead is logged dead.
+    dead = sorted(i for i, j in jobs.items() if j.status == "dead")
+    unlogged = [i for i in dead if i not in logs.deaths]
+    twice = sorted(i for i, n in logs.deaths.items() if n > 1)
+    phantom = sorted(i for i in logs.deaths if i not in jobs or jobs[i].status != "dead")
+    death_problems = []
+    if unlogged:
+        death_problems.append(f"not logged: {unlogged[:50]}")
+    if twice:
+        death_problems.append(f"logged more than once: {twice[:50]}")
+    if phantom:
+        death_problems.append(f"logged dead but not dead: {phantom[:50]}")
+    checks.append(
+        Check(
+            "deaths_logged",
+            not death_problems,
+            f"{len(dead) - len(unlogged)} of {len(dead)} dead jobs logged with action job_dead "
+            "or attempts_exhausted" + (f"; {'; '.join(death_problems)}" if death_problems else ""),
+            _details(sorted({*unlogged, *twice, *phantom}), jobs, effects, logs),
+        )
+    )
+
+    # workers_survived, workers_stopped_cleanly
+    survived_problems = state.unexpected_exits + [f"thread_crashed: {x}" for x in logs.crashes]
+    checks.append(
+        Check(
+            "workers_survived",
+            not survived_problems,
+            f"{len(pool.procs)} worker processes, {len(state.kills)} killed by the harness, "
+            f"{len(state.unexpected_exits)} exited on their own, {len(logs.crashes)} "
+            "thread_crashed",
+            survived_problems[:_SHOWN],
+        )
+    )
+    unclean = {label: code for label, code in stopped.items() if code != 0}
+    checks.append(
+        Check(
+            "workers_stopped_cleanly",
+            bool(stopped) and not unclean,
+            f"{len(stopped) - len(unclean)} of {len(stopped)} workers exited 0 after SIGTERM"
+            + (f"; not: {unclean}" if unclean else ""),
+            [
+                f"{p.label} (pid {p.pid}): {' | '.join(p.log_tail(3))}"
+                for p in pool.procs
+                if p.label in unclean
+            ],
+        )
+    )
+    assert [check.name for check in checks] == list(CHECKS)
+
+    jobs_by_task: dict[str, dict[str, int]] = {}
+    for i, task in sorted(enqueued.items()):
+        status = jobs[i].status if i in jobs else "missing"
+        counts = jobs_by_task.setdefault(task, {})
+        counts[status] = counts.get(status, 0) + 1
+    actions = {
+        action: count
+        for action, count in logs.actions.items()
+        if action not in ("worker_started", "worker_stopping", "worker_stopped")
+    }
+    if logs.not_json:
+        actions["(lines that are not JSON)"] = len(logs.not_json)
+    return ChaosReport(
+        seed=seed,
+        config={
+            "duration": config.duration,
+            "workers": config.workers,
+            "concurrency": config.concurrency,
+            "jobs": config.jobs,
+            "kill_every": list(config.kill_every),
+            "pg_down": config.pg_down,
+            "pause": config.pause,
+            "lease": LEASE_SECONDS,
+        },
+        server=server,
+        log_dir=str(log_dir),
+        elapsed=clock.elapsed(),
+        drain_seconds=drain_seconds,
+        jobs_by_task=jobs_by_task,
+        faults={
+            "kills": len(state.kills),
+            "killed": state.kills,
+            "restart": restart,
+            "pause": state.pause,
+            "unexpected_exits": state.unexpected_exits,
+        },
+        duplicates={
+            "total": total,
+            "lease_jobs": len(lease_ids),
+            "bound": bound,
+            "bound_formula": formula,
+            "by_cause": dict(by_cause),
+            "lock_mode": lock_duplicates,
+        },
+        log_actions=actions,
+        checks=checks,
+        events=clock.events,
+    )
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    return int(_positive(int)(text))
+
+
+def _range(text: str) -> tuple[float, float]:
+    low, sep, high = text.partition(",")
+    try:
+        pair = (float(low), float(high if sep else low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX seconds") from None
+    if not 0 < pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < MIN <= MAX")
+    return pair
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = ChaosConfig()
+    parser = argparse.ArgumentParser(
+        prog="python tests/chaos.py",
+        description="Run sqla_jobs workers under faults (SIGKILL, a PostgreSQL restart, a "
+        "SIGSTOP) and account for every job. Exit status 1 names the failed checks.",
+    )
+    parser.add_argument(
+        "--duration",
+        type=_positive(float),
+        default=defaults.duration,
+        help=f"seconds of faults (default {defaults.duration:g})",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=defaults.workers,
+        help=f"worker processes at a time (default {defaults.workers})",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        default=defaults.concurrency,
+        help=f"jobs at once per worker (default {defaults.concurrency})",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=defaults.jobs,
+        help=f"jobs to enqueue (default {defaults.jobs})",
+    )
+    parser.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        help=f"a PostgreSQL server to create a fresh database on (default: "
+        f"${SERVER_URL_VARIABLE}, else an embedded server); no restart fault there",
+    )
+    parser.add_argument(
+        "--kill-every",
+        type=_range,
+        default=defaults.kill_every,
+        metavar="MIN,MAX",
+        help="seconds between SIGKILLs, drawn uniformly (default 3,6)",
+    )
+    parser.add_argument(
+        "--pg-down",
+        type=_positive(float),
+        default=defaults.pg_down,
+        help=f"seconds the server stays down (default {defaults.pg_down:g})",
+    )
+    parser.add_argument(
+        "--pause",
+        type=_positive(float),
+        default=defaults.pause,
+        help=f"seconds a worker stays SIGSTOPped (default {defaults.pause:g}; the lease is "
+        f"{LEASE_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=_positive(float),
+        default=defaults.drain_timeout,
+        help=f"seconds to wait for the last jobs after the faults (default "
+        f"{defaults.drain_timeout:g})",
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, help="keep the worker logs here (default: a temporary directory)"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON on stdout (the readable one goes to stderr)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = ChaosConfig(
+        duration=args.duration,
+        workers=args.workers,
+        concurrency=args.concurrency,
+        jobs=args.jobs,
+        seed=args.seed,
+        database_url=args.database_url,
+        kill_every=args.kill_every,
+        pg_down=args.pg_down,
+        pause=args.pause,
+        drain_timeout=args.drain_timeout,
+        log_dir=args.log_dir,
+    )
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    report = run_chaos(config, None if args.quiet else progress)
+    if args.json:
+        print(report.render(), file=sys.stderr)
+        json.dump(report.to_dict(), sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(report.render())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
