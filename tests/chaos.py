@@ -140,6 +140,7 @@ _SHOWN = 10  # jobs described in detail per failed check
 _RESTART_AT = 0.35
 _PAUSE_AT = 0.6
 _RUN_AT_SPREAD = 0.8
+_QUIET_END = 3.0  # no SIGKILL in the last seconds of the fault window
 
 
 @dataclass
@@ -275,6 +276,13 @@ class WorkerProc:
     def send(self, signum: int) -> None:
         if self.alive():
             os.kill(self.pid, signum)
+
+    def ready(self) -> bool:
+        """Whether it logged ``worker_started`` (its signal handlers are in place)."""
+        try:
+            return '"worker_started"' in self.log.read_text(errors="replace")
+        except OSError:
+            return False
 
     def log_tail(self, lines: int = 5) -> list[str]:
         try:
@@ -601,22 +609,10 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
             pool.close()
             engine.dispose()
     logs = read_logs(pool.procs)
-    report = _account(
-        config,
-        seed,
-        server,
-        log_dir,
-        clock,
-        enqueued,
-        jobs,
-        effects,
-        results,
-        logs,
-        pool,
-        state,
-        drain_seconds,
-        stopped,
+    accounting = _Accounting(
+        config, enqueued, jobs, effects, results, logs, pool, state, drain_seconds, stopped
     )
+    report = accounting.report(seed, server, log_dir, clock)
     if own_dir and report.ok:
         shutil.rmtree(log_dir, ignore_errors=True)
         report.log_dir = f"{log_dir} (deleted: every check passed)"
@@ -713,7 +709,7 @@ def _inject(
             next_kill = max(next_kill, time.monotonic() + rng.uniform(*config.kill_every) / 2)
             continue
         if pause_at is not None and now >= pause_at:
-            candidates = [p for p in pool.running() if p.alive()]
+            candidates = [p for p in pool.running() if p.alive() and p.ready()]
             if candidates:
                 pause_at = None
                 paused = rng.choice(candidates)
@@ -736,8 +732,9 @@ def _inject(
             paused.paused = False
             clock.event("sigcont", f"SIGCONT {paused.label} pid {paused.pid}", pid=paused.pid)
             paused = None
-        if now >= next_kill and now < end:
-            candidates = [p for p in pool.running() if not p.paused]
+        if now >= next_kill and now < end - _QUIET_END:
+            # Workers that are still starting would die before doing anything.
+            candidates = [p for p in pool.running() if not p.paused and p.ready()]
             if candidates:
                 victim = rng.choice(candidates)
                 victim.send(signal.SIGKILL)
@@ -785,8 +782,15 @@ def _drain(
 
 
 def _stop(config: ChaosConfig, clock: _Clock, pool: Pool) -> dict[str, int | None]:
-    """SIGTERM every running worker; their exit statuses (None: did not exit in time)."""
+    """SIGTERM every running worker; their exit statuses (None: did not exit in time).
+
+    A worker that was started a moment ago is first given time to start (a SIGTERM before
+    its handlers are in place would end it like any process, status -15).
+    """
     running = pool.running()
+    deadline = time.monotonic() + 30.0
+    while not all(p.ready() or not p.alive() for p in running) and time.monotonic() < deadline:
+        time.sleep(0.1)
     for proc in running:
         proc.send(signal.SIGCONT)
         proc.send(signal.SIGTERM)
@@ -805,346 +809,361 @@ def _stop(config: ChaosConfig, clock: _Clock, pool: Pool) -> dict[str, int | Non
 # -- the accounting -------------------------------------------------------------------------
 
 
-def _job_text(
-    job: JobRow | None, job_id: int, effects: Sequence[EffectRow], logs: Logs
-) -> list[str]:
-    if job is None:
-        head = f"job {job_id}: missing from the table"
-    else:
-        error = (job.last_error or "").strip().splitlines()
-        head = (
-            f"job {job.id} ({job.task}): {job.status}, attempts {job.attempts}/"
-            f"{job.max_attempts}, last_error {(error[-1] if error else '-')[:160]!r}"
+@dataclass
+class _Duplicates:
+    """Lease-mode effect rows beyond the one of the attempt that succeeded."""
+
+    rows: list[EffectRow]
+    by_cause: dict[str, int]
+    unexplained: list[EffectRow]
+    bound: int
+    formula: str
+
+
+@dataclass
+class _Accounting:
+    """What a run left behind, and the checks on it (one method per check, same name)."""
+
+    config: ChaosConfig
+    enqueued: dict[int, str]
+    jobs: dict[int, JobRow]
+    effects: list[EffectRow]
+    results: dict[int, Any]
+    logs: Logs
+    pool: Pool
+    state: _FaultState
+    drain_seconds: float | None
+    stopped: dict[str, int | None]
+    effect_rows: dict[int, list[EffectRow]] = field(init=False)
+    starts: dict[tuple[int, int], EffectRow] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.effect_rows = defaultdict(list)
+        self.starts = {}
+        for row in self.effects:
+            if row.kind == "effect":
+                self.effect_rows[row.job_id].append(row)
+            else:
+                self.starts.setdefault((row.job_id, row.attempt), row)
+
+    def checks(self) -> list[Check]:
+        checks: list[Check] = [getattr(self, name)() for name in CHECKS]
+        return checks
+
+    def ids(self, tasks: Sequence[str]) -> list[int]:
+        return sorted(i for i, task in self.enqueued.items() if task in tasks)
+
+    def succeeded(self, job_id: int) -> JobRow | None:
+        job = self.jobs.get(job_id)
+        return job if job is not None and job.status == "succeeded" else None
+
+    def details(self, ids: Sequence[int]) -> list[str]:
+        """What the database and the worker logs say about (the first few of) these jobs."""
+        lines: list[str] = []
+        for job_id in list(ids)[:_SHOWN]:
+            lines += self.job_text(job_id)
+        if len(ids) > _SHOWN:
+            lines.append(f"... and {len(ids) - _SHOWN} more: {sorted(ids)[_SHOWN:][:50]}")
+        return lines
+
+    def job_text(self, job_id: int) -> list[str]:
+        job = self.jobs.get(job_id)
+        if job is None:
+            head = f"job {job_id} ({self.enqueued.get(job_id)}): missing from the table"
+        else:
+            error = (job.last_error or "").strip().splitlines()
+            head = (
+                f"job {job.id} ({job.task}): {job.status}, attempts {job.attempts}/"
+                f"{job.max_attempts}, last_error {(error[-1] if error else '-')[:160]!r}"
+            )
+        lines = [head]
+        rows = [row for row in self.effects if row.job_id == job_id]
+        if rows:
+            shown = (f"{r.kind}#{r.attempt} pid {r.pid} {r.at:%H:%M:%S.%f}"[:-3] for r in rows)
+            lines.append("  rows: " + ", ".join(shown))
+        lines.extend(f"  log: {line}" for line in self.logs.by_job.get(job_id, [])[:8])
+        return lines
+
+    # -- the checks, in the order of CHECKS
+
+    def faults_injected(self) -> Check:
+        state = self.state
+        missing = []
+        if not state.kills:
+            missing.append("no SIGKILL")
+        if not state.pause.get("done"):
+            missing.append("no SIGSTOP")
+        if not state.restart.get("done") and "skipped" not in state.restart:
+            missing.append("no PostgreSQL restart")
+        restart = "1 restart" if state.restart.get("done") else "restart skipped"
+        pause = "1 pause" if state.pause.get("done") else "no pause"
+        summary = f"{len(state.kills)} kills, {restart}, {pause}"
+        if missing:
+            summary += f": {', '.join(missing)} (run longer)"
+        return Check("faults_injected", not missing, summary)
+
+    def no_job_lost(self) -> Check:
+        missing = sorted(i for i in self.enqueued if i not in self.jobs)
+        unfinished = sorted(
+            i for i in self.enqueued if i in self.jobs and self.jobs[i].status not in FINISHED
         )
-    rows = [e for e in effects if e.job_id == job_id]
-    lines = [head]
-    if rows:
-        lines.append(
-            "  rows: "
-            + ", ".join(f"{e.kind}#{e.attempt} pid {e.pid} {e.at:%H:%M:%S.%f}"[:-3] for e in rows)
-        )
-    lines.extend(f"  log: {line}" for line in logs.by_job.get(job_id, [])[:8])
-    return lines
-
-
-def _details(
-    ids: Sequence[int], jobs: dict[int, JobRow], effects: Sequence[EffectRow], logs: Logs
-) -> list[str]:
-    lines: list[str] = []
-    for job_id in list(ids)[:_SHOWN]:
-        lines += _job_text(jobs.get(job_id), job_id, effects, logs)
-    if len(ids) > _SHOWN:
-        lines.append(f"... and {len(ids) - _SHOWN} more: {sorted(ids)[_SHOWN:][:50]}")
-    return lines
-
-
-def _account(
-    config: ChaosConfig,
-    seed: int,
-    server: str,
-    log_dir: Path,
-    clock: _Clock,
-    enqueued: dict[int, str],
-    jobs: dict[int, JobRow],
-    effects: list[EffectRow],
-    results: dict[int, Any],
-    logs: Logs,
-    pool: Pool,
-    state: _FaultState,
-    drain_seconds: float | None,
-    stopped: dict[str, int | None],
-) -> ChaosReport:
-    checks: list[Check] = []
-    c = config.concurrency
-
-    # faults_injected
-    restart = state.restart
-    missing_faults = []
-    if not state.kills:
-        missing_faults.append("no SIGKILL")
-    if not state.pause.get("done"):
-        missing_faults.append("no SIGSTOP")
-    if not restart.get("done") and "skipped" not in restart:
-        missing_faults.append("no PostgreSQL restart")
-    restart_text = "1 restart" if restart.get("done") else "restart skipped (external server)"
-    checks.append(
-        Check(
-            "faults_injected",
-            not missing_faults,
-            f"{len(state.kills)} kills, {restart_text}, "
-            f"{'1 pause' if state.pause.get('done') else 'no pause'}"
-            + (f": {', '.join(missing_faults)} (run longer)" if missing_faults else ""),
-        )
-    )
-
-    # no_job_lost, no_job_stuck
-    missing = sorted(i for i in enqueued if i not in jobs)
-    unfinished = sorted(i for i in enqueued if i in jobs and jobs[i].status not in FINISHED)
-    lost = missing + unfinished
-    checks.append(
-        Check(
+        lost = missing + unfinished
+        return Check(
             "no_job_lost",
             not lost,
-            f"{len(enqueued) - len(lost)} of {len(enqueued)} jobs exist and finished; "
+            f"{len(self.enqueued) - len(lost)} of {len(self.enqueued)} jobs exist and finished; "
             f"{len(missing)} missing, {len(unfinished)} unfinished",
-            _details(lost, jobs, effects, logs),
+            self.details(lost),
         )
-    )
-    stuck = sorted(i for i, j in jobs.items() if j.status in ("pending", "running"))
-    checks.append(
-        Check(
-            "no_job_stuck",
-            not stuck,
-            f"{len(stuck)} jobs pending or running"
-            + (
-                "" if drain_seconds is not None else f" (not drained in {config.drain_timeout:g} s)"
-            ),
-            _details(stuck, jobs, effects, logs),
-        )
-    )
 
-    # non_poison_succeeded
-    not_ok = sorted(
-        i
-        for i, task in enqueued.items()
-        if task not in POISON_TASKS and (i not in jobs or jobs[i].status != "succeeded")
-    )
-    non_poison = sum(1 for task in enqueued.values() if task not in POISON_TASKS)
-    checks.append(
-        Check(
+    def no_job_stuck(self) -> Check:
+        stuck = sorted(i for i, j in self.jobs.items() if j.status in ("pending", "running"))
+        summary = f"{len(stuck)} jobs pending or running"
+        if self.drain_seconds is None:
+            summary += f" (not drained within {self.config.drain_timeout:g} s)"
+        return Check("no_job_stuck", not stuck, summary, self.details(stuck))
+
+    def non_poison_succeeded(self) -> Check:
+        ids = [i for i, task in self.enqueued.items() if task not in POISON_TASKS]
+        failed = sorted(i for i in ids if self.succeeded(i) is None)
+        return Check(
             "non_poison_succeeded",
-            not not_ok,
-            f"{non_poison - len(not_ok)} of {non_poison} non-poison jobs succeeded",
-            _details(not_ok, jobs, effects, logs),
+            not failed,
+            f"{len(ids) - len(failed)} of {len(ids)} non-poison jobs succeeded",
+            self.details(failed),
         )
-    )
 
-    effect_rows: dict[int, list[EffectRow]] = defaultdict(list)
-    starts: dict[tuple[int, int], EffectRow] = {}
-    for e in effects:
-        if e.kind == "effect":
-            effect_rows[e.job_id].append(e)
-        else:
-            starts.setdefault((e.job_id, e.attempt), e)
-
-    # lock_effect_exactly_once
-    lock_ids = sorted(i for i, task in enqueued.items() if task in LOCK_TASKS)
-    lock_bad = []
-    lock_duplicates = 0
-    for i in lock_ids:
-        rows = effect_rows.get(i, [])
-        lock_duplicates += max(0, len(rows) - 1)
-        job = jobs.get(i)
-        if job is None or job.status != "succeeded":
-            if rows:
-                lock_bad.append(i)  # an effect committed without its completion
-            continue
-        if [e.attempt for e in rows] != [job.attempts]:
-            lock_bad.append(i)
-    checks.append(
-        Check(
+    def lock_effect_exactly_once(self) -> Check:
+        ids = self.ids(LOCK_TASKS)
+        bad = []
+        duplicates = 0
+        for i in ids:
+            rows = self.effect_rows.get(i, [])
+            duplicates += max(0, len(rows) - 1)
+            job = self.succeeded(i)
+            # Not succeeded (non_poison_succeeded says so): then no effect may be committed.
+            expected = [] if job is None else [job.attempts]
+            if [row.attempt for row in rows] != expected:
+                bad.append(i)
+        return Check(
             "lock_effect_exactly_once",
-            not lock_bad,
-            f"{len(lock_ids) - len(lock_bad)} of {len(lock_ids)} lock-held jobs have exactly one "
-            f"effect, by the attempt that succeeded; {lock_duplicates} duplicate effects",
-            _details(lock_bad, jobs, effects, logs),
+            not bad,
+            f"{len(ids) - len(bad)} of {len(ids)} lock-held jobs have exactly one effect, by the "
+            f"attempt that succeeded; {duplicates} duplicate effects",
+            self.details(bad),
         )
-    )
 
-    # lease_final_attempt_recorded, and the duplicates
-    lease_ids = sorted(i for i, task in enqueued.items() if task in LEASE_TASKS)
-    final_bad = []
-    extras: list[EffectRow] = []
-    for i in lease_ids:
-        job = jobs.get(i)
-        rows = effect_rows.get(i, [])
-        if job is None or job.status != "succeeded":
-            extras += rows  # not succeeded: reported by non_poison_succeeded
-            continue
-        finals = [e for e in rows if e.attempt == job.attempts]
-        if len(finals) != 1 or results.get(i) != {"attempt": job.attempts}:
-            final_bad.append(i)
-        extras += [e for e in rows if e.attempt != job.attempts] + finals[1:]
-    checks.append(
-        Check(
+    def lease_final_attempt_recorded(self) -> Check:
+        ids = self.ids(LEASE_TASKS)
+        bad = []
+        for i in ids:
+            job = self.succeeded(i)
+            if job is None:
+                continue  # non_poison_succeeded says so
+            finals = [r for r in self.effect_rows.get(i, []) if r.attempt == job.attempts]
+            if len(finals) != 1 or self.results.get(i) != {"attempt": job.attempts}:
+                bad.append(i)
+        return Check(
             "lease_final_attempt_recorded",
-            not final_bad,
-            f"{len(lease_ids) - len(final_bad)} of {len(lease_ids)} lease-mode jobs have the "
-            "effect and the stored result of the attempt that succeeded",
-            _details(final_bad, jobs, effects, logs),
+            not bad,
+            f"{len(ids) - len(bad)} of {len(ids)} lease-mode jobs have the effect and the stored "
+            "result of the attempt that succeeded",
+            self.details(bad),
         )
-    )
 
-    workers_at_restart = int(restart.get("workers_running", 0)) if restart.get("done") else 0
-    at_risk = len(state.kills) + (1 if state.pause.get("done") else 0) + workers_at_restart
-    bound = 2 * c * at_risk
-    formula = (
-        f"2 x concurrency {c} x ({len(state.kills)} kills + "
-        f"{1 if state.pause.get('done') else 0} pause + {workers_at_restart} workers at restart)"
-    )
-    paused_pid = state.pause.get("pid")
-    down_at = datetime.fromisoformat(restart["down_at"]) if restart.get("done") else None
-    up_at = datetime.fromisoformat(restart["up_at"]) if restart.get("done") else None
-    by_cause: Counter[str] = Counter({"kill": 0, "pause": 0, "restart": 0, "unexplained": 0})
-    unexplained: list[EffectRow] = []
-    for e in extras:
-        start = starts.get((e.job_id, e.attempt))
-        if e.pid in state.killed_pids:
-            by_cause["kill"] += 1
-        elif e.pid == paused_pid:
-            by_cause["pause"] += 1
-        elif (
-            down_at is not None
-            and up_at is not None
-            and start is not None
-            and down_at - timedelta(seconds=10) <= start.at <= up_at + timedelta(seconds=2)
-        ):
-            by_cause["restart"] += 1
-        else:
-            by_cause["unexplained"] += 1
-            unexplained.append(e)
-    total = len(extras)
-    checks.append(
-        Check(
+    def duplicates(self) -> _Duplicates:
+        rows: list[EffectRow] = []
+        for i in self.ids(LEASE_TASKS):
+            effects = self.effect_rows.get(i, [])
+            job = self.succeeded(i)
+            if job is None:
+                rows += effects[1:]
+                continue
+            finals = [r for r in effects if r.attempt == job.attempts]
+            rows += [r for r in effects if r.attempt != job.attempts] + finals[1:]
+        state = self.state
+        restart = state.restart
+        kills = len(state.kills)
+        pauses = 1 if state.pause.get("done") else 0
+        at_restart = int(restart.get("workers_running", 0)) if restart.get("done") else 0
+        c = self.config.concurrency
+        # Attribute each duplicate: by the process that wrote it (killed, paused), else by its
+        # attempt's start row (in flight across the server restart).
+        window: tuple[datetime, datetime] | None = None
+        if restart.get("done"):
+            window = (
+                datetime.fromisoformat(restart["down_at"]) - timedelta(seconds=10),
+                datetime.fromisoformat(restart["up_at"]) + timedelta(seconds=2),
+            )
+        by_cause = dict.fromkeys(("kill", "pause", "restart", "unexplained"), 0)
+        unexplained = []
+        for row in rows:
+            start = self.starts.get((row.job_id, row.attempt))
+            if row.pid in state.killed_pids:
+                by_cause["kill"] += 1
+            elif row.pid == state.pause.get("pid"):
+                by_cause["pause"] += 1
+            elif window is not None and start is not None and window[0] <= start.at <= window[1]:
+                by_cause["restart"] += 1
+            else:
+                by_cause["unexplained"] += 1
+                unexplained.append(row)
+        return _Duplicates(
+            rows=rows,
+            by_cause=by_cause,
+            unexplained=unexplained,
+            bound=2 * c * (kills + pauses + at_restart),
+            formula=(
+                f"2 x concurrency {c} x ({kills} kills + {pauses} pause + {at_restart} workers "
+                "at the restart)"
+            ),
+        )
+
+    def lease_duplicates_bounded(self) -> Check:
+        dup = self.duplicates()
+        total, bound = len(dup.rows), dup.bound
+        relation = "<=" if total <= bound else ">"
+        return Check(
             "lease_duplicates_bounded",
             total <= bound,
-            f"{total} duplicate effects <= bound {bound}"
-            if total <= bound
-            else f"{total} duplicate effects > bound {bound}",
+            f"{total} duplicate effects {relation} bound {bound} = {dup.formula}",
         )
-    )
-    checks.append(
-        Check(
+
+    def lease_duplicates_explained(self) -> Check:
+        dup = self.duplicates()
+        total = len(dup.rows)
+        shown = [
+            f"effect of job {r.job_id} attempt {r.attempt} by pid {r.pid} at {r.at:%H:%M:%S.%f}"
+            for r in dup.unexplained[:_SHOWN]
+        ]
+        return Check(
             "lease_duplicates_explained",
-            not unexplained,
-            f"{total - len(unexplained)} of {total} duplicates written by a killed or paused "
-            "worker or an attempt in flight across the restart",
-            [
-                f"effect of job {e.job_id} attempt {e.attempt} by pid {e.pid} at {e.at:%H:%M:%S.%f}"
-                for e in unexplained[:_SHOWN]
-            ]
-            + _details(sorted({e.job_id for e in unexplained}), jobs, effects, logs),
+            not dup.unexplained,
+            f"{total - len(dup.unexplained)} of {total} duplicates written by a killed or paused "
+            "worker or by an attempt in flight across the restart",
+            shown + self.details(sorted({r.job_id for r in dup.unexplained})),
         )
-    )
 
-    # poison_dead_at_max_attempts
-    poison_ids = sorted(i for i, task in enqueued.items() if task in POISON_TASKS)
-    poison_bad = [
-        i
-        for i in poison_ids
-        if i not in jobs
-        or (jobs[i].status, jobs[i].attempts, jobs[i].max_attempts)
-        != ("dead", POISON_MAX_ATTEMPTS, POISON_MAX_ATTEMPTS)
-    ]
-    checks.append(
-        Check(
+    def poison_dead_at_max_attempts(self) -> Check:
+        ids = self.ids(POISON_TASKS)
+        wanted = ("dead", POISON_MAX_ATTEMPTS, POISON_MAX_ATTEMPTS)
+        bad = [
+            i
+            for i in ids
+            if i not in self.jobs
+            or (self.jobs[i].status, self.jobs[i].attempts, self.jobs[i].max_attempts) != wanted
+        ]
+        return Check(
             "poison_dead_at_max_attempts",
-            not poison_bad,
-            f"{len(poison_ids) - len(poison_bad)} of {len(poison_ids)} poison jobs dead with "
-            f"attempts == max_attempts == {POISON_MAX_ATTEMPTS}",
-            _details(poison_bad, jobs, effects, logs),
+            not bad,
+            f"{len(ids) - len(bad)} of {len(ids)} poison jobs dead with attempts == max_attempts "
+            f"== {POISON_MAX_ATTEMPTS}",
+            self.details(bad),
         )
-    )
 
-    # deaths_logged, exactly once each way: every dead job is logged dead by one worker (the
-    # one whose fenced transition made it dead), and no job that is not dead is logged dead.
-    dead = sorted(i for i, j in jobs.items() if j.status == "dead")
-    unlogged = [i for i in dead if i not in logs.deaths]
-    twice = sorted(i for i, n in logs.deaths.items() if n > 1)
-    phantom = sorted(i for i in logs.deaths if i not in jobs or jobs[i].status != "dead")
-    death_problems = []
-    if unlogged:
-        death_problems.append(f"not logged: {unlogged[:50]}")
-    if twice:
-        death_problems.append(f"logged more than once: {twice[:50]}")
-    if phantom:
-        death_problems.append(f"logged dead but not dead: {phantom[:50]}")
-    checks.append(
-        Check(
-            "deaths_logged",
-            not death_problems,
+    def deaths_logged(self) -> Check:
+        # Exactly once each way: every dead job is logged dead by one worker (the one whose
+        # fenced transition, or claim, made it dead), and no job that is not dead is.
+        deaths = self.logs.deaths
+        dead = sorted(i for i, j in self.jobs.items() if j.status == "dead")
+        unlogged = [i for i in dead if i not in deaths]
+        twice = sorted(i for i, n in deaths.items() if n > 1)
+        phantom = sorted(i for i in deaths if i not in self.jobs or self.jobs[i].status != "dead")
+        problems = []
+        if unlogged:
+            problems.append(f"not logged: {unlogged[:50]}")
+        if twice:
+            problems.append(f"logged more than once: {twice[:50]}")
+        if phantom:
+            problems.append(f"logged dead but not dead: {phantom[:50]}")
+        summary = (
             f"{len(dead) - len(unlogged)} of {len(dead)} dead jobs logged with action job_dead "
-            "or attempts_exhausted" + (f"; {'; '.join(death_problems)}" if death_problems else ""),
-            _details(sorted({*unlogged, *twice, *phantom}), jobs, effects, logs),
+            "or attempts_exhausted"
         )
-    )
+        if problems:
+            summary += "; " + "; ".join(problems)
+        return Check(
+            "deaths_logged",
+            not problems,
+            summary,
+            self.details(sorted({*unlogged, *twice, *phantom})),
+        )
 
-    # workers_survived, workers_stopped_cleanly
-    survived_problems = state.unexpected_exits + [f"thread_crashed: {x}" for x in logs.crashes]
-    checks.append(
-        Check(
+    def workers_survived(self) -> Check:
+        state, crashes = self.state, self.logs.crashes
+        problems = state.unexpected_exits + [f"thread_crashed: {line}" for line in crashes]
+        return Check(
             "workers_survived",
-            not survived_problems,
-            f"{len(pool.procs)} worker processes, {len(state.kills)} killed by the harness, "
-            f"{len(state.unexpected_exits)} exited on their own, {len(logs.crashes)} "
-            "thread_crashed",
-            survived_problems[:_SHOWN],
+            not problems,
+            f"{len(self.pool.procs)} worker processes, {len(state.kills)} killed by the harness, "
+            f"{len(state.unexpected_exits)} exited on their own, {len(crashes)} thread_crashed",
+            problems[:_SHOWN],
         )
-    )
-    unclean = {label: code for label, code in stopped.items() if code != 0}
-    checks.append(
-        Check(
+
+    def workers_stopped_cleanly(self) -> Check:
+        unclean = {label: code for label, code in self.stopped.items() if code != 0}
+        summary = f"{len(self.stopped) - len(unclean)} of {len(self.stopped)} workers exited 0 "
+        summary += "after SIGTERM" + (f"; not: {unclean} (None: still running)" if unclean else "")
+        return Check(
             "workers_stopped_cleanly",
-            bool(stopped) and not unclean,
-            f"{len(stopped) - len(unclean)} of {len(stopped)} workers exited 0 after SIGTERM"
-            + (f"; not: {unclean}" if unclean else ""),
+            bool(self.stopped) and not unclean,
+            summary,
             [
                 f"{p.label} (pid {p.pid}): {' | '.join(p.log_tail(3))}"
-                for p in pool.procs
+                for p in self.pool.procs
                 if p.label in unclean
             ],
         )
-    )
-    assert [check.name for check in checks] == list(CHECKS)
 
-    jobs_by_task: dict[str, dict[str, int]] = {}
-    for i, task in sorted(enqueued.items()):
-        status = jobs[i].status if i in jobs else "missing"
-        counts = jobs_by_task.setdefault(task, {})
-        counts[status] = counts.get(status, 0) + 1
-    actions = {
-        action: count
-        for action, count in logs.actions.items()
-        if action not in ("worker_started", "worker_stopping", "worker_stopped")
-    }
-    if logs.not_json:
-        actions["(lines that are not JSON)"] = len(logs.not_json)
-    return ChaosReport(
-        seed=seed,
-        config={
-            "duration": config.duration,
-            "workers": config.workers,
-            "concurrency": config.concurrency,
-            "jobs": config.jobs,
-            "kill_every": list(config.kill_every),
-            "pg_down": config.pg_down,
-            "pause": config.pause,
-            "lease": LEASE_SECONDS,
-        },
-        server=server,
-        log_dir=str(log_dir),
-        elapsed=clock.elapsed(),
-        drain_seconds=drain_seconds,
-        jobs_by_task=jobs_by_task,
-        faults={
-            "kills": len(state.kills),
-            "killed": state.kills,
-            "restart": restart,
-            "pause": state.pause,
-            "unexpected_exits": state.unexpected_exits,
-        },
-        duplicates={
-            "total": total,
-            "lease_jobs": len(lease_ids),
-            "bound": bound,
-            "bound_formula": formula,
-            "by_cause": dict(by_cause),
-            "lock_mode": lock_duplicates,
-        },
-        log_actions=actions,
-        checks=checks,
-        events=clock.events,
-    )
+    # -- the report
+
+    def report(self, seed: int, server: str, log_dir: Path, clock: _Clock) -> ChaosReport:
+        jobs_by_task: dict[str, dict[str, int]] = {}
+        for i, task in sorted(self.enqueued.items()):
+            status = self.jobs[i].status if i in self.jobs else "missing"
+            counts = jobs_by_task.setdefault(task, {})
+            counts[status] = counts.get(status, 0) + 1
+        boring = ("worker_started", "worker_stopping", "worker_stopped")
+        actions = {a: n for a, n in self.logs.actions.items() if a not in boring}
+        if self.logs.not_json:
+            actions["(lines that are not JSON)"] = len(self.logs.not_json)
+        dup = self.duplicates()
+        config = self.config
+        return ChaosReport(
+            seed=seed,
+            config={
+                "duration": config.duration,
+                "workers": config.workers,
+                "concurrency": config.concurrency,
+                "jobs": config.jobs,
+                "kill_every": list(config.kill_every),
+                "pg_down": config.pg_down,
+                "pause": config.pause,
+                "lease": LEASE_SECONDS,
+            },
+            server=server,
+            log_dir=str(log_dir),
+            elapsed=clock.elapsed(),
+            drain_seconds=self.drain_seconds,
+            jobs_by_task=jobs_by_task,
+            faults={
+                "kills": len(self.state.kills),
+                "killed": self.state.kills,
+                "restart": self.state.restart,
+                "pause": self.state.pause,
+                "unexpected_exits": self.state.unexpected_exits,
+            },
+            duplicates={
+                "total": len(dup.rows),
+                "lease_jobs": len(self.ids(LEASE_TASKS)),
+                "bound": dup.bound,
+                "bound_formula": dup.formula,
+                "by_cause": dup.by_cause,
+            },
+            log_actions=actions,
+            checks=self.checks(),
+            events=clock.events,
+        )
 
 
 # -- command line ---------------------------------------------------------------------------
