@@ -96,8 +96,9 @@ def chaos(session: nox.Session) -> None:
     SIGSTOPped, then every job accounted for. Exits non-zero naming any failed check.
 
     Not in the default sessions. 120 s of faults by default; pass options after ``--``, e.g.
-    ``nox -s chaos -- --duration 300 --workers 4 --seed 7 --json``. On the server named by
-    ``SQLA_JOBS_TEST_DATABASE_URL`` (or ``--database-url``) when set, minus the restart.
+    ``nox -s chaos -- --duration 300 --workers 4 --seed 7 --json chaos.json``. Runs on the
+    server named by ``SQLA_JOBS_TEST_DATABASE_URL`` (or ``--database-url``) when set, minus
+    the restart fault.
     """
     session.install(".[embedded]", *_group("test"))
     # `python tests/chaos.py` puts tests/ first on sys.path, not the source tree: the harness

@@ -4,7 +4,7 @@ Run it (the nox session ``chaos`` does this in a fresh virtualenv)::
 
     python tests/chaos.py                       # 120 s of faults, then the accounting
     python tests/chaos.py --duration 45 --workers 3 --concurrency 4 --jobs 400 --seed 7
-    python tests/chaos.py --json > report.json  # the report as JSON on stdout
+    python tests/chaos.py --json report.json    # the report as JSON too ('-': on stdout)
 
 or call :func:`run_chaos` (tests/test_chaos.py does, for a short run).
 
@@ -19,13 +19,14 @@ What it does
     It runs ``--workers`` processes of ``python -m sqla_jobs --log-format json worker
     chaos_tasks:registry`` (logs in files), and while they work it injects:
 
-    * a SIGKILL of a random worker every few seconds (``--kill-every``), each replaced at
-      once by a new process;
+    * a SIGKILL of a worker every few seconds (``--kill-every``), each replaced at once by
+      a new process; every other one aims at a worker running a poison job's last attempt
+      (when one shows up within 1.5 s), which leaves that job to be made dead by a claim;
     * one PostgreSQL restart at 35 % of the run: an immediate shutdown (like a crash, every
       connection cut), ``--pg-down`` seconds down, then a start (crash recovery). Skipped,
       and said so, on an external server, which cannot be restarted from here;
     * one worker SIGSTOPped at 60 % of the run for ``--pause`` seconds (longer than the
-      lease: its jobs are taken over), then SIGCONT.
+      lease: its jobs are taken over), then SIGCONT; chosen like a targeted kill.
 
     Then it stops injecting, waits (up to ``--drain-timeout``) until no job is pending or
     running, stops the workers with SIGTERM and counts.
@@ -40,8 +41,9 @@ The checks (each must hold; the exit status is 1 when one does not, and the repo
     ``lease_final_attempt_recorded``    every lease-mode job has the effect of the attempt that
                                         succeeded, and the stored result is that attempt's
     ``lease_duplicates_bounded``        lease-mode duplicate effects <= the bound below
-    ``lease_duplicates_explained``      each duplicate was written by a killed or paused worker,
-                                        or by an attempt in flight across the restart
+    ``lease_duplicates_explained``      each duplicate traced to a fault: its attempt started
+                                        at most 10 s before a SIGKILL or SIGSTOP of the worker
+                                        that wrote it, or before the restart
     ``poison_dead_at_max_attempts``     every poison job is dead with attempts == 3
     ``deaths_logged``                   every dead job's id is in exactly one worker log line
                                         with action ``job_dead`` or ``attempts_exhausted``,
@@ -66,7 +68,8 @@ The bound on lease-mode duplicate effects
     (every worker's leases lapse while the server is down). The final SIGTERM adds
     nothing: it comes only once no job is pending or running. ``lease_duplicates_explained``
     is the sharper check: it attributes each duplicate to the fault that caused it, by the
-    writing process and the attempt's start time.
+    writing process and the attempt's start row (a lease that ran out with no fault, say a
+    heartbeat starved for 1.3 s, would show up there).
 """
 
 from __future__ import annotations
@@ -117,11 +120,13 @@ DEATH_ACTIONS = frozenset({"job_dead", "attempts_exhausted"})
 FINISHED = frozenset({"succeeded", "dead", "cancelled"})
 #: The job mix: task -> (share of the jobs, shortest and longest sleep in seconds).
 MIX: dict[str, tuple[float, float, float]] = {
-    "leased": (0.35, 0.02, 0.5),
-    "async_leased": (0.20, 0.02, 0.5),
+    "leased": (0.35, 0.02, 0.4),
+    "async_leased": (0.20, 0.02, 0.4),
     "locked": (0.30, 0.01, 0.2),
     "poison": (0.15, 0.0, 0.3),
 }
+#: Lease-mode jobs also work a little after their effect (``after``, up to this many seconds).
+AFTER_EFFECT = 0.15
 CHECKS = (
     "faults_injected",
     "no_job_lost",
@@ -333,6 +338,8 @@ class Pool:
             f"{self.config.poll_interval:g}s",
             "--grace",
             f"{self.config.grace:g}s",
+            "--name",  # recorded as leased_by on the jobs it claims
+            label,
         ]
         with log.open("wb") as handle:
             # The log directory as working directory: `python -m` puts it first on sys.path,
@@ -408,6 +415,8 @@ def enqueue(engine: sa.Engine, count: int, rng: random.Random, spread: float) ->
         task = rng.choices(tasks, weights)[0]
         _, shortest, longest = MIX[task]
         args = {"sleep": round(rng.uniform(shortest, longest), 3)}
+        if task in LEASE_TASKS:
+            args["after"] = round(rng.uniform(0.0, AFTER_EFFECT), 3)
         run_at = now + timedelta(seconds=rng.uniform(0.0, spread))
         rows.append(registry[task].job(args, run_at=run_at))
     with Session(engine) as session, session.begin():
@@ -619,13 +628,36 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
     return report
 
 
+#: How long before a fault an attempt may have started and still be at risk from it: far
+#: more than a handler runs (under 0.6 s) plus the wait for a handler thread.
+_AT_RISK_BEFORE = timedelta(seconds=10)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Attempts started in ``[start, end]`` (by worker ``pid``; any when None) were at risk
+    from a fault of this ``cause``."""
+
+    cause: str
+    pid: int | None
+    start: datetime
+    end: datetime
+
+
 @dataclass
 class _FaultState:
     kills: list[dict[str, Any]] = field(default_factory=list)
     restart: dict[str, Any] = field(default_factory=dict)
     pause: dict[str, Any] = field(default_factory=dict)
     unexpected_exits: list[str] = field(default_factory=list)
-    killed_pids: set[int] = field(default_factory=set)
+    windows: list[_Window] = field(default_factory=list)
+
+    def at_risk(self, cause: str, pid: int | None, start: datetime, end: datetime) -> None:
+        self.windows.append(_Window(cause, pid, start - _AT_RISK_BEFORE, end))
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
 
 
 def _watch(pool: Pool, clock: _Clock, state: _FaultState) -> None:
@@ -646,6 +678,43 @@ def _watch(pool: Pool, clock: _Clock, state: _FaultState) -> None:
                 pid=proc.pid,
                 code=code,
             )
+
+
+def _last_attempt_holders(engine: sa.Engine) -> dict[str, int]:
+    """Worker name -> a poison job it runs on its last attempt (empty while the server is
+    down). Killing or pausing that worker leaves the job to be made dead by a claim."""
+    query = sa.select(ChaosJob.leased_by, ChaosJob.id).where(
+        ChaosJob.task.in_(POISON_TASKS),
+        ChaosJob.status == "running",
+        ChaosJob.attempts >= ChaosJob.max_attempts,
+    )
+    try:
+        with engine.connect() as connection:
+            return {str(name): int(job_id) for name, job_id in connection.execute(query)}
+    except sa.exc.DBAPIError:
+        return {}
+
+
+def _choose(
+    rng: random.Random,
+    engine: sa.Engine,
+    candidates: Sequence[WorkerProc],
+    targeted: bool,
+    patience: float = 1.5,
+) -> tuple[WorkerProc, str]:
+    """A random candidate; when ``targeted``, preferably one that runs a poison job's last
+    attempt (waiting up to ``patience`` s for one). Also says why it was chosen."""
+    deadline = time.monotonic() + patience
+    while targeted:
+        holders = _last_attempt_holders(engine)
+        hits = [p for p in candidates if p.label in holders]
+        if hits:
+            proc = rng.choice(hits)
+            return proc, f"it runs poison job {holders[proc.label]} on its last attempt"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    return rng.choice(candidates), "at random"
 
 
 def _progress_line(engine: sa.Engine) -> str:
@@ -681,6 +750,7 @@ def _inject(
         clock.event("restart_skipped", f"PostgreSQL restart skipped: {state.restart['skipped']}")
     pause_at: float | None = start + _PAUSE_AT * config.duration
     pause_until = 0.0
+    paused_at = _utcnow()
     paused: WorkerProc | None = None
     next_report = start + 5.0
     while True:
@@ -705,6 +775,9 @@ def _inject(
                 "up_at": up_wall.isoformat(),
                 "workers_running": workers,
             }
+            # Every worker's leases lapsed while the server was down; an attempt that started
+            # just after it came back was claimed before (a little slack for that).
+            state.at_risk("restart", None, down_wall, up_wall + timedelta(seconds=2))
             clock.event("pg_up", "PostgreSQL: started again (crash recovery)")
             next_kill = max(next_kill, time.monotonic() + rng.uniform(*config.kill_every) / 2)
             continue
@@ -712,9 +785,10 @@ def _inject(
             candidates = [p for p in pool.running() if p.alive() and p.ready()]
             if candidates:
                 pause_at = None
-                paused = rng.choice(candidates)
+                paused, why = _choose(rng, engine, candidates, targeted=True)
                 paused.send(signal.SIGSTOP)
                 paused.paused = True
+                paused_at = _utcnow()
                 pause_until = time.monotonic() + config.pause
                 state.pause = {
                     "done": True,
@@ -724,31 +798,39 @@ def _inject(
                 }
                 clock.event(
                     "sigstop",
-                    f"SIGSTOP {paused.label} pid {paused.pid} for {config.pause:g} s",
+                    f"SIGSTOP {paused.label} pid {paused.pid} for {config.pause:g} s ({why})",
                     pid=paused.pid,
                 )
         if paused is not None and now >= pause_until:
             paused.send(signal.SIGCONT)
             paused.paused = False
+            state.at_risk("pause", paused.pid, paused_at, _utcnow())
             clock.event("sigcont", f"SIGCONT {paused.label} pid {paused.pid}", pid=paused.pid)
             paused = None
         if now >= next_kill and now < end - _QUIET_END:
-            # Workers that are still starting would die before doing anything.
-            candidates = [p for p in pool.running() if not p.paused and p.ready()]
+            # Not the paused worker (it is to come back and find its jobs taken over), nor
+            # workers still starting (they would die before doing anything).
+            candidates = [
+                p for p in pool.running() if p.pid != state.pause.get("pid") and p.ready()
+            ]
             if candidates:
-                victim = rng.choice(candidates)
+                # Every other kill aims at a poison job's last attempt.
+                victim, why = _choose(rng, engine, candidates, targeted=len(state.kills) % 2 == 0)
                 victim.send(signal.SIGKILL)
+                state.at_risk("kill", victim.pid, _utcnow(), _utcnow())
                 code = victim.popen.wait(10)
                 victim.fate = "killed"
-                state.killed_pids.add(victim.pid)
                 new = pool.start()
-                state.kills.append({"pid": victim.pid, "label": victim.label, "code": code})
+                state.kills.append(
+                    {"pid": victim.pid, "label": victim.label, "code": code, "why": why}
+                )
                 clock.event(
                     "sigkill",
-                    f"SIGKILL {victim.label} pid {victim.pid}; started {new.label} pid {new.pid}",
+                    f"SIGKILL {victim.label} pid {victim.pid} ({why}); started {new.label} "
+                    f"pid {new.pid}",
                     pid=victim.pid,
                 )
-            next_kill = now + rng.uniform(*config.kill_every)
+            next_kill = time.monotonic() + rng.uniform(*config.kill_every)
         if now >= next_report:
             next_report = now + 5.0
             clock.say(_progress_line(engine))
@@ -987,26 +1069,24 @@ class _Accounting:
         pauses = 1 if state.pause.get("done") else 0
         at_restart = int(restart.get("workers_running", 0)) if restart.get("done") else 0
         c = self.config.concurrency
-        # Attribute each duplicate: by the process that wrote it (killed, paused), else by its
-        # attempt's start row (in flight across the server restart).
-        window: tuple[datetime, datetime] | None = None
-        if restart.get("done"):
-            window = (
-                datetime.fromisoformat(restart["down_at"]) - timedelta(seconds=10),
-                datetime.fromisoformat(restart["up_at"]) + timedelta(seconds=2),
-            )
+        # Attribute each duplicate to a fault: its attempt started (start row, database clock,
+        # same host) shortly before the fault, in the worker it hit.
         by_cause = dict.fromkeys(("kill", "pause", "restart", "unexplained"), 0)
         unexplained = []
         for row in rows:
             start = self.starts.get((row.job_id, row.attempt))
-            if row.pid in state.killed_pids:
-                by_cause["kill"] += 1
-            elif row.pid == state.pause.get("pid"):
-                by_cause["pause"] += 1
-            elif window is not None and start is not None and window[0] <= start.at <= window[1]:
-                by_cause["restart"] += 1
-            else:
-                by_cause["unexplained"] += 1
+            cause = next(
+                (
+                    w.cause
+                    for w in state.windows
+                    if start is not None
+                    and w.pid in (None, row.pid)
+                    and w.start <= start.at <= w.end
+                ),
+                "unexplained",
+            )
+            by_cause[cause] += 1
+            if cause == "unexplained":
                 unexplained.append(row)
         return _Duplicates(
             rows=rows,
@@ -1039,8 +1119,9 @@ class _Accounting:
         return Check(
             "lease_duplicates_explained",
             not dup.unexplained,
-            f"{total - len(dup.unexplained)} of {total} duplicates written by a killed or paused "
-            "worker or by an attempt in flight across the restart",
+            f"{total - len(dup.unexplained)} of {total} duplicates traced to a fault (by cause: "
+            + ", ".join(f"{cause} {n}" for cause, n in dup.by_cause.items())
+            + ")",
             shown + self.details(sorted({r.job_id for r in dup.unexplained})),
         )
 
@@ -1267,8 +1348,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--json",
-        action="store_true",
-        help="print the report as JSON on stdout (the readable one goes to stderr)",
+        metavar="PATH",
+        help="also write the report as JSON to PATH ('-': stdout, the readable report then "
+        "goes to stderr)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
@@ -1294,12 +1376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     report = run_chaos(config, None if args.quiet else progress)
-    if args.json:
+    text = json.dumps(report.to_dict(), indent=2, default=str) + "\n"
+    if args.json == "-":
         print(report.render(), file=sys.stderr)
-        json.dump(report.to_dict(), sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        sys.stdout.write(text)
     else:
         print(report.render())
+        if args.json:
+            Path(args.json).write_text(text)
     return 0 if report.ok else 1
 
 

@@ -11,7 +11,9 @@ Every handler records what it did in ``chaos_effects``:
 
 The four tasks, and what the harness expects of each:
 
-``leased``        lease mode, a plain function: start, sleep ``args["sleep"]``, effect
+``leased``        lease mode, a plain function: start, sleep ``args["sleep"]``, effect, sleep
+                  ``args["after"]`` (work after the effect: a worker killed then leaves an
+                  effect whose completion never commits, a duplicate once the job runs again)
 ``async_leased``  the same as a coroutine (runs on the worker's event loop)
 ``locked``        lock mode: start, effect through the claim's session, sleep
 ``poison``        lease mode, ``max_attempts=3``, a fast retry policy: start, sleep, raise
@@ -120,8 +122,8 @@ def record(ctx: JobContext, kind: str) -> None:
         session.add(_row(ctx, kind))
 
 
-def _sleep(ctx: JobContext) -> float:
-    return float(ctx.args.get("sleep", 0.0))
+def _sleep(ctx: JobContext, key: str = "sleep") -> float:
+    return float(ctx.args.get(key, 0.0))
 
 
 @registry.task
@@ -130,6 +132,7 @@ def leased(ctx: JobContext) -> dict[str, Any]:
     record(ctx, "start")
     time.sleep(_sleep(ctx))
     record(ctx, "effect")
+    time.sleep(_sleep(ctx, "after"))
     return {"attempt": ctx.attempt}
 
 
@@ -139,6 +142,7 @@ async def async_leased(ctx: JobContext) -> dict[str, Any]:
     await asyncio.to_thread(record, ctx, "start")
     await asyncio.sleep(_sleep(ctx))
     await asyncio.to_thread(record, ctx, "effect")
+    await asyncio.sleep(_sleep(ctx, "after"))
     return {"attempt": ctx.attempt}
 
 
