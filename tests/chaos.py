@@ -457,7 +457,7 @@ def read_back(
             )
         }
         effects = [
-            EffectRow(row.job_id, row.attempt, row.kind, row.pid, row.at)
+            EffectRow(row.job_id, row.attempt, row.kind, row.pid, row.at.astimezone(timezone.utc))
             for row in connection.execute(
                 sa.select(
                     ChaosEffect.job_id,
@@ -508,9 +508,10 @@ def read_logs(procs: Sequence[WorkerProc]) -> Logs:
             action = str(entry.get("action", "-"))
             logs.actions[action] += 1
             job_id = entry.get("job_id")
+            # The time first (ISO, UTC): a job's lines from several logs sort into order.
             shown = (
-                f"{proc.label} (pid {proc.pid}) {entry.get('time', '')} {entry.get('level', '')} "
-                f"{action}: {str(entry.get('message', ''))[:220]}"
+                f"{str(entry.get('time', ''))[11:23]} {proc.label} (pid {proc.pid}) "
+                f"{entry.get('level', '')} {action}: {str(entry.get('message', ''))[:220]}"
             )
             if isinstance(job_id, int):
                 logs.by_job[job_id].append(shown)
@@ -963,7 +964,8 @@ class _Accounting:
         if rows:
             shown = (f"{r.kind}#{r.attempt} pid {r.pid} {r.at:%H:%M:%S.%f}"[:-3] for r in rows)
             lines.append("  rows: " + ", ".join(shown))
-        lines.extend(f"  log: {line}" for line in self.logs.by_job.get(job_id, [])[:8])
+        logged = sorted(self.logs.by_job.get(job_id, []))
+        lines.extend(f"  log: {line}" for line in logged[:8])
         return lines
 
     # -- the checks, in the order of CHECKS
