@@ -661,6 +661,17 @@ def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _server_now(engine: sa.Engine) -> datetime:
+    """The server's clock, which stamps the effect rows (an external server may be another
+    host); this host's clock if it does not answer."""
+    try:
+        with engine.connect() as connection:
+            now: datetime = connection.execute(sa.select(sa.func.clock_timestamp())).scalar_one()
+    except sa.exc.DBAPIError:
+        return _utcnow()
+    return now.astimezone(timezone.utc)
+
+
 def _watch(pool: Pool, clock: _Clock, state: _FaultState) -> None:
     """Notice workers that exited on their own: a failure; replace them."""
     for proc in pool.running():
@@ -763,12 +774,12 @@ def _inject(
             restart_at = None
             workers = len([p for p in pool.running() if not p.paused])
             clock.event("pg_down", f"PostgreSQL: immediate shutdown ({workers} workers running)")
-            down_wall = datetime.now(timezone.utc)
+            down_wall = _utcnow()  # the embedded server runs on this host, on its clock
             down = time.monotonic()
             pg.kill()
             time.sleep(config.pg_down)
             pg.start()
-            up_wall = datetime.now(timezone.utc)
+            up_wall = _utcnow()
             state.restart = {
                 "done": True,
                 "down_seconds": time.monotonic() - down,
@@ -789,7 +800,7 @@ def _inject(
                 paused, why = _choose(rng, engine, candidates, targeted=True)
                 paused.send(signal.SIGSTOP)
                 paused.paused = True
-                paused_at = _utcnow()
+                paused_at = _server_now(engine)
                 pause_until = time.monotonic() + config.pause
                 state.pause = {
                     "done": True,
@@ -805,7 +816,7 @@ def _inject(
         if paused is not None and now >= pause_until:
             paused.send(signal.SIGCONT)
             paused.paused = False
-            state.at_risk("pause", paused.pid, paused_at, _utcnow())
+            state.at_risk("pause", paused.pid, paused_at, _server_now(engine))
             clock.event("sigcont", f"SIGCONT {paused.label} pid {paused.pid}", pid=paused.pid)
             paused = None
         if now >= next_kill and now < end - _QUIET_END:
@@ -818,7 +829,8 @@ def _inject(
                 # Every other kill aims at a poison job's last attempt.
                 victim, why = _choose(rng, engine, candidates, targeted=len(state.kills) % 2 == 0)
                 victim.send(signal.SIGKILL)
-                state.at_risk("kill", victim.pid, _utcnow(), _utcnow())
+                killed_at = _server_now(engine)
+                state.at_risk("kill", victim.pid, killed_at, killed_at)
                 code = victim.popen.wait(10)
                 victim.fate = "killed"
                 new = pool.start()
