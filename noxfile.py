@@ -88,3 +88,19 @@ def bench(session: nox.Session) -> None:
         "import sys, sqla_jobs.bench as b; sys.exit(b.main(sys.argv[1:]))",
         *session.posargs,
     )
+
+
+@nox.session(default=False)
+def chaos(session: nox.Session) -> None:
+    """The fault harness ``tests/chaos.py``: workers SIGKILLed, PostgreSQL restarted, a worker
+    SIGSTOPped, then every job accounted for. Exits non-zero naming any failed check.
+
+    Not in the default sessions. 120 s of faults by default; pass options after ``--``, e.g.
+    ``nox -s chaos -- --duration 300 --workers 4 --seed 7 --json chaos.json``. Runs on the
+    server named by ``SQLA_JOBS_TEST_DATABASE_URL`` (or ``--database-url``) when set, minus
+    the restart fault.
+    """
+    session.install(".[embedded]", *_group("test"))
+    # `python tests/chaos.py` puts tests/ first on sys.path, not the source tree: the harness
+    # and its workers import the installed wheel.
+    session.run("python", "tests/chaos.py", *session.posargs)

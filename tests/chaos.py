@@ -1,0 +1,1405 @@
+"""A fault harness for the worker: real worker processes, real faults, exact accounting.
+
+Run it (the nox session ``chaos`` does this in a fresh virtualenv)::
+
+    python tests/chaos.py                       # 120 s of faults, then the accounting
+    python tests/chaos.py --duration 45 --workers 3 --concurrency 4 --jobs 400 --seed 7
+    python tests/chaos.py --json report.json    # the report as JSON too ('-': on stdout)
+
+or call :func:`run_chaos` (tests/test_chaos.py does, for a short run).
+
+What it does
+    It starts a throwaway embedded PostgreSQL (or creates a fresh database on the server
+    that ``--database-url`` / ``SQLA_JOBS_TEST_DATABASE_URL`` names), creates the tables of
+    ``tests/chaos_tasks.py`` and enqueues a mix of jobs whose ``run_at`` is spread over
+    most of the run, so that work is under way whenever a fault lands: lease-mode jobs
+    (``leased``), lease-mode coroutines (``async_leased``), lock-held jobs (``locked``) and
+    poison jobs (``poison``, always raise, ``max_attempts=3``). Leases are 2 s.
+
+    It runs ``--workers`` processes of ``python -m sqla_jobs --log-format json worker
+    chaos_tasks:registry`` (logs in files), and while they work it injects:
+
+    * a SIGKILL of a worker every few seconds (``--kill-every``), each replaced at once by
+      a new process; every other one aims at a worker running a poison job's last attempt
+      (when one shows up within 1.5 s), which leaves that job to be made dead by a claim;
+    * one PostgreSQL restart at 35 % of the run: an immediate shutdown (like a crash, every
+      connection cut), ``--pg-down`` seconds down, then a start (crash recovery). Skipped,
+      and said so, on an external server, which cannot be restarted from here;
+    * one worker SIGSTOPped at 60 % of the run for ``--pause`` seconds (longer than the
+      lease: its jobs are taken over), then SIGCONT; chosen like a targeted kill.
+
+    Then it stops injecting, waits (up to ``--drain-timeout``) until no job is pending or
+    running, stops the workers with SIGTERM and counts.
+
+The checks (each must hold; the exit status is 1 when one does not, and the report names it)
+    ``faults_injected``                 the kills, the restart and the pause did happen
+    ``no_job_lost``                     every enqueued job exists and is finished
+    ``no_job_stuck``                    no job is pending or running
+    ``non_poison_succeeded``            every job but the poison ones succeeded
+    ``lock_effect_exactly_once``        every lock-held job has exactly one committed effect,
+                                        written by the attempt that succeeded
+    ``lease_final_attempt_recorded``    every lease-mode job has the effect of the attempt that
+                                        succeeded, and the stored result is that attempt's
+    ``lease_duplicates_bounded``        lease-mode duplicate effects <= the bound below
+    ``lease_duplicates_explained``      each duplicate traced to a fault: its attempt started
+                                        at most 10 s before a SIGKILL or SIGSTOP of the worker
+                                        that wrote it, or before the restart
+    ``poison_dead_at_max_attempts``     every poison job is dead with attempts == 3
+    ``deaths_logged``                   every dead job's id is in exactly one worker log line
+                                        with action ``job_dead`` or ``attempts_exhausted``,
+                                        and no job that is not dead is logged so
+    ``workers_survived``                no worker exited but those the harness killed, and none
+                                        logged ``thread_crashed``
+    ``workers_stopped_cleanly``         every worker exited 0 after the final SIGTERM
+
+The bound on lease-mode duplicate effects
+    A duplicate is an effect row of a lease-mode job beyond the first: an attempt wrote its
+    effect but its completion never committed, and another attempt ran the job again. Only
+    a fault makes an attempt lose its job that way, and only the attempts *at risk* in one
+    worker at the moment of the fault: those whose handler is running (at most
+    ``concurrency``: the worker claims only for free slots), and those whose handler has
+    returned but whose completion is not committed yet. A slot is free again as soon as
+    its handler returns, so while the outcome writer commits one batch, the slots it freed
+    may be running new jobs: at most one uncommitted outcome and one running handler per
+    slot, so at most ``2 * concurrency`` attempts at risk per worker. Hence::
+
+        duplicates <= 2 * concurrency * (kills + pauses + workers running at the restart)
+
+    (every worker's leases lapse while the server is down). The final SIGTERM adds
+    nothing: it comes only once no job is pending or running. ``lease_duplicates_explained``
+    is the sharper check: it attributes each duplicate to the fault that caused it, by the
+    writing process and the attempt's start row (a lease that ran out with no fault, say a
+    heartbeat starved for 1.3 s, would show up there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from chaos_tasks import (
+    LEASE_SECONDS,
+    LEASE_TASKS,
+    LOCK_TASKS,
+    POISON_MAX_ATTEMPTS,
+    POISON_TASKS,
+    QUEUES,
+    Base,
+    ChaosEffect,
+    ChaosJob,
+    ChaosJobResult,
+    registry,
+)
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
+
+from sqla_jobs.embedded import EmbeddedPostgres
+
+TESTS_DIR = Path(__file__).resolve().parent
+SERVER_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
+WORKER_URL_VARIABLE = "SQLA_JOBS_DATABASE_URL"
+DEATH_ACTIONS = frozenset({"job_dead", "attempts_exhausted"})
+FINISHED = frozenset({"succeeded", "dead", "cancelled"})
+#: The job mix: task -> (share of the jobs, shortest and longest sleep in seconds).
+MIX: dict[str, tuple[float, float, float]] = {
+    "leased": (0.35, 0.02, 0.4),
+    "async_leased": (0.20, 0.02, 0.4),
+    "locked": (0.30, 0.01, 0.2),
+    "poison": (0.15, 0.0, 0.3),
+}
+#: Lease-mode jobs also work a little after their effect (``after``, up to this many seconds).
+AFTER_EFFECT = 0.15
+CHECKS = (
+    "faults_injected",
+    "no_job_lost",
+    "no_job_stuck",
+    "non_poison_succeeded",
+    "lock_effect_exactly_once",
+    "lease_final_attempt_recorded",
+    "lease_duplicates_bounded",
+    "lease_duplicates_explained",
+    "poison_dead_at_max_attempts",
+    "deaths_logged",
+    "workers_survived",
+    "workers_stopped_cleanly",
+)
+_SHOWN = 10  # jobs described in detail per failed check
+_RESTART_AT = 0.35
+_PAUSE_AT = 0.6
+_RUN_AT_SPREAD = 0.8
+_QUIET_END = 3.0  # no SIGKILL in the last seconds of the fault window
+
+
+@dataclass
+class ChaosConfig:
+    """What to run. ``database_url`` names a server (a fresh database is created on it);
+    ``None`` starts an embedded one. ``log_dir`` keeps the worker logs there (default: a
+    temporary directory, deleted after a run whose checks all pass)."""
+
+    duration: float = 120.0
+    workers: int = 3
+    concurrency: int = 4
+    jobs: int = 1000
+    seed: int | None = None
+    database_url: str | None = None
+    kill_every: tuple[float, float] = (3.0, 6.0)
+    pg_down: float = 3.0
+    pause: float = 3 * LEASE_SECONDS
+    drain_timeout: float = 120.0
+    poll_interval: float = 0.2
+    grace: float = 10.0
+    log_dir: Path | None = None
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    summary: str
+    details: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ChaosReport:
+    seed: int
+    config: dict[str, Any]
+    server: str
+    log_dir: str
+    elapsed: float
+    drain_seconds: float | None
+    jobs_by_task: dict[str, dict[str, int]]
+    faults: dict[str, Any]
+    duplicates: dict[str, Any]
+    log_actions: dict[str, int]
+    checks: list[Check]
+    events: list[dict[str, Any]]
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    @property
+    def failed(self) -> list[str]:
+        return [check.name for check in self.checks if not check.ok]
+
+    def check(self, name: str) -> Check:
+        for check in self.checks:
+            if check.name == name:
+                return check
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["failed"] = self.failed
+        return data
+
+    def render(self) -> str:
+        cfg = self.config
+        head = (
+            f"sqla_jobs chaos run: seed {self.seed}, {cfg['duration']:g} s of faults, "
+            f"{cfg['workers']} workers x concurrency {cfg['concurrency']}, {cfg['jobs']} jobs"
+        )
+        lines = [head, f"server: {self.server}"]
+        faults = self.faults
+        restart = faults["restart"]
+        restart_text = (
+            f"1 PostgreSQL restart (immediate shutdown, down {restart['down_seconds']:.1f} s, "
+            f"{restart['workers_running']} workers running)"
+            if restart.get("done")
+            else f"PostgreSQL restart skipped: {restart.get('skipped', 'not reached')}"
+        )
+        pause = faults["pause"]
+        pause_text = (
+            f"1 SIGSTOP of pid {pause['pid']} for {pause['seconds']:.1f} s"
+            if pause.get("done")
+            else "no SIGSTOP (not reached)"
+        )
+        lines.append(
+            f"faults: {faults['kills']} SIGKILLs (each replaced), {restart_text}, {pause_text}"
+        )
+        drain = "not reached" if self.drain_seconds is None else f"{self.drain_seconds:.1f} s"
+        lines.append(f"drain after the faults: {drain}; whole run {self.elapsed:.1f} s")
+        lines.append("jobs:")
+        for task, statuses in self.jobs_by_task.items():
+            counts = ", ".join(f"{status} {count}" for status, count in sorted(statuses.items()))
+            lines.append(f"  {task:<13} {sum(statuses.values()):>5}  ({counts})")
+        dup = self.duplicates
+        by_cause = ", ".join(f"{cause} {count}" for cause, count in dup["by_cause"].items())
+        lines.append(
+            f"lease-mode duplicate effects: {dup['total']} of {dup['lease_jobs']} lease-mode "
+            f"jobs (bound {dup['bound']} = {dup['bound_formula']}); by cause: {by_cause}"
+        )
+        actions = ", ".join(f"{a} {n}" for a, n in sorted(self.log_actions.items()))
+        lines.append(f"worker log actions (INFO and up): {actions or 'none'}")
+        lines.append("checks:")
+        for check in self.checks:
+            lines.append(f"  {'PASS' if check.ok else 'FAIL'}  {check.name:<29} {check.summary}")
+            lines.extend(f"        {detail}" for detail in check.details)
+        verdict = "PASS" if self.ok else f"FAIL ({', '.join(self.failed)})"
+        lines.append(f"result: {verdict}")
+        lines.append(f"worker logs: {self.log_dir}")
+        return "\n".join(lines)
+
+
+# -- worker processes -----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class WorkerProc:
+    label: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    fate: str = "running"  # running, killed, exited, stopped
+    paused: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def send(self, signum: int) -> None:
+        if self.alive():
+            os.kill(self.pid, signum)
+
+    def ready(self) -> bool:
+        """Whether it logged ``worker_started`` (its signal handlers are in place)."""
+        try:
+            return '"worker_started"' in self.log.read_text(errors="replace")
+        except OSError:
+            return False
+
+    def log_tail(self, lines: int = 5) -> list[str]:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return []
+        return text.splitlines()[-lines:]
+
+
+def worker_env(url: str) -> dict[str, str]:
+    """The environment of a worker: ``tests/`` on ``PYTHONPATH``, the URL, no other
+    ``SQLA_JOBS_*`` variable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
+    path = [str(TESTS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env[WORKER_URL_VARIABLE] = url
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Pool:
+    """The worker processes of a run, started, killed and replaced by the harness."""
+
+    def __init__(self, url: str, directory: Path, config: ChaosConfig) -> None:
+        self.url = url
+        self.directory = directory
+        self.config = config
+        self.procs: list[WorkerProc] = []
+
+    def start(self) -> WorkerProc:
+        label = f"worker-{len(self.procs):02d}"
+        log = self.directory / f"{label}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "sqla_jobs",
+            "--log-format",
+            "json",
+            "--log-level",
+            "INFO",
+            "worker",
+            "chaos_tasks:registry",
+            "--queues",
+            ",".join(QUEUES),
+            "--concurrency",
+            str(self.config.concurrency),
+            "--poll-interval",
+            f"{self.config.poll_interval:g}s",
+            "--grace",
+            f"{self.config.grace:g}s",
+            "--name",  # recorded as leased_by on the jobs it claims
+            label,
+        ]
+        with log.open("wb") as handle:
+            # The log directory as working directory: `python -m` puts it first on sys.path,
+            # so the workers import the installed sqla_jobs, never a source tree.
+            popen = subprocess.Popen(
+                command,
+                cwd=self.directory,
+                env=worker_env(self.url),
+                stdin=subprocess.DEVNULL,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+            )
+        proc = WorkerProc(label, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def running(self) -> list[WorkerProc]:
+        return [p for p in self.procs if p.fate == "running"]
+
+    def close(self) -> None:
+        """Whatever is left (after an error): continued and killed."""
+        for proc in self.procs:
+            if proc.alive():
+                proc.send(signal.SIGCONT)
+                proc.send(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(10)
+
+
+# -- the database ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: int
+    task: str
+    status: str
+    attempts: int
+    max_attempts: int
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class EffectRow:
+    job_id: int
+    attempt: int
+    kind: str
+    pid: int
+    at: datetime
+
+
+def server_url_from_environment() -> str | None:
+    raw = os.environ.get(SERVER_URL_VARIABLE, "").strip()
+    return raw or None
+
+
+def _psycopg(url: str) -> URL:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        raise ValueError(f"not a PostgreSQL URL: {url!r}")
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def enqueue(engine: sa.Engine, count: int, rng: random.Random, spread: float) -> dict[int, str]:
+    """``count`` jobs of the mix, runnable from now to ``spread`` seconds from now."""
+    tasks = list(MIX)
+    weights = [MIX[task][0] for task in tasks]
+    now = datetime.now(timezone.utc)
+    rows = []
+    for _ in range(count):
+        task = rng.choices(tasks, weights)[0]
+        _, shortest, longest = MIX[task]
+        args = {"sleep": round(rng.uniform(shortest, longest), 3)}
+        if task in LEASE_TASKS:
+            args["after"] = round(rng.uniform(0.0, AFTER_EFFECT), 3)
+        run_at = now + timedelta(seconds=rng.uniform(0.0, spread))
+        rows.append(registry[task].job(args, run_at=run_at))
+    with Session(engine) as session, session.begin():
+        session.add_all(rows)
+        session.flush()
+        return {row.id: row.task for row in rows}
+
+
+def status_counts(engine: sa.Engine) -> dict[str, int] | None:
+    """Jobs by status, or None while the server does not answer."""
+    try:
+        with engine.connect() as connection:
+            rows = connection.execute(
+                sa.select(ChaosJob.status, sa.func.count()).group_by(ChaosJob.status)
+            ).all()
+    except sa.exc.DBAPIError:
+        return None
+    return {status: int(count) for status, count in rows}
+
+
+def read_back(
+    engine: sa.Engine,
+) -> tuple[dict[int, JobRow], list[EffectRow], dict[int, Any]]:
+    with engine.connect() as connection:
+        jobs = {
+            row.id: JobRow(
+                row.id, row.task, row.status, row.attempts, row.max_attempts, row.last_error
+            )
+            for row in connection.execute(
+                sa.select(
+                    ChaosJob.id,
+                    ChaosJob.task,
+                    ChaosJob.status,
+                    ChaosJob.attempts,
+                    ChaosJob.max_attempts,
+                    ChaosJob.last_error,
+                )
+            )
+        }
+        effects = [
+            EffectRow(row.job_id, row.attempt, row.kind, row.pid, row.at.astimezone(timezone.utc))
+            for row in connection.execute(
+                sa.select(
+                    ChaosEffect.job_id,
+                    ChaosEffect.attempt,
+                    ChaosEffect.kind,
+                    ChaosEffect.pid,
+                    ChaosEffect.at,
+                ).order_by(ChaosEffect.id)
+            )
+        ]
+        results = {
+            row.job_id: row.value
+            for row in connection.execute(sa.select(ChaosJobResult.job_id, ChaosJobResult.value))
+        }
+    return jobs, effects, results
+
+
+# -- worker logs ----------------------------------------------------------------------------
+
+
+@dataclass
+class Logs:
+    actions: Counter[str] = field(default_factory=Counter)
+    deaths: Counter[int] = field(default_factory=Counter)
+    by_job: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))
+    crashes: list[str] = field(default_factory=list)
+    not_json: list[str] = field(default_factory=list)
+
+
+def read_logs(procs: Sequence[WorkerProc]) -> Logs:
+    logs = Logs()
+    for proc in procs:
+        try:
+            text = proc.log.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                logs.not_json.append(f"{proc.label} (pid {proc.pid}): {line[:200]}")
+                continue
+            if not isinstance(entry, dict):
+                logs.not_json.append(f"{proc.label} (pid {proc.pid}): {line[:200]}")
+                continue
+            action = str(entry.get("action", "-"))
+            logs.actions[action] += 1
+            job_id = entry.get("job_id")
+            # The time first (ISO, UTC): a job's lines from several logs sort into order.
+            shown = (
+                f"{str(entry.get('time', ''))[11:23]} {proc.label} (pid {proc.pid}) "
+                f"{entry.get('level', '')} {action}: {str(entry.get('message', ''))[:220]}"
+            )
+            if isinstance(job_id, int):
+                logs.by_job[job_id].append(shown)
+                if action in DEATH_ACTIONS:
+                    logs.deaths[job_id] += 1
+            for listed in entry.get("job_ids") or []:
+                if isinstance(listed, int):
+                    logs.by_job[listed].append(shown)
+            if action == "thread_crashed":
+                logs.crashes.append(shown)
+    return logs
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self, progress: Callable[[str], None] | None) -> None:
+        self.started = time.monotonic()
+        self.progress = progress
+        self.events: list[dict[str, Any]] = []
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(f"[{self.elapsed():6.1f}s] {text}")
+
+    def event(self, kind: str, text: str, **data: Any) -> None:
+        self.events.append(
+            {
+                "t": round(self.elapsed(), 3),
+                "wall": datetime.now(timezone.utc).isoformat(),
+                "kind": kind,
+                "text": text,
+                **data,
+            }
+        )
+        self.say(text)
+
+
+@contextlib.contextmanager
+def _database(
+    config: ChaosConfig, clock: _Clock
+) -> Iterator[tuple[str, str, EmbeddedPostgres | None]]:
+    """A fresh database: (its URL, a description of the server, the embedded server)."""
+    server = config.database_url or server_url_from_environment()
+    if server is None:
+        pg = EmbeddedPostgres()
+        pg.start()
+        try:
+            pg.create_database("sqla_jobs_chaos")
+            clock.say(f"embedded PostgreSQL {pg.version} on port {pg.port}")
+            yield pg.url("sqla_jobs_chaos"), f"embedded PostgreSQL {pg.version}", pg
+        finally:
+            pg.stop()
+        return
+    admin_url = _psycopg(server)
+    name = f"sqla_jobs_chaos_{secrets.token_hex(6)}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as connection:
+            connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        shown = admin_url.set(database=name).render_as_string(hide_password=True)
+        clock.say(f"external server: database {shown}")
+        try:
+            yield (
+                admin_url.set(database=name).render_as_string(hide_password=False),
+                f"external server, database {shown}",
+                None,
+            )
+        finally:
+            with admin.connect() as connection:
+                connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None) -> ChaosReport:
+    """Run the harness once; ``progress`` receives a line per event as it happens."""
+    seed = config.seed if config.seed is not None else secrets.randbelow(2**31)
+    rng = random.Random(seed)
+    clock = _Clock(progress)
+    clock.say(f"seed {seed}")
+    own_dir = config.log_dir is None
+    log_dir = (
+        Path(tempfile.mkdtemp(prefix="sqla_jobs_chaos_"))
+        if config.log_dir is None
+        else config.log_dir
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with _database(config, clock) as (url, server, pg):
+        engine = sa.create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
+        pool = Pool(url, log_dir, config)
+        try:
+            Base.metadata.create_all(engine)
+            enqueued = enqueue(engine, config.jobs, rng, _RUN_AT_SPREAD * config.duration)
+            clock.say(f"enqueued {len(enqueued)} jobs: {dict(Counter(enqueued.values()))}")
+            state = _inject(config, rng, clock, pool, engine, pg)
+            drain_seconds = _drain(config, clock, pool, engine, state)
+            stopped = _stop(config, clock, pool)
+            jobs, effects, results = read_back(engine)
+        finally:
+            pool.close()
+            engine.dispose()
+    logs = read_logs(pool.procs)
+    accounting = _Accounting(
+        config, enqueued, jobs, effects, results, logs, pool, state, drain_seconds, stopped
+    )
+    report = accounting.report(seed, server, log_dir, clock)
+    if own_dir and report.ok:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        report.log_dir = f"{log_dir} (deleted: every check passed)"
+    return report
+
+
+#: How long before a fault an attempt may have started and still be at risk from it: far
+#: more than a handler runs (under 0.6 s) plus the wait for a handler thread.
+_AT_RISK_BEFORE = timedelta(seconds=10)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Attempts started in ``[start, end]`` (by worker ``pid``; any when None) were at risk
+    from a fault of this ``cause``."""
+
+    cause: str
+    pid: int | None
+    start: datetime
+    end: datetime
+
+
+@dataclass
+class _FaultState:
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    restart: dict[str, Any] = field(default_factory=dict)
+    pause: dict[str, Any] = field(default_factory=dict)
+    unexpected_exits: list[str] = field(default_factory=list)
+    windows: list[_Window] = field(default_factory=list)
+
+    def at_risk(self, cause: str, pid: int | None, start: datetime, end: datetime) -> None:
+        self.windows.append(_Window(cause, pid, start - _AT_RISK_BEFORE, end))
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _server_now(engine: sa.Engine) -> datetime:
+    """The server's clock, which stamps the effect rows (an external server may be another
+    host); this host's clock if it does not answer."""
+    try:
+        with engine.connect() as connection:
+            now: datetime = connection.execute(sa.select(sa.func.clock_timestamp())).scalar_one()
+    except sa.exc.DBAPIError:
+        return _utcnow()
+    return now.astimezone(timezone.utc)
+
+
+def _watch(pool: Pool, clock: _Clock, state: _FaultState) -> None:
+    """Notice workers that exited on their own: a failure; replace them."""
+    for proc in pool.running():
+        code = proc.popen.poll()
+        if code is not None:
+            proc.fate = "exited"
+            tail = " | ".join(proc.log_tail(3))
+            state.unexpected_exits.append(
+                f"{proc.label} (pid {proc.pid}) exited on its own with status {code}: {tail}"
+            )
+            new = pool.start()
+            clock.event(
+                "unexpected_exit",
+                f"{proc.label} pid {proc.pid} exited with {code}; started {new.label} "
+                f"pid {new.pid}",
+                pid=proc.pid,
+                code=code,
+            )
+
+
+def _last_attempt_holders(engine: sa.Engine) -> dict[str, int]:
+    """Worker name -> a poison job it runs on its last attempt (empty while the server is
+    down). Killing or pausing that worker leaves the job to be made dead by a claim."""
+    query = sa.select(ChaosJob.leased_by, ChaosJob.id).where(
+        ChaosJob.task.in_(POISON_TASKS),
+        ChaosJob.status == "running",
+        ChaosJob.attempts >= ChaosJob.max_attempts,
+    )
+    try:
+        with engine.connect() as connection:
+            return {str(name): int(job_id) for name, job_id in connection.execute(query)}
+    except sa.exc.DBAPIError:
+        return {}
+
+
+def _choose(
+    rng: random.Random,
+    engine: sa.Engine,
+    candidates: Sequence[WorkerProc],
+    targeted: bool,
+    patience: float = 1.5,
+) -> tuple[WorkerProc, str]:
+    """A random candidate; when ``targeted``, preferably one that runs a poison job's last
+    attempt (waiting up to ``patience`` s for one). Also says why it was chosen."""
+    deadline = time.monotonic() + patience
+    while targeted:
+        holders = _last_attempt_holders(engine)
+        hits = [p for p in candidates if p.label in holders]
+        if hits:
+            proc = rng.choice(hits)
+            return proc, f"it runs poison job {holders[proc.label]} on its last attempt"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    return rng.choice(candidates), "at random"
+
+
+def _progress_line(engine: sa.Engine) -> str:
+    counts = status_counts(engine)
+    if counts is None:
+        return "jobs: (server not answering)"
+    return "jobs: " + ", ".join(f"{s} {n}" for s, n in sorted(counts.items()))
+
+
+def _inject(
+    config: ChaosConfig,
+    rng: random.Random,
+    clock: _Clock,
+    pool: Pool,
+    engine: sa.Engine,
+    pg: EmbeddedPostgres | None,
+) -> _FaultState:
+    state = _FaultState()
+    for _ in range(config.workers):
+        proc = pool.start()
+        clock.event("start", f"started {proc.label} pid {proc.pid}", pid=proc.pid)
+    start = time.monotonic()
+    end = start + config.duration
+    next_kill = start + rng.uniform(*config.kill_every)
+    restart_at: float | None = start + _RESTART_AT * config.duration
+    if pg is None:
+        restart_at = None
+        state.restart = {
+            "done": False,
+            "skipped": f"the server named by {SERVER_URL_VARIABLE} / --database-url is "
+            "external and cannot be restarted from here",
+        }
+        clock.event("restart_skipped", f"PostgreSQL restart skipped: {state.restart['skipped']}")
+    pause_at: float | None = start + _PAUSE_AT * config.duration
+    pause_until = 0.0
+    paused_at = _utcnow()
+    paused: WorkerProc | None = None
+    next_report = start + 5.0
+    while True:
+        now = time.monotonic()
+        if now >= end and paused is None:
+            break
+        _watch(pool, clock, state)
+        if restart_at is not None and now >= restart_at and pg is not None:
+            restart_at = None
+            workers = len([p for p in pool.running() if not p.paused])
+            clock.event("pg_down", f"PostgreSQL: immediate shutdown ({workers} workers running)")
+            down_wall = _utcnow()  # the embedded server runs on this host, on its clock
+            down = time.monotonic()
+            pg.kill()
+            time.sleep(config.pg_down)
+            pg.start()
+            up_wall = _utcnow()
+            state.restart = {
+                "done": True,
+                "down_seconds": time.monotonic() - down,
+                "down_at": down_wall.isoformat(),
+                "up_at": up_wall.isoformat(),
+                "workers_running": workers,
+            }
+            # Every worker's leases lapsed while the server was down; an attempt that started
+            # just after it came back was claimed before (a little slack for that).
+            state.at_risk("restart", None, down_wall, up_wall + timedelta(seconds=2))
+            clock.event("pg_up", "PostgreSQL: started again (crash recovery)")
+            next_kill = max(next_kill, time.monotonic() + rng.uniform(*config.kill_every) / 2)
+            continue
+        if pause_at is not None and now >= pause_at:
+            candidates = [p for p in pool.running() if p.alive() and p.ready()]
+            if candidates:
+                pause_at = None
+                paused, why = _choose(rng, engine, candidates, targeted=True)
+                paused.send(signal.SIGSTOP)
+                paused.paused = True
+                paused_at = _server_now(engine)
+                pause_until = time.monotonic() + config.pause
+                state.pause = {
+                    "done": True,
+                    "pid": paused.pid,
+                    "label": paused.label,
+                    "seconds": config.pause,
+                }
+                clock.event(
+                    "sigstop",
+                    f"SIGSTOP {paused.label} pid {paused.pid} for {config.pause:g} s ({why})",
+                    pid=paused.pid,
+                )
+        if paused is not None and now >= pause_until:
+            paused.send(signal.SIGCONT)
+            paused.paused = False
+            state.at_risk("pause", paused.pid, paused_at, _server_now(engine))
+            clock.event("sigcont", f"SIGCONT {paused.label} pid {paused.pid}", pid=paused.pid)
+            paused = None
+        if now >= next_kill and now < end - _QUIET_END:
+            # Not the paused worker (it is to come back and find its jobs taken over), nor
+            # workers still starting (they would die before doing anything).
+            candidates = [
+                p for p in pool.running() if p.pid != state.pause.get("pid") and p.ready()
+            ]
+            if candidates:
+                # Every other kill aims at a poison job's last attempt.
+                victim, why = _choose(rng, engine, candidates, targeted=len(state.kills) % 2 == 0)
+                victim.send(signal.SIGKILL)
+                killed_at = _server_now(engine)
+                state.at_risk("kill", victim.pid, killed_at, killed_at)
+                code = victim.popen.wait(10)
+                victim.fate = "killed"
+                new = pool.start()
+                state.kills.append(
+                    {"pid": victim.pid, "label": victim.label, "code": code, "why": why}
+                )
+                clock.event(
+                    "sigkill",
+                    f"SIGKILL {victim.label} pid {victim.pid} ({why}); started {new.label} "
+                    f"pid {new.pid}",
+                    pid=victim.pid,
+                )
+            next_kill = time.monotonic() + rng.uniform(*config.kill_every)
+        if now >= next_report:
+            next_report = now + 5.0
+            clock.say(_progress_line(engine))
+        time.sleep(0.05)
+    clock.event("faults_over", "no more faults")
+    return state
+
+
+def _drain(
+    config: ChaosConfig, clock: _Clock, pool: Pool, engine: sa.Engine, state: _FaultState
+) -> float | None:
+    """Wait until no job is pending or running; the time it took, or None at the deadline."""
+    started = time.monotonic()
+    deadline = started + config.drain_timeout
+    next_report = started + 5.0
+    while True:
+        _watch(pool, clock, state)
+        counts = status_counts(engine)
+        if counts is not None and not counts.get("pending") and not counts.get("running"):
+            took = time.monotonic() - started
+            clock.say(f"drained in {took:.1f} s: {_progress_line(engine)}")
+            return took
+        now = time.monotonic()
+        if now > deadline:
+            clock.event("drain_timeout", f"not drained after {config.drain_timeout:g} s")
+            return None
+        if now >= next_report:
+            next_report = now + 5.0
+            clock.say(_progress_line(engine))
+        time.sleep(0.2)
+
+
+def _stop(config: ChaosConfig, clock: _Clock, pool: Pool) -> dict[str, int | None]:
+    """SIGTERM every running worker; their exit statuses (None: did not exit in time).
+
+    A worker that was started a moment ago is first given time to start (a SIGTERM before
+    its handlers are in place would end it like any process, status -15).
+    """
+    running = pool.running()
+    deadline = time.monotonic() + 30.0
+    while not all(p.ready() or not p.alive() for p in running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for proc in running:
+        proc.send(signal.SIGCONT)
+        proc.send(signal.SIGTERM)
+    codes: dict[str, int | None] = {}
+    deadline = time.monotonic() + config.grace + 20.0
+    for proc in running:
+        try:
+            codes[proc.label] = proc.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[proc.label] = None
+        proc.fate = "stopped"
+    clock.event("stopped", f"SIGTERM to {len(running)} workers: exit statuses {codes}")
+    return codes
+
+
+# -- the accounting -------------------------------------------------------------------------
+
+
+@dataclass
+class _Duplicates:
+    """Lease-mode effect rows beyond the one of the attempt that succeeded."""
+
+    rows: list[EffectRow]
+    by_cause: dict[str, int]
+    unexplained: list[EffectRow]
+    bound: int
+    formula: str
+
+
+@dataclass
+class _Accounting:
+    """What a run left behind, and the checks on it (one method per check, same name)."""
+
+    config: ChaosConfig
+    enqueued: dict[int, str]
+    jobs: dict[int, JobRow]
+    effects: list[EffectRow]
+    results: dict[int, Any]
+    logs: Logs
+    pool: Pool
+    state: _FaultState
+    drain_seconds: float | None
+    stopped: dict[str, int | None]
+    effect_rows: dict[int, list[EffectRow]] = field(init=False)
+    starts: dict[tuple[int, int], EffectRow] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.effect_rows = defaultdict(list)
+        self.starts = {}
+        for row in self.effects:
+            if row.kind == "effect":
+                self.effect_rows[row.job_id].append(row)
+            else:
+                self.starts.setdefault((row.job_id, row.attempt), row)
+
+    def checks(self) -> list[Check]:
+        checks: list[Check] = [getattr(self, name)() for name in CHECKS]
+        return checks
+
+    def ids(self, tasks: Sequence[str]) -> list[int]:
+        return sorted(i for i, task in self.enqueued.items() if task in tasks)
+
+    def succeeded(self, job_id: int) -> JobRow | None:
+        job = self.jobs.get(job_id)
+        return job if job is not None and job.status == "succeeded" else None
+
+    def details(self, ids: Sequence[int]) -> list[str]:
+        """What the database and the worker logs say about (the first few of) these jobs."""
+        lines: list[str] = []
+        for job_id in list(ids)[:_SHOWN]:
+            lines += self.job_text(job_id)
+        if len(ids) > _SHOWN:
+            lines.append(f"... and {len(ids) - _SHOWN} more: {sorted(ids)[_SHOWN:][:50]}")
+        return lines
+
+    def job_text(self, job_id: int) -> list[str]:
+        job = self.jobs.get(job_id)
+        if job is None:
+            head = f"job {job_id} ({self.enqueued.get(job_id)}): missing from the table"
+        else:
+            error = (job.last_error or "").strip().splitlines()
+            head = (
+                f"job {job.id} ({job.task}): {job.status}, attempts {job.attempts}/"
+                f"{job.max_attempts}, last_error {(error[-1] if error else '-')[:160]!r}"
+            )
+        lines = [head]
+        rows = [row for row in self.effects if row.job_id == job_id]
+        if rows:
+            shown = (f"{r.kind}#{r.attempt} pid {r.pid} {r.at:%H:%M:%S.%f}"[:-3] for r in rows)
+            lines.append("  rows: " + ", ".join(shown))
+        logged = sorted(self.logs.by_job.get(job_id, []))
+        lines.extend(f"  log: {line}" for line in logged[:8])
+        return lines
+
+    # -- the checks, in the order of CHECKS
+
+    def faults_injected(self) -> Check:
+        state = self.state
+        missing = []
+        if not state.kills:
+            missing.append("no SIGKILL")
+        if not state.pause.get("done"):
+            missing.append("no SIGSTOP")
+        if not state.restart.get("done") and "skipped" not in state.restart:
+            missing.append("no PostgreSQL restart")
+        restart = "1 restart" if state.restart.get("done") else "restart skipped"
+        pause = "1 pause" if state.pause.get("done") else "no pause"
+        summary = f"{len(state.kills)} kills, {restart}, {pause}"
+        if missing:
+            summary += f": {', '.join(missing)} (run longer)"
+        return Check("faults_injected", not missing, summary)
+
+    def no_job_lost(self) -> Check:
+        missing = sorted(i for i in self.enqueued if i not in self.jobs)
+        unfinished = sorted(
+            i for i in self.enqueued if i in self.jobs and self.jobs[i].status not in FINISHED
+        )
+        lost = missing + unfinished
+        return Check(
+            "no_job_lost",
+            not lost,
+            f"{len(self.enqueued) - len(lost)} of {len(self.enqueued)} jobs exist and finished; "
+            f"{len(missing)} missing, {len(unfinished)} unfinished",
+            self.details(lost),
+        )
+
+    def no_job_stuck(self) -> Check:
+        stuck = sorted(i for i, j in self.jobs.items() if j.status in ("pending", "running"))
+        summary = f"{len(stuck)} jobs pending or running"
+        if self.drain_seconds is None:
+            summary += f" (not drained within {self.config.drain_timeout:g} s)"
+        return Check("no_job_stuck", not stuck, summary, self.details(stuck))
+
+    def non_poison_succeeded(self) -> Check:
+        ids = [i for i, task in self.enqueued.items() if task not in POISON_TASKS]
+        failed = sorted(i for i in ids if self.succeeded(i) is None)
+        return Check(
+            "non_poison_succeeded",
+            not failed,
+            f"{len(ids) - len(failed)} of {len(ids)} non-poison jobs succeeded",
+            self.details(failed),
+        )
+
+    def lock_effect_exactly_once(self) -> Check:
+        ids = self.ids(LOCK_TASKS)
+        bad = []
+        duplicates = 0
+        for i in ids:
+            rows = self.effect_rows.get(i, [])
+            duplicates += max(0, len(rows) - 1)
+            job = self.succeeded(i)
+            # Not succeeded (non_poison_succeeded says so): then no effect may be committed.
+            expected = [] if job is None else [job.attempts]
+            if [row.attempt for row in rows] != expected:
+                bad.append(i)
+        return Check(
+            "lock_effect_exactly_once",
+            not bad,
+            f"{len(ids) - len(bad)} of {len(ids)} lock-held jobs have exactly one effect, by the "
+            f"attempt that succeeded; {duplicates} duplicate effects",
+            self.details(bad),
+        )
+
+    def lease_final_attempt_recorded(self) -> Check:
+        ids = self.ids(LEASE_TASKS)
+        bad = []
+        for i in ids:
+            job = self.succeeded(i)
+            if job is None:
+                continue  # non_poison_succeeded says so
+            finals = [r for r in self.effect_rows.get(i, []) if r.attempt == job.attempts]
+            if len(finals) != 1 or self.results.get(i) != {"attempt": job.attempts}:
+                bad.append(i)
+        return Check(
+            "lease_final_attempt_recorded",
+            not bad,
+            f"{len(ids) - len(bad)} of {len(ids)} lease-mode jobs have the effect and the stored "
+            "result of the attempt that succeeded",
+            self.details(bad),
+        )
+
+    def duplicates(self) -> _Duplicates:
+        rows: list[EffectRow] = []
+        for i in self.ids(LEASE_TASKS):
+            effects = self.effect_rows.get(i, [])
+            job = self.succeeded(i)
+            if job is None:
+                rows += effects[1:]
+                continue
+            finals = [r for r in effects if r.attempt == job.attempts]
+            rows += [r for r in effects if r.attempt != job.attempts] + finals[1:]
+        state = self.state
+        restart = state.restart
+        kills = len(state.kills)
+        pauses = 1 if state.pause.get("done") else 0
+        at_restart = int(restart.get("workers_running", 0)) if restart.get("done") else 0
+        c = self.config.concurrency
+        # Attribute each duplicate to a fault: its attempt started (start row, database clock,
+        # same host) shortly before the fault, in the worker it hit.
+        by_cause = dict.fromkeys(("kill", "pause", "restart", "unexplained"), 0)
+        unexplained = []
+        for row in rows:
+            start = self.starts.get((row.job_id, row.attempt))
+            cause = next(
+                (
+                    w.cause
+                    for w in state.windows
+                    if start is not None
+                    and w.pid in (None, row.pid)
+                    and w.start <= start.at <= w.end
+                ),
+                "unexplained",
+            )
+            by_cause[cause] += 1
+            if cause == "unexplained":
+                unexplained.append(row)
+        return _Duplicates(
+            rows=rows,
+            by_cause=by_cause,
+            unexplained=unexplained,
+            bound=2 * c * (kills + pauses + at_restart),
+            formula=(
+                f"2 x concurrency {c} x ({kills} kills + {pauses} pause + {at_restart} workers "
+                "at the restart)"
+            ),
+        )
+
+    def lease_duplicates_bounded(self) -> Check:
+        dup = self.duplicates()
+        total, bound = len(dup.rows), dup.bound
+        relation = "<=" if total <= bound else ">"
+        return Check(
+            "lease_duplicates_bounded",
+            total <= bound,
+            f"{total} duplicate effects {relation} bound {bound} = {dup.formula}",
+        )
+
+    def lease_duplicates_explained(self) -> Check:
+        dup = self.duplicates()
+        total = len(dup.rows)
+        shown = [
+            f"effect of job {r.job_id} attempt {r.attempt} by pid {r.pid} at {r.at:%H:%M:%S.%f}"
+            for r in dup.unexplained[:_SHOWN]
+        ]
+        return Check(
+            "lease_duplicates_explained",
+            not dup.unexplained,
+            f"{total - len(dup.unexplained)} of {total} duplicates traced to a fault (by cause: "
+            + ", ".join(f"{cause} {n}" for cause, n in dup.by_cause.items())
+            + ")",
+            shown + self.details(sorted({r.job_id for r in dup.unexplained})),
+        )
+
+    def poison_dead_at_max_attempts(self) -> Check:
+        ids = self.ids(POISON_TASKS)
+        wanted = ("dead", POISON_MAX_ATTEMPTS, POISON_MAX_ATTEMPTS)
+        bad = [
+            i
+            for i in ids
+            if i not in self.jobs
+            or (self.jobs[i].status, self.jobs[i].attempts, self.jobs[i].max_attempts) != wanted
+        ]
+        return Check(
+            "poison_dead_at_max_attempts",
+            not bad,
+            f"{len(ids) - len(bad)} of {len(ids)} poison jobs dead with attempts == max_attempts "
+            f"== {POISON_MAX_ATTEMPTS}",
+            self.details(bad),
+        )
+
+    def deaths_logged(self) -> Check:
+        # Exactly once each way: every dead job is logged dead by one worker (the one whose
+        # fenced transition, or claim, made it dead), and no job that is not dead is.
+        deaths = self.logs.deaths
+        dead = sorted(i for i, j in self.jobs.items() if j.status == "dead")
+        unlogged = [i for i in dead if i not in deaths]
+        twice = sorted(i for i, n in deaths.items() if n > 1)
+        phantom = sorted(i for i in deaths if i not in self.jobs or self.jobs[i].status != "dead")
+        problems = []
+        if unlogged:
+            problems.append(f"not logged: {unlogged[:50]}")
+        if twice:
+            problems.append(f"logged more than once: {twice[:50]}")
+        if phantom:
+            problems.append(f"logged dead but not dead: {phantom[:50]}")
+        summary = (
+            f"{len(dead) - len(unlogged)} of {len(dead)} dead jobs logged with action job_dead "
+            "or attempts_exhausted"
+        )
+        if problems:
+            summary += "; " + "; ".join(problems)
+        return Check(
+            "deaths_logged",
+            not problems,
+            summary,
+            self.details(sorted({*unlogged, *twice, *phantom})),
+        )
+
+    def workers_survived(self) -> Check:
+        state, crashes = self.state, self.logs.crashes
+        problems = state.unexpected_exits + [f"thread_crashed: {line}" for line in crashes]
+        return Check(
+            "workers_survived",
+            not problems,
+            f"{len(self.pool.procs)} worker processes, {len(state.kills)} killed by the harness, "
+            f"{len(state.unexpected_exits)} exited on their own, {len(crashes)} thread_crashed",
+            problems[:_SHOWN],
+        )
+
+    def workers_stopped_cleanly(self) -> Check:
+        unclean = {label: code for label, code in self.stopped.items() if code != 0}
+        summary = f"{len(self.stopped) - len(unclean)} of {len(self.stopped)} workers exited 0 "
+        summary += "after SIGTERM" + (f"; not: {unclean} (None: still running)" if unclean else "")
+        return Check(
+            "workers_stopped_cleanly",
+            bool(self.stopped) and not unclean,
+            summary,
+            [
+                f"{p.label} (pid {p.pid}): {' | '.join(p.log_tail(3))}"
+                for p in self.pool.procs
+                if p.label in unclean
+            ],
+        )
+
+    # -- the report
+
+    def report(self, seed: int, server: str, log_dir: Path, clock: _Clock) -> ChaosReport:
+        jobs_by_task: dict[str, dict[str, int]] = {}
+        for i, task in sorted(self.enqueued.items()):
+            status = self.jobs[i].status if i in self.jobs else "missing"
+            counts = jobs_by_task.setdefault(task, {})
+            counts[status] = counts.get(status, 0) + 1
+        boring = ("worker_started", "worker_stopping", "worker_stopped")
+        actions = {a: n for a, n in self.logs.actions.items() if a not in boring}
+        if self.logs.not_json:
+            actions["(lines that are not JSON)"] = len(self.logs.not_json)
+        dup = self.duplicates()
+        config = self.config
+        return ChaosReport(
+            seed=seed,
+            config={
+                "duration": config.duration,
+                "workers": config.workers,
+                "concurrency": config.concurrency,
+                "jobs": config.jobs,
+                "kill_every": list(config.kill_every),
+                "pg_down": config.pg_down,
+                "pause": config.pause,
+                "lease": LEASE_SECONDS,
+            },
+            server=server,
+            log_dir=str(log_dir),
+            elapsed=clock.elapsed(),
+            drain_seconds=self.drain_seconds,
+            jobs_by_task=jobs_by_task,
+            faults={
+                "kills": len(self.state.kills),
+                "killed": self.state.kills,
+                "restart": self.state.restart,
+                "pause": self.state.pause,
+                "unexpected_exits": self.state.unexpected_exits,
+            },
+            duplicates={
+                "total": len(dup.rows),
+                "lease_jobs": len(self.ids(LEASE_TASKS)),
+                "bound": dup.bound,
+                "bound_formula": dup.formula,
+                "by_cause": dup.by_cause,
+            },
+            log_actions=actions,
+            checks=self.checks(),
+            events=clock.events,
+        )
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    return int(_positive(int)(text))
+
+
+def _range(text: str) -> tuple[float, float]:
+    low, sep, high = text.partition(",")
+    try:
+        pair = (float(low), float(high if sep else low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX seconds") from None
+    if not 0 < pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < MIN <= MAX")
+    return pair
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = ChaosConfig()
+    parser = argparse.ArgumentParser(
+        prog="python tests/chaos.py",
+        description="Run sqla_jobs workers under faults (SIGKILL, a PostgreSQL restart, a "
+        "SIGSTOP) and account for every job. Exit status 1 names the failed checks.",
+    )
+    parser.add_argument(
+        "--duration",
+        type=_positive(float),
+        default=defaults.duration,
+        help=f"seconds of faults (default {defaults.duration:g})",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=defaults.workers,
+        help=f"worker processes at a time (default {defaults.workers})",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        default=defaults.concurrency,
+        help=f"jobs at once per worker (default {defaults.concurrency})",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=defaults.jobs,
+        help=f"jobs to enqueue (default {defaults.jobs})",
+    )
+    parser.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        help=f"a PostgreSQL server to create a fresh database on (default: "
+        f"${SERVER_URL_VARIABLE}, else an embedded server); no restart fault there",
+    )
+    parser.add_argument(
+        "--kill-every",
+        type=_range,
+        default=defaults.kill_every,
+        metavar="MIN,MAX",
+        help="seconds between SIGKILLs, drawn uniformly (default 3,6)",
+    )
+    parser.add_argument(
+        "--pg-down",
+        type=_positive(float),
+        default=defaults.pg_down,
+        help=f"seconds the server stays down (default {defaults.pg_down:g})",
+    )
+    parser.add_argument(
+        "--pause",
+        type=_positive(float),
+        default=defaults.pause,
+        help=f"seconds a worker stays SIGSTOPped (default {defaults.pause:g}; the lease is "
+        f"{LEASE_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=_positive(float),
+        default=defaults.drain_timeout,
+        help=f"seconds to wait for the last jobs after the faults (default "
+        f"{defaults.drain_timeout:g})",
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, help="keep the worker logs here (default: a temporary directory)"
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the report as JSON to PATH ('-': stdout, the readable report then "
+        "goes to stderr)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = ChaosConfig(
+        duration=args.duration,
+        workers=args.workers,
+        concurrency=args.concurrency,
+        jobs=args.jobs,
+        seed=args.seed,
+        database_url=args.database_url,
+        kill_every=args.kill_every,
+        pg_down=args.pg_down,
+        pause=args.pause,
+        drain_timeout=args.drain_timeout,
+        log_dir=args.log_dir,
+    )
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    report = run_chaos(config, None if args.quiet else progress)
+    text = json.dumps(report.to_dict(), indent=2, default=str) + "\n"
+    if args.json == "-":
+        print(report.render(), file=sys.stderr)
+        sys.stdout.write(text)
+    else:
+        print(report.render())
+        if args.json:
+            Path(args.json).write_text(text)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
