@@ -47,6 +47,8 @@ logger = logging.getLogger("sqla_jobs.worker")
 
 #: A handler does not start when less than this is left of its lease (seconds).
 LEASE_MARGIN: Final = 0.05
+#: How long queued jobs wait behind a running one before every idle thread is woken.
+SPILL: Final = 0.002
 
 
 def job_extra(attempt: Attempt, action: str, **more: Any) -> dict[str, Any]:
@@ -79,6 +81,10 @@ class Runner:
         self.prefix = prefix
         self._queue: collections.deque[Attempt] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
+        self._spill = threading.Condition(self._ready._lock)  # type: ignore[attr-defined]
+        self._spill_due = 0.0  # when to look whether queued jobs wait behind slow ones
+        self._spill_mark = 0  # self._taken then
+        self._taken = 0  # jobs taken from the queue so far
         self._idle = 0
         self._closed = False
         self.threads: list[threading.Thread] = []
@@ -95,14 +101,47 @@ class Runner:
             )
             self.threads.append(thread)
             thread.start()
+        spiller = threading.Thread(
+            target=self._spill_loop, name=f"{self.prefix}-spill", daemon=True
+        )
+        self.threads.append(spiller)
+        spiller.start()
 
     def submit(self, attempts: Sequence[Attempt]) -> None:
-        """Queue attempts for the handler threads; wakes one idle thread, which passes the
-        wake-up on while attempts remain, so a batch's jobs start in parallel."""
+        """Queue attempts for the handler threads.
+
+        One idle thread is woken, and runs the batch's jobs one after another: a thread
+        wake-up costs more than a quick job. When ``SPILL`` seconds pass without any queued
+        job being taken (the running ones are slow), every idle thread is woken at once, so
+        a batch of slow jobs starts in parallel within about a millisecond.
+        """
         with self._ready:
             self._queue.extend(attempts)
             if self._idle:
                 self._ready.notify()
+            if len(self._queue) > 1 and not self._spill_due:
+                self._spill_due = time.monotonic() + SPILL
+                self._spill_mark = self._taken
+                self._spill.notify()
+
+    def _spill_loop(self) -> None:
+        with self._ready:
+            while not self._closed:
+                if not self._spill_due:
+                    self._spill.wait()
+                    continue
+                delay = self._spill_due - time.monotonic()
+                if delay > 0:
+                    self._spill.wait(delay)
+                    continue
+                if not (self._queue and self._idle):
+                    self._spill_due = 0.0
+                elif self._taken != self._spill_mark:  # progress: quick jobs; look again later
+                    self._spill_due = time.monotonic() + SPILL
+                    self._spill_mark = self._taken
+                else:
+                    self._spill_due = 0.0
+                    self._ready.notify(min(len(self._queue), self._idle))
 
     def waiting(self) -> int:
         """Attempts queued that no handler thread has taken yet."""
@@ -119,10 +158,8 @@ class Runner:
                 self._idle -= 1
             if self._closed:
                 return None
-            attempt = self._queue.popleft()
-            if self._queue and self._idle:
-                self._ready.notify()
-            return attempt
+            self._taken += 1
+            return self._queue.popleft()
 
     def _thread_main(self) -> None:
         while (attempt := self._next()) is not None:
@@ -135,6 +172,7 @@ class Runner:
             self._closed = True
             self._queue.clear()
             self._ready.notify_all()
+            self._spill.notify_all()
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(_cancel_all_and_stop, loop)
@@ -203,7 +241,7 @@ class Runner:
 
     def _call(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any:
         value = task.function(ctx)
-        if inspect.isawaitable(value):
+        if value is not None and inspect.isawaitable(value):
             future = asyncio.run_coroutine_threadsafe(_awaited(value), self._event_loop())
             attempt.future = future
             try:

@@ -109,6 +109,11 @@ class State:
     outcomes: list[Attempt] = field(default_factory=list)  # settled, not yet taken to write
     woken: bool = False  # a notification (or the listener's reconnection) since the last claim
     accepting: bool = True  # False once shutdown took over the unsettled attempts
+    # What the waiting threads wait for, so that settle() wakes them only when it happened
+    # (a wake-up per job costs more than a quick job): the free slots the fetch loop waits
+    # for (0: it is not waiting for slots), and whether the writer waits for a first outcome.
+    slots_wanted: int = 0
+    writer_waiting: bool = False
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
@@ -136,13 +141,18 @@ class State:
         more while fewer than ``at_least`` are free and handlers are running: one claim
         for many slots costs less than one claim each. Returns the free slots."""
         with self.lock:
-            if self.busy >= self.concurrency:
-                self.changed.wait_for(lambda: self.busy < self.concurrency, timeout)
-            free = self.concurrency - self.busy
-            if 0 < free < at_least and self.busy:
-                self.changed.wait_for(lambda: self.concurrency - self.busy >= at_least, gather)
+            try:
+                if self.busy >= self.concurrency:
+                    self.slots_wanted = 1
+                    self.changed.wait_for(lambda: self.busy < self.concurrency, timeout)
                 free = self.concurrency - self.busy
-            return free
+                if 0 < free < at_least and self.busy:
+                    self.slots_wanted = at_least
+                    self.changed.wait_for(lambda: self.concurrency - self.busy >= at_least, gather)
+                    free = self.concurrency - self.busy
+                return free
+            finally:
+                self.slots_wanted = 0
 
     def wait_for_wakeup(self, timeout: float) -> None:
         """Wait for a notification, a stop or ``timeout``; forget the notification."""
@@ -172,8 +182,10 @@ class State:
             attempt.settled_at = time.monotonic()
             self.busy -= 1
             self.outcomes.append(attempt)
-            self.outcomes_ready.notify()
-            self.changed.notify_all()
+            if self.writer_waiting:
+                self.outcomes_ready.notify()
+            if self.slots_wanted and self.concurrency - self.busy >= self.slots_wanted:
+                self.changed.notify_all()
             return True
 
     def abandon(self, why: str) -> list[Attempt]:
@@ -193,16 +205,15 @@ class State:
         more (a commit costs more than the wait, and quick jobs finish within it)."""
         with self.lock:
             if not self.outcomes:
-                self.outcomes_ready.wait(timeout)
+                self.writer_waiting = True
+                try:
+                    self.outcomes_ready.wait(timeout)
+                finally:
+                    self.writer_waiting = False
             seen = 0
             while seen < len(self.outcomes) < limit and self.busy:
                 seen = len(self.outcomes)
-                deadline = time.monotonic() + gather
-                while len(self.outcomes) == seen and self.busy:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    self.outcomes_ready.wait(remaining)
+                self.outcomes_ready.wait(gather)  # not woken by settle(): a plain pause
             taken, self.outcomes = self.outcomes[:limit], self.outcomes[limit:]
             return taken
 
@@ -212,7 +223,6 @@ class State:
             for attempt in attempts:
                 if self.held.get(attempt.key) is attempt:
                     del self.held[attempt.key]
-            self.changed.notify_all()
 
     # -- the heartbeat's and the supervisor's side --------------------------------------
 
