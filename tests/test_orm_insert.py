@@ -17,14 +17,15 @@ import sqlalchemy as sa
 from conftest import FreshDatabase
 from models import EmailJob
 from sqlalchemy import event
-from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm import Session, attributes
 
 from sqla_jobs import JobArgumentsError, validation
 from sqla_jobs.models import Job, metadata
 from sqla_jobs.validation import DEFAULT_MAX_ATTEMPTS
 
 _INSERT = re.compile(r"\s*INSERT INTO (\w+) \(([^)]*)\)", re.IGNORECASE)
+# Given a type here: SQLAlchemy 2.0.30 leaves set_committed_value unannotated.
+set_committed_value: Callable[[object, str, Any], None] = attributes.set_committed_value
 
 
 @pytest.fixture(scope="module")

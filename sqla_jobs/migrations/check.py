@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.schema import CreateIndex
 
 from sqla_jobs import ddl, statements
 from sqla_jobs.schema import names
@@ -84,7 +83,7 @@ def _expected_shape(connection: sa.Connection, table: sa.Table, index: sa.Index)
                 f"(LIKE {ddl.qualified_name(table.name, table.schema)})"
             )
         )
-        connection.execute(CreateIndex(scratch_index))
+        scratch_index.create(connection)
         shape = _shape(
             connection,
             f"pg_temp.{ddl.quote(str(index.name))}",

@@ -51,7 +51,7 @@ def _job_table_items(table_name: str) -> list[SchemaItem]:
         sa.Column("id", sa.BigInteger(), sa.Identity(always=False), primary_key=True),
         sa.Column("queue", sa.String(_NAME_LENGTH), server_default="default", nullable=False),
         sa.Column("task", sa.String(_NAME_LENGTH), nullable=False),
-        sa.Column("args", JSONB(), server_default=sa.text("'{}'::jsonb"), nullable=False),
+        sa.Column("args", JSONB, server_default=sa.text("'{}'::jsonb"), nullable=False),
         sa.Column("status", sa.String(16), server_default="pending", nullable=False),
         sa.Column("priority", sa.SmallInteger(), server_default=sa.text("0"), nullable=False),
         sa.Column(
@@ -76,7 +76,7 @@ def _result_table_items() -> list[SchemaItem]:
     return [
         sa.Column("job_id", sa.BigInteger(), primary_key=True, autoincrement=False),
         sa.Column("task", sa.String(_NAME_LENGTH), nullable=False),
-        sa.Column("value", JSONB(), nullable=True),
+        sa.Column("value", JSONB, nullable=True),
         sa.Column(
             "finished_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False
         ),
