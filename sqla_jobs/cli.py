@@ -252,6 +252,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             name=args.name,
             health_file=args.health_file,
             lock_timeout=args.lock_timeout,
+            handle_signals=True,
         )
         return worker.run()
     finally:

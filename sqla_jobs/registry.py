@@ -50,6 +50,7 @@ from sqla_jobs.queue import DEFAULT_LEASE, ClaimedJob
 from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import Session
 
 __all__ = [
@@ -80,12 +81,15 @@ class JobContext:
     ``session`` is the :class:`~sqlalchemy.orm.Session` whose transaction holds the job's
     row lock and will commit its completion. Write through it; never commit, roll back or
     close it (the worker does). Asking for it in lease mode raises
-    :class:`~sqla_jobs.errors.ConfigurationError`.
+    :class:`~sqla_jobs.errors.ConfigurationError`. A coroutine handler in lock mode, run by
+    a worker given an ``async_session_factory``, gets ``async_session`` instead: an
+    :class:`~sqlalchemy.ext.asyncio.AsyncSession` holding the lock, with the same rules.
     """
 
     job: ClaimedJob
     worker: str
     _session: Session | None = field(default=None, repr=False)
+    _async_session: AsyncSession | None = field(default=None, repr=False)
 
     @property
     def id(self) -> int:
@@ -110,11 +114,25 @@ class JobContext:
     @property
     def session(self) -> Session:
         if self._session is None:
-            raise ConfigurationError(
+            raise ConfigurationError(self._no_session("session", "async_session"))
+        return self._session
+
+    @property
+    def async_session(self) -> AsyncSession:
+        if self._async_session is None:
+            raise ConfigurationError(self._no_session("async_session", "session"))
+        return self._async_session
+
+    def _no_session(self, asked: str, other: str) -> str:
+        if self._session is None and self._async_session is None:
+            return (
                 f"task {self.job.task!r} runs in lease mode and has no claim session; "
                 "register it with mode='lock' to write through the claim's transaction"
             )
-        return self._session
+        return (
+            f"task {self.job.task!r} has ctx.{other}, not ctx.{asked}: a coroutine handler in "
+            "lock mode gets an AsyncSession when the worker has an async_session_factory"
+        )
 
 
 def _duration(name: str, value: timedelta | float) -> timedelta:

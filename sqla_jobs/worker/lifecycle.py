@@ -16,6 +16,8 @@ a bug is logged and restarted, and health is computed from what they report.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import re
@@ -26,10 +28,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 
 from sqla_jobs import statements, validation
 from sqla_jobs.backoff import Backoff
@@ -44,6 +47,9 @@ from sqla_jobs.worker.listener import Notifier
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.state import Attempt, State
 from sqla_jobs.worker.writer import OutcomeWriter
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
 
 __all__ = ["Worker", "WorkerHealth"]
 
@@ -168,6 +174,19 @@ class Worker:
     seconds as their ``lock_timeout``; after a server restart each is replaced at its first
     failure without an error logged.
 
+    Run it in the foreground with :meth:`run` (the ``sqla-jobs worker`` command does, with
+    ``handle_signals=True``: SIGTERM/SIGINT stop it), or inside an application: in a
+    background thread with :meth:`start` / :meth:`stop` or ``with worker:``, or on the
+    application's event loop with ``async with worker:`` (coroutine handlers then run on
+    that loop; FastAPI's lifespan, for example). Signal handlers are installed only when
+    ``handle_signals`` is true and :meth:`run` is called from the main thread.
+
+    ``session_factory`` (e.g. the application's ``sessionmaker``) makes the sessions of
+    lock-mode handlers, configured like the rest of the application (default: a plain
+    ``Session(engine)``); ``async_session_factory`` (an ``async_sessionmaker``) makes an
+    :class:`~sqlalchemy.ext.asyncio.AsyncSession` for lock-mode coroutine functions
+    (``ctx.async_session``).
+
     ``poll_interval`` is the longest time a runnable job waits for an idle worker when no
     notification arrives (a delayed job starts within one interval of its ``run_at``);
     ``batch_size`` caps one claim (default: ``concurrency``); ``grace`` is how long running
@@ -190,8 +209,10 @@ class Worker:
         name: str | None = None,
         stuck_after: float | None = None,
         health_file: str | os.PathLike[str] | None = None,
-        handle_signals: bool = True,
+        handle_signals: bool = False,
         lock_timeout: float = 5.0,
+        session_factory: Callable[[], Session] | None = None,
+        async_session_factory: Callable[[], AsyncSession] | None = None,
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -239,7 +260,17 @@ class Worker:
         self._running = False
         self._database = _DatabaseWatch()
         self._last_stuck_log = 0.0
-        self._runner = Runner(self._state, registry, engine, self.name, self._prefix)
+        self._runner = Runner(
+            self._state,
+            registry,
+            self.name,
+            self._prefix,
+            session_factory=session_factory or functools.partial(Session, engine),
+            async_session_factory=async_session_factory,
+        )
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._exit: list[int | BaseException] = []
         self._fetcher: Fetcher | None = None
         self._roles: dict[str, _Role] = {}
         self._notifier: Notifier | None = None
@@ -261,6 +292,7 @@ class Worker:
             previous = self._install_signal_handlers()
             try:
                 self._start()
+                self._started.set()
                 last_health_write = 0.0
                 while not self._stop_requested:
                     time.sleep(_SUPERVISE_EVERY)
@@ -275,12 +307,65 @@ class Worker:
         finally:
             self._running = False
 
-    def stop(self, *, graceful: bool = True) -> None:
+    def stop(self, *, graceful: bool = True, wait: bool = False) -> None:
         """Ask a running worker to stop (from any thread): like SIGTERM, or with
-        ``graceful=False`` without the grace period (running jobs are released at once)."""
+        ``graceful=False`` without the grace period (running jobs are released at once).
+        With ``wait``, return once a worker started by :meth:`start` has stopped (and
+        re-raise what ended it, if not a stop)."""
         if not graceful:
             self.grace = 0.0
         self._stop_requested = True
+        thread = self._thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+            self._thread = None
+            for outcome in self._exit:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+
+    def start(self) -> None:
+        """Run the worker in a background thread of this process; return once it has
+        started (the database answered), or raise what kept it from starting
+        (:class:`~sqla_jobs.errors.ConfigurationError` for a database that refuses it).
+        Stop it with :meth:`stop`; ``with worker:`` does both."""
+        if self._thread is not None:
+            raise ConfigurationError("this worker is already running")
+        self._started.clear()
+        self._exit.clear()
+        self._stop_requested = False
+
+        def main() -> None:
+            try:
+                self._exit.append(self.run())
+            except BaseException as exc:
+                self._exit.append(exc)
+
+        thread = threading.Thread(target=main, name=f"{self._prefix}-main", daemon=True)
+        self._thread = thread
+        thread.start()
+        while not self._started.wait(0.05):
+            if not thread.is_alive():
+                self._thread = None
+                error = next((e for e in self._exit if isinstance(e, BaseException)), None)
+                raise error or ConfigurationError("the worker stopped before it started")
+
+    def __enter__(self) -> Worker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop(wait=True)
+
+    async def __aenter__(self) -> Worker:
+        """Start on the running event loop's application: coroutine handlers run on this
+        loop; the worker's own threads claim, write outcomes and heartbeat."""
+        self._runner.use_loop(asyncio.get_running_loop())
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        # In a thread: coroutine handlers finishing within the grace need this loop free.
+        await asyncio.to_thread(functools.partial(self.stop, wait=True))
 
     def health(self) -> WorkerHealth:
         """The worker's liveness; see :class:`WorkerHealth`."""

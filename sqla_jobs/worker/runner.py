@@ -28,10 +28,9 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from sqla_jobs import validation
@@ -42,6 +41,11 @@ from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
 __all__ = ["Runner", "job_extra"]
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger("sqla_jobs.worker")
 
@@ -63,7 +67,7 @@ def job_extra(attempt: Attempt, action: str, **more: Any) -> dict[str, Any]:
     }
 
 
-async def _awaited(awaitable: Awaitable[Any]) -> Any:
+async def _awaited(awaitable: Awaitable[_T]) -> _T:
     return await awaitable
 
 
@@ -72,13 +76,21 @@ class Runner:
     thread for handlers that return awaitables."""
 
     def __init__(
-        self, state: State, registry: Registry, engine: Engine, worker_name: str, prefix: str
+        self,
+        state: State,
+        registry: Registry,
+        worker_name: str,
+        prefix: str,
+        *,
+        session_factory: Callable[[], Session],
+        async_session_factory: Callable[[], AsyncSession] | None,
     ) -> None:
         self.state = state
         self.registry = registry
-        self.engine = engine
         self.worker_name = worker_name
         self.prefix = prefix
+        self.session_factory = session_factory
+        self.async_session_factory = async_session_factory
         self._queue: collections.deque[Attempt] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
         self._spill = threading.Condition(self._ready._lock)  # type: ignore[attr-defined]
@@ -91,6 +103,12 @@ class Runner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
+        self._own_loop = True
+
+    def use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run coroutine handlers on ``loop`` (an application's) instead of a loop of the
+        runner's own; at shutdown only this worker's coroutines are cancelled on it."""
+        self._loop, self._own_loop = loop, False
 
     # -- threads --------------------------------------------------------------------------
 
@@ -174,7 +192,7 @@ class Runner:
             self._ready.notify_all()
             self._spill.notify_all()
         loop = self._loop
-        if loop is not None and not loop.is_closed():
+        if loop is not None and self._own_loop and not loop.is_closed():
             loop.call_soon_threadsafe(_cancel_all_and_stop, loop)
         deadline = time.monotonic() + timeout
         for thread in [*self.threads, self._loop_thread]:
@@ -242,13 +260,17 @@ class Runner:
     def _call(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any:
         value = task.function(ctx)
         if value is not None and inspect.isawaitable(value):
-            future = asyncio.run_coroutine_threadsafe(_awaited(value), self._event_loop())
-            attempt.future = future
-            try:
-                value = future.result()
-            except concurrent.futures.CancelledError:
-                raise asyncio.CancelledError("the worker cancelled the coroutine") from None
+            value = self._await(attempt, value)
         return value
+
+    def _await(self, attempt: Attempt, awaitable: Awaitable[_T]) -> _T:
+        """Await on the event loop, from this handler thread."""
+        future = asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._event_loop())
+        attempt.future = future
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise asyncio.CancelledError("the worker cancelled the coroutine") from None
 
     def _storable(self, result: Any) -> Any:
         # A result jsonb cannot store fails its own job here, not the batch it is written in.
@@ -262,10 +284,12 @@ class Runner:
     def _run_locked(self, attempt: Attempt, task: Task[Any]) -> Outcome:
         """Lock the row, run the handler in that transaction, complete the job in it and
         commit: the handler's writes and the completion commit together, or not at all."""
+        if self.async_session_factory is not None and inspect.iscoroutinefunction(task.function):
+            return self._await(attempt, self._run_locked_async(attempt, task))
         job = attempt.job
         committing = False
         try:
-            with Session(self.engine) as session:
+            with self.session_factory() as session:
                 transaction = session.begin()
                 started = lock_one(session, job)
                 if started is None:
@@ -278,10 +302,7 @@ class Runner:
                         self._call(attempt, task, JobContext(job, self.worker_name, session))
                     )
                     if session.get_transaction() is not transaction or not transaction.is_active:
-                        raise ConfigurationError(
-                            "the handler ended the claim's transaction (commit, rollback or "
-                            "close); a lock-mode handler must leave it to the worker"
-                        )
+                        raise ConfigurationError(_ENDED_TRANSACTION)
                 except BaseException as exc:
                     _rollback_quietly(session)
                     return Outcome(Kind.FAIL, error=exc)
@@ -292,21 +313,44 @@ class Runner:
                 return Outcome(Kind.LOST, why="its completion was fenced out")
             return Outcome(Kind.COMMITTED)
         except Exception as exc:
-            # The database failed under the worker, not the handler. Give the job back: the
-            # release is fenced, so if the commit did go through it changes nothing.
-            what = "its commit failed" if committing else "a database error"
-            logger.warning(
-                "lock-mode job %d: %s (%s); if nothing was committed the job is given back",
-                job.id,
-                what,
-                describe(exc),
-                extra=job_extra(
-                    attempt,
-                    "outcome_unknown" if committing else "database_error",
-                    error=describe(exc),
-                ),
-            )
-            return Outcome(Kind.RELEASE, why=what)
+            return _database_failed(attempt, exc, committing=committing)
+        finally:
+            attempt.backend = None
+
+    async def _run_locked_async(self, attempt: Attempt, task: Task[Any]) -> Outcome:
+        """:meth:`_run_locked` for a coroutine handler, with an AsyncSession: the same steps,
+        awaited on the event loop (the queue functions run through ``run_sync``)."""
+        assert self.async_session_factory is not None
+        job = attempt.job
+        committing = False
+        try:
+            async with self.async_session_factory() as session:
+                transaction = await session.begin()
+                started = await session.run_sync(lock_one, job)
+                if started is None:
+                    await transaction.rollback()
+                    return Outcome(Kind.LOST, why="it was taken over before it could be locked")
+                pid = await session.run_sync(_backend_pid)
+                attempt.backend = None if pid is None else (pid, started)
+                try:
+                    ctx = JobContext(job, self.worker_name, _async_session=session)
+                    result = self._storable(await task.function(ctx))
+                    if not transaction.is_active or session.get_transaction() is not transaction:
+                        raise ConfigurationError(_ENDED_TRANSACTION)
+                except BaseException as exc:
+                    try:
+                        await session.rollback()
+                    except Exception as rollback_error:  # the server rolls back for us
+                        logger.debug("rollback failed: %s", describe(rollback_error))
+                    return Outcome(Kind.FAIL, error=exc)
+                lost = await session.run_sync(lambda s: self._complete(s, attempt, result))
+                committing = True
+                await transaction.commit()
+            if lost:
+                return Outcome(Kind.LOST, why="its completion was fenced out")
+            return Outcome(Kind.COMMITTED)
+        except Exception as exc:
+            return _database_failed(attempt, exc, committing=committing)
         finally:
             attempt.backend = None
 
@@ -318,6 +362,28 @@ class Runner:
         return bool(
             complete_many(session, [attempt.job], results=[result], result_model=result_model)
         )
+
+
+_ENDED_TRANSACTION: Final = (
+    "the handler ended the claim's transaction (commit, rollback or close); a lock-mode "
+    "handler must leave it to the worker"
+)
+
+
+def _database_failed(attempt: Attempt, exc: Exception, *, committing: bool) -> Outcome:
+    # The database failed under a lock-mode attempt, not its handler. Give the job back: the
+    # release is fenced, so if the commit did go through it changes nothing.
+    what = "its commit failed" if committing else "a database error"
+    logger.warning(
+        "lock-mode job %d: %s (%s); if nothing was committed the job is given back",
+        attempt.job.id,
+        what,
+        describe(exc),
+        extra=job_extra(
+            attempt, "outcome_unknown" if committing else "database_error", error=describe(exc)
+        ),
+    )
+    return Outcome(Kind.RELEASE, why=what)
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
