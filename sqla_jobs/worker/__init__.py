@@ -2,8 +2,11 @@
 
 ::
 
-    worker = Worker(registry, engine, queues=["email"], concurrency=8)
+    worker = Worker(registry, engine, queues=["email"], concurrency=8, handle_signals=True)
     worker.run()          # blocks; SIGTERM/SIGINT stop it gracefully, a second one at once
+
+    with Worker(registry, engine) as worker:   # or: async with, inside an application
+        ...               # runs in background threads until the block ends
 
 Or from the command line: ``sqla-jobs worker myapp.tasks:registry --queues email``.
 
@@ -28,7 +31,8 @@ How a job goes through it, one module per role:
     what they share, with its locking rules, and where "one outcome per attempt" lives.
 
 Shutdown
-    The first SIGTERM or SIGINT (or :meth:`Worker.stop`) stops the claiming; running jobs
+    The first SIGTERM or SIGINT (with ``handle_signals=True``), :meth:`Worker.stop` or the
+    end of a ``with`` block stops the claiming; running jobs
     get ``grace`` seconds to finish. The jobs still running then are given back (runnable at
     once, the attempt not charged) after the worker has ended its own lock-mode
     transactions, and :meth:`Worker.run` returns 0. A second signal exits the process at
