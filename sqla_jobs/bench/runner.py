@@ -56,6 +56,10 @@ _Q_CLAIM: Final = "bench_claim"
 _Q_HISTORY: Final = "bench_history"
 _Q_ENQUEUE: Final = "bench_enqueue"
 _LEASE_SECONDS: Final = 300.0
+# Latency under load: a steady rate of slow jobs on a worker with a few slots.
+_LOAD_RATE: Final = 50.0  # jobs/s: 10 of the 16 slots busy on average
+_LOAD_SLOTS: Final = 16
+_SLOW_HANDLER_SECONDS: Final = 0.2
 _FLUSH_EVERY: Final = 1000
 _BASE_HISTORY: Final = 10_000
 _LOCK_CONCURRENCY_CAP: Final = 20
@@ -80,6 +84,14 @@ def bench_noop_lock(ctx: JobContext) -> None:
 def bench_stamp(ctx: JobContext) -> float:
     """Returns the wall-clock time at which the handler started."""
     return time.time()
+
+
+@latency_registry.task(queue=_Q_LATENCY)
+def bench_stamp_slow(ctx: JobContext) -> float:
+    """Returns the wall-clock time at which the handler started, after working 200 ms."""
+    started = time.time()
+    time.sleep(_SLOW_HANDLER_SECONDS)
+    return started
 
 
 # -- the ORM's own ceiling -------------------------------------------------------------------
@@ -523,13 +535,36 @@ def _notify_cost(cfg: Config, engine: sa.Engine, results: Results) -> None:
 
 
 def run_latency(cfg: Config, engine: sa.Engine, results: Results) -> None:
+    """Enqueue (commit returned) to handler start: an idle worker woken by NOTIFY
+    (``latency.p50``/``p99``), and a worker under load (``latency.load.*``): 16 slots, a
+    steady 100 jobs/s of 200 ms handlers, so that about 20 run at any time."""
+    idle = _latencies(
+        engine, cfg, task="bench_stamp", slots=4, pause=lambda: random.uniform(0.02, 0.06)
+    )
+    load = _latencies(
+        engine, cfg, task="bench_stamp_slow", slots=_LOAD_SLOTS, pause=lambda: 1 / _LOAD_RATE
+    )
+    for prefix, latencies in (("latency", idle), ("latency.load", load)):
+        p99_index = min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))
+        for name, value in (("p50", statistics.median(latencies)), ("p99", latencies[p99_index])):
+            results.add(f"{prefix}.{name}", max(value, 1e-3), "ms")
+            results.metrics[f"{prefix}.{name}"].higher_is_better = False
+    _progress("latency")
+
+
+def _latencies(
+    engine: sa.Engine, cfg: Config, *, task: str, slots: int, pause: Callable[[], float]
+) -> list[float]:
+    """Milliseconds from each enqueue's commit to its handler's start, sorted."""
     _reset(engine)
     committed: dict[int, float] = {}
-    with _workers(cfg, "latency", 1, 4, 4):
+    with _workers(cfg, "latency", 1, slots, slots):
+        next_at = time.monotonic()
         for _ in range(cfg.latency_samples):
-            time.sleep(random.uniform(0.02, 0.06))  # the worker is idle, waiting
+            next_at += pause()
+            time.sleep(max(0.0, next_at - time.monotonic()))
             with Session(engine) as session:
-                session.add(job := Job(task="bench_stamp", queue=_Q_LATENCY))
+                session.add(job := Job(task=task, queue=_Q_LATENCY))
                 session.flush()
                 job_id = job.id
                 session.commit()
@@ -538,12 +573,7 @@ def run_latency(cfg: Config, engine: sa.Engine, results: Results) -> None:
     with engine.connect() as connection:
         rows = connection.execute(bench_sql.stored_results(_RESULTS))
         started = {row.job_id: float(row.value) for row in rows}
-    latencies = sorted((started[i] - t) * 1000 for i, t in committed.items())
-    p99_index = min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))
-    for name, value in (("p50", statistics.median(latencies)), ("p99", latencies[p99_index])):
-        results.add(f"latency.{name}", max(value, 1e-3), "ms")
-        results.metrics[f"latency.{name}"].higher_is_better = False
-    _progress("latency")
+    return sorted((started[i] - t) * 1000 for i, t in committed.items())
 
 
 def _claim_throughput(engine: sa.Engine, batch: int, count: int) -> float:
@@ -660,6 +690,14 @@ def _value(name: str) -> Callable[[Results], float | None]:
     return lambda results: results.median(name)
 
 
+def _difference(name: str, base: str) -> Callable[[Results], float | None]:
+    def check(results: Results) -> float | None:
+        value, other = results.median(name), results.median(base)
+        return None if value is None or other is None else value - other
+
+    return check
+
+
 def _ratio(name: str) -> Callable[[Results], float | None]:
     return lambda results: results.ratio(name)
 
@@ -692,6 +730,13 @@ TARGETS: Final = [
     Target("enqueue.add_all", "add_all >= 30k jobs/s", _value("enqueue.add_all"), 30_000),
     Target("enqueue.bulk", "bulk >= 60% of bare INSERT", _ratio("enqueue.bulk"), 0.60),
     Target("latency.p50", "idle wake-up p50 <= 5 ms", _value("latency.p50"), 5.0, at_least=False),
+    Target(
+        "latency.load.p50",
+        "p50 under load within 2 ms of idle",
+        _difference("latency.load.p50", "latency.p50"),
+        2.0,
+        at_least=False,
+    ),
     Target(
         "history.claim.big", "claim at big history >= 90% of 10k", _ratio("history.claim.big"), 0.90
     ),

@@ -73,10 +73,15 @@ class Fetcher:
         self.beat = time.monotonic()  # when the loop last went round (for health)
 
     def loop(self) -> None:
+        backlog = False
         try:
             while not self.stopping.is_set():
                 self.beat = time.monotonic()
-                free = self.state.wait_for_slots(self.min_claim, GATHER, self.poll_interval)
+                # With a backlog (the last claim came back full), a claim for many slots
+                # costs less than one per slot: wait a moment for a few to free. Without
+                # one, claim at once: a job just enqueued should not wait.
+                at_least = self.min_claim if backlog else 1
+                free = self.state.wait_for_slots(at_least, GATHER, self.poll_interval)
                 if free <= 0 or self.stopping.is_set():
                     continue
                 limit = min(free, self.batch_size)
@@ -90,7 +95,8 @@ class Fetcher:
                 self.on_database_ok()
                 if jobs:
                     self._hand_out(jobs, sent)
-                if len(jobs) < limit:
+                backlog = len(jobs) == limit
+                if not backlog:
                     self.state.wait_for_wakeup(self.poll_interval)
         finally:
             self.link.close()
