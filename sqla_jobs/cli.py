@@ -252,6 +252,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             name=args.name,
             health_file=args.health_file,
             lock_timeout=args.lock_timeout,
+            synchronous_commit=not args.async_commit,
             handle_signals=True,
         )
         return worker.run()
@@ -470,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--no-listen", action="store_true", help="poll only, no LISTEN/NOTIFY")
     worker.add_argument("--name", help="worker name recorded on its jobs (default host:pid)")
     worker.add_argument("--health-file", metavar="PATH", help="touched every second if healthy")
+    worker.add_argument(
+        "--async-commit",
+        action="store_true",
+        help="the worker's own transactions commit with synchronous_commit=off (see README)",
+    )
     worker.add_argument(
         "--lock-timeout",
         type=_seconds,

@@ -616,19 +616,28 @@ def ping() -> Select[Any]:
     return select(_ONE)
 
 
-def set_lock_timeout(*, local: bool) -> Select[Any]:
-    """``set_config('lock_timeout', :timeout, local)``: bound lock waits (``:timeout`` like
-    ``'5s'``), for the rest of the transaction (``local``) or of the session. The worker
-    sets it on the connections it keeps (SKIP LOCKED skips row locks, not a migration's
-    table lock) and resets it before they go back to the pool."""
-    setting = literal_column("'lock_timeout'", Text)
+#: The settings the worker gives the connections it keeps (see :func:`set_setting`).
+WORKER_SETTINGS: Final = frozenset({"lock_timeout", "synchronous_commit"})
+
+
+def set_setting(*, local: bool) -> Select[Any]:
+    """``set_config(:name, :value, local)``: a setting for the rest of the transaction
+    (``local``) or of the session. The worker sets ``lock_timeout`` on the connections it
+    keeps (SKIP LOCKED skips row locks, not a migration's table lock), and
+    ``synchronous_commit`` when asked to, and resets them (:func:`reset_setting`) before
+    the connections go back to the pool."""
     is_local = literal_column("true" if local else "false", Boolean)
-    return select(func.set_config(setting, bindparam("timeout", type_=Text), is_local))
+    return select(
+        func.set_config(bindparam("name", type_=Text), bindparam("value", type_=Text), is_local)
+    )
 
 
-def reset_lock_timeout() -> TextClause:
-    """``RESET lock_timeout``: back to the server's (or role's) default for the session."""
-    return text("RESET lock_timeout")
+def reset_setting(name: str) -> TextClause:
+    """``RESET <name>``: back to the server's (or role's) default for the session. ``name``
+    is one of :data:`WORKER_SETTINGS` (an identifier, so not a bind parameter)."""
+    if name not in WORKER_SETTINGS:
+        raise ValueError(f"not a setting the worker manages: {name!r}")
+    return text(f"RESET {name}")
 
 
 def terminate_transactions() -> Select[Any]:

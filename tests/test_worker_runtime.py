@@ -335,3 +335,29 @@ def test_outcomes_of_a_failed_write_are_written_again(
     for job_id in ids:
         assert db.job(job_id).attempts == 1
         assert len(db.effects(job_id, "start")) == 1
+
+
+def test_kept_connections_get_their_settings_and_give_them_back(db: JobDatabase) -> None:
+    from sqla_jobs.worker.link import Link
+
+    engine = sa.create_engine(db.url, pool_size=1, max_overflow=0)
+    show = "SELECT current_setting('lock_timeout'), current_setting('synchronous_commit')"
+    try:
+        link = Link(engine, lock_timeout=2.5, synchronous_commit=False)
+        inside = link.transaction(lambda c: tuple(c.execute(sa.text(show)).one()))
+        isolation = link.transaction(lambda c: c.get_isolation_level())
+        link.close()
+        with engine.connect() as connection:  # the same pooled connection, given back
+            after = tuple(connection.execute(sa.text(show)).one())
+    finally:
+        engine.dispose()
+    assert inside == ("2500ms", "off")
+    assert isolation == "READ COMMITTED"
+    assert after == ("0", "on")
+
+
+def test_a_worker_with_async_commit_runs_jobs(db: JobDatabase) -> None:
+    ids = db.enqueue_many([("sleepy", None), ("sleepy_locked", None)])
+    with running(db, synchronous_commit=False):
+        wait_until(lambda: db.all_succeeded(2), timeout=10, message="both succeed")
+    assert [db.job(i).attempts for i in ids] == [1, 1]

@@ -187,6 +187,12 @@ class Worker:
     :class:`~sqlalchemy.ext.asyncio.AsyncSession` for lock-mode coroutine functions
     (``ctx.async_session``).
 
+    ``synchronous_commit=False`` lets the worker's own claim, outcome and heartbeat
+    transactions commit without waiting for the WAL flush (PostgreSQL's
+    ``synchronous_commit = off``): after a server crash the last few of them may be lost,
+    which only makes their jobs run again (see the README); lock-mode handler transactions
+    stay durable.
+
     ``poll_interval`` is the longest time a runnable job waits for an idle worker when no
     notification arrives (a delayed job starts within one interval of its ``run_at``);
     ``batch_size`` caps one claim (default: ``concurrency``); ``grace`` is how long running
@@ -213,6 +219,7 @@ class Worker:
         lock_timeout: float = 5.0,
         session_factory: Callable[[], Session] | None = None,
         async_session_factory: Callable[[], AsyncSession] | None = None,
+        synchronous_commit: bool = True,
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -248,6 +255,7 @@ class Worker:
         self.health_file = Path(health_file) if health_file is not None else None
         self.handle_signals = handle_signals
         self.lock_timeout = lock_timeout
+        self.synchronous_commit = synchronous_commit
         self._table = self.model.__table__  # type: ignore[attr-defined]
         self._prefix = f"sqla-jobs-{self.name}"
 
@@ -525,7 +533,11 @@ class Worker:
         )
 
     def _link(self) -> Link:
-        return Link(self.engine, lock_timeout=self.lock_timeout)
+        return Link(
+            self.engine,
+            lock_timeout=self.lock_timeout,
+            synchronous_commit=self.synchronous_commit,
+        )
 
     def _start_notifier(self) -> None:
         self._notifier = Notifier(

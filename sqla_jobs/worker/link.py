@@ -5,8 +5,9 @@ completion statement they carry, so the fetch loop, the outcome writer and the h
 each keep a Core connection of their own. Every transaction on it runs at READ COMMITTED
 whatever the engine's default (a claim under REPEATABLE READ would raise serialization
 failures instead of skipping locked rows) and with a ``lock_timeout`` (SKIP LOCKED skips row
-locks only: a claim behind a migration's table lock would otherwise wait without end).
-Both are restored when the connection goes back to the pool.
+locks only: a claim behind a migration's table lock would otherwise wait without end), and,
+when the worker is asked for it, ``synchronous_commit = off``. They are restored when the
+connection goes back to the pool.
 
 A kept connection never sees the pool's ``pool_pre_ping``, so after a server restart its
 first statement fails. :meth:`Link.transaction` stands in for the ping: a transaction that
@@ -58,9 +59,13 @@ def is_transient(exc: BaseException) -> bool:
 class Link:
     """One kept connection of ``engine``; see the module docstring."""
 
-    def __init__(self, engine: Engine, *, lock_timeout: float) -> None:
+    def __init__(
+        self, engine: Engine, *, lock_timeout: float, synchronous_commit: bool = True
+    ) -> None:
         self.engine = engine
-        self.lock_timeout = f"{max(1, round(lock_timeout * 1000))}ms"
+        self.settings = {"lock_timeout": f"{max(1, round(lock_timeout * 1000))}ms"}
+        if not synchronous_commit:
+            self.settings["synchronous_commit"] = "off"
         self.connection: Connection | None = None
 
     def _connect(self) -> Connection:
@@ -71,9 +76,10 @@ class Link:
             self.connection = connection
             try:
                 with connection.begin():
-                    connection.execute(
-                        statements.set_lock_timeout(local=False), {"timeout": self.lock_timeout}
-                    )
+                    for name, value in self.settings.items():
+                        connection.execute(
+                            statements.set_setting(local=False), {"name": name, "value": value}
+                        )
             except BaseException:
                 self.close()
                 raise
@@ -115,7 +121,8 @@ class Link:
                 if connection.in_transaction():
                     connection.rollback()
                 with connection.begin():
-                    connection.execute(statements.reset_lock_timeout())
+                    for name in self.settings:
+                        connection.execute(statements.reset_setting(name))
             connection.close()
         except Exception as exc:  # a broken connection: the pool discards it
             logger.debug(
