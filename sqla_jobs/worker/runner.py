@@ -249,7 +249,8 @@ class Runner:
                 Kind.RELEASE,
                 why=f"its lease may have run out ({-left:.1f}s past) before it started",
             )
-        attempt.started_at = time.monotonic()
+        if not self.state.start(attempt):
+            return Outcome(Kind.RELEASE, why="given back before it started")  # refused: settled
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("job started", extra=job_extra(attempt, "job_started"))
         if task.mode == "lock":

@@ -11,17 +11,18 @@ back changes nothing.
 An attempt's life here::
 
     admit()  ->  held, busy (a slot taken)
+    start()  ->  its handler may start (refused once its outcome is fixed)
     settle() ->  outcome fixed, slot free, queued for the outcome writer
     written()->  no longer held (its outcome is committed, or given up): no more heartbeats
 
 Locking rules
     One lock, :attr:`State.lock`, guards every mutable field of :class:`State` and the
-    ``outcome`` and ``settled_at`` fields of every :class:`Attempt`. It is held only for
-    bookkeeping: never across database calls, handler calls or logging, and no other lock
-    is taken while it is held. Two conditions share it: ``changed`` (a slot freed, a wake-up
-    arrived, the worker is stopping: the fetch loop waits on it) and ``outcomes_ready``
-    (the outcome writer waits on it). Fields of an attempt outside that list are written by
-    one thread only, as noted on each.
+    ``outcome``, ``settled_at`` and ``started_at`` fields of every :class:`Attempt`. It is
+    held only for bookkeeping: never across database calls, handler calls or logging, and
+    no other lock is taken while it is held. Two conditions share it: ``changed`` (a slot
+    freed, a wake-up arrived, the worker is stopping: the fetch loop waits on it) and
+    ``outcomes_ready`` (the outcome writer waits on it). Fields of an attempt outside that
+    list are written by one thread only, as noted on each.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Attempt:
     lease_deadline: float
     outcome: Outcome | None = None  # under State.lock, by State.settle only
     settled_at: float = 0.0  # under State.lock
-    started_at: float = 0.0  # by the handler thread, when the handler is called
+    started_at: float = 0.0  # under State.lock, by State.start
     lost: bool = False  # by the heartbeat: its lease was taken over; no more heartbeats
     # By the handler thread: (backend pid, transaction start) of a lock-mode attempt's open
     # transaction, so that shutdown can end that transaction and nothing else.
@@ -186,6 +187,15 @@ class State:
                 self.outcomes_ready.notify()
             if self.slots_wanted and self.concurrency - self.busy >= self.slots_wanted:
                 self.changed.notify_all()
+            return True
+
+    def start(self, attempt: Attempt) -> bool:
+        """Mark the attempt's handler as starting; False when its outcome is fixed already
+        (shutdown gave it back while it waited for a thread): then it must not start."""
+        with self.lock:
+            if attempt.outcome is not None:
+                return False
+            attempt.started_at = time.monotonic()
             return True
 
     def abandon(self, why: str) -> list[Attempt]:
