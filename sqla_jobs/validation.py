@@ -105,13 +105,15 @@ def check_duration(field: str, value: timedelta | float) -> timedelta:
     retry delay, an age. Less than a microsecond (the resolution of ``timedelta`` and of
     PostgreSQL's intervals) is not positive."""
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds <= MAX_DURATION_SECONDS:  # NaN and infinity too
+    if seconds > MAX_DURATION_SECONDS:  # infinity too
         raise InvalidJobError(
             field,
             f"must be at most {MAX_DURATION_SECONDS:,} seconds (about 100 years), got {value!r}",
         )
-    duration = value if isinstance(value, timedelta) else timedelta(seconds=max(seconds, 0.0))
-    if duration <= timedelta(0):
+    if not seconds > 0:  # NaN too
+        raise InvalidJobError(field, f"must be positive, got {value!r}")
+    duration = value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+    if duration <= timedelta(0):  # less than a microsecond
         raise InvalidJobError(field, f"must be positive, got {value!r}")
     return duration
 
