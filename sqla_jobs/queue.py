@@ -574,8 +574,8 @@ def lock_one(session: Executor, job: ClaimedJob) -> float | None:
     transaction holding the lock: returns that transaction's start (epoch seconds), or None
     when the attempt was taken over (nothing is locked then)."""
     table = _job_table(job.model)
-    row = session.execute(_statement(statements.lock, table), _fence_params([job])).first()
-    return None if row is None else float(row.xact_start)
+    rows = _rows(session, statements.lock, table, _fence_params([job]))
+    return float(rows[0][2]) if rows else None
 
 
 # -- outcomes ---------------------------------------------------------------------------

@@ -454,3 +454,16 @@ def test_a_server_restart_costs_no_spurious_error_after_it_is_back(
         after = caplog.records[back:]
     errors = [r for r in after if r.__dict__.get("action") == "database_error"]
     assert [r.__dict__.get("operation") for r in errors] == []
+
+
+def test_a_lock_mode_write_refused_at_flush_fails_the_job(db: JobDatabase) -> None:
+    # It used to surface after the handler, as a database error: the job was given back
+    # (not charged) and ran again without end.
+    job_id = db.enqueue("bad_write_locked")
+    with running(db):
+        wait_until(lambda: db.status(job_id) == "dead", timeout=15, message="dead")
+    job = db.job(job_id)
+    assert (job.attempts, job.max_attempts) == (2, 2)
+    assert job.last_error is not None
+    assert "IntegrityError" in job.last_error
+    assert db.effects(job_id) == []

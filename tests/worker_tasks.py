@@ -203,3 +203,10 @@ def long_locked(ctx: JobContext) -> None:
 def result_of(ctx: JobContext) -> Any:
     """Returns ``args["result"]``."""
     return ctx.args.get("result")
+
+
+@registry.task(queue="work", mode="lock", max_attempts=2, retry=FAST_RETRY)
+def bad_write_locked(ctx: JobContext) -> None:
+    """Lock mode: a write the database refuses only when the worker flushes it."""
+    ctx.session.add(Effect(id=-1, job_id=ctx.id, attempt=ctx.attempt, kind="a", pid=0))
+    ctx.session.add(Effect(id=-1, job_id=ctx.id, attempt=ctx.attempt, kind="b", pid=0))

@@ -38,6 +38,7 @@ from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.queue import complete_many, lock_one
 from sqla_jobs.registry import JobContext, Registry, Task
+from sqla_jobs.worker.link import as_session
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
 __all__ = ["Runner", "job_extra"]
@@ -292,7 +293,10 @@ class Runner:
         try:
             with self.session_factory() as session:
                 transaction = session.begin()
-                started = lock_one(session, job)
+                # The worker's own statements run on the session's connection (the same
+                # transaction), which takes the driver's fast path (queue._rows).
+                connection = session.connection()
+                started = lock_one(as_session(connection), job)
                 if started is None:
                     session.rollback()
                     return Outcome(Kind.LOST, why="it was taken over before it could be locked")
@@ -304,10 +308,13 @@ class Runner:
                     )
                     if session.get_transaction() is not transaction or not transaction.is_active:
                         raise ConfigurationError(_ENDED_TRANSACTION)
+                    # The handler's pending writes: refused ones fail the job like an error
+                    # raised by the handler itself.
+                    session.flush()
                 except BaseException as exc:
                     _rollback_quietly(session)
                     return Outcome(Kind.FAIL, error=exc)
-                lost = self._complete(session, attempt, result)
+                lost = self._complete(as_session(connection), attempt, result)
                 committing = True
                 session.commit()
             if lost:
@@ -338,6 +345,7 @@ class Runner:
                     result = self._storable(await task.function(ctx))
                     if not transaction.is_active or session.get_transaction() is not transaction:
                         raise ConfigurationError(_ENDED_TRANSACTION)
+                    await session.flush()  # as in _run_locked
                 except BaseException as exc:
                     try:
                         await session.rollback()
