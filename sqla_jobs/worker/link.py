@@ -6,7 +6,10 @@ each keep a Core connection of their own. Every transaction on it runs at READ C
 whatever the engine's default (a claim under REPEATABLE READ would raise serialization
 failures instead of skipping locked rows) and with a ``lock_timeout`` (SKIP LOCKED skips row
 locks only: a claim behind a migration's table lock would otherwise wait without end).
-Both are restored when the connection goes back to the pool.
+Both are restored when the connection goes back to the pool. Behind a connection pooler in
+transaction mode (``pooled``), where a session setting would stay on a server connection
+that other clients get next, ``lock_timeout`` is set in each transaction instead: one more
+statement per transaction, and nothing to restore.
 
 A kept connection never sees the pool's ``pool_pre_ping``, so after a server restart its
 first statement fails. :meth:`Link.transaction` stands in for the ping: a transaction that
@@ -58,8 +61,9 @@ def is_transient(exc: BaseException) -> bool:
 class Link:
     """One kept connection of ``engine``; see the module docstring."""
 
-    def __init__(self, engine: Engine, *, lock_timeout: float) -> None:
+    def __init__(self, engine: Engine, *, lock_timeout: float, pooled: bool = False) -> None:
         self.engine = engine
+        self.pooled = pooled
         self.lock_timeout = f"{max(1, round(lock_timeout * 1000))}ms"
         self.connection: Connection | None = None
 
@@ -69,6 +73,8 @@ class Link:
             self.close()
             connection = self.engine.connect().execution_options(isolation_level=ISOLATION)
             self.connection = connection
+            if self.pooled:  # no session state: transaction() sets lock_timeout each time
+                return connection
             try:
                 with connection.begin():
                     connection.execute(
@@ -90,6 +96,10 @@ class Link:
             connection = self._connect()
             try:
                 with connection.begin():
+                    if self.pooled:
+                        connection.execute(
+                            statements.set_lock_timeout(local=True), {"timeout": self.lock_timeout}
+                        )
                     return work(connection)
             except DBAPIError as exc:
                 self.close()
@@ -114,8 +124,9 @@ class Link:
             if not (connection.closed or connection.invalidated):
                 if connection.in_transaction():
                     connection.rollback()
-                with connection.begin():
-                    connection.execute(statements.reset_lock_timeout())
+                if not self.pooled:
+                    with connection.begin():
+                        connection.execute(statements.reset_lock_timeout())
             connection.close()
         except Exception as exc:  # a broken connection: the pool discards it
             logger.debug(

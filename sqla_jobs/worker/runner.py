@@ -34,7 +34,7 @@ from typing import Any, Final
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from sqla_jobs import validation
+from sqla_jobs import statements, validation
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.queue import complete_many, lock_one
@@ -79,6 +79,7 @@ class Runner:
         self.engine = engine
         self.worker_name = worker_name
         self.prefix = prefix
+        self.pooled = False  # behind a transaction pooler (set by the worker at start)
         self._queue: collections.deque[Attempt] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
         self._spill = threading.Condition(self._ready._lock)  # type: ignore[attr-defined]
@@ -271,7 +272,7 @@ class Runner:
                 if started is None:
                     session.rollback()
                     return Outcome(Kind.LOST, why="it was taken over before it could be locked")
-                pid = _backend_pid(session)
+                pid = _backend_pid(session, ask=self.pooled)
                 attempt.backend = None if pid is None else (pid, started)
                 try:
                     result = self._storable(
@@ -334,8 +335,12 @@ def _cancel_all_and_stop(loop: asyncio.AbstractEventLoop) -> None:
     loop.call_soon(loop.stop)
 
 
-def _backend_pid(session: Session) -> int | None:
-    # psycopg knows its backend's pid: no query needed (another driver: not known).
+def _backend_pid(session: Session, *, ask: bool = False) -> int | None:
+    # psycopg knows its backend's pid: no query needed (another driver: not known). Behind a
+    # pooler it knows the pooler's stand-in instead: ask the server (the transaction stays
+    # on one backend).
+    if ask:
+        return int(session.execute(statements.backend_transaction()).one()[0])
     driver: Any = session.connection().connection.driver_connection
     pid = getattr(getattr(driver, "info", None), "backend_pid", None)
     return pid if isinstance(pid, int) else None
