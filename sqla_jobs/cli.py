@@ -10,7 +10,10 @@
     sqla-jobs prune --older-than 7d --batch-size 10000
 
 The database URL comes from ``--database-url`` or the ``SQLA_JOBS_DATABASE_URL``
-environment variable. Admin commands work on the default model
+environment variable. Through PgBouncer in transaction mode it needs nothing more: the
+commands find out at connect (``--pooler auto``) and turn psycopg's prepared statements off
+there; the worker LISTENs on ``--listen-url`` (``SQLA_JOBS_LISTEN_URL``), a direct URL of
+the server, or polls. Admin commands work on the default model
 (:class:`sqla_jobs.models.Job`) unless ``--model module:Class`` or
 ``--registry module:registry`` names another.
 
@@ -41,13 +44,15 @@ from sqlalchemy.orm import Session
 from sqla_jobs import queue
 from sqla_jobs.errors import SqlaJobsError
 from sqla_jobs.events import describe
+from sqla_jobs.pooler import POOLER_MODES, unprepared_behind_pooler
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobMixin, JobStatus
 from sqla_jobs.urls import psycopg_url
 
-__all__ = ["DATABASE_URL_VARIABLE", "main", "make_engine", "parse_duration"]
+__all__ = ["DATABASE_URL_VARIABLE", "LISTEN_URL_VARIABLE", "main", "make_engine", "parse_duration"]
 
 DATABASE_URL_VARIABLE: Final = "SQLA_JOBS_DATABASE_URL"
+LISTEN_URL_VARIABLE: Final = "SQLA_JOBS_LISTEN_URL"
 DEFAULT_MODEL: Final = "sqla_jobs.models:Job"
 
 logger = logging.getLogger(__name__)
@@ -86,12 +91,12 @@ def _seconds(text: str) -> float:
     return parse_duration(text).total_seconds()
 
 
-def database_url(value: str | None) -> URL:
+def database_url(value: str | None, variable: str = DATABASE_URL_VARIABLE) -> URL:
     """The URL from ``--database-url`` or the environment, with the psycopg 3 driver."""
-    raw = value or os.environ.get(DATABASE_URL_VARIABLE, "").strip()
+    raw = value or os.environ.get(variable, "").strip()
     if not raw:
         raise CommandError(
-            f"no database URL: pass --database-url or set {DATABASE_URL_VARIABLE} "
+            f"no database URL: pass --database-url or set {variable} "
             "(e.g. postgresql://user@localhost/app)"
         )
     try:
@@ -105,23 +110,37 @@ def database_url(value: str | None) -> URL:
     return url
 
 
-def make_engine(url: URL, *, pool_size: int = 5, application_name: str = "sqla-jobs") -> Engine:
+def make_engine(
+    url: URL,
+    *,
+    pool_size: int = 5,
+    application_name: str = "sqla-jobs",
+    pooler: str = "auto",
+) -> Engine:
     """An engine for the command line's work: pre-ping (survives server restarts), TCP
-    keepalives (notices a vanished server), a connect timeout."""
-    return create_engine(
+    keepalives (notices a vanished server), a connect timeout. Behind a connection pooler
+    (``pooler="transaction"``, or found at connect with ``"auto"``:
+    :func:`sqla_jobs.pooler.unprepared_behind_pooler`), psycopg prepares no statements."""
+    connect_args: dict[str, Any] = {
+        "connect_timeout": 10,
+        "application_name": application_name,
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+    }
+    if pooler == "transaction":
+        connect_args["prepare_threshold"] = None
+    engine = create_engine(
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=True,
-        connect_args={
-            "connect_timeout": 10,
-            "application_name": application_name,
-            "keepalives": 1,
-            "keepalives_idle": 30,
-            "keepalives_interval": 10,
-            "keepalives_count": 3,
-        },
+        connect_args=connect_args,
     )
+    if pooler == "auto":
+        unprepared_behind_pooler(engine)
+    return engine
 
 
 def load_object(target: str, what: str) -> Any:
@@ -238,7 +257,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     registry = load_registry(args.target)
     url = database_url(args.database_url)
     queues = _queue_list(args.queues) if args.queues else None
-    engine = make_engine(url, pool_size=args.concurrency + 4, application_name="sqla-jobs worker")
+    engine = make_engine(
+        url,
+        pool_size=args.concurrency + 4,
+        application_name="sqla-jobs worker",
+        pooler=args.pooler,
+    )
+    listen_url = args.listen_url or os.environ.get(LISTEN_URL_VARIABLE, "").strip()
+    listen_engine = None
+    if listen_url and not args.no_listen:
+        listen_engine = make_engine(
+            database_url(listen_url, LISTEN_URL_VARIABLE),
+            pool_size=1,
+            application_name="sqla-jobs worker",
+            pooler="none",
+        )
     try:
         worker = Worker(
             registry,
@@ -254,10 +287,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
             lock_timeout=args.lock_timeout,
             synchronous_commit=not args.async_commit,
             handle_signals=True,
+            listen_engine=listen_engine,
+            pooler=args.pooler,
         )
         return worker.run()
     finally:
         engine.dispose()
+        if listen_engine is not None:
+            listen_engine.dispose()
 
 
 def _queue_list(text: str) -> list[str]:
@@ -286,7 +323,7 @@ def _last_line(text: str | None) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     model = load_model(args)
-    engine = make_engine(database_url(args.database_url), pool_size=1)
+    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
     try:
         with Session(engine) as session, session.begin():
             stats = queue.queue_stats(session, model)
@@ -335,7 +372,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _admin(args: argparse.Namespace, operation: Callable[..., None], done: str) -> int:
     model = load_model(args)
-    engine = make_engine(database_url(args.database_url), pool_size=1)
+    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
     try:
         with Session(engine) as session, session.begin():
             operation(session, model, args.job_id)
@@ -355,7 +392,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     model = load_model(args)
-    engine = make_engine(database_url(args.database_url), pool_size=1)
+    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
     total = 0
     started = time.monotonic()
     progress = sys.stderr
@@ -448,6 +485,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help=f"PostgreSQL URL (default: ${DATABASE_URL_VARIABLE})",
     )
+    db.add_argument(
+        "--pooler",
+        choices=POOLER_MODES,
+        default="auto",
+        help="a connection pooler in transaction mode (PgBouncer) between here and "
+        "PostgreSQL: found out at connect (auto, the default), assumed (transaction), or "
+        "assumed absent (none); behind one, no prepared statements and no session state",
+    )
     which = _Parser(add_help=False)
     group = which.add_mutually_exclusive_group()
     group.add_argument(
@@ -468,7 +513,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--grace", type=_seconds, default=30.0, help="time for running jobs at shutdown (30s)"
     )
-    worker.add_argument("--no-listen", action="store_true", help="poll only, no LISTEN/NOTIFY")
+    wakeups = worker.add_mutually_exclusive_group()
+    wakeups.add_argument("--no-listen", action="store_true", help="poll only, no LISTEN/NOTIFY")
+    wakeups.add_argument(
+        "--listen-url",
+        metavar="URL",
+        help="a direct URL of the server to LISTEN on, when the database URL goes through "
+        f"a pooler such as PgBouncer (default: ${LISTEN_URL_VARIABLE}; without one, "
+        "a worker behind a pooler polls)",
+    )
     worker.add_argument("--name", help="worker name recorded on its jobs (default host:pid)")
     worker.add_argument("--health-file", metavar="PATH", help="touched every second if healthy")
     worker.add_argument(

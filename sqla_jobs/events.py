@@ -10,6 +10,11 @@ action                 level    meaning
 worker_started         INFO     the worker runs (queues, concurrency, name in ``extra``)
 queue_without_tasks    WARNING  a queue the worker claims from has no task in its registry
 wakeup_trigger_missing WARNING  the job table has no NOTIFY trigger: new jobs wait for a poll
+behind_pooler          INFO     the engine goes through a connection pooler (PgBouncer): no
+                                session state; ``listen`` says whether LISTEN goes to the
+                                listen engine, or new jobs are found by polling only
+prepared_behind_pooler WARNING  behind a pooler, psycopg prepares statements: the engine needs
+                                ``connect_args={"prepare_threshold": None}``
 worker_stopping        INFO     a signal or ``stop()`` asked it to stop; no more claims
 worker_stopped         INFO     it stopped; ``released`` jobs were given back unfinished
 job_claimed            DEBUG    a batch was claimed (``count``)

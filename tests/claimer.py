@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from models import EmailJob
 from sqlalchemy.orm import Session
@@ -9,9 +11,11 @@ from sqlalchemy.orm import Session
 import sqla_jobs
 
 
-def claim_until_empty(url: str, batch: int) -> list[tuple[int, int]]:
+def claim_until_empty(
+    url: str, batch: int, connect_args: dict[str, Any] | None = None
+) -> list[tuple[int, int]]:
     """Claim and complete until nothing is left; return the (id, attempt) of each claim."""
-    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    engine = sa.create_engine(url, poolclass=sa.NullPool, connect_args=connect_args or {})
     claimed: list[tuple[int, int]] = []
     empty_rounds = 0
     try:

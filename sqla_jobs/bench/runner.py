@@ -38,6 +38,7 @@ from sqla_jobs import statements
 from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.models import Job, JobResult, metadata
+from sqla_jobs.pgbouncer import PgBouncer, find_binary
 from sqla_jobs.queue import claim, complete_many, enqueue_many
 from sqla_jobs.registry import JobContext, Registry
 from sqla_jobs.urls import libpq_url, psycopg_url
@@ -45,7 +46,7 @@ from sqla_jobs.worker import Worker
 
 __all__ = ["SECTIONS", "main"]
 
-SECTIONS: Final = ("ceiling", "enqueue", "drain", "latency", "history", "memory")
+SECTIONS: Final = ("ceiling", "enqueue", "drain", "latency", "history", "memory", "pgbouncer")
 
 _TABLE: Final[sa.Table] = Job.__table__  # type: ignore[assignment]
 _RESULTS: Final[sa.Table] = JobResult.__table__  # type: ignore[assignment]
@@ -150,6 +151,7 @@ class Metric:
 class Results:
     def __init__(self) -> None:
         self.metrics: dict[str, Metric] = {}
+        self.skipped: dict[str, str] = {}  # section -> why it was not measured
 
     def add(self, name: str, value: float, unit: str, ceiling: str | None = None) -> None:
         metric = self.metrics.setdefault(name, Metric(name, unit, ceiling=ceiling))
@@ -322,13 +324,18 @@ def _worker_process(
     which: str,
     concurrency: int,
     batch: int,
+    listen_url: str | None,
     ready: Any,
     stop: Any,
     synchronous_commit: bool = True,
 ) -> None:
+    """A worker on ``url``; with ``listen_url``, ``url`` goes through PgBouncer: no prepared
+    statements there, and LISTEN on ``listen_url``, a direct connection."""
     registry_ = latency_registry if which == "latency" else registry
     queue = {"lease": _Q_LEASE, "lock": _Q_LOCK, "latency": _Q_LATENCY}[which]
-    engine = _engine(url, pool_size=concurrency + 5, max_overflow=10)
+    pooled = {"connect_args": {"prepare_threshold": None}} if listen_url else {}
+    engine = _engine(url, pool_size=concurrency + 5, max_overflow=10, **pooled)
+    listen_engine = _engine(listen_url, poolclass=NullPool) if listen_url else None
     worker = Worker(
         registry_,
         engine,
@@ -337,6 +344,7 @@ def _worker_process(
         batch_size=batch,
         handle_signals=False,
         synchronous_commit=synchronous_commit,
+        listen_engine=listen_engine,
     )
 
     def watch() -> None:
@@ -349,6 +357,8 @@ def _worker_process(
     threading.Thread(target=watch, daemon=True).start()
     worker.run()
     engine.dispose()
+    if listen_engine is not None:
+        listen_engine.dispose()
 
 
 @contextlib.contextmanager
@@ -358,15 +368,19 @@ def _workers(
     procs: int,
     concurrency: int,
     batch: int,
+    pooled_url: str | None = None,
     synchronous_commit: bool = True,
 ) -> Iterator[list[int]]:
+    """Worker processes on ``cfg.url``, or through PgBouncer at ``pooled_url`` (LISTEN on
+    ``cfg.url``), each ready once it listens."""
     context = multiprocessing.get_context("spawn")
     stop = context.Event()
     readies = [context.Event() for _ in range(procs)]
+    url, listen_url = (pooled_url, cfg.url) if pooled_url else (cfg.url, None)
     processes = [
         context.Process(
             target=_worker_process,
-            args=(cfg.url, which, concurrency, batch, ready, stop, synchronous_commit),
+            args=(url, which, concurrency, batch, listen_url, ready, stop, synchronous_commit),
         )
         for ready in readies
     ]
@@ -395,6 +409,7 @@ def _worker_drain(
     procs: int,
     count: int | None = None,
     on_sample: Callable[[list[int], float], None] | None = None,
+    pooled_url: str | None = None,
     synchronous_commit: bool = True,
 ) -> float:
     queue = _Q_LEASE if mode == "lease" else _Q_LOCK
@@ -407,7 +422,7 @@ def _worker_drain(
         # run the last one (measured 1-4% faster than concurrency == batch, 8 pairs of 8).
         concurrency = 1 if batch == 1 else 2 * batch
     _reset(engine)
-    with _workers(cfg, mode, procs, concurrency, batch, synchronous_commit) as pids:
+    with _workers(cfg, mode, procs, concurrency, batch, pooled_url, synchronous_commit) as pids:
         _fill(engine, queue, task, count)
         committed = _db_now(engine)
         if on_sample is not None:
@@ -467,6 +482,40 @@ def run_drain(cfg: Config, engine: sa.Engine, results: Results) -> None:
                 name = _drain_name("drain", mode, batch_kind, procs) + ".async_commit"
                 results.add(name, value, "jobs/s", ceiling)
         _progress(f"{mode} {batch_kind} {procs}p")
+
+
+_PGBOUNCER_DRAINS: Final = (("batched", 1), ("batched", 2), ("single", 1))
+_PGBOUNCER_ROUNDS: Final = itertools.count()
+
+
+def run_pgbouncer(cfg: Config, engine: sa.Engine, results: Results) -> None:
+    """Lease-mode drains with the worker's engine through PgBouncer in transaction mode
+    (``prepare_threshold=None``, LISTEN on a direct connection), each against the same drain
+    direct, measured side by side: ``pgbouncer.drain.*`` has ``pgbouncer.direct.*`` as its
+    ceiling. Skipped, saying why, when PgBouncer is not installed."""
+    if find_binary() is None:
+        results.skipped["pgbouncer"] = (
+            "PgBouncer is not installed (on Debian: apt-get install pgbouncer)"
+        )
+        _progress(f"pgbouncer skipped: {results.skipped['pgbouncer']}")
+        return
+    database = make_url(cfg.url).database
+    assert database is not None
+    # Alternate which goes first between repeats, so neither gets the warmer machine.
+    pooled_first = next(_PGBOUNCER_ROUNDS) % 2 == 1
+    with PgBouncer(cfg.url) as bouncer:
+        pooled_url = bouncer.url(database)
+        for batch_kind, procs in _PGBOUNCER_DRAINS:
+            batch = cfg.batch if batch_kind == "batched" else 1
+            direct = _drain_name("pgbouncer.direct", "lease", batch_kind, procs)
+            for via in (pooled_url, None) if pooled_first else (None, pooled_url):
+                value = _worker_drain(cfg, engine, "lease", batch, procs, pooled_url=via)
+                if via is None:
+                    results.add(direct, value, "jobs/s")
+                else:
+                    name = _drain_name("pgbouncer.drain", "lease", batch_kind, procs)
+                    results.add(name, value, "jobs/s", direct)
+            _progress(f"pgbouncer {batch_kind} {procs}p")
 
 
 def _add_all(engine: sa.Engine, model: type[Job] | type[_PlainJob], count: int) -> float:
@@ -817,6 +866,8 @@ def render(results: Results, machine: dict[str, Any]) -> str:
             f"{name:<32} {_fmt(metric.median, metric.unit):>12} {metric.unit:<9} "
             f"{_fmt(ceiling):>12} {'-' if ratio is None else f'{ratio:.2f}':>7}"
         )
+    for section, why in results.skipped.items():
+        lines.append(f"{section}: skipped: {why}")
     lines.append("")
     lines.append("targets:")
     for row in _targets(results):
@@ -828,7 +879,15 @@ def render(results: Results, machine: dict[str, Any]) -> str:
 
 def _order(name: str) -> tuple[int, str]:
     section = name.split(".")[0]
-    order = {"ceiling": 0, "enqueue": 1, "drain": 2, "latency": 3, "history": 4, "memory": 5}
+    order = {
+        "ceiling": 0,
+        "enqueue": 1,
+        "drain": 2,
+        "latency": 3,
+        "history": 4,
+        "memory": 5,
+        "pgbouncer": 6,
+    }
     return order.get(section, 9), name
 
 
@@ -944,6 +1003,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_enqueue(cfg, engine, results)
             if "latency" in cfg.sections:
                 run_latency(cfg, engine, results)
+            if "pgbouncer" in cfg.sections:
+                run_pgbouncer(cfg, engine, results)
         if "history" in cfg.sections:
             run_history(cfg, engine, results)
         if "memory" in cfg.sections:
@@ -989,6 +1050,7 @@ def _write_json(path: str, cfg: Config, machine: dict[str, Any], results: Result
             for name, m in results.metrics.items()
         },
         "targets": _targets(results),
+        "skipped": results.skipped,
     }
     with open(path, "w") as out:
         json.dump(document, out, indent=2, default=str)

@@ -38,6 +38,7 @@ from sqla_jobs import statements, validation
 from sqla_jobs.backoff import Backoff
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
+from sqla_jobs.pooler import POOLER_MODES, behind_pooler
 from sqla_jobs.queue import MAX_CLAIM_LIMIT, default_worker_name
 from sqla_jobs.registry import Registry
 from sqla_jobs.worker.fetcher import Fetcher
@@ -199,6 +200,14 @@ class Worker:
     jobs may finish after a stop is asked for; ``listen=False`` turns LISTEN/NOTIFY off;
     ``stuck_after`` is how long a stalled fetch loop, handler hand-off or outcome write may
     last before :meth:`health` reports the worker unhealthy.
+
+    Behind a connection pooler in transaction mode (PgBouncer), which ``pooler="auto"``
+    finds out at start (:func:`sqla_jobs.pooler.behind_pooler`) and ``"transaction"``
+    assumes, the worker keeps no session state: its connections set ``lock_timeout`` in
+    each transaction, and it LISTENs on ``listen_engine``, an engine with a direct
+    connection to the server, or, without one, finds new jobs by polling only. Such an
+    engine needs ``connect_args={"prepare_threshold": None}`` (the worker warns without).
+    ``pooler="none"`` keeps the direct behaviour whatever the engine goes through.
     """
 
     def __init__(
@@ -220,6 +229,8 @@ class Worker:
         session_factory: Callable[[], Session] | None = None,
         async_session_factory: Callable[[], AsyncSession] | None = None,
         synchronous_commit: bool = True,
+        listen_engine: Engine | None = None,
+        pooler: str = "auto",
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -236,8 +247,13 @@ class Worker:
             raise ConfigurationError(
                 f"lock_timeout must be in (0, 3600) seconds, not {lock_timeout!r}"
             )
+        if pooler not in POOLER_MODES:
+            raise ConfigurationError(f"pooler must be one of {POOLER_MODES}, not {pooler!r}")
         self.registry = registry
         self.engine = engine
+        self.listen_engine = listen_engine
+        self.pooler = pooler
+        self.pooled = pooler == "transaction"  # "auto": found out at start
         self.model = registry.model
         self.queues = [
             validation.check_name("queues", queue)
@@ -430,6 +446,9 @@ class Worker:
             try:
                 with self.engine.connect() as connection:
                     connection.execute(probe, {"job_id": 0})
+                    driver: Any = connection.connection.driver_connection
+                    if self.pooler == "auto":
+                        self.pooled = behind_pooler(driver)
                     trigger = connection.execute(
                         statements.wakeup_trigger_exists(self._table)
                     ).scalar()
@@ -451,6 +470,8 @@ class Worker:
                 if self._stop_requested:
                     raise
                 time.sleep(delay)
+        if self.pooled:
+            self._log_pooled(getattr(driver, "prepare_threshold", None))
         if self.listen and not trigger:
             logger.warning(
                 "table %s has no wake-up trigger: new jobs wait up to the poll interval "
@@ -461,8 +482,32 @@ class Worker:
                 extra={"action": "wakeup_trigger_missing", "table": self._table.name},
             )
 
+    def _log_pooled(self, prepare_threshold: int | None) -> None:
+        listens = self.listen and self.listen_engine is not None
+        if listens:
+            wakeups = "LISTEN goes to the listen engine's own connection"
+        else:
+            wakeups = f"no LISTEN: new jobs are found by polling every {self.poll_interval:g}s"
+            if self.listen:
+                wakeups += " (a direct listen engine, --listen-url, would LISTEN)"
+        logger.info(
+            "the engine goes through a connection pooler: lock_timeout is set in each "
+            "transaction; %s",
+            wakeups,
+            extra={"action": "behind_pooler", "pooler": self.pooler, "listen": listens},
+        )
+        if prepare_threshold is not None:
+            logger.warning(
+                "the engine goes through a pooler but psycopg prepares statements "
+                "(prepare_threshold=%d), which PgBouncer in transaction mode cannot route "
+                "before 1.21: create the engine with connect_args={'prepare_threshold': None}",
+                prepare_threshold,
+                extra={"action": "prepared_behind_pooler"},
+            )
+
     def _start(self) -> None:
         state = self._state
+        self._runner.pooled = self.pooled
         self._fetcher = self._make_fetcher()
         writer_failed, writer_ok = self._database.role("outcomes")
         writer = OutcomeWriter(
@@ -491,7 +536,7 @@ class Worker:
         self._runner.start(self.concurrency)
         for role in self._roles.values():
             role.start()
-        if self.listen:
+        if self.listen and (self.listen_engine is not None or not self.pooled):
             self._start_notifier()
         logger.info(
             "worker %s started: queues %s, concurrency %d",
@@ -537,11 +582,12 @@ class Worker:
             self.engine,
             lock_timeout=self.lock_timeout,
             synchronous_commit=self.synchronous_commit,
+            pooled=self.pooled,
         )
 
     def _start_notifier(self) -> None:
         self._notifier = Notifier(
-            self.engine,
+            self.listen_engine or self.engine,
             self._table,
             on_notify=self._on_notify,
             on_connect=self._state.wake,

@@ -7,7 +7,10 @@ whatever the engine's default (a claim under REPEATABLE READ would raise seriali
 failures instead of skipping locked rows) and with a ``lock_timeout`` (SKIP LOCKED skips row
 locks only: a claim behind a migration's table lock would otherwise wait without end), and,
 when the worker is asked for it, ``synchronous_commit = off``. They are restored when the
-connection goes back to the pool.
+connection goes back to the pool. Behind a connection pooler in transaction mode
+(``pooled``), where a session setting would stay on a server connection that other clients
+get next, they are set in each transaction instead: one more statement per setting and
+transaction, and nothing to restore.
 
 A kept connection never sees the pool's ``pool_pre_ping``, so after a server restart its
 first statement fails. :meth:`Link.transaction` stands in for the ping: a transaction that
@@ -60,9 +63,15 @@ class Link:
     """One kept connection of ``engine``; see the module docstring."""
 
     def __init__(
-        self, engine: Engine, *, lock_timeout: float, synchronous_commit: bool = True
+        self,
+        engine: Engine,
+        *,
+        lock_timeout: float,
+        synchronous_commit: bool = True,
+        pooled: bool = False,
     ) -> None:
         self.engine = engine
+        self.pooled = pooled
         self.settings = {"lock_timeout": f"{max(1, round(lock_timeout * 1000))}ms"}
         if not synchronous_commit:
             self.settings["synchronous_commit"] = "off"
@@ -74,6 +83,8 @@ class Link:
             self.close()
             connection = self.engine.connect().execution_options(isolation_level=ISOLATION)
             self.connection = connection
+            if self.pooled:  # no session state: transaction() sets the settings each time
+                return connection
             try:
                 with connection.begin():
                     for name, value in self.settings.items():
@@ -96,6 +107,11 @@ class Link:
             connection = self._connect()
             try:
                 with connection.begin():
+                    if self.pooled:
+                        for name, value in self.settings.items():
+                            connection.execute(
+                                statements.set_setting(local=True), {"name": name, "value": value}
+                            )
                     return work(connection)
             except DBAPIError as exc:
                 self.close()
@@ -120,9 +136,10 @@ class Link:
             if not (connection.closed or connection.invalidated):
                 if connection.in_transaction():
                     connection.rollback()
-                with connection.begin():
-                    for name in self.settings:
-                        connection.execute(statements.reset_setting(name))
+                if not self.pooled:
+                    with connection.begin():
+                        for name in self.settings:
+                            connection.execute(statements.reset_setting(name))
             connection.close()
         except Exception as exc:  # a broken connection: the pool discards it
             logger.debug(

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from sqlalchemy.orm import Session
 
-from sqla_jobs import validation
+from sqla_jobs import statements, validation
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.queue import complete_many, lock_one
@@ -92,6 +92,7 @@ class Runner:
         self.prefix = prefix
         self.session_factory = session_factory
         self.async_session_factory = async_session_factory
+        self.pooled = False  # behind a transaction pooler (set by the worker at start)
         self._queue: collections.deque[Attempt] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
         self._spill = threading.Condition(self._ready._lock)  # type: ignore[attr-defined]
@@ -300,7 +301,7 @@ class Runner:
                 if started is None:
                     session.rollback()
                     return Outcome(Kind.LOST, why="it was taken over before it could be locked")
-                pid = _backend_pid(session)
+                pid = _backend_pid(session, ask=self.pooled)
                 attempt.backend = None if pid is None else (pid, started)
                 try:
                     result = self._storable(
@@ -338,7 +339,7 @@ class Runner:
                 if started is None:
                     await transaction.rollback()
                     return Outcome(Kind.LOST, why="it was taken over before it could be locked")
-                pid = await session.run_sync(_backend_pid)
+                pid = await session.run_sync(_backend_pid, ask=self.pooled)
                 attempt.backend = None if pid is None else (pid, started)
                 try:
                     ctx = JobContext(job, self.worker_name, _async_session=session)
@@ -409,8 +410,12 @@ def _cancel_all_and_stop(loop: asyncio.AbstractEventLoop) -> None:
     loop.call_soon(loop.stop)
 
 
-def _backend_pid(session: Session) -> int | None:
-    # psycopg knows its backend's pid: no query needed (another driver: not known).
+def _backend_pid(session: Session, *, ask: bool = False) -> int | None:
+    # psycopg knows its backend's pid: no query needed (another driver: not known). Behind a
+    # pooler it knows the pooler's stand-in instead: ask the server (the transaction stays
+    # on one backend).
+    if ask:
+        return int(session.execute(statements.backend_transaction()).one()[0])
     driver: Any = session.connection().connection.driver_connection
     pid = getattr(getattr(driver, "info", None), "backend_pid", None)
     return pid if isinstance(pid, int) else None
