@@ -7,8 +7,9 @@ Run by tests/test_lease_proof.py. The setup:
   acquire 1-3 seats (a random filter and order) for 0.3-1.2 s, renew them every third of
   that for a while, then release them, or simply stop renewing (an expiry), or stall past
   the expiry and then renew or release them (a zombie, which the fence must refuse when
-  the seat was taken meanwhile). One cycle in five is lock-held (``hold=True``): the seat is held
-  by the holder's transaction, often past its ``duration``, and released in it.
+  the seat was taken meanwhile). About one cycle in three is lock-held (``hold=True``):
+  the seat is held by the holder's transaction, often past its ``duration``, and released
+  in it (or, one time in five, left to expire after the commit).
 * The parent SIGKILLs a random holder every 0.5-1.5 s (at whatever point it is: inside a
   transaction, between transactions) and starts a new one under a new name, and now and
   then SIGSTOPs one for 0.5-2 s (a holder that stops renewing without knowing it).
@@ -26,9 +27,11 @@ row. Each row carries the seat, the grant's fence and two database times:
   ends at its release (``lease_expires_at`` is then the release's time) or, unreleased, at
   the latest ``lease_expires_at`` its grant and renewals committed.
 
-A renewal or release the fence refused is logged too (``lost``), for the count of zombies
-refused; for a lock-held grant it is a failure in itself, since the holder's transaction
-held the row lock all along.
+A lock-held grant that its transaction keeps unreleased to the end logs ``held`` just
+before the commit, with that time as its ``expires_at``: the row lock held it until then,
+perhaps past its expiry. A renewal or release the fence refused is logged too (``lost``),
+for the count of zombies refused; for a lock-held grant it is a failure in itself, since
+the holder's transaction held the row lock all along.
 
 One exception: a lock-held grant is committed by the library on a connection of its own
 before the holder's transaction logs it, so a holder killed in between leaves a grant
@@ -69,7 +72,7 @@ from sqla_jobs import Lease, acquire_leases, release_leases, renew_leases
 SEATS = 10
 PROCESSES = 8
 SHOW = 1
-HOLD_SHARE = 0.2
+HOLD_SHARE = 0.3
 
 LOG = sa.table(
     "lease_log",
@@ -87,7 +90,7 @@ CREATE TABLE lease_log (
     seat_id integer NOT NULL,
     fence bigint NOT NULL,
     holder text NOT NULL,
-    kind text NOT NULL CHECK (kind IN ('grant', 'renew', 'release', 'lost')),
+    kind text NOT NULL CHECK (kind IN ('grant', 'renew', 'release', 'held', 'lost')),
     mode text NOT NULL CHECK (mode IN ('lease', 'hold')),
     at timestamptz NOT NULL,
     expires_at timestamptz NOT NULL
@@ -123,7 +126,8 @@ def setup(url: str) -> None:
 
 def _log(session: Session, leases: Sequence[Lease], kind: str, mode: str) -> None:
     """Log ``leases`` in the caller's transaction, each with the seat's lease_expires_at as
-    it is now (after the change this transaction made, whose row lock it still holds)."""
+    it is now (after the change this transaction made, whose row lock it still holds); a
+    ``held`` row (a lock-held grant its transaction keeps to the end) with the time now."""
     if not leases:
         return
     seat_ids = [lease.key for lease in leases]
@@ -132,7 +136,8 @@ def _log(session: Session, leases: Sequence[Lease], kind: str, mode: str) -> Non
     session.execute(
         sa.text(
             "INSERT INTO lease_log (seat_id, fence, holder, kind, mode, at, expires_at) "
-            "SELECT s.id, g.fence, g.holder, :kind, :mode, clock_timestamp(), s.lease_expires_at "
+            "SELECT s.id, g.fence, g.holder, :kind, :mode, clock_timestamp(), "
+            "CASE WHEN :kind = 'held' THEN clock_timestamp() ELSE s.lease_expires_at END "
             "FROM unnest(CAST(:ids AS integer[]), CAST(:fences AS bigint[]), "
             "CAST(:holders AS text[])) AS g(id, fence, holder) JOIN seats s ON s.id = g.id"
         ),
@@ -207,7 +212,7 @@ def _hold_cycle(engine: sa.Engine, rng: random.Random, name: str) -> None:
         _log(session, leases, "grant", "hold")
         if not leases:
             return
-        time.sleep(rng.uniform(0.1, 1.5))  # often past the duration: the row lock holds
+        time.sleep(duration * rng.uniform(0.3, 2.5))  # often past the duration: the lock holds
         if rng.random() < 0.3:
             lost = renew_leases(session, leases, duration=duration)
             _log(session, [lease for lease in leases if lease not in lost], "renew", "hold")
@@ -216,7 +221,10 @@ def _hold_cycle(engine: sa.Engine, rng: random.Random, name: str) -> None:
             lost = release_leases(session, leases)
             _log(session, [lease for lease in leases if lease not in lost], "release", "hold")
             _log(session, lost, "lost", "hold")
-        # else: committed unreleased, it goes on as an ordinary lease until it expires.
+        else:
+            # Committed unreleased, it goes on as an ordinary lease until it expires; until
+            # the commit, the row lock held it, perhaps past its expiry: say so.
+            _log(session, leases, "held", "hold")
 
 
 def holder_main(url: str, name: str, seed: int, ready: Any) -> None:
@@ -247,9 +255,30 @@ class Run:
     failures: list[str] = field(default_factory=list)
 
 
+#: What a run must have seen before it stops (past its duration, up to three times it): on
+#: a machine busy with other work a fixed duration may not be enough to exercise it all.
+MINIMUMS = {"grant": 30, "renew": 1, "release": 1, "lost": 1, "hold grant": 2, "kills": 5}
+
+
+def _progress(engine: sa.Engine, kills: int) -> dict[str, int]:
+    with engine.connect() as connection:
+        rows = connection.execute(
+            sa.text(
+                "SELECT kind, count(*) FROM lease_log GROUP BY kind UNION ALL "
+                "SELECT 'hold grant', count(*) FROM lease_log "
+                "WHERE kind = 'grant' AND mode = 'hold'"
+            )
+        )
+        # Not dict(rows): a Result has keys(), so dict() would take it for a mapping.
+        counts: dict[str, int] = {row[0]: row[1] for row in rows}
+    return {key: int(counts.get(key, kills if key == "kills" else 0)) for key in MINIMUMS}
+
+
 def run(url: str, seconds: float, seed: int) -> Run:
-    """Holders contend for ``seconds`` under kills and pauses; then every one is killed."""
+    """Holders contend under kills and pauses for ``seconds``, or longer (up to three times
+    that) until the run has seen :data:`MINIMUMS`; then every holder is killed."""
     rng = random.Random(seed)
+    monitor = sa.create_engine(url, poolclass=sa.NullPool)
     # Holders fork from a server that imported everything once: a new holder starts in
     # milliseconds, not the second or two of a spawned interpreter's imports.
     context = multiprocessing.get_context("forkserver")
@@ -278,14 +307,21 @@ def run(url: str, seconds: float, seed: int) -> Run:
         return bool(ready[id(process)].is_set())
 
     holders = [start() for _ in range(PROCESSES)]
-    deadline = time.monotonic() + seconds
+    began = time.monotonic()
+    deadline = began + seconds
+    cap = began + 3 * seconds
     next_kill = time.monotonic() + rng.uniform(1.0, 2.0)  # let the first ones start
     next_pause = time.monotonic() + rng.uniform(2.0, 4.0)
     paused: tuple[multiprocessing.process.BaseProcess, float] | None = None
     try:
-        while time.monotonic() < deadline:
+        while True:
             time.sleep(0.05)
             now = time.monotonic()
+            if now >= deadline:
+                seen = _progress(monitor, result.kills)
+                if now >= cap or all(seen[key] >= least for key, least in MINIMUMS.items()):
+                    break
+                deadline = now + 1.0
             for index, process in enumerate(holders):
                 if process.exitcode is not None:  # only SIGKILL may end a holder
                     result.failures.append(f"{process.name} exited with {process.exitcode}")
@@ -317,6 +353,8 @@ def run(url: str, seconds: float, seed: int) -> Run:
                 os.kill(process.pid, signal.SIGKILL)
         for process in holders:
             process.join(10)
+        monitor.dispose()
+    result.seconds = time.monotonic() - began
     return result
 
 
@@ -421,9 +459,9 @@ def check(url: str) -> Report:
             continue
         if grant.released_at is not None:
             problems.append(f"seat {seat} fence {fence}: a {kind} after its release")
-        if kind == "renew":
+        if kind in ("renew", "held"):
             grant.expires.append(expires_at)
-            report.renewals += 1
+            report.renewals += kind == "renew"
         else:
             grant.released_at = expires_at
             report.releases += 1

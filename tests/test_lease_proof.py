@@ -37,10 +37,11 @@ def test_no_seat_is_held_by_two_holders_at_once_and_none_is_lost(
     print(f"seed {seed}: {asdict(run)}\n{asdict(report)}")
     assert run.failures == []
     assert report.problems == []
-    # The run did what it is meant to: holders were killed and paused, leases were taken
-    # over after expiries, zombies were refused by the fence, lock-held grants happened.
-    assert run.kills >= SECONDS / 3
-    assert report.grants >= 2 * SECONDS  # ten seats, each held a second or two at a time
+    # The run did what it is meant to: holders were killed, leases were renewed, released
+    # and taken over after expiries, zombies were refused by the fence, lock-held grants
+    # happened (lease_proof.run goes on past its duration until it has seen that).
+    assert run.kills >= lease_proof.MINIMUMS["kills"]
+    assert report.grants >= lease_proof.MINIMUMS["grant"]
     assert report.renewals > 0
     assert report.releases > 0
     assert report.takeovers > 0
