@@ -29,9 +29,10 @@ from typing import Concatenate, ParamSpec, TypeVar
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from sqla_jobs import queue
+from sqla_jobs import leasing, queue
 
 __all__ = [
+    "acquire_leases",
     "cancel",
     "claim",
     "complete",
@@ -44,6 +45,10 @@ __all__ = [
     "prune",
     "queue_stats",
     "release",
+    "release_lease",
+    "release_leases",
+    "renew_lease",
+    "renew_leases",
     "retry",
 ]
 
@@ -74,3 +79,10 @@ retry = _awaitable(queue.retry)
 cancel = _awaitable(queue.cancel)
 prune = _awaitable(queue.prune)
 queue_stats = _awaitable(queue.queue_stats)
+
+# Leasing any row (sqla_jobs.leasing): the same one-implementation wrappers.
+acquire_leases = _awaitable(leasing.acquire_leases)
+renew_lease = _awaitable(leasing.renew_lease)
+renew_leases = _awaitable(leasing.renew_leases)
+release_lease = _awaitable(leasing.release_lease)
+release_leases = _awaitable(leasing.release_leases)

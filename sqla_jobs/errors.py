@@ -4,8 +4,10 @@ The tree::
 
     SqlaJobsError
     ├── InvalidJobError            bad input, raised before any SQL runs
-    │   └── JobArgumentsError      arguments that PostgreSQL's jsonb would reject or mangle
-    ├── LeaseLostError             a fenced transition matched no row: the attempt is no longer ours
+    │   ├── JobArgumentsError      arguments that PostgreSQL's jsonb would reject or mangle
+    │   └── InvalidLeaseError      a lease function was given an argument it cannot use
+    ├── LeaseLostError             a fenced transition matched no row: the attempt (or the
+    │                              lease of a row) is no longer ours
     ├── JobNotFoundError           an administrative operation named a job that does not exist
     ├── JobStateError              an administrative operation does not apply to the job's status
     ├── ConfigurationError         the library was set up wrongly (a model without the mixin, ...)
@@ -22,6 +24,7 @@ __all__ = [
     "ConfigurationError",
     "EmbeddedPostgresError",
     "InvalidJobError",
+    "InvalidLeaseError",
     "JobArgumentsError",
     "JobNotFoundError",
     "JobStateError",
@@ -65,6 +68,21 @@ class LeaseLostError(SqlaJobsError):
     Its lease expired and another worker claimed the job (a newer attempt), or the job was
     already completed, failed or cancelled. Do not retry the transition: the newer attempt
     owns the job now.
+
+    Raised too by :func:`~sqla_jobs.renew_lease` and :func:`~sqla_jobs.release_lease` when
+    the lease of a row is no longer the caller's: it was released, or it expired and another
+    acquire took the row (a higher ``lease_fence``). Nothing changed; stop using the row.
+    """
+
+
+class InvalidLeaseError(InvalidJobError):
+    """A lease function was given an argument it cannot use; fix the named argument.
+
+    Raised by :func:`~sqla_jobs.acquire_leases`, :func:`~sqla_jobs.renew_leases` and
+    :func:`~sqla_jobs.release_leases` (and their one-lease forms) before any SQL runs:
+    ``field`` names the argument (``holder``, ``duration``, ``limit``, ``where``, ...),
+    ``reason`` what is wrong with it. A model without :class:`~sqla_jobs.LeaseMixin` is a
+    :class:`ConfigurationError` instead.
     """
 
 

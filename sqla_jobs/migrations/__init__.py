@@ -29,6 +29,10 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
         jobs.drop_result_table("email_job_results")
         jobs.drop_job_table("email_jobs")
 
+**Lease columns** (:class:`~sqla_jobs.LeaseMixin`) on a table of yours that already exists:
+:func:`add_lease_columns` / :func:`drop_lease_columns` from your revision. For a new table,
+autogenerate writes them itself (the lease index is a plain one, which it compares).
+
 Alembic's autogenerate does not compare an index's ``WHERE`` predicate, and does not see
 triggers (a job table it creates has no wake-up trigger): :func:`check_job_tables` checks
 both, for a test or CI.
@@ -68,31 +72,41 @@ from sqla_jobs.migrations.commands import (
     versions_path,
 )
 from sqla_jobs.migrations.operations import (
+    LEASE_SCHEMA_VERSION,
     SCHEMA_VERSION,
+    add_lease_columns,
     create_claim_index,
     create_job_table,
+    create_lease_index,
     create_notify_trigger,
     create_result_table,
     drop_claim_index,
     drop_job_table,
+    drop_lease_columns,
+    drop_lease_index,
     drop_notify_trigger,
     drop_result_table,
 )
 
 __all__ = [
+    "LEASE_SCHEMA_VERSION",
     "SCHEMA_VERSION",
     "SCRIPT_LOCATION",
     "VERSION_LOCATION",
     "VERSION_TABLE",
+    "add_lease_columns",
     "check_claim_indexes",
     "check_job_tables",
     "create_claim_index",
     "create_job_table",
+    "create_lease_index",
     "create_notify_trigger",
     "create_result_table",
     "downgrade",
     "drop_claim_index",
     "drop_job_table",
+    "drop_lease_columns",
+    "drop_lease_index",
     "drop_notify_trigger",
     "drop_result_table",
     "upgrade",
