@@ -6,7 +6,8 @@ the newest. The ``tests_lowest`` nox session sets ``SQLA_JOBS_EXPECT_LOWEST=1``:
 run itself must be on those floors. Whatever the session, the Python and the PostgreSQL server
 of the run must be ones the README names; off CI, a run on another one is skipped, not failed.
 
-And the ``asyncio`` extra: ``import sqla_jobs.aio`` without greenlet names it.
+And the ``asyncio`` extra: ``import sqla_jobs.aio`` without greenlet names it; and the
+``asyncpg`` extra.
 """
 
 from __future__ import annotations
@@ -119,6 +120,18 @@ def test_the_asyncio_extra_is_declared() -> None:
         if r.marker is not None and r.marker.evaluate({"extra": "asyncio"})
     ]
     assert extra == [("sqlalchemy", {"asyncio"})]
+
+
+def test_the_asyncpg_extra_is_declared() -> None:
+    # sqla_jobs.aio on asyncpg: SQLAlchemy's asyncio extension (greenlet) and asyncpg.
+    assert "asyncpg" in (metadata.metadata(DISTRIBUTION).get_all("Provides-Extra") or [])
+    requirements = [Requirement(line) for line in metadata.requires(DISTRIBUTION) or []]
+    extra = {
+        r.name.lower(): r.extras
+        for r in requirements
+        if r.marker is not None and r.marker.evaluate({"extra": "asyncpg"})
+    }
+    assert extra == {"sqlalchemy": {"asyncio"}, "asyncpg": set()}
 
 
 def test_aio_without_greenlet_names_the_extra(tmp_path: Path) -> None:
