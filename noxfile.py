@@ -20,9 +20,9 @@ Sessions (all run by default):
 Not run by default (``.ci/run`` runs them):
 
 * ``tests_lowest``, ``typecheck_lowest``: ``tests`` and ``typecheck`` on the lowest versions
-  sqla_jobs declares: the Python of ``requires-python`` and each dependency pinned to its
-  ``>=`` floor, both read from pyproject.toml (the one place they are written). They need that
-  Python on the PATH (``python3.10``).
+  sqla_jobs declares: the Python of ``requires-python`` and each dependency (and asyncpg, of
+  the ``asyncpg`` extra) pinned to its ``>=`` floor, both read from pyproject.toml (the one
+  place they are written). They need that Python on the PATH (``python3.10``).
 """
 
 from __future__ import annotations
@@ -127,10 +127,22 @@ def _lowest_python() -> str:
     return match.group(1)
 
 
+#: Extras whose own floors the lowest sessions pin too (asyncpg: the async tests run on it).
+LOWEST_EXTRAS = ("asyncpg",)
+
+
 def _lowest_pins() -> list[str]:
-    """Each [project] dependency pinned to its ``>=`` floor: ``SQLAlchemy==2.0.30``, ..."""
+    """Each [project] dependency, and each requirement of :data:`LOWEST_EXTRAS` that has a
+    floor, pinned to its ``>=`` floor: ``SQLAlchemy==2.0.30``, ..., ``asyncpg==0.29``."""
     pins = []
-    for line in PYPROJECT["project"]["dependencies"]:
+    of_extras = [
+        line
+        for extra in LOWEST_EXTRAS
+        for line in PYPROJECT["project"]["optional-dependencies"][extra]
+        # Not SQLAlchemy[asyncio]: a dependency, pinned as such.
+        if Requirement(line).specifier
+    ]
+    for line in [*PYPROJECT["project"]["dependencies"], *of_extras]:
         requirement = Requirement(line)
         floors = [spec.version for spec in requirement.specifier if spec.operator == ">="]
         if len(floors) != 1:
@@ -175,9 +187,10 @@ def bench(session: nox.Session) -> None:
     """``sqla-jobs bench`` on a throwaway embedded PostgreSQL 18 (or ``--database-url``).
 
     Not in the default sessions. Pass its options after ``--``, e.g.
-    ``nox -s bench -- --quick`` or ``nox -s bench -- --json bench.json --repeat 5``.
+    ``nox -s bench -- --quick`` or ``nox -s bench -- --json bench.json --repeat 5``. With
+    the ``asyncpg`` extra, for the ``async`` section.
     """
-    session.install(".[embedded]")
+    session.install(".[embedded,asyncpg]")
     session.run(
         "python",
         "-c",

@@ -212,12 +212,18 @@ class Task(Generic[_R]):
         return self.registry.model(**values)
 
     def enqueue(
-        self, session: Session, args: Mapping[str, Any] | None = None, **options: Any
+        self,
+        session: Session | AsyncSession,
+        args: Mapping[str, Any] | None = None,
+        **options: Any,
     ) -> JobMixin:
         """Add a job for this task to ``session``; it exists once the caller commits.
 
         Same options as :meth:`job`. Never commits: enqueue it in your business
-        transaction and it is written if, and only if, that transaction commits.
+        transaction and it is written if, and only if, that transaction commits. An
+        :class:`~sqlalchemy.ext.asyncio.AsyncSession` takes it the same way (``add`` does
+        no I/O); its flush reads every column of the job back, so reading them afterwards
+        needs no ``await``.
         """
         row = self.job(args, **options)
         session.add(row)

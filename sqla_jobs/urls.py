@@ -12,9 +12,10 @@ from typing import Final
 
 from sqlalchemy.engine import URL, make_url
 
-__all__ = ["PSYCOPG_DRIVER", "libpq_url", "psycopg_url"]
+__all__ = ["ASYNCPG_DRIVER", "PSYCOPG_DRIVER", "asyncpg_url", "libpq_url", "psycopg_url"]
 
 PSYCOPG_DRIVER: Final = "postgresql+psycopg"
+ASYNCPG_DRIVER: Final = "postgresql+asyncpg"
 _PLAIN: Final = ("postgres", "postgresql")
 
 
@@ -34,3 +35,11 @@ def libpq_url(url: str | URL) -> str:
     """``url`` as libpq takes it (``postgresql://...``, password kept), for
     ``psycopg.connect()``; the reverse of :func:`psycopg_url`."""
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def asyncpg_url(url: str | URL) -> URL:
+    """``url`` with the asyncpg driver (``postgresql+asyncpg://``), for
+    ``create_async_engine``: host, port, user, password and database are kept. So is the
+    query, as it is: asyncpg takes options of its own (``ssl=require``, not libpq's
+    ``sslmode=require``)."""
+    return make_url(url).set(drivername=ASYNCPG_DRIVER)

@@ -16,8 +16,10 @@ Fixtures:
   creates one more empty database on the same server.
 * ``database_url`` (session): URL of the suite's main fresh database.
 * ``engine`` (session): a sync :class:`~sqlalchemy.Engine` on ``database_url``.
+* ``async_driver`` (function, parametrized): ``"psycopg"`` or ``"asyncpg"``, the driver of the
+  async engines: every test that takes an async engine runs once on each.
 * ``async_engine`` (function): an :class:`~sqlalchemy.ext.asyncio.AsyncEngine` on
-  ``database_url``, disposed after the test.
+  ``database_url`` with ``async_driver``, disposed after the test.
 * ``pgbouncer`` (session): a :class:`~sqla_jobs.pgbouncer.PgBouncer` in transaction mode in
   front of the server. When the ``pgbouncer`` binary is missing it is installed (Debian's
   package, with ``apt-get``) if the tests run as root; otherwise the tests that need it are
@@ -56,7 +58,7 @@ from sqlalchemy.pool import NullPool
 import sqla_jobs
 from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.pgbouncer import PgBouncer, find_binary
-from sqla_jobs.urls import psycopg_url
+from sqla_jobs.urls import asyncpg_url, psycopg_url
 
 DATABASE_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
 PGBOUNCER_VARIABLE = "SQLA_JOBS_TEST_PGBOUNCER"
@@ -233,10 +235,27 @@ def engine(database_url: str) -> Iterator[sa.Engine]:
         engine.dispose()
 
 
+ASYNC_DRIVERS = ("psycopg", "asyncpg")
+
+
+@pytest.fixture(params=ASYNC_DRIVERS)
+def async_driver(request: pytest.FixtureRequest) -> str:
+    """The driver of the async engines: each async test runs on psycopg 3 and on asyncpg."""
+    driver: str = request.param
+    return driver
+
+
+def async_url(url: str | URL, driver: str) -> str:
+    """``url`` with the async ``driver`` (``"psycopg"`` or ``"asyncpg"``)."""
+    converted = asyncpg_url(url) if driver == "asyncpg" else psycopg_url(url)
+    return converted.render_as_string(hide_password=False)
+
+
 @pytest_asyncio.fixture
-async def async_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    """An asyncio engine (psycopg 3 async) on ``database_url``, disposed after the test."""
-    engine = create_async_engine(database_url)
+async def async_engine(database_url: str, async_driver: str) -> AsyncIterator[AsyncEngine]:
+    """An asyncio engine (psycopg 3 async or asyncpg) on ``database_url``, disposed after
+    the test."""
+    engine = create_async_engine(async_url(database_url, async_driver))
     try:
         yield engine
     finally:
@@ -339,10 +358,16 @@ def queue_engine(_queue_database: sa.Engine) -> sa.Engine:
 
 
 @pytest_asyncio.fixture
-async def queue_async_engine(queue_engine: sa.Engine) -> AsyncIterator[AsyncEngine]:
-    """An asyncio engine on the (emptied) models' database."""
+async def queue_async_engine(
+    queue_engine: sa.Engine, async_driver: str
+) -> AsyncIterator[AsyncEngine]:
+    """An asyncio engine (``async_driver``) on the (emptied) models' database (through
+    PgBouncer with ``SQLA_JOBS_TEST_PGBOUNCER=1``, psycopg only)."""
+    connect_args = pooled_connect_args()
+    if connect_args and async_driver != "psycopg":
+        pytest.skip("through PgBouncer the async tests run on psycopg only")
     engine = create_async_engine(
-        queue_engine.url.render_as_string(hide_password=False), connect_args=pooled_connect_args()
+        async_url(queue_engine.url, async_driver), connect_args=connect_args
     )
     try:
         yield engine

@@ -53,6 +53,15 @@ def test_quick_bench_writes_every_section(
         for kind, procs in (("batched", 1), ("batched", 2), ("single", 1)):
             drain = metrics[f"pgbouncer.drain.lease.{kind}.{procs}p"]
             assert drain["ceiling"] == f"pgbouncer.direct.lease.{kind}.{procs}p"
+    for operation in ("add_all", "enqueue_many", "cycle.single", "cycle.batched"):
+        # The async section: each path beside the one before it.
+        assert metrics[f"async.{operation}.asyncpg"]["ceiling"] == f"async.{operation}.psycopg"
+        assert metrics[f"async.{operation}.psycopg"]["ceiling"] == f"async.{operation}.session"
+        cpu = metrics[f"async.cpu.{operation}.asyncpg"]
+        assert (cpu["unit"], cpu["ceiling"]) == ("us/job", f"async.cpu.{operation}.psycopg")
+        assert not cpu["higher_is_better"]
+    assert metrics["async.cycle.single.session"]["ceiling"] == "async.cycle.single.connection"
+    assert metrics["async.add_all.session"]["ceiling"] is None
     assert metrics["enqueue.bulk"]["ceiling"] == "ceiling.insert"
     assert metrics["enqueue.add_all"]["ceiling"] == "ceiling.orm_add_all"
     assert {row["metric"] for row in document["targets"]} >= {

@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from sqla_jobs.urls import libpq_url, psycopg_url
+from sqla_jobs.urls import asyncpg_url, libpq_url, psycopg_url
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,17 @@ def test_libpq_url_is_the_reverse() -> None:
     assert libpq_url(url) == "postgresql://app:s3cret@db:5433/app?sslmode=require"
     assert libpq_url(make_url(url)) == libpq_url(url)
     assert psycopg_url(libpq_url(url)) == make_url(url)
+
+
+def test_asyncpg_url_names_the_asyncpg_driver() -> None:
+    for given in (
+        "postgresql://app:s3cret@db:5433/app",
+        "postgresql+psycopg://app:s3cret@db:5433/app",
+    ):
+        url = asyncpg_url(given)
+        assert url.render_as_string(hide_password=False) == (
+            "postgresql+asyncpg://app:s3cret@db:5433/app"
+        )
 
 
 def test_text_that_is_not_a_url() -> None:

@@ -6,7 +6,8 @@ the newest. The ``tests_lowest`` nox session sets ``SQLA_JOBS_EXPECT_LOWEST=1``:
 run itself must be on those floors. Whatever the session, the Python and the PostgreSQL server
 of the run must be ones the README names; off CI, a run on another one is skipped, not failed.
 
-And the ``asyncio`` extra: ``import sqla_jobs.aio`` without greenlet names it.
+And the ``asyncio`` extra: ``import sqla_jobs.aio`` without greenlet names it; and the
+``asyncpg`` extra.
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ def declared_floors() -> dict[str, Version]:
     return floors
 
 
+def declared_extra_floor(extra: str, name: str) -> Version:
+    """The ``>=`` floor of ``name`` in the installed wheel's extra ``extra``."""
+    for line in metadata.requires(DISTRIBUTION) or []:
+        requirement = Requirement(line)
+        marker = requirement.marker
+        if requirement.name.lower() == name and marker and marker.evaluate({"extra": extra}):
+            (floor,) = (spec.version for spec in requirement.specifier if spec.operator == ">=")
+            return Version(floor)
+    raise AssertionError(f"the extra {extra!r} has no floor for {name}")
+
+
 def declared_python() -> str:
     """``3.10`` for ``Requires-Python: >=3.10``."""
     requires_python = metadata.metadata(DISTRIBUTION)["Requires-Python"]
@@ -90,6 +102,9 @@ def test_the_lowest_column_is_the_declared_floors() -> None:
         assert Version(by_name[name]) == floor, f"{name}: README {by_name[name]}, declared {floor}"
     assert rows["Python"][0] == declared_python()
     assert "PostgreSQL" in rows
+    # The asyncpg extra's floor, which the lowest sessions pin too.
+    (asyncpg_lowest,) = (lowest for name, lowest in by_name.items() if name.startswith("asyncpg"))
+    assert Version(asyncpg_lowest) == declared_extra_floor("asyncpg", "asyncpg")
 
 
 def test_this_run_is_on_claimed_versions(engine: sa.Engine) -> None:
@@ -107,6 +122,7 @@ def test_the_lowest_session_runs_on_the_floors(pg_server: EmbeddedPostgres | Non
     assert f"{sys.version_info.major}.{sys.version_info.minor}" == declared_python()
     for name, floor in declared_floors().items():
         assert Version(metadata.version(name)) == floor, name
+    assert Version(metadata.version("asyncpg")) == declared_extra_floor("asyncpg", "asyncpg")
     assert pg_server is not None, "the lowest session runs on the embedded server"
 
 
@@ -119,6 +135,18 @@ def test_the_asyncio_extra_is_declared() -> None:
         if r.marker is not None and r.marker.evaluate({"extra": "asyncio"})
     ]
     assert extra == [("sqlalchemy", {"asyncio"})]
+
+
+def test_the_asyncpg_extra_is_declared() -> None:
+    # sqla_jobs.aio on asyncpg: SQLAlchemy's asyncio extension (greenlet) and asyncpg.
+    assert "asyncpg" in (metadata.metadata(DISTRIBUTION).get_all("Provides-Extra") or [])
+    requirements = [Requirement(line) for line in metadata.requires(DISTRIBUTION) or []]
+    extra = {
+        r.name.lower(): r.extras
+        for r in requirements
+        if r.marker is not None and r.marker.evaluate({"extra": "asyncpg"})
+    }
+    assert extra == {"sqlalchemy": {"asyncio"}, "asyncpg": set()}
 
 
 def test_aio_without_greenlet_names_the_extra(tmp_path: Path) -> None:

@@ -22,11 +22,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import NullPool
 
 from sqla_jobs import JobMixin, JobResultMixin, RetryPolicy
 from sqla_jobs.registry import JobContext, Registry
+from sqla_jobs.urls import asyncpg_url, psycopg_url
 
 DATABASE_URL_VARIABLE = "SQLA_JOBS_DATABASE_URL"
 FAST_RETRY = RetryPolicy(base=timedelta(milliseconds=50), cap=timedelta(milliseconds=100))
@@ -128,6 +130,44 @@ async def async_sleepy(ctx: JobContext) -> int:
     await asyncio.sleep(_sleep_time(ctx))
     await asyncio.to_thread(record, ctx, "effect")
     return ctx.attempt
+
+
+# The handlers' own async engines, by event loop and driver: a connection of an async driver
+# belongs to the loop it was opened on, and a worker runs every coroutine handler on its one
+# event loop.
+_async_engines: dict[tuple[asyncio.AbstractEventLoop, str], AsyncEngine] = {}
+
+
+def own_async_engine(driver: str) -> AsyncEngine:
+    """The handler's own pooled async engine (``"asyncpg"`` or ``"psycopg"``) on this loop."""
+    key = (asyncio.get_running_loop(), driver)
+    if key not in _async_engines:
+        url = os.environ[DATABASE_URL_VARIABLE]
+        _async_engines[key] = create_async_engine(
+            asyncpg_url(url) if driver == "asyncpg" else psycopg_url(url)
+        )
+    return _async_engines[key]
+
+
+def dispose_async_engines(timeout: float = 10.0) -> int:
+    """Dispose of the handlers' async engines on their own loops (which must still run, as
+    a worker's does until it stops); return how many there were."""
+    engines = list(_async_engines.items())
+    _async_engines.clear()
+    for (loop, _), engine in engines:
+        asyncio.run_coroutine_threadsafe(engine.dispose(), loop).result(timeout)
+    return len(engines)
+
+
+@registry.task(queue="work")
+async def async_own_session(ctx: JobContext) -> str:
+    """A coroutine that writes its effect through an AsyncSession of its own, on the async
+    driver ``args["driver"]``; returns the driver the session ran on."""
+    async with AsyncSession(own_async_engine(ctx.args["driver"])) as session, session.begin():
+        session.add(_row(ctx, "effect"))
+        connection = await session.connection()
+        await asyncio.sleep(_sleep_time(ctx))
+        return connection.dialect.driver
 
 
 @registry.task(queue="work", mode="lock")

