@@ -231,7 +231,9 @@ def holder_main(url: str, name: str, seed: int, ready: Any) -> None:
     """One holder process: lease cycles until it is killed. Sets ``ready`` (an Event) when
     its imports are done and it starts."""
     rng = random.Random(seed)
-    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    # A small pool: a new server process per transaction would cost more CPU than the rest
+    # of the run (a lock-held acquire takes a second connection for its grant).
+    engine = sa.create_engine(url, pool_size=2, max_overflow=1)
     ready.set()
     try:
         while True:

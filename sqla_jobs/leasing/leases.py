@@ -154,11 +154,16 @@ def _element(field: str, value: object, table: Table, model: type[Any]) -> Colum
         }
     )
     if others:
+        hint = (
+            "filter on another table through a subquery "
+            "(sqlalchemy.exists(...), column.in_(select(...)))"
+            if field == "where"
+            else f"order by {model.__name__}'s own columns"
+        )
         raise InvalidLeaseError(
             field,
             f"reads {', '.join(others)}, not only {table.name}: acquire leases rows of "
-            f"{model.__name__} alone; filter on another table through a subquery "
-            "(sqlalchemy.exists(...), column.in_(select(...)))",
+            f"{model.__name__} alone; {hint}",
         )
     return element
 
@@ -169,7 +174,7 @@ def _where(value: object, table: Table, model: type[Any]) -> ColumnElement[bool]
     element = _element("where", value, table, model)
     if not isinstance(element.type, Boolean | NullType):
         raise InvalidLeaseError(
-            "where", f"is a {element.type} expression, not a condition (true or false)"
+            "where", f"is an expression of type {element.type}, not a condition (true or false)"
         )
     return cast(ColumnElement[bool], element)
 
@@ -198,8 +203,9 @@ def _key(lease: Lease, width: int) -> tuple[Any, ...]:
     return parts
 
 
-def _batch(leases: object) -> tuple[Table, list[Lease]]:
-    """Check a batch of leases: one model, well-formed keys, fences and holders."""
+def _batch(leases: object) -> tuple[Table | None, list[Lease]]:
+    """Check a batch of leases: one model, well-formed keys, fences and holders. Returns
+    their table (None for an empty batch) and the leases."""
     if isinstance(leases, Lease) or not isinstance(leases, Iterable):
         raise InvalidLeaseError(
             "leases",
@@ -208,7 +214,7 @@ def _batch(leases: object) -> tuple[Table, list[Lease]]:
         )
     batch = list(leases)
     if not batch:
-        return cast(Table, None), batch
+        return None, batch
     for lease in batch:
         if not isinstance(lease, Lease):
             raise InvalidLeaseError("leases", f"holds a {type(lease).__name__}, not a Lease")
@@ -382,7 +388,7 @@ def renew_leases(
     """
     seconds = _duration_seconds(duration)
     table, batch = _batch(leases)
-    if not batch:
+    if table is None:
         return []
     params = _grant_params(table, batch) | {"duration_seconds": seconds}
     rows = session.execute(_statement(statements.renew, table), params).all()
@@ -396,7 +402,7 @@ def renew_lease(session: Executor, lease: Lease, *, duration: timedelta | float)
     changes then.
     """
     seconds = _duration_seconds(duration)
-    table, (checked,) = _batch(_one(lease))
+    table, checked = _one(lease)
     params = _grant_params(table, [checked]) | {"duration_seconds": seconds}
     row = session.execute(_statement(statements.renew, table), params).first()
     if row is None:
@@ -414,7 +420,7 @@ def release_leases(session: Executor, leases: Sequence[Lease]) -> list[Lease]:
     rows before. Waits for row locks as :func:`renew_leases` does.
     """
     table, batch = _batch(leases)
-    if not batch:
+    if table is None:
         return []
     rows = session.execute(_statement(statements.release, table), _grant_params(table, batch))
     return _lost(table, batch, rows.all())
@@ -431,18 +437,21 @@ def release_lease(session: Executor, lease: Lease) -> None:
             release_lease(session, lease)  # raises if the cart lost the seat
             session.get_one(Seat, lease.key).sold_to = "cart-41"
     """
-    table, (checked,) = _batch(_one(lease))
+    table, checked = _one(lease)
     rows = session.execute(_statement(statements.release, table), _grant_params(table, [checked]))
     if rows.first() is None:
         raise LeaseLostError(_lost_message(checked))
 
 
-def _one(lease: object) -> list[Lease]:
+def _one(lease: object) -> tuple[Table, Lease]:
+    """Check one lease; return its table and the lease."""
     if not isinstance(lease, Lease):
         raise InvalidLeaseError(
             "lease", f"must be a Lease, not {type(lease).__name__} (several: the *_leases forms)"
         )
-    return [lease]
+    table, _ = _batch([lease])
+    assert table is not None
+    return table, lease
 
 
 def _lost_message(lease: Lease) -> str:

@@ -149,8 +149,8 @@ def renew(table: Table) -> ReturningUpdate[Any]:
     A grant whose lease expired but whose row nobody acquired since is renewed too: its
     unchanged fence proves no one else held the row in between. Locks the rows in
     primary-key order (waiting for a transaction that holds one, as an ``UPDATE`` would, so
-    two renewals of overlapping batches cannot deadlock). Only ``lease_expires_at``
-    changes. Returns the primary key, ``lease_fence``, ``lease_holder``,
+    two renewals of overlapping batches cannot deadlock), found through the primary key.
+    Only ``lease_expires_at`` changes. Returns the primary key, ``lease_fence``, ``lease_holder``,
     ``lease_expires_at`` of each renewed grant.
     Parameters: :func:`key_params`, ``:fences``, ``:holders``, ``:duration_seconds``.
     """
@@ -201,7 +201,8 @@ def lock(table: Table) -> Select[Any]:
     FOR UPDATE``, in primary-key order). Fenced: a grant taken over since is not returned.
 
     The second half of a lock-held acquire: the grant was committed on another connection,
-    and this holds its rows for the caller's transaction. Returns the primary key and
+    and this holds its rows for the caller's transaction. Finds them through the primary
+    key. Returns the primary key and
     ``lease_fence`` of each locked grant. Parameters: :func:`key_params`, ``:fences``, ``:holders``.
     """
     grants, match = _grants(table)
