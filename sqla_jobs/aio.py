@@ -6,6 +6,12 @@ transaction rules (the caller's transaction, never committed here)::
 
     async with async_session.begin():
         jobs = await sqla_jobs.aio.claim(async_session, EmailJob, queues="email", limit=10)
+
+Either async driver serves: psycopg 3's (``postgresql+psycopg://``) and asyncpg
+(``postgresql+asyncpg://``, ``pip install "sqla-jobs[asyncpg]"``). Every parameter of the
+statements carries its type, so asyncpg, strict about parameter types, gets each with its
+cast. The Core-connection fast path of :mod:`sqla_jobs.queue` is psycopg's sync one: here
+every statement goes through ``execute``.
 """
 
 from __future__ import annotations

@@ -12,14 +12,16 @@ import asyncio
 import inspect
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
 import worker_tasks
 from conftest import FreshDatabase, async_url
 from models import EmailJob, EmailJobResult, Order, ReportJob, ReportJobResult
+from sqlalchemy.dialects.postgresql import asyncpg as postgresql_asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.sql.compiler import SQLCompiler
 from worker_harness import JobDatabase, running, wait_until
 
 import sqla_jobs
@@ -33,6 +35,7 @@ from sqla_jobs import (
     aio,
     leasing,
     queue,
+    statements,
 )
 from sqla_jobs.registry import Registry
 from sqla_jobs.testing import assert_enqueued
@@ -104,6 +107,40 @@ def test_every_operation_has_one_implementation() -> None:
         # The queue's operations, or leasing's (sqla_jobs.leasing).
         implementation = getattr(queue, name, None) or getattr(leasing, name)
         assert wrapper.__wrapped__ is implementation is getattr(sqla_jobs, name)
+
+
+def _built_statements() -> Iterator[tuple[str, Any]]:
+    """Every statement builder of sqla_jobs.statements, built for the test models."""
+    tables = {"table": EmailJob.__table__, "result_table": EmailJobResult.__table__}
+    for name, builder in vars(statements).items():
+        if not inspect.isfunction(builder) or builder.__module__ != statements.__name__:
+            continue
+        if name.startswith("_"):
+            continue
+        parameters = inspect.signature(builder).parameters
+        args = [tables[p] for p in parameters if p in tables]
+        variants: list[dict[str, Any]] = [{}]
+        if "queue_count" in parameters:
+            variants = [{"queue_count": 1}, {"queue_count": 2}]
+        elif "local" in parameters:
+            variants = [{"local": True}, {"local": False}]
+        known = set(tables) | {"queue_count", "local"}
+        assert set(parameters) <= known, f"{name}: teach this test its parameters"
+        for options in variants:
+            built = builder(*args, **options)
+            if isinstance(built, sa.ClauseElement):
+                yield f"{name}{options or ''}", built
+
+
+@pytest.mark.parametrize(("name", "statement"), list(_built_statements()), ids=lambda v: v)
+def test_every_statement_parameter_is_typed(name: str, statement: sa.ClauseElement) -> None:
+    """asyncpg takes a parameter only as the type it was prepared with; a typed bind
+    parameter is sent with its cast (``$1::VARCHAR``), an untyped one leaves the server to
+    guess, which fails or picks a type the value is not."""
+    dialect = postgresql_asyncpg.dialect()  # type: ignore[no-untyped-call]
+    compiled = cast(SQLCompiler, statement.compile(dialect=dialect))
+    untyped = [key for key, bind in compiled.binds.items() if bind.type._isnull]
+    assert not untyped, f"{name}: untyped parameters {untyped}"
 
 
 # -- enqueue ------------------------------------------------------------------------------

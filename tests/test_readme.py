@@ -215,6 +215,18 @@ def test_bad_input_block_commits_the_order_without_the_job(snippets: Snippets) -
     assert scalar(snippets.engine, "SELECT count(*) FROM email_jobs WHERE task = '-x'") == 0
 
 
+def test_async_block_enqueues_and_completes_through_asyncpg(snippets: Snippets) -> None:
+    async_engine = snippets.namespace["async_engine"]
+    assert async_engine.dialect.driver == "asyncpg"
+    assert scalar(snippets.engine, "SELECT count(*) FROM orders WHERE id = 11") == 1
+    value = scalar(
+        snippets.engine,
+        "SELECT r.value FROM email_job_results r JOIN email_jobs j ON j.id = r.job_id "
+        "WHERE j.order_id = 11 AND j.status = 'succeeded'",
+    )
+    assert value == "receipt for order 11"
+
+
 def test_the_test_functions_the_blocks_define_pass(snippets: Snippets) -> None:
     tests = {
         name: value
