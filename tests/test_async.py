@@ -124,7 +124,9 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
             variants = [{"queue_count": 1}, {"queue_count": 2}]
         elif "local" in parameters:
             variants = [{"local": True}, {"local": False}]
-        known = set(tables) | {"queue_count", "local"}
+        elif "name" in parameters:  # reset_setting(name): one of the worker's settings
+            variants = [{"name": setting} for setting in sorted(statements.WORKER_SETTINGS)]
+        known = set(tables) | {"queue_count", "local", "name"}
         assert set(parameters) <= known, f"{name}: teach this test its parameters"
         for options in variants:
             built = builder(*args, **options)
