@@ -195,3 +195,14 @@ def test_the_readmes_fastapi_example(db: JobDatabase) -> None:
     finally:
         asyncio.run(namespace["async_engine"].dispose())
         engine.dispose()
+
+
+def test_a_worker_refuses_an_async_engines_sync_engine(db: JobDatabase) -> None:
+    pytest.importorskip("asyncpg")
+    url = sa.make_url(db.url).set(drivername="postgresql+asyncpg")
+    async_engine = create_async_engine(url)
+    try:
+        with pytest.raises(ConfigurationError, match="needs a sync engine"):
+            Worker(Registry(WorkerJob), async_engine.sync_engine)
+    finally:
+        asyncio.run(async_engine.dispose())

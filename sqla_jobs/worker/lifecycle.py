@@ -234,6 +234,13 @@ class Worker:
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
+        if getattr(engine.dialect, "is_async", False):
+            raise ConfigurationError(
+                f"the worker needs a sync engine (postgresql+psycopg), not {engine.url.drivername}"
+                " (an async engine's sync_engine); its coroutine handlers may use an AsyncSession "
+                "of their own on any driver, and async_session_factory gives lock-mode coroutines "
+                "one"
+            )
         if not _positive_int(concurrency):
             raise ConfigurationError(f"concurrency must be a positive integer, not {concurrency!r}")
         if batch_size is not None and not (
