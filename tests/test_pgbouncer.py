@@ -111,11 +111,10 @@ def test_enqueue_with_the_orm_and_in_bulk(pooled: sa.Engine) -> None:
                 session, EmailJob, [{"task": "bulk", "args": {"n": n, "i": i}} for i in range(3)]
             )
     with pooled.connect() as connection:
-        counts = dict(
-            connection.execute(
-                sa.select(EmailJob.task, sa.func.count()).group_by(EmailJob.task)
-            ).all()
-        )
+        rows = connection.execute(
+            sa.select(EmailJob.task, sa.func.count()).group_by(EmailJob.task)
+        ).all()
+    counts = {task: int(count) for task, count in rows}
     assert counts == {"t": ROUNDS, "u": ROUNDS, "bulk": 3 * ROUNDS}
 
 
@@ -198,6 +197,13 @@ def test_a_pooled_link_sets_lock_timeout_in_each_transaction(
 
 
 # -- the worker ---------------------------------------------------------------------------
+
+
+def test_worker_pooler_option_is_checked() -> None:
+    with pytest.raises(sqla_jobs.ConfigurationError, match="pooler must be one of"):
+        sqla_jobs.Worker(
+            worker_tasks.registry, sa.create_engine("postgresql+psycopg://"), pooler="x"
+        )
 
 
 @pytest.fixture
@@ -376,5 +382,6 @@ def test_administration_commands(
     out = run("prune", "--older-than", "1d", "--batch-size", "1")
     assert out == "pruned 12 finished jobs older than 24.0h\n"
     with pooled.connect() as connection:
-        left = dict(connection.execute(sa.select(EmailJob.id, EmailJob.status)).all())
+        rows = connection.execute(sa.select(EmailJob.id, EmailJob.status)).all()
+    left = {job_id: str(status) for job_id, status in rows}
     assert left == {ids[12]: "pending", ids[13]: "cancelled"}
