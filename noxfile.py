@@ -77,9 +77,19 @@ def tests(session: nox.Session) -> None:
     _run_tests(session, {DATABASE_URL_VARIABLE: ""})
 
 
+# Long-running proofs of the library's own logic that the embedded ``tests`` session runs in
+# full; the other sessions leave them out by default.
+_HEAVY_PROOFS = ["--ignore=tests/test_bench.py", "--ignore=tests/test_lease_proof.py"]
+
+
 @nox.session
 def tests_server(session: nox.Session) -> None:
-    """The test suite on the existing server named by SQLA_JOBS_TEST_DATABASE_URL."""
+    """The test suite on the existing server named by SQLA_JOBS_TEST_DATABASE_URL.
+
+    By default without the benchmark and the leasing proof, which measure and prove the
+    library's own behaviour, not the server's (``tests`` runs them), to keep CI near ten
+    minutes; pass pytest arguments after ``--`` to choose (``-- tests`` runs everything).
+    """
     url = os.environ.get(DATABASE_URL_VARIABLE, "")
     if not url:
         session.skip(
@@ -87,7 +97,7 @@ def tests_server(session: nox.Session) -> None:
             "server where databases may be created, e.g. "
             "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
         )
-    _run_tests(session, {DATABASE_URL_VARIABLE: url})
+    _run_tests(session, {DATABASE_URL_VARIABLE: url}, default=_HEAVY_PROOFS)
 
 
 # The queue's tests: each of them runs through PgBouncer as it is (the queue fixtures point
@@ -167,7 +177,7 @@ def tests_lowest(session: nox.Session) -> None:
     minutes; pass pytest arguments after ``--`` to choose (``-- tests`` runs everything).
     """
     session.install(".[embedded]", *_group("test"), *LOWEST_PINS)
-    default = ["--ignore=tests/test_chaos.py", "--ignore=tests/test_bench.py"]
+    default = ["--ignore=tests/test_chaos.py", *_HEAVY_PROOFS]
     session.run(
         "pytest",
         *(session.posargs or default),
