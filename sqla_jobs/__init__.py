@@ -33,6 +33,7 @@ from sqla_jobs.queue import (
     queue_stats,
     release,
     retry,
+    vacuum,
 )
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, names
@@ -74,6 +75,7 @@ __all__ = [
     "queue_stats",
     "release",
     "retry",
+    "vacuum",
 ]
 
 __version__ = "0.1.0"

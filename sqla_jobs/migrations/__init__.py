@@ -20,7 +20,9 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
 
     def upgrade() -> None:
         jobs.create_job_table(
-            "email_jobs", sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id"))
+            "email_jobs",
+            sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id")),
+            version=2,
         )
         jobs.create_result_table("email_job_results")
 
@@ -28,6 +30,17 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
     def downgrade() -> None:
         jobs.drop_result_table("email_job_results")
         jobs.drop_job_table("email_jobs")
+
+``version=2`` is the schema version to build: the one the mixins declare today. A table an
+earlier revision built without it is version 1; a new revision upgrades it in place, with
+indexes built concurrently on the live table::
+
+    def upgrade() -> None:
+        jobs.upgrade_job_table_to_v2("email_jobs")
+
+
+    def downgrade() -> None:
+        jobs.downgrade_job_table_to_v1("email_jobs")
 
 Alembic's autogenerate does not compare an index's ``WHERE`` predicate, and does not see
 triggers (a job table it creates has no wake-up trigger): :func:`check_job_tables` checks
@@ -70,13 +83,17 @@ from sqla_jobs.migrations.commands import (
 from sqla_jobs.migrations.operations import (
     SCHEMA_VERSION,
     create_claim_index,
+    create_claim_indexes,
     create_job_table,
     create_notify_trigger,
     create_result_table,
+    downgrade_job_table_to_v1,
     drop_claim_index,
+    drop_claim_indexes,
     drop_job_table,
     drop_notify_trigger,
     drop_result_table,
+    upgrade_job_table_to_v2,
 )
 
 __all__ = [
@@ -87,14 +104,18 @@ __all__ = [
     "check_claim_indexes",
     "check_job_tables",
     "create_claim_index",
+    "create_claim_indexes",
     "create_job_table",
     "create_notify_trigger",
     "create_result_table",
     "downgrade",
+    "downgrade_job_table_to_v1",
     "drop_claim_index",
+    "drop_claim_indexes",
     "drop_job_table",
     "drop_notify_trigger",
     "drop_result_table",
     "upgrade",
+    "upgrade_job_table_to_v2",
     "versions_path",
 ]
