@@ -44,6 +44,7 @@ from sqla_jobs.queue import (
     queue_stats,
     release,
     retry,
+    vacuum,
 )
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, names
@@ -94,6 +95,7 @@ __all__ = [
     "renew_lease",
     "renew_leases",
     "retry",
+    "vacuum",
 ]
 
 __version__ = "0.1.0"

@@ -50,8 +50,9 @@ STORAGE_PARAMETERS: dict[str, int | float] = {
     # Keep the statistics of the small runnable part current, for the same reason.
     "autovacuum_analyze_scale_factor": 0,
     "autovacuum_analyze_threshold": 1000,
-    # Room on each page for a heartbeat's new row version (a HOT update when no indexed
-    # column changes).
+    # Room on each page for the new versions of its rows (claim, heartbeat, outcome), which
+    # can then stay on the row's own page. (None of these updates is HOT: each changes a
+    # column of an index key or predicate.)
     "fillfactor": 90,
 }
 

@@ -26,6 +26,8 @@ unknown_task           ERROR    no handler is registered for the job's task: mad
 attempts_exhausted     ERROR    a claim found the job's last attempt dead with its worker (its
                                 lease ran out): made dead without running again. Logged by
                                 whoever claimed, :func:`sqla_jobs.claim` included
+table_vacuumed         INFO     :func:`sqla_jobs.vacuum` vacuumed the job table (``dead_rows``,
+                                ``seconds``); logged by whoever called it
 lease_lost             WARNING  the attempt lost its job (lease ran out and it was taken over);
                                 its outcome was dropped and changed nothing
 jobs_released          INFO     jobs given back unfinished (``count``, ``job_ids``, ``reason``):

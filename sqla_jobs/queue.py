@@ -35,12 +35,22 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
+from time import monotonic
 from typing import Any, Final, NamedTuple, TypeAlias, cast
 from uuid import UUID
 
 import psycopg
 from psycopg.rows import tuple_row
-from sqlalchemy import ClauseElement, Connection, CursorResult, Dialect, Executable, Table, inspect
+from sqlalchemy import (
+    ClauseElement,
+    Connection,
+    CursorResult,
+    Dialect,
+    Engine,
+    Executable,
+    Table,
+    inspect,
+)
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -59,6 +69,7 @@ from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin, JobStatus
 __all__ = [
     "DEFAULT_LEASE",
     "MAX_CLAIM_LIMIT",
+    "VACUUM_DEAD_ROWS",
     "ClaimedJob",
     "DeadJob",
     "Executor",
@@ -79,6 +90,7 @@ __all__ = [
     "queue_stats",
     "release",
     "retry",
+    "vacuum",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,6 +102,10 @@ MAX_ENQUEUE_CHUNK: Final = 100_000
 #: (a registry's tasks, and so the worker, start from it too).
 DEFAULT_LEASE: Final = timedelta(seconds=30)
 MAX_ERROR_CHARS: Final = 16_000
+#: Dead row versions at which :func:`vacuum` vacuums a job table by default: about 50k
+#: claimed jobs (each leaves two), the interval at which a 1M-job drain kept the rate of a
+#: 50k one.
+VACUUM_DEAD_ROWS: Final = 100_000
 
 _NO_RESULT: Final[Any] = object()
 
@@ -802,6 +818,56 @@ def prune(
     params = {"older_than_seconds": _seconds("older_than", older_than), "limit": limit}
     result = cast(CursorResult[Any], session.execute(_statement(statements.prune, table), params))
     return result.rowcount
+
+
+def vacuum(engine: Engine, model: type[JobMixin], *, min_dead_rows: int = VACUUM_DEAD_ROWS) -> bool:
+    """Vacuum the job table if it holds at least ``min_dead_rows`` dead row versions; return
+    whether a ``VACUUM`` was run.
+
+    Why: a claim reads the pending index from its head, and every job claimed since the last
+    vacuum leaves a dead entry there, so claims get slower the more jobs are claimed between
+    vacuums (measured on PostgreSQL 15: a 1M-job drain without a vacuum ran at 0.39 of the
+    rate of 50k-job drains beside it; with this, called every 5,000 jobs, at 0.90).
+    Autovacuum wakes up once a minute per database at best, and may be off or busy; the
+    processes that claim call this instead, every few thousand jobs they claim (the check is
+    one read of the statistics; the VACUUM runs only past the threshold), so that no one has
+    to tune autovacuum::
+
+        # in a thread of its own, after every 5,000 jobs this process claimed
+        sqla_jobs.vacuum(engine, EmailJob)
+
+    It reads the table's dead row count from PostgreSQL's statistics (no table access), and
+    only if that reaches ``min_dead_rows`` runs :func:`sqla_jobs.statements.vacuum`: a
+    ``VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON)``, which skips the table when another vacuum of
+    it (autovacuum's, another worker's) is running, and blocks no claim, enqueue or outcome.
+    Many workers calling it need no coordination. It takes time (a pass over every index of
+    the table): call it from a thread of its own, never from a loop that claims.
+
+    VACUUM cannot run in a transaction, so this takes an :class:`~sqlalchemy.engine.Engine`
+    and runs on a connection of its own in autocommit mode, returned to the pool afterwards:
+    nothing of the caller's transactions is involved. A vacuum removes only the rows that no
+    open transaction can still see: a long transaction anywhere on the server (an idle one,
+    a long report) leaves the dead entries in place until it ends.
+    """
+    table = _job_table(model)
+    threshold: object = min_dead_rows
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise InvalidJobError("min_dead_rows", f"must be an integer >= 0, got {threshold!r}")
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        dead = connection.execute(_statement(statements.dead_rows, table)).scalar_one()
+        if dead < min_dead_rows:
+            return False
+        started = monotonic()
+        connection.execute(statements.vacuum(table))
+    seconds = monotonic() - started
+    logger.info(
+        "vacuumed %s (%d dead row versions) in %.2f s",
+        table.fullname,
+        dead,
+        seconds,
+        extra={"action": "table_vacuumed", "dead_rows": dead, "seconds": seconds},
+    )
+    return True
 
 
 def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:

@@ -28,7 +28,6 @@ from typing import Any, ClassVar
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
-    ColumnElement,
     DateTime,
     FetchedValue,
     Identity,
@@ -40,7 +39,6 @@ from sqlalchemy import (
     Text,
     event,
     func,
-    literal_column,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -58,7 +56,8 @@ __all__ = [
     "JobStatus",
     "TableNames",
     "names",
-    "runnable_predicate",
+    "pending_predicate",
+    "running_predicate",
 ]
 
 DEFAULT_QUEUE = "default"
@@ -93,9 +92,16 @@ def _status_list(statuses: tuple[JobStatus, ...]) -> str:
 
 @dataclass(frozen=True)
 class TableNames:
-    """The names of every schema object that belongs to one job or result table."""
+    """The names of every schema object that belongs to one job or result table.
+
+    ``pending_index`` and ``running_index`` are the claim's indexes (schema version 2);
+    ``claim_index`` names the single claim index of schema version 1, which the version-2
+    upgrade drops.
+    """
 
     table: str
+    pending_index: str
+    running_index: str
     claim_index: str
     status_check: str
     priority_check: str
@@ -121,6 +127,8 @@ def names(table: str) -> TableNames:
     """
     return TableNames(
         table=table,
+        pending_index=_identifier(table, "pending_idx"),
+        running_index=_identifier(table, "running_idx"),
         claim_index=_identifier(table, "claim_idx"),
         status_check=_identifier(table, "status_ck"),
         priority_check=_identifier(table, "priority_ck"),
@@ -131,18 +139,19 @@ def names(table: str) -> TableNames:
     )
 
 
-def runnable_predicate() -> str:
-    """The claim index's predicate, as SQL text.
+def pending_predicate() -> str:
+    """The predicate of the pending index, as SQL text: ``status = 'pending'``.
 
-    The claim statement repeats it with literal values (never bind parameters), so that the
-    planner can prove the partial index applies even to a prepared, generic plan.
+    The claim statement repeats it with a literal value (never a bind parameter), so that
+    the planner can prove the partial index applies even to a prepared, generic plan.
     """
-    return f"status IN ({_status_list(RUNNABLE_STATUSES)})"
+    return f"status = '{JobStatus.PENDING.value}'"
 
 
-def runnable_clause(status: ColumnElement[str]) -> ColumnElement[bool]:
-    """``status IN ('pending', 'running')`` rendered with literals, matching the index."""
-    return status.in_([literal_column(f"'{s.value}'") for s in RUNNABLE_STATUSES])
+def running_predicate() -> str:
+    """The predicate of the running index, as SQL text: ``status = 'running'`` (see
+    :func:`pending_predicate`)."""
+    return f"status = '{JobStatus.RUNNING.value}'"
 
 
 class JobMixin:
@@ -214,15 +223,25 @@ class JobMixin:
     def __table_args__(cls) -> tuple[Any, ...]:
         n = names(cls.__tablename__)  # type: ignore[attr-defined]
         return (
-            # Leads with what the claim filters and orders by, and holds only runnable rows,
-            # so the cost of a claim does not grow with the finished history.
+            # The claim's two indexes (schema version 2), partial so that a claim's cost grows
+            # neither with the finished history nor with the jobs in flight. Pending jobs in
+            # claim order: a claimed job leaves the index, so running ones are never read on
+            # the way to the next pending one.
             Index(
-                n.claim_index,
+                n.pending_index,
                 "queue",
                 "priority",
                 "run_at",
                 "id",
-                postgresql_where=text(runnable_predicate()),
+                postgresql_where=text(pending_predicate()),
+            ),
+            # Running jobs by lease end: the claim reads only the expired leases, never the
+            # live ones. (lease_expires_at is indexed, so a heartbeat is not a HOT update.)
+            Index(
+                n.running_index,
+                "queue",
+                "lease_expires_at",
+                postgresql_where=text(running_predicate()),
             ),
             CheckConstraint(f"status IN ({_status_list(tuple(JobStatus))})", name=n.status_check),
             CheckConstraint(

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from sqlalchemy import (
+    DDL,
     BigInteger,
     Boolean,
     ColumnElement,
@@ -45,20 +46,23 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    true,
+    union_all,
     update,
 )
 from sqlalchemy import table as catalog_table
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 from sqlalchemy.sql.dml import ReturningDelete
 
-from sqla_jobs.ddl import TRANSITION_TABLE, qualified_name
-from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names, runnable_clause
+from sqla_jobs.ddl import TRANSITION_TABLE, executable, qualified_name
+from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names
 
 __all__ = [
     "cancel",
     "claim",
     "complete",
     "complete_and_delete",
+    "dead_rows",
     "enqueue_many",
     "fail",
     "heartbeat",
@@ -68,6 +72,7 @@ __all__ = [
     "release",
     "retry",
     "store_results",
+    "vacuum",
     "wakeup_trigger_exists",
 ]
 
@@ -189,12 +194,26 @@ def claim(table: Table, *, queue_count: int) -> Update:
     stalled attempt; folding the reaper into the claim means no separate process has to run
     for crashed jobs to come back). Order: ``(priority, run_at, id)``.
 
-    Locks: ``FOR UPDATE SKIP LOCKED`` on the chosen rows, so concurrent claimers take
-    disjoint rows and skip the rows other workers hold. (Following the update chain of a row
-    claimed after this statement's snapshot, PostgreSQL may wait a moment for that claimer's
-    completion to commit: brief, never for a held job.) Index: the partial claim index
-    ``(queue, priority, run_at, id) WHERE status IN ('pending', 'running')``; with one queue
-    the index scan returns rows already in claim order.
+    Indexes: each queue's pending jobs come from the pending index ``(queue, priority,
+    run_at, id) WHERE status = 'pending'``, read in its order, and its expired leases from the
+    running index ``(queue, lease_expires_at) WHERE status = 'running'``, read from the
+    oldest lease end up to now; each read stops after ``:limit`` rows. So a claim reads
+    neither the finished history, nor the jobs in flight on live leases, nor more than
+    ``:limit`` rows per queue, however many queues it serves: with several queues
+    (``queue_count`` > 1) the per-queue reads are a ``LATERAL`` join over the
+    ``:queue_names`` array. The best ``:limit`` of these candidates by ``(priority, run_at,
+    id)`` are claimed. (When more than ``:limit`` leases of one queue have expired, the
+    oldest expired come first.)
+
+    Locks: each per-queue read locks its rows ``FOR UPDATE SKIP LOCKED`` as it goes, so
+    concurrent claimers take disjoint rows, skip (never wait for) the rows others hold, and a
+    claim comes back short only when there are not enough unlocked runnable jobs. The lock is
+    taken where the row is read, not over a join of candidates: that keeps PostgreSQL's
+    re-check of a row updated since the statement's snapshot to that one row. The price: a
+    claim over several queues also locks, until its transaction ends, candidates of other
+    queues that do not make its best ``:limit`` (at most ``:limit`` per queue). (Following the
+    update chain of a row claimed after this statement's snapshot, PostgreSQL may wait a
+    moment for that claimer's completion to commit: brief, never for a held job.)
 
     The CTE is there on purpose: it fences the planner so that ``LIMIT`` and the row locks
     apply once, to the chosen rows, before the ``UPDATE`` joins them back.
@@ -207,24 +226,55 @@ def claim(table: Table, *, queue_count: int) -> Update:
     ``:lease_seconds``, ``:worker``.
     """
     now = _now()
+    limit = bindparam("limit", type_=Integer)
+    queues: Any = None
+    queue: ColumnElement[str]
     if queue_count == 1:
-        in_queue = table.c.queue == bindparam("queue_name", type_=Text)
+        queue = bindparam("queue_name", type_=Text)
     else:
-        in_queue = table.c.queue == func.any(bindparam("queue_names", type_=ARRAY(Text)))
-    claimable = (
-        select(table.c.id)
+        queues = (
+            func.unnest(bindparam("queue_names", type_=ARRAY(Text)))
+            .table_valued("name")
+            .render_derived(name="q")
+        )
+        queue = queues.c.name
+    columns = (table.c.id, table.c.priority, table.c.run_at)
+    pending_jobs = (
+        select(*columns)
         .where(
-            runnable_clause(table.c.status),
-            in_queue,
+            table.c.status == _lit(JobStatus.PENDING),
+            table.c.queue == queue,
             table.c.run_at <= now,
-            or_(
-                table.c.status == _lit(JobStatus.PENDING),
-                table.c.lease_expires_at <= now,
-            ),
         )
         .order_by(table.c.priority, table.c.run_at, table.c.id)
-        .limit(bindparam("limit", type_=Integer))
-        .with_for_update(skip_locked=True)
+    )
+    expired_leases = (
+        select(*columns)
+        .where(
+            table.c.status == _lit(JobStatus.RUNNING),
+            table.c.queue == queue,
+            table.c.lease_expires_at <= now,
+            table.c.run_at <= now,
+        )
+        .order_by(table.c.lease_expires_at)
+    )
+    # Each read locks as it goes (a locking clause is not allowed on a UNION's own branches,
+    # hence one subquery each); correlated to the queue array when there is one.
+    branches = []
+    for name, read in (("pending", pending_jobs), ("expired", expired_leases)):
+        read = read.limit(limit).with_for_update(skip_locked=True)
+        if queues is not None:
+            read = read.correlate(queues)
+        branches.append(select(read.subquery(name)))
+    candidates: Any = union_all(*branches).subquery("candidate")
+    if queues is not None:
+        candidates = candidates.lateral("candidate")
+        chosen = select(candidates.c.id).select_from(queues).join(candidates, true())
+    else:
+        chosen = select(candidates.c.id)
+    claimable = (
+        chosen.order_by(candidates.c.priority, candidates.c.run_at, candidates.c.id)
+        .limit(limit)
         .cte("claimable")
     )
     # An expired lease on the job's last attempt means that attempt died with its worker:
@@ -394,8 +444,10 @@ def heartbeat(table: Table) -> Update:
     lock-mode handler's, an outcome being written, a claim taking over an expired lease) is
     skipped, not waited for, and a heartbeat can take part in no deadlock.
 
-    Only ``lease_expires_at`` changes, and it is in no index, so the update can be HOT.
-    Returns ``id, attempts`` of the attempts whose lease was extended.
+    Only ``lease_expires_at`` changes; it is a key of the running index (which lets a claim
+    find expired leases without reading live ones), so the update is not HOT: each heartbeat
+    adds an entry to the job table's indexes. Returns ``id, attempts`` of the attempts whose
+    lease was extended.
     Parameters: ``:fence_ids``, ``:fence_attempts``, ``:fence_leases``.
     """
     pairs, match = _fences(table, leases=True)
@@ -507,6 +559,41 @@ def prune(table: Table) -> Delete:
         .scalar_subquery()
     )
     return delete(table).where(table.c.id.in_(doomed))
+
+
+def dead_rows(table: Table) -> Select[Any]:
+    """How many dead row versions the table holds, as PostgreSQL's cumulative statistics
+    count them (``pg_stat_get_dead_tuples``, reset by each vacuum of the table): one number,
+    0 also when the table does not exist. Reads shared memory, not the table.
+
+    Each claimed job leaves about two (the pending version, then the running one), and
+    their entries fill the head of the pending index until a vacuum removes them (see
+    :func:`vacuum`). The table's name is bound into the statement: execute it without
+    parameters.
+    """
+    relation = func.to_regclass(
+        bindparam("dead_rows_table", qualified_name(table.name, table.schema), type_=Text)
+    )
+    return select(func.coalesce(func.pg_stat_get_dead_tuples(relation), literal_column("0")))
+
+
+def vacuum(table: Table) -> DDL:
+    """``VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON)`` of the table. Run it outside a transaction
+    (autocommit).
+
+    A claim reads the pending index from its head, where the entries of the jobs claimed
+    since the last vacuum sit, dead: a claim reads a few more index pages for every few
+    hundred jobs claimed before it, until a vacuum removes them. This vacuum removes them
+    whatever the table's size: ``INDEX_CLEANUP ON`` keeps PostgreSQL from skipping the
+    index pass when the dead rows sit on few of a large table's pages. ``SKIP_LOCKED``: when
+    another vacuum of the table (autovacuum's, another worker's) is running, it skips the
+    table rather than wait. Locks: ``SHARE UPDATE EXCLUSIVE`` on the table, which blocks no
+    claim, enqueue or outcome. Costs a pass over the heap pages changed since the last
+    vacuum and over every index of the table.
+    """
+    return executable(
+        f"VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) {qualified_name(table.name, table.schema)}"
+    )
 
 
 def queue_stats(table: Table) -> Select[Any]:

@@ -112,6 +112,52 @@ def test_concurrent_claimers_skip_locked_rows_without_waiting(queue_engine: sa.E
         second.commit()
 
 
+def test_a_claim_over_several_queues_skips_held_rows_and_still_fills_its_batch(
+    queue_engine: sa.Engine,
+) -> None:
+    enqueue(
+        queue_engine,
+        *[EmailJob(task=f"a{i}", queue="alpha", priority=-1) for i in range(6)],
+        *[EmailJob(task=f"b{i}", queue="beta") for i in range(6)],
+    )
+    queues = ["alpha", "beta"]
+    with Session(queue_engine) as first, Session(queue_engine) as second:
+        first.begin()
+        second.begin()
+        second.execute(sa.text("SET LOCAL lock_timeout = '1ms'"))
+        a = sqla_jobs.claim(first, EmailJob, queues=queues, limit=3)
+        # The best three, in claim order, across the queues.
+        assert [job.task for job in a] == ["a0", "a1", "a2"]
+        # Each queue's read locks at most `limit` rows as it goes (a0-a2 claimed, b0-b2
+        # held as candidates until the first transaction ends); a concurrent claim skips
+        # them all, and its batch is full all the same.
+        b = sqla_jobs.claim(second, EmailJob, queues=queues, limit=6)
+        assert sorted(job.task for job in b) == ["a3", "a4", "a5", "b3", "b4", "b5"]
+        first.commit()
+        second.commit()
+
+
+def test_expired_leases_of_several_queues_are_taken_over(queue_engine: sa.Engine) -> None:
+    alpha, beta, last = enqueue(
+        queue_engine,
+        EmailJob(task="a", queue="alpha"),
+        EmailJob(task="b", queue="beta"),
+        EmailJob(task="c", queue="beta", max_attempts=1),
+    )
+    with Session(queue_engine) as session, session.begin():
+        assert (
+            len(sqla_jobs.claim(session, EmailJob, queues=["alpha", "beta"], lease=0.2, limit=5))
+            == 3
+        )
+    enqueue(queue_engine, EmailJob(task="new", queue="alpha", priority=1))
+    time.sleep(0.3)
+    with Session(queue_engine) as session, session.begin():
+        jobs = sqla_jobs.claim(session, EmailJob, queues=["beta", "alpha"], limit=5)
+    assert [(job.id, job.attempt) for job in jobs][:2] == [(alpha, 2), (beta, 2)]
+    assert [job.task for job in jobs] == ["a", "b", "new"]
+    assert (row(queue_engine, last).status, row(queue_engine, last).attempts) == ("dead", 1)
+
+
 def test_expired_lease_is_reclaimed_by_the_same_claim_as_a_new_attempt(
     queue_engine: sa.Engine,
 ) -> None:

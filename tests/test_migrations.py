@@ -12,6 +12,8 @@ import argparse
 import io
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from conftest import FreshDatabase
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
+import sqla_jobs
 import sqla_jobs.models
 from sqla_jobs import ddl, migrations, names, statements
 from sqla_jobs.urls import libpq_url
@@ -135,7 +138,7 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0001_user_tables", "sqla_jobs_0001"]
+        assert sorted(versions.scalars()) == ["0002_claim_indexes", "sqla_jobs_0002"]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS
@@ -197,7 +200,16 @@ def test_offline_sql_renders_the_trigger(db_engine: sa.Engine) -> None:
 
     sql = output.getvalue()
     assert "CREATE TRIGGER email_jobs_notify_tg AFTER INSERT ON email_jobs" in sql
-    assert "CREATE INDEX email_jobs_claim_idx ON email_jobs" in sql
+    assert "CREATE INDEX email_jobs_claim_idx ON email_jobs" in sql  # version 1 (0001)
+    # ... upgraded to version 2 by 0002, concurrently, outside a transaction
+    upgrade_2 = sql[sql.index("DROP INDEX CONCURRENTLY IF EXISTS email_jobs_pending_idx") :]
+    assert sql[: len(sql) - len(upgrade_2)].rstrip().endswith("COMMIT;")
+    for line in (
+        "CREATE INDEX CONCURRENTLY email_jobs_pending_idx ON email_jobs",
+        "CREATE INDEX CONCURRENTLY email_jobs_running_idx ON email_jobs",
+        "DROP INDEX CONCURRENTLY IF EXISTS email_jobs_claim_idx",
+    ):
+        assert line in upgrade_2
     assert catalog(db_engine)["tables"] == []  # offline mode only prints
 
 
@@ -211,7 +223,7 @@ def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -
         recorded = connection.execute(
             sa.text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")
         )
-        assert recorded.scalars().all() == ["sqla_jobs_0001"]
+        assert recorded.scalars().all() == ["sqla_jobs_0002"]
 
     migrations.downgrade(url_of(db_engine), "base")
     assert catalog(db_engine)["tables"] == []
@@ -220,18 +232,24 @@ def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -
 def test_versions_path_is_the_installed_package_directory() -> None:
     path = migrations.versions_path()
     assert path == Path(migrations.__file__).resolve().parent / "versions"
-    assert sorted(p.name for p in path.glob("*.py")) == ["0001_default_tables.py"]
+    assert sorted(p.name for p in path.glob("*.py")) == [
+        "0001_default_tables.py",
+        "0002_claim_indexes.py",
+    ]
     assert (path.parent / "env.py").is_file()
     assert (path.parent / "script.py.mako").is_file()
 
 
 def test_check_claim_indexes_reports_differences(db_engine: sa.Engine) -> None:
     command.upgrade(example_config(url_of(db_engine)), "heads")
-    index = names("email_jobs").claim_index
+    index = names("email_jobs").pending_index
     with db_engine.begin() as connection:
         connection.execute(sa.text(f"DROP INDEX {index}"))
         connection.execute(
-            sa.text(f"CREATE INDEX {index} ON email_jobs (queue, run_at) WHERE status = 'pending'")
+            sa.text(
+                f"CREATE INDEX {index} ON email_jobs (queue, run_at) "
+                "WHERE status IN ('pending', 'running')"
+            )
         )
         problems = migrations.check_claim_indexes(connection, models.EmailJob, models.ReportJob)
         assert len(problems) == 2
@@ -247,17 +265,48 @@ def test_check_claim_indexes_reports_differences(db_engine: sa.Engine) -> None:
         assert scratch.scalar() is None
 
 
-def test_claim_index_can_be_rebuilt_concurrently(db_engine: sa.Engine) -> None:
+def test_claim_indexes_can_be_rebuilt_concurrently(db_engine: sa.Engine) -> None:
     command.upgrade(example_config(url_of(db_engine)), "heads")
 
     with db_engine.connect() as connection:
         context = MigrationContext.configure(connection)
         with Operations.context(context), context.begin_transaction():
-            migrations.drop_claim_index("email_jobs", concurrently=True)
-            assert migrations.check_claim_indexes(connection, models.EmailJob) != []
-            migrations.create_claim_index("email_jobs", concurrently=True)
+            migrations.drop_claim_indexes("email_jobs", concurrently=True)
+            assert len(migrations.check_claim_indexes(connection, models.EmailJob)) == 2
+            migrations.create_claim_indexes("email_jobs", concurrently=True)
     with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+
+
+def test_the_version_1_claim_index_can_still_be_rebuilt_concurrently(
+    db_engine: sa.Engine,
+) -> None:
+    # The version-1 helpers are frozen: an old revision that calls them still works.
+    migrate(db_engine, lambda: migrations.create_job_table("email_jobs_v1"))
+    v1 = names("email_jobs_v1")
+    migrate(db_engine, lambda: migrations.drop_claim_index("email_jobs_v1", concurrently=True))
+    assert index_definitions(db_engine, "email_jobs_v1") == {}
+    migrate(db_engine, lambda: migrations.create_claim_index("email_jobs_v1", concurrently=True))
+    assert index_definitions(db_engine, "email_jobs_v1") == {
+        v1.claim_index: (
+            "CREATE INDEX email_jobs_v1_claim_idx ON public.email_jobs_v1 USING btree "
+            "(queue, priority, run_at, id) WHERE ((status)::text = ANY "
+            "((ARRAY['pending'::character varying, 'running'::character varying])::text[]))"
+        )
+    }
+
+
+def index_definitions(engine: sa.Engine, table: str) -> dict[str, str]:
+    """The table's indexes but its primary key: name -> definition."""
+    with engine.connect() as connection:
+        rows = connection.execute(
+            sa.text(
+                "SELECT indexname, indexdef FROM pg_indexes "
+                "WHERE tablename = :table AND indexname <> :pkey"
+            ),
+            {"table": table, "pkey": f"{table}_pkey"},
+        )
+        return {row.indexname: row.indexdef for row in rows}
 
 
 NO_TRIGGER_ON_EMAIL_JOBS = (
@@ -322,8 +371,8 @@ def test_a_table_autogenerate_made_is_reported_until_the_helper_adds_the_trigger
 def test_a_table_the_helpers_made_is_clean_and_notify_false_is_reported(
     db_engine: sa.Engine,
 ) -> None:
-    migrate(db_engine, lambda: migrations.create_job_table("report_jobs"))
-    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False))
+    migrate(db_engine, lambda: migrations.create_job_table("report_jobs", version=2))
+    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False, version=2))
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, models.ReportJob) == []
         (problem,) = migrations.check_job_tables(connection, sqla_jobs.models.Job)
@@ -336,7 +385,10 @@ def test_the_trigger_is_found_by_quoted_names_in_another_schema(db_engine: sa.En
     with db_engine.begin() as connection:
         connection.execute(sa.text(f"CREATE SCHEMA {ddl.quote(schema)}"))
     made: list[sa.Table] = []
-    migrate(db_engine, lambda: made.append(migrations.create_job_table(name, schema=schema)))
+    migrate(
+        db_engine,
+        lambda: made.append(migrations.create_job_table(name, schema=schema, version=2)),
+    )
     migrate(db_engine, lambda: migrations.drop_notify_trigger(name, schema=schema))
     (table,) = made
     with db_engine.connect() as connection:
@@ -471,3 +523,182 @@ def test_importing_the_library_does_not_import_alembic(tmp_path: Path) -> None:
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+# -- schema version 2 ----------------------------------------------------------------------
+
+V1 = ("0001_user_tables", "sqla_jobs_0001")
+JOB_TABLES = ("email_jobs", "report_jobs", "sqla_jobs")
+
+
+def upgrade_to_version_1(engine: sa.Engine) -> Config:
+    config = example_config(url_of(engine))
+    for revision in V1:
+        command.upgrade(config, revision)
+    return config
+
+
+def add_jobs_in_every_state(engine: sa.Engine) -> None:
+    with engine.begin() as connection:
+        for table in JOB_TABLES:
+            connection.execute(
+                sa.text(
+                    f"INSERT INTO {table} (queue, task, status, attempts, lease_expires_at, "
+                    "finished_at, run_at) "
+                    "SELECT 'q' || (n % 3), 't', s.status, "
+                    "CASE WHEN s.status = 'pending' THEN 0 ELSE 1 END, "
+                    "CASE WHEN s.status = 'running' THEN now() - interval '1 minute' END, "
+                    "CASE WHEN s.status IN ('succeeded', 'dead', 'cancelled') THEN now() END, "
+                    "now() - CASE WHEN s.status = 'running' THEN interval '1 hour' "
+                    "ELSE interval '0' END "
+                    "FROM generate_series(1, 200) AS n, (VALUES ('pending'), ('running'), "
+                    "('succeeded'), ('dead'), ('cancelled')) AS s(status)"
+                )
+            )
+
+
+def rows_by_status(engine: sa.Engine) -> dict[str, list[tuple[Any, ...]]]:
+    with engine.connect() as connection:
+        return {
+            table: sorted(
+                tuple(row)
+                for row in connection.execute(
+                    sa.text(f"SELECT status, count(*) FROM {table} GROUP BY status")
+                )
+            )
+            for table in JOB_TABLES
+        }
+
+
+def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
+    db_engine: sa.Engine,
+) -> None:
+    config = upgrade_to_version_1(db_engine)
+    version_1 = catalog(db_engine)
+    add_jobs_in_every_state(db_engine)
+    before = rows_by_status(db_engine)
+    with db_engine.connect() as connection:
+        problems = migrations.check_job_tables(connection, *JOB_MODELS)
+    # Each version-1 table: its two new indexes missing, its old one left over, with the fix.
+    assert len(problems) == 3 * len(JOB_MODELS)
+    assert "upgrade_job_table_to_v2('email_jobs')" in "".join(problems)
+
+    command.upgrade(config, "heads")
+
+    assert rows_by_status(db_engine) == before
+    for table in JOB_TABLES:
+        n = names(table)
+        assert set(index_definitions(db_engine, table)) == {n.pending_index, n.running_index}
+    assert schema_differences(db_engine, all_metadata()) == []
+    command.check(config)  # `alembic check`: autogenerate finds nothing to do
+    with db_engine.connect() as connection:
+        assert migrations.check_job_tables(connection, *JOB_MODELS) == []
+    # The claim finds its jobs through the new indexes: the expired leases first (their
+    # run_at is the oldest).
+    with db_engine.begin() as connection:
+        jobs = sqla_jobs.claim(
+            connection, models.EmailJob, queues=["q0", "q1", "q2"], limit=250, lease=30
+        )
+    assert len(jobs) == 250
+    assert sorted({job.attempt for job in jobs}) == [1, 2]
+    assert sum(job.attempt == 2 for job in jobs) == 200  # the 200 expired leases
+
+    # And back: the version-1 catalog exactly, with the data still there.
+    command.downgrade(config, "0001_user_tables")
+    command.downgrade(config, "sqla_jobs_0001")
+    assert catalog(db_engine) == version_1
+    assert sum(count for _, count in rows_by_status(db_engine)["sqla_jobs"]) == 1000
+    command.upgrade(config, "heads")  # and up again
+    assert schema_differences(db_engine, all_metadata()) == []
+
+
+def test_the_upgrade_does_not_block_writers_of_the_live_table(db_engine: sa.Engine) -> None:
+    upgrade_to_version_1(db_engine)
+    config = example_config(url_of(db_engine))
+    insert = sa.text("INSERT INTO email_jobs (task) VALUES ('live')")
+    with db_engine.connect() as writer:
+        writer.execute(insert)  # a transaction writing to the table stays open
+        failure: list[BaseException] = []
+
+        def upgrade() -> None:
+            try:
+                command.upgrade(config, "0002_claim_indexes")  # email_jobs first
+            except BaseException as exc:  # pragma: no cover - reported below
+                failure.append(exc)
+
+        thread = threading.Thread(target=upgrade)
+        thread.start()
+        try:
+            # CREATE INDEX CONCURRENTLY waits for that open transaction to end ...
+            waiting = sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'CREATE INDEX "
+                "CONCURRENTLY email_jobs_pending_idx%' AND wait_event_type = 'Lock'"
+            )
+            deadline = time.monotonic() + 30
+            with db_engine.connect() as observer:
+                while observer.execute(waiting).scalar_one() == 0:
+                    observer.rollback()
+                    assert time.monotonic() < deadline, "the upgrade never waited"
+                    time.sleep(0.05)
+            # ... while new writers go on: a plain CREATE INDEX would queue them behind it.
+            with db_engine.begin() as other:
+                other.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
+                other.execute(insert)
+        finally:
+            writer.commit()
+            thread.join(60)
+    assert not thread.is_alive()
+    assert failure == []
+    command.upgrade(config, "heads")
+    with db_engine.connect() as connection:
+        assert migrations.check_job_tables(connection, *JOB_MODELS) == []
+        assert connection.execute(sa.text("SELECT count(*) FROM email_jobs")).scalar() == 2
+
+
+def test_the_upgrade_helper_can_run_again_after_an_interrupted_run(
+    db_engine: sa.Engine,
+) -> None:
+    migrate(db_engine, lambda: migrations.create_job_table("email_jobs"))
+    n = names("email_jobs")
+    # What a failed CREATE INDEX CONCURRENTLY leaves: an invalid index of the same name.
+    with db_engine.begin() as connection:
+        connection.execute(sa.text(f"CREATE INDEX {n.pending_index} ON email_jobs (task)"))
+        connection.execute(
+            sa.text(
+                "UPDATE pg_index SET indisvalid = false "
+                f"WHERE indexrelid = '{n.pending_index}'::regclass"
+            )
+        )
+    migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))
+    migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))  # idempotent
+    with db_engine.connect() as connection:
+        assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+    migrate(db_engine, lambda: migrations.downgrade_job_table_to_v1("email_jobs"))
+    assert set(index_definitions(db_engine, "email_jobs")) == {n.claim_index}
+
+
+def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
+    db_engine: sa.Engine,
+) -> None:
+    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=2))
+    migrate(db_engine, lambda: migrations.create_job_table("report_jobs"))
+    email, report = names("email_jobs"), names("report_jobs")
+    assert set(index_definitions(db_engine, "email_jobs")) == {
+        email.pending_index,
+        email.running_index,
+    }
+    assert set(index_definitions(db_engine, "report_jobs")) == {report.claim_index}
+    with db_engine.connect() as connection:
+        assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+        assert migrations.check_claim_indexes(connection, models.ReportJob) == [
+            f"index {report.pending_index} on report_jobs: missing from the database",
+            f"index {report.running_index} on report_jobs: missing from the database",
+            (
+                f"index {report.claim_index} on report_jobs: the claim index of schema "
+                "version 1, which the model no longer has; upgrade the table from a new "
+                "revision with sqla_jobs.migrations.upgrade_job_table_to_v2('report_jobs')"
+            ),
+        ]
+    with pytest.raises(ValueError, match="schema version"):
+        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=3))
+    assert migrations.SCHEMA_VERSION == 2

@@ -13,6 +13,7 @@ from typing import Any, Final
 from sqlalchemy import (
     ColumnElement,
     Delete,
+    Exists,
     Insert,
     Integer,
     Select,
@@ -23,11 +24,12 @@ from sqlalchemy import (
     func,
     insert,
     literal_column,
+    or_,
     select,
 )
 
 from sqla_jobs.ddl import qualified_name, quote
-from sqla_jobs.schema import JobStatus, runnable_clause
+from sqla_jobs.schema import JobStatus
 
 __all__ = [
     "clear",
@@ -69,12 +71,21 @@ def fill(table: Table, *, finished: bool = False) -> Insert:
 
 
 def has_runnable(table: Table) -> Select[Any]:
-    """Whether queue ``:queue`` has a pending or running job (reads the claim index only)."""
-    return select(
-        select(_ONE)
-        .where(runnable_clause(table.c.status), table.c.queue == bindparam("queue", type_=Text))
-        .exists()
-    )
+    """Whether queue ``:queue`` has a pending or running job (reads the first entry of the
+    pending index and of the running index, nothing else)."""
+
+    def any_in(status: JobStatus) -> Exists:
+        # The status as a literal, so that the partial index is provably usable.
+        return (
+            select(_ONE)
+            .where(
+                table.c.status == literal_column(f"'{status.value}'"),
+                table.c.queue == bindparam("queue", type_=Text),
+            )
+            .exists()
+        )
+
+    return select(or_(any_in(JobStatus.PENDING), any_in(JobStatus.RUNNING)))
 
 
 def finished(table: Table) -> Select[Any]:

@@ -20,7 +20,9 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
 
     def upgrade() -> None:
         jobs.create_job_table(
-            "email_jobs", sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id"))
+            "email_jobs",
+            sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id")),
+            version=2,
         )
         jobs.create_result_table("email_job_results")
 
@@ -28,6 +30,17 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
     def downgrade() -> None:
         jobs.drop_result_table("email_job_results")
         jobs.drop_job_table("email_jobs")
+
+``version=2`` is the schema version to build: the one the mixins declare today. A table an
+earlier revision built without it is version 1; a new revision upgrades it in place, with
+indexes built concurrently on the live table::
+
+    def upgrade() -> None:
+        jobs.upgrade_job_table_to_v2("email_jobs")
+
+
+    def downgrade() -> None:
+        jobs.downgrade_job_table_to_v1("email_jobs")
 
 **Lease columns** (:class:`~sqla_jobs.LeaseMixin`) on a table of yours that already exists:
 :func:`add_lease_columns` / :func:`drop_lease_columns` from your revision. For a new table,
@@ -76,16 +89,20 @@ from sqla_jobs.migrations.operations import (
     SCHEMA_VERSION,
     add_lease_columns,
     create_claim_index,
+    create_claim_indexes,
     create_job_table,
     create_lease_index,
     create_notify_trigger,
     create_result_table,
+    downgrade_job_table_to_v1,
     drop_claim_index,
+    drop_claim_indexes,
     drop_job_table,
     drop_lease_columns,
     drop_lease_index,
     drop_notify_trigger,
     drop_result_table,
+    upgrade_job_table_to_v2,
 )
 
 __all__ = [
@@ -98,17 +115,21 @@ __all__ = [
     "check_claim_indexes",
     "check_job_tables",
     "create_claim_index",
+    "create_claim_indexes",
     "create_job_table",
     "create_lease_index",
     "create_notify_trigger",
     "create_result_table",
     "downgrade",
+    "downgrade_job_table_to_v1",
     "drop_claim_index",
+    "drop_claim_indexes",
     "drop_job_table",
     "drop_lease_columns",
     "drop_lease_index",
     "drop_notify_trigger",
     "drop_result_table",
     "upgrade",
+    "upgrade_job_table_to_v2",
     "versions_path",
 ]

@@ -115,19 +115,44 @@ def _problems(connection: sa.Connection, table: sa.Table, index: sa.Index) -> li
     ]
 
 
+def _is_job_table(table: sa.Table) -> bool:
+    return _JOB_COLUMNS.issubset(column.name for column in table.columns)
+
+
+def _arguments(table: sa.Table) -> str:
+    schema = "" if table.schema is None else f", schema={table.schema!r}"
+    return f"({table.name!r}{schema})"
+
+
+def _version_1_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
+    # A job table still at schema version 1 has its claim index, which the model (version 2)
+    # no longer declares: autogenerate would drop it, but not build the two that replace it.
+    n = names(table.name)
+    if not _is_job_table(table) or any(i.name == n.claim_index for i in table.indexes):
+        return []
+    index_name = ddl.qualified_name(n.claim_index, table.schema)
+    if _shape(connection, index_name, ddl.qualified_name(table.name, table.schema)) is None:
+        return []
+    problem = (
+        f"index {n.claim_index} on {table.fullname}: the claim index of schema version 1, "
+        "which the model no longer has; upgrade the table from a new revision with "
+        f"sqla_jobs.migrations.upgrade_job_table_to_v2{_arguments(table)}"
+    )
+    return [problem]
+
+
 def _index_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
     problems: list[str] = []
     for index in sorted(table.indexes, key=lambda i: str(i.name)):
         if index.dialect_options["postgresql"]["where"] is not None:
             problems.extend(_problems(connection, table, index))
-    return problems
+    return problems + _version_1_problems(connection, table)
 
 
 def _wakeup_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
     if connection.execute(statements.wakeup_trigger_exists(table)).scalar_one():
         return []
-    schema = "" if table.schema is None else f", schema={table.schema!r}"
-    arguments = f"({table.name!r}{schema})"
+    arguments = _arguments(table)
     problem = (
         f"wake-up trigger {names(table.name).notify_trigger} on {table.fullname}: missing, "
         "disabled or not the one sqla_jobs creates (autogenerate and a plain create_table "
@@ -144,10 +169,12 @@ def check_claim_indexes(connection: sa.Connection, *models: type[Any] | sa.Table
     Alembic's autogenerate compares an index's name and columns but not its ``WHERE``
     predicate, and a claim index whose predicate does not match the claim statement's is
     silently not used. This check covers every index of the given models (or tables) that
-    has ``postgresql_where``, the claim index of a :class:`~sqla_jobs.schema.JobMixin`
-    model first of all: it must exist, be valid, and have the model's key columns,
-    predicate, uniqueness and access method as PostgreSQL normalises them. An empty list
-    means they all match.
+    has ``postgresql_where``, the claim indexes of a :class:`~sqla_jobs.schema.JobMixin`
+    model (the pending index and the running index) first of all: each must exist, be
+    valid, and have the model's key columns, predicate, uniqueness and access method as
+    PostgreSQL normalises them. A job table that still has the claim index of schema
+    version 1 is reported too, with the helper that upgrades it. An empty list means they
+    all match.
 
     It reads the catalog and builds the model's index on an empty temporary table inside a
     savepoint that it rolls back; it changes nothing else in the caller's transaction.
@@ -183,6 +210,6 @@ def check_job_tables(
     for model in models:
         table = _table_of(model)
         problems.extend(_index_problems(connection, table))
-        if notify and _JOB_COLUMNS.issubset(column.name for column in table.columns):
+        if notify and _is_job_table(table):
             problems.extend(_wakeup_problems(connection, table))
     return problems

@@ -1,11 +1,24 @@
 """Alembic operations for job and result tables, called from your own revisions.
 
-Each helper renders schema version 1 of the tables exactly as
-:class:`~sqla_jobs.schema.JobMixin` and :class:`~sqla_jobs.schema.JobResultMixin` declare it
-today, from a frozen copy kept here, never from your live models: a revision must build the
-same tables next year as it does today. Names come from :func:`sqla_jobs.names`, like the
-mixins' names. A later schema version will ship as new helpers that a new revision of yours
-calls, never as a change to these.
+Each helper renders one schema version of the tables, from a frozen copy kept here, never
+from your live models: a revision must build the same tables next year as it does today.
+Names come from :func:`sqla_jobs.names`, like the mixins' names. A later schema version ships
+as new helpers (or a new ``version`` a helper accepts) that a new revision of yours calls,
+never as a change to what an existing call builds.
+
+Schema versions:
+
+1. The job columns, constraints, NOTIFY trigger, storage parameters, and one partial claim
+   index ``(queue, priority, run_at, id) WHERE status IN ('pending', 'running')``.
+2. (What :class:`~sqla_jobs.schema.JobMixin` declares today.) The same table with two
+   claim indexes instead of one: the pending index ``(queue, priority, run_at, id) WHERE
+   status = 'pending'`` and the running index ``(queue, lease_expires_at) WHERE status =
+   'running'``, so that a claim's cost grows neither with the number of queues it serves nor
+   with the jobs in flight. :func:`create_job_table` builds it with ``version=2``; a
+   version-1 table is upgraded in place, on a live table, by
+   :func:`upgrade_job_table_to_v2`.
+
+The result table has not changed since version 1.
 """
 
 from __future__ import annotations
@@ -25,28 +38,43 @@ __all__ = [
     "CLAIM_INDEX_COLUMNS",
     "CLAIM_INDEX_PREDICATE",
     "LEASE_SCHEMA_VERSION",
+    "PENDING_INDEX_COLUMNS",
+    "PENDING_INDEX_PREDICATE",
+    "RUNNING_INDEX_COLUMNS",
+    "RUNNING_INDEX_PREDICATE",
     "SCHEMA_VERSION",
     "add_lease_columns",
     "create_claim_index",
+    "create_claim_indexes",
     "create_job_table",
     "create_lease_index",
     "create_notify_trigger",
     "create_result_table",
+    "downgrade_job_table_to_v1",
     "drop_claim_index",
+    "drop_claim_indexes",
     "drop_job_table",
     "drop_lease_columns",
     "drop_lease_index",
     "drop_notify_trigger",
     "drop_result_table",
+    "upgrade_job_table_to_v2",
 ]
 
-SCHEMA_VERSION = 1
-"""The version of the job and result tables that these helpers create."""
+SCHEMA_VERSION = 2
+"""The latest version of the job and result tables: the one the mixins declare."""
 
-# Frozen copies of what the mixins declare (version 1). tests/test_migrations.py proves that
-# they still match the mixins; a change to the mixins needs a new version, not an edit here.
+# Frozen copies of what the mixins declared in each version. tests/test_migrations.py proves
+# that the latest still matches the mixins; a change to the mixins needs a new version, not an
+# edit here.
+# Version 1: one claim index.
 CLAIM_INDEX_COLUMNS = ("queue", "priority", "run_at", "id")
 CLAIM_INDEX_PREDICATE = "status IN ('pending', 'running')"
+# Version 2: the pending index and the running index, instead of the claim index.
+PENDING_INDEX_COLUMNS = ("queue", "priority", "run_at", "id")
+PENDING_INDEX_PREDICATE = "status = 'pending'"
+RUNNING_INDEX_COLUMNS = ("queue", "lease_expires_at")
+RUNNING_INDEX_PREDICATE = "status = 'running'"
 _NAME_LENGTH = 200
 _STATUSES = "'pending', 'running', 'succeeded', 'dead', 'cancelled'"
 
@@ -93,10 +121,58 @@ def _execute(sql: str) -> None:
     op.execute(ddl.executable(sql))
 
 
+def _v2_indexes(table_name: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    n = names(table_name)
+    return (
+        (n.pending_index, PENDING_INDEX_COLUMNS, PENDING_INDEX_PREDICATE),
+        (n.running_index, RUNNING_INDEX_COLUMNS, RUNNING_INDEX_PREDICATE),
+    )
+
+
+def _create_index(
+    name: str,
+    table_name: str,
+    columns: tuple[str, ...],
+    predicate: str,
+    *,
+    schema: str | None,
+    concurrently: bool,
+) -> None:
+    options: dict[str, Any] = {"schema": schema, "postgresql_where": sa.text(predicate)}
+    if concurrently:
+        options["postgresql_concurrently"] = True
+    op.create_index(name, table_name, list(columns), **options)
+
+
+def _drop_index(
+    name: str,
+    table_name: str,
+    *,
+    schema: str | None,
+    concurrently: bool,
+    if_exists: bool = False,
+) -> None:
+    options: dict[str, Any] = {"table_name": table_name, "schema": schema}
+    if concurrently:
+        options["postgresql_concurrently"] = True
+    if if_exists:
+        options["if_exists"] = True
+    op.drop_index(name, **options)
+
+
 def create_job_table(
-    table_name: str, *extra: SchemaItem, schema: str | None = None, notify: bool = True
+    table_name: str,
+    *extra: SchemaItem,
+    schema: str | None = None,
+    notify: bool = True,
+    version: int = 1,
 ) -> sa.Table:
-    """Create a job table with its claim index, storage parameters and NOTIFY trigger.
+    """Create a job table with its claim index(es), storage parameters and NOTIFY trigger.
+
+    ``version`` is the schema version to build (see the module's docstring): a new revision
+    passes ``version=2``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
+    it the table is version 1, as it was when the revisions already written called this
+    helper; upgrade such a table with :func:`upgrade_job_table_to_v2`.
 
     ``extra`` are your model's own columns and constraints (``sa.Column``,
     ``sa.ForeignKeyConstraint``, ``sa.Index``, ...), added after the job columns.
@@ -114,7 +190,9 @@ def create_job_table(
 
         def upgrade() -> None:
             jobs.create_job_table(
-                "email_jobs", sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id"))
+                "email_jobs",
+                sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id")),
+                version=2,
             )
             jobs.create_result_table("email_job_results")
 
@@ -122,8 +200,13 @@ def create_job_table(
             jobs.drop_result_table("email_job_results")
             jobs.drop_job_table("email_jobs")
     """
+    if version not in (1, 2):
+        raise ValueError(f"schema version must be 1 or 2, not {version!r}")
     table = op.create_table(table_name, *_job_table_items(table_name), *extra, schema=schema)
-    create_claim_index(table_name, schema=schema)
+    if version == 1:
+        create_claim_index(table_name, schema=schema)
+    else:
+        create_claim_indexes(table_name, schema=schema)
     _execute(ddl.set_storage_parameters(table_name, schema))
     if notify:
         create_notify_trigger(table_name, schema=schema)
@@ -149,10 +232,11 @@ def drop_result_table(table_name: str, *, schema: str | None = None) -> None:
 def create_claim_index(
     table_name: str, *, schema: str | None = None, concurrently: bool = False
 ) -> None:
-    """Create the partial index the claim statement uses.
+    """Create the partial claim index of schema version 1.
 
-    :func:`create_job_table` already creates it; call this to rebuild it after
-    :func:`drop_claim_index`. With ``concurrently=True`` the index is built with
+    :func:`create_job_table` (version 1) already creates it; call this to rebuild it after
+    :func:`drop_claim_index`. (Version 2 has two indexes instead:
+    :func:`create_claim_indexes`.) With ``concurrently=True`` the index is built with
     ``CREATE INDEX CONCURRENTLY``, which does not block enqueues and claims on a live table
     but cannot run in a transaction: the helper runs it in Alembic's ``autocommit_block()``,
     which first commits everything the migration did before it. If it fails it leaves an
@@ -180,7 +264,8 @@ def create_claim_index(
 def drop_claim_index(
     table_name: str, *, schema: str | None = None, concurrently: bool = False
 ) -> None:
-    """Drop the claim index (``concurrently`` as for :func:`create_claim_index`)."""
+    """Drop the claim index of schema version 1 (``concurrently`` as for
+    :func:`create_claim_index`)."""
     index_name = names(table_name).claim_index
     if not concurrently:
         op.drop_index(index_name, table_name=table_name, schema=schema)
@@ -189,6 +274,97 @@ def drop_claim_index(
         op.drop_index(
             index_name, table_name=table_name, schema=schema, postgresql_concurrently=True
         )
+
+
+def create_claim_indexes(
+    table_name: str, *, schema: str | None = None, concurrently: bool = False
+) -> None:
+    """Create the two partial indexes the claim statement uses (schema version 2): the
+    pending index and the running index.
+
+    :func:`create_job_table` with ``version=2`` and :func:`upgrade_job_table_to_v2` already
+    create them; call this to rebuild them after :func:`drop_claim_indexes`.
+    ``concurrently=True`` builds them with ``CREATE INDEX CONCURRENTLY`` in Alembic's
+    ``autocommit_block()``, as :func:`create_claim_index` describes.
+    """
+    if not concurrently:
+        for name, columns, predicate in _v2_indexes(table_name):
+            _create_index(name, table_name, columns, predicate, schema=schema, concurrently=False)
+        return
+    with op.get_context().autocommit_block():
+        for name, columns, predicate in _v2_indexes(table_name):
+            _create_index(name, table_name, columns, predicate, schema=schema, concurrently=True)
+
+
+def drop_claim_indexes(
+    table_name: str, *, schema: str | None = None, concurrently: bool = False
+) -> None:
+    """Drop the pending and running indexes of schema version 2 (``concurrently`` as for
+    :func:`create_claim_indexes`)."""
+    if not concurrently:
+        for name, _, _ in _v2_indexes(table_name):
+            _drop_index(name, table_name, schema=schema, concurrently=False)
+        return
+    with op.get_context().autocommit_block():
+        for name, _, _ in _v2_indexes(table_name):
+            _drop_index(name, table_name, schema=schema, concurrently=True)
+
+
+def upgrade_job_table_to_v2(table_name: str, *, schema: str | None = None) -> None:
+    """Upgrade a version-1 job table to version 2 in place, without blocking its users.
+
+    Builds the pending index and the running index with ``CREATE INDEX CONCURRENTLY``, then
+    drops the version-1 claim index with ``DROP INDEX CONCURRENTLY``: enqueues, claims and
+    outcomes go on meanwhile. Neither can run in a transaction, so all of it runs in
+    Alembic's ``autocommit_block()``, which first commits whatever the revision did before.
+    The columns, constraints, trigger and storage parameters are the same in both versions.
+
+    Each build waits for the transactions already running when it starts (a lock-held
+    worker's long handler transaction included), and reads the whole table. It can be run
+    again after a failure: an index that an interrupted build left invalid is dropped and
+    built again. Until the revision has run, a claim of the new code works on the old index
+    (and an old worker's claim on the new ones), only more slowly: deploy both together.
+
+    A revision of yours for tables your earlier revisions created with
+    :func:`create_job_table` (``revision`` identifiers left out)::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.upgrade_job_table_to_v2("email_jobs")
+
+        def downgrade() -> None:
+            jobs.downgrade_job_table_to_v1("email_jobs")
+    """
+    with op.get_context().autocommit_block():
+        for name, columns, predicate in _v2_indexes(table_name):
+            _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+            _create_index(name, table_name, columns, predicate, schema=schema, concurrently=True)
+        _drop_index(
+            names(table_name).claim_index,
+            table_name,
+            schema=schema,
+            concurrently=True,
+            if_exists=True,
+        )
+
+
+def downgrade_job_table_to_v1(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`upgrade_job_table_to_v2`: build the version-1 claim index concurrently,
+    then drop the pending and running indexes concurrently (re-runnable in the same way)."""
+    n = names(table_name)
+    with op.get_context().autocommit_block():
+        _drop_index(n.claim_index, table_name, schema=schema, concurrently=True, if_exists=True)
+        _create_index(
+            n.claim_index,
+            table_name,
+            CLAIM_INDEX_COLUMNS,
+            CLAIM_INDEX_PREDICATE,
+            schema=schema,
+            concurrently=True,
+        )
+        for name, _, _ in _v2_indexes(table_name):
+            _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
 
 
 def create_notify_trigger(table_name: str, *, schema: str | None = None) -> None:
