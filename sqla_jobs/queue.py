@@ -472,6 +472,10 @@ def claim(
     ``(priority, run_at, id)`` order, with ``FOR UPDATE SKIP LOCKED``, in one statement:
     concurrent claimers get disjoint jobs and skip, never wait for, jobs another worker
     holds. Each claimed job's ``attempts`` grows by one; that number is the attempt's fence.
+    The statement reads up to ``limit`` candidates per queue, so its cost grows with the
+    number of queues and ``limit``, not with the backlog; with several queues, the
+    candidates that did not make the batch stay locked until the transaction ends (keep it
+    short). See :func:`sqla_jobs.statements.claim`.
 
     **Lease mode** (``hold=False``, the default). The claim runs in the caller's transaction
     and is durable once the caller commits. Each job is then ``running`` with a lease that
