@@ -361,3 +361,29 @@ def test_a_worker_with_async_commit_runs_jobs(db: JobDatabase) -> None:
     with running(db, synchronous_commit=False):
         wait_until(lambda: db.all_succeeded(2), timeout=10, message="both succeed")
     assert [db.job(i).attempts for i in ids] == [1, 1]
+
+
+def test_the_worker_vacuums_its_table_as_it_claims(
+    db: JobDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Claimed jobs leave dead entries at the head of the pending index until a vacuum; the
+    # worker looks every VACUUM_EVERY claimed jobs (here 5, and any dead row is enough).
+    import sqla_jobs.worker.fetcher
+    import sqla_jobs.worker.lifecycle
+    from sqla_jobs import vacuum
+
+    calls: list[bool] = []
+
+    def eager(engine: sa.Engine, model: type[JobMixin]) -> bool:
+        calls.append(vacuum(engine, model, min_dead_rows=0))
+        return calls[-1]
+
+    monkeypatch.setattr(sqla_jobs.worker.fetcher, "VACUUM_EVERY", 5)
+    monkeypatch.setattr(sqla_jobs.worker.lifecycle, "vacuum", eager)
+    caplog.set_level(logging.INFO, logger="sqla_jobs")
+    db.enqueue_many([("sleepy", None)] * 20)
+    with running(db, batch_size=4):
+        wait_until(lambda: db.all_succeeded(20), timeout=20, message="all succeed")
+        wait_until(lambda: calls, timeout=10, message="a vacuum")
+    assert calls[0] is True
+    assert any(r.__dict__.get("action") == "table_vacuumed" for r in caplog.records)

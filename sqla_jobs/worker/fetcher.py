@@ -36,6 +36,8 @@ logger = logging.getLogger("sqla_jobs.worker")
 
 #: How long a claim may wait for more slots to free when only a few are (seconds).
 GATHER: Final = 0.002
+#: Jobs claimed between two looks at the table's dead rows (:func:`sqla_jobs.vacuum`).
+VACUUM_EVERY: Final = 5_000
 
 
 class Fetcher:
@@ -71,6 +73,9 @@ class Fetcher:
         self.claim_lease = min(leases or [registry.default_lease.total_seconds()])
         self.min_claim = max(1, min(batch_size, state.concurrency) // 2)
         self.beat = time.monotonic()  # when the loop last went round (for health)
+        # Jobs claimed since the vacuum role was last woken (see lifecycle's "vacuum").
+        self.claimed_since_vacuum = 0
+        self.vacuum_due = threading.Event()
 
     def loop(self) -> None:
         backlog = False
@@ -95,6 +100,10 @@ class Fetcher:
                 self.on_database_ok()
                 if jobs:
                     self._hand_out(jobs, sent)
+                    self.claimed_since_vacuum += len(jobs)
+                    if self.claimed_since_vacuum >= VACUUM_EVERY:
+                        self.claimed_since_vacuum = 0
+                        self.vacuum_due.set()
                 backlog = len(jobs) == limit
                 if not backlog:
                     self.state.wait_for_wakeup(self.poll_interval)

@@ -7,6 +7,10 @@ The roles it starts, each a named thread (``sqla-jobs-<worker name>-<role>``):
                 plus ``event-loop`` once a handler returns an awaitable
 ``outcomes``    writes outcomes (:mod:`~sqla_jobs.worker.writer`)
 ``heartbeat``   extends leases (:mod:`~sqla_jobs.worker.heartbeat`)
+``vacuum``      every 5,000 jobs this worker claims, :func:`sqla_jobs.vacuum` on the job
+                table: a claim reads the pending index from its head, where claimed jobs
+                leave dead entries until a vacuum, and autovacuum is too slow (or off) to
+                keep a long drain as fast as a short one
 ``notifier``    LISTENs for new jobs (:mod:`~sqla_jobs.worker.listener`)
 
 They share one :class:`~sqla_jobs.worker.state.State`, whose module states its locking
@@ -39,7 +43,7 @@ from sqla_jobs.backoff import Backoff
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.pooler import POOLER_MODES, behind_pooler
-from sqla_jobs.queue import MAX_CLAIM_LIMIT, default_worker_name
+from sqla_jobs.queue import MAX_CLAIM_LIMIT, default_worker_name, vacuum
 from sqla_jobs.registry import Registry
 from sqla_jobs.worker.fetcher import Fetcher
 from sqla_jobs.worker.heartbeat import Heartbeat
@@ -539,6 +543,7 @@ class Worker:
             "fetch": _Role("fetch", self._prefix, self._fetcher.loop),
             "outcomes": _Role("outcomes", self._prefix, writer.loop),
             "heartbeat": _Role("heartbeat", self._prefix, heartbeat.loop),
+            "vacuum": _Role("vacuum", self._prefix, self._vacuum_loop),
         }
         self._runner.start(self.concurrency)
         for role in self._roles.values():
@@ -583,6 +588,25 @@ class Worker:
             on_database_error=failed,
             on_database_ok=ok,
         )
+
+    def _vacuum_loop(self) -> None:
+        """Vacuum the job table when enough dead rows piled up; see the module docstring.
+        Never in the fetch loop: a VACUUM takes seconds on a big table."""
+        fetcher = self._fetcher
+        assert fetcher is not None
+        failed, ok = self._database.role("vacuum")
+        while not self._finished.is_set():
+            if not fetcher.vacuum_due.wait(0.5):
+                continue
+            fetcher.vacuum_due.clear()
+            if self._stopping.is_set():
+                continue
+            try:
+                vacuum(self.engine, self.model)
+            except Exception as exc:
+                failed("vacuum", exc)
+            else:
+                ok()
 
     def _link(self) -> Link:
         return Link(
@@ -716,7 +740,7 @@ class Worker:
         while self._state.snapshot() and time.monotonic() < drain_until:
             time.sleep(0.02)
         self._finished.set()
-        for name in ("outcomes", "heartbeat"):
+        for name in ("outcomes", "heartbeat", "vacuum"):
             self._roles[name].join(_DRAIN_TIMEOUT)
         self._runner.close(0.5)  # handlers still running are daemon threads
         if self._notifier is not None:
