@@ -5,7 +5,8 @@ The tree::
     SqlaJobsError
     ├── InvalidJobError            bad input, raised before any SQL runs
     │   ├── JobArgumentsError      arguments that PostgreSQL's jsonb would reject or mangle
-    │   └── InvalidLeaseError      a lease function was given an argument it cannot use
+    │   ├── InvalidLeaseError      a lease function was given an argument it cannot use
+    │   └── InvalidThresholdError  a health threshold or metrics setting that cannot be used
     ├── LeaseLostError             a fenced transition matched no row: the attempt (or the
     │                              lease of a row) is no longer ours
     ├── JobNotFoundError           an administrative operation named a job that does not exist
@@ -25,6 +26,7 @@ __all__ = [
     "EmbeddedPostgresError",
     "InvalidJobError",
     "InvalidLeaseError",
+    "InvalidThresholdError",
     "JobArgumentsError",
     "JobNotFoundError",
     "JobStateError",
@@ -83,6 +85,16 @@ class InvalidLeaseError(InvalidJobError):
     ``field`` names the argument (``holder``, ``duration``, ``limit``, ``where``, ...),
     ``reason`` what is wrong with it. A model without :class:`~sqla_jobs.LeaseMixin` is a
     :class:`ConfigurationError` instead.
+    """
+
+
+class InvalidThresholdError(InvalidJobError):
+    """A health threshold or a gauge setting cannot be used; fix the named argument.
+
+    Raised by :class:`~sqla_jobs.health.Thresholds` and
+    :class:`~sqla_jobs.health.GaugeCache` before any SQL runs: a negative or non-integer
+    count, a duration that is not positive, a timeout out of range. ``field`` names the
+    argument, ``reason`` what is wrong with it.
     """
 
 

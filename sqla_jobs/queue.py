@@ -156,12 +156,21 @@ class FailOutcome:
 
 @dataclass(frozen=True, slots=True)
 class QueueStat:
-    """A row of :func:`queue_stats`."""
+    """A row of :func:`queue_stats`: one queue's jobs in one live status.
+
+    ``oldest_pending_seconds`` (pending rows only) is how long the oldest runnable pending
+    job has waited past its ``run_at``, in database time, None when none is runnable;
+    ``runnable`` (pending rows) how many pending jobs have reached their ``run_at``;
+    ``expired_leases`` (running rows) how many running jobs' leases have run out (a crashed
+    or stalled worker's; the next claim takes them over).
+    """
 
     queue: str
     status: JobStatus
     count: int
     oldest_pending_seconds: float | None
+    runnable: int = 0
+    expired_leases: int = 0
 
 
 # -- plumbing ---------------------------------------------------------------------------
@@ -875,7 +884,16 @@ def vacuum(engine: Engine, model: type[JobMixin], *, min_dead_rows: int = VACUUM
 
 
 def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
-    """Job counts by queue and status, with the age of the oldest runnable pending job."""
+    """Live job counts by queue and status (``pending``, ``running``, ``dead``), with the
+    runnable count and the age of the oldest runnable job, and the expired leases.
+
+    Cheap at any size of history: it reads only the pending, running and dead partial
+    indexes (:func:`sqla_jobs.statements.queue_stats`), so its cost grows with the jobs
+    waiting, running and dead, never with the succeeded and cancelled rows, which it does
+    not count. Ages are the database's clock. Takes no lock; runs in the caller's
+    transaction. For the server-wide gauges (vacuum, table size) see
+    :func:`sqla_jobs.health.read_gauges`.
+    """
     table = _job_table(model)
     return [
         QueueStat(
@@ -883,8 +901,10 @@ def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
             status=JobStatus(row.status),
             count=int(row.total),
             oldest_pending_seconds=(
-                None if row.oldest_pending_seconds is None else float(row.oldest_pending_seconds)
+                None if row.oldest_runnable_seconds is None else float(row.oldest_runnable_seconds)
             ),
+            runnable=int(row.runnable),
+            expired_leases=int(row.expired),
         )
         for row in session.execute(_statement(statements.queue_stats, table))
     ]

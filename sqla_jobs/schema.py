@@ -55,6 +55,7 @@ __all__ = [
     "JobResultMixin",
     "JobStatus",
     "TableNames",
+    "dead_predicate",
     "names",
     "pending_predicate",
     "running_predicate",
@@ -96,12 +97,14 @@ class TableNames:
 
     ``pending_index`` and ``running_index`` are the claim's indexes (schema version 2);
     ``claim_index`` names the single claim index of schema version 1, which the version-2
-    upgrade drops.
+    upgrade drops; ``dead_index`` indexes the dead jobs (schema version 3), so that health
+    checks count them without reading the history.
     """
 
     table: str
     pending_index: str
     running_index: str
+    dead_index: str
     claim_index: str
     status_check: str
     priority_check: str
@@ -129,6 +132,7 @@ def names(table: str) -> TableNames:
         table=table,
         pending_index=_identifier(table, "pending_idx"),
         running_index=_identifier(table, "running_idx"),
+        dead_index=_identifier(table, "dead_idx"),
         claim_index=_identifier(table, "claim_idx"),
         status_check=_identifier(table, "status_ck"),
         priority_check=_identifier(table, "priority_ck"),
@@ -152,6 +156,12 @@ def running_predicate() -> str:
     """The predicate of the running index, as SQL text: ``status = 'running'`` (see
     :func:`pending_predicate`)."""
     return f"status = '{JobStatus.RUNNING.value}'"
+
+
+def dead_predicate() -> str:
+    """The predicate of the dead index, as SQL text: ``status = 'dead'`` (see
+    :func:`pending_predicate`)."""
+    return f"status = '{JobStatus.DEAD.value}'"
 
 
 class JobMixin:
@@ -242,6 +252,16 @@ class JobMixin:
                 "queue",
                 "lease_expires_at",
                 postgresql_where=text(running_predicate()),
+            ),
+            # Dead jobs by queue and finish time (schema version 3): health checks and
+            # `sqla-jobs status` count and list them from this small index, never from the
+            # finished history. Only a job that dies or is retried from dead writes to it.
+            Index(
+                n.dead_index,
+                "queue",
+                "finished_at",
+                "id",
+                postgresql_where=text(dead_predicate()),
             ),
             CheckConstraint(f"status IN ({_status_list(tuple(JobStatus))})", name=n.status_check),
             CheckConstraint(

@@ -62,16 +62,20 @@ __all__ = [
     "claim",
     "complete",
     "complete_and_delete",
+    "database_now",
     "dead_rows",
     "enqueue_many",
     "fail",
     "heartbeat",
     "lock",
+    "oldest_xmin",
     "prune",
     "queue_stats",
     "release",
     "retry",
+    "statement_timeout",
     "store_results",
+    "table_stats",
     "vacuum",
     "wakeup_trigger_exists",
 ]
@@ -596,27 +600,158 @@ def vacuum(table: Table) -> DDL:
     )
 
 
-def queue_stats(table: Table) -> Select[Any]:
-    """Counts by queue and status, with the oldest runnable pending job's age in seconds."""
+def queue_stats(table: Table) -> Any:
+    """Live job counts by queue: ``queue, status, total, runnable, oldest_runnable_seconds,
+    expired``, one row per queue and status among ``pending``, ``running`` and ``dead``.
+
+    Reads only the partial indexes, never the finished history: the pending index gives
+    each queue's pending count, how many of them are runnable (``run_at`` reached) and the
+    age of the oldest runnable one, in seconds of database time; the running index the
+    running count and how many leases have expired (``expired``); the dead index the dead
+    count. Each is an index-only scan when the visibility map allows (the indexes hold every
+    column read), so the cost grows with the jobs waiting, running and dead, and not with
+    the succeeded or cancelled rows. ``succeeded`` and ``cancelled`` are not counted: they
+    are history (:func:`table_stats` estimates the table's row count). Takes no lock.
+    """
     now = _now()
-    oldest = func.max(
-        case(
-            (
-                and_(table.c.status == _lit(JobStatus.PENDING), table.c.run_at <= now),
-                func.extract("epoch", now - table.c.run_at),
-            ),
-            else_=None,
+    due = table.c.run_at <= now
+    expired = table.c.lease_expires_at <= now
+    zero = literal_column("0", BigInteger)
+    total = func.count().label("total")
+
+    def part(status: JobStatus, *columns: ColumnElement[Any]) -> Select[Any]:
+        return (
+            select(table.c.queue, _lit(status).label("status"), total, *columns)
+            .where(table.c.status == _lit(status))
+            .group_by(table.c.queue)
         )
+
+    no_age = cast(null(), Float)
+    pending = part(
+        JobStatus.PENDING,
+        func.count().filter(due).label("runnable"),
+        func.extract("epoch", now - func.min(table.c.run_at).filter(due)).label(
+            "oldest_runnable_seconds"
+        ),
+        zero.label("expired"),
     )
-    return (
-        select(
-            table.c.queue,
-            table.c.status,
-            func.count().label("total"),
-            oldest.label("oldest_pending_seconds"),
+    running = part(
+        JobStatus.RUNNING,
+        zero.label("runnable"),
+        no_age.label("oldest_runnable_seconds"),
+        func.count().filter(expired).label("expired"),
+    )
+    dead = part(
+        JobStatus.DEAD,
+        zero.label("runnable"),
+        no_age.label("oldest_runnable_seconds"),
+        zero.label("expired"),
+    )
+    stats = union_all(pending, running, dead).subquery("stats")
+    return select(stats).order_by(stats.c.queue, stats.c.status)
+
+
+def table_stats(table: Table) -> Select[Any]:
+    """The job table's size and vacuum state, from PostgreSQL's statistics and catalog
+    (no read of the table): ``live_tuples``, ``dead_tuples`` (cumulative statistics, as
+    :func:`dead_rows`), ``estimated_rows`` (the planner's ``reltuples``, -1 before the
+    first ANALYZE), ``table_bytes`` (heap and TOAST), ``indexes_bytes`` (all its indexes),
+    the sizes of the pending, running and dead indexes (NULL when missing), and
+    ``vacuum_age_seconds``: database time since the last vacuum, manual or automatic (NULL
+    if never). One row; NULLs when the table does not exist. The names are bound into the
+    statement: execute it without parameters.
+    """
+    n = names(table.name)
+
+    def regclass(key: str, name: str) -> ColumnElement[Any]:
+        return func.to_regclass(bindparam(key, qualified_name(name, table.schema), type_=Text))
+
+    relation = regclass("stats_table", table.name)
+    last_vacuum = func.greatest(
+        func.pg_stat_get_last_vacuum_time(relation), func.pg_stat_get_last_autovacuum_time(relation)
+    )
+    pg_class = catalog_table("pg_class", column("oid"), column("reltuples"), schema="pg_catalog")
+    estimated = (
+        select(cast(pg_class.c.reltuples, BigInteger))
+        .where(pg_class.c.oid == relation)
+        .scalar_subquery()
+    )
+    return select(
+        func.pg_stat_get_live_tuples(relation).label("live_tuples"),
+        func.pg_stat_get_dead_tuples(relation).label("dead_tuples"),
+        estimated.label("estimated_rows"),
+        func.pg_table_size(relation).label("table_bytes"),
+        func.pg_indexes_size(relation).label("indexes_bytes"),
+        func.pg_relation_size(regclass("stats_pending", n.pending_index)).label(
+            "pending_index_bytes"
+        ),
+        func.pg_relation_size(regclass("stats_running", n.running_index)).label(
+            "running_index_bytes"
+        ),
+        func.pg_relation_size(regclass("stats_dead", n.dead_index)).label("dead_index_bytes"),
+        func.extract("epoch", _now() - last_vacuum).label("vacuum_age_seconds"),
+    )
+
+
+def oldest_xmin() -> TextClause:
+    """What holds back vacuum on the whole server: the oldest transaction snapshot, as
+    rows ``measure, kind, holder, age_seconds, age_xids``, two at most: the holder with the
+    oldest start (``measure = 'seconds'``) and the one with the oldest xmin (``measure =
+    'xids'``), often the same.
+
+    Holders: backends with a ``backend_xmin`` in ``pg_stat_activity`` (an open
+    transaction or a running query; age from ``xact_start``), prepared transactions
+    (``pg_prepared_xacts``, age from ``prepared``) and replication slots with an ``xmin``
+    or ``catalog_xmin`` (no start time: ``age_seconds`` is NULL). Ages are in database time
+    (``statement_timestamp()``) and in transaction ids (``age(xid)``). The asking backend is
+    left out. A role without ``pg_read_all_stats`` sees other roles' backends without their
+    ``xact_start`` and ``backend_xmin``: grant it to the monitoring role.
+    """
+    return text(
+        """
+        WITH holder AS (
+            SELECT 'backend' AS kind,
+                   pid::text || coalesce(' ' || nullif(application_name, ''), '')
+                       || coalesce(' (' || state || ')', '') AS holder,
+                   greatest(0, extract(epoch FROM statement_timestamp() - xact_start)) AS age_seconds,
+                   age(backend_xmin)::bigint AS age_xids
+            FROM pg_stat_activity
+            WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+            UNION ALL
+            SELECT 'prepared', gid,
+                   greatest(0, extract(epoch FROM statement_timestamp() - prepared)),
+                   age(transaction)::bigint
+            FROM pg_prepared_xacts
+            UNION ALL
+            SELECT 'slot', slot_name, NULL,
+                   greatest(age(xmin), age(catalog_xmin))::bigint
+            FROM pg_replication_slots
+            WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL
         )
-        .group_by(table.c.queue, table.c.status)
-        .order_by(table.c.queue, table.c.status)
+        (SELECT 'seconds' AS measure, * FROM holder
+         WHERE age_seconds IS NOT NULL ORDER BY age_seconds DESC LIMIT 1)
+        UNION ALL
+        (SELECT 'xids', * FROM holder
+         WHERE age_xids IS NOT NULL ORDER BY age_xids DESC LIMIT 1)
+        """
+    )
+
+
+def database_now() -> Select[Any]:
+    """``statement_timestamp()``: the database's clock, for a report's time."""
+    return select(_now())
+
+
+def statement_timeout() -> Select[Any]:
+    """``set_config('statement_timeout', :timeout, true)``: a limit for the rest of the
+    transaction (``:timeout`` as text, such as ``'2000ms'``), for reads that must not hang
+    a health check or a metrics scrape on a slow server."""
+    return select(
+        func.set_config(
+            literal_column("'statement_timeout'"),
+            bindparam("timeout", type_=Text),
+            literal_column("true", Boolean),
+        )
     )
 
 
@@ -770,7 +905,8 @@ def backend_transaction() -> Select[Any]:
 
 def dead_jobs(table: Table) -> Select[Any]:
     """The ``:limit`` most recently finished dead jobs: ``id, queue, task, attempts,
-    finished_at, last_error``. Reads the primary key and the heap (dead jobs are few)."""
+    finished_at, last_error``. Reads the dead index (schema version 3) and the heap rows
+    it points to, never the finished history."""
     return (
         select(
             table.c.id,

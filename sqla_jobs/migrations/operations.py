@@ -18,6 +18,13 @@ Schema versions:
    version-1 table is upgraded in place, on a live table, by
    :func:`upgrade_job_table_to_v2`.
 
+3. (Being assembled from several features.) Version 2 plus the dead index ``(queue,
+   finished_at, id) WHERE status = 'dead'``, from which health checks and ``sqla-jobs
+   status`` count and list dead jobs without reading the finished history.
+   :func:`create_job_table` builds it with ``version=3``; a live version-2 table gets it
+   with :func:`add_dead_index` (``CREATE INDEX CONCURRENTLY``), and loses it with
+   :func:`drop_dead_index`.
+
 The result table has not changed since version 1.
 """
 
@@ -37,12 +44,15 @@ from sqla_jobs.schema import names
 __all__ = [
     "CLAIM_INDEX_COLUMNS",
     "CLAIM_INDEX_PREDICATE",
+    "DEAD_INDEX_COLUMNS",
+    "DEAD_INDEX_PREDICATE",
     "LEASE_SCHEMA_VERSION",
     "PENDING_INDEX_COLUMNS",
     "PENDING_INDEX_PREDICATE",
     "RUNNING_INDEX_COLUMNS",
     "RUNNING_INDEX_PREDICATE",
     "SCHEMA_VERSION",
+    "add_dead_index",
     "add_lease_columns",
     "create_claim_index",
     "create_claim_indexes",
@@ -53,6 +63,7 @@ __all__ = [
     "downgrade_job_table_to_v1",
     "drop_claim_index",
     "drop_claim_indexes",
+    "drop_dead_index",
     "drop_job_table",
     "drop_lease_columns",
     "drop_lease_index",
@@ -61,7 +72,7 @@ __all__ = [
     "upgrade_job_table_to_v2",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The latest version of the job and result tables: the one the mixins declare."""
 
 # Frozen copies of what the mixins declared in each version. tests/test_migrations.py proves
@@ -75,6 +86,9 @@ PENDING_INDEX_COLUMNS = ("queue", "priority", "run_at", "id")
 PENDING_INDEX_PREDICATE = "status = 'pending'"
 RUNNING_INDEX_COLUMNS = ("queue", "lease_expires_at")
 RUNNING_INDEX_PREDICATE = "status = 'running'"
+# Version 3 (health): the dead index.
+DEAD_INDEX_COLUMNS = ("queue", "finished_at", "id")
+DEAD_INDEX_PREDICATE = "status = 'dead'"
 _NAME_LENGTH = 200
 _STATUSES = "'pending', 'running', 'succeeded', 'dead', 'cancelled'"
 
@@ -200,13 +214,22 @@ def create_job_table(
             jobs.drop_result_table("email_job_results")
             jobs.drop_job_table("email_jobs")
     """
-    if version not in (1, 2):
-        raise ValueError(f"schema version must be 1 or 2, not {version!r}")
+    if version not in (1, 2, 3):
+        raise ValueError(f"schema version must be 1, 2 or 3, not {version!r}")
     table = op.create_table(table_name, *_job_table_items(table_name), *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
     else:
         create_claim_indexes(table_name, schema=schema)
+    if version >= 3:
+        _create_index(
+            names(table_name).dead_index,
+            table_name,
+            DEAD_INDEX_COLUMNS,
+            DEAD_INDEX_PREDICATE,
+            schema=schema,
+            concurrently=False,
+        )
     _execute(ddl.set_storage_parameters(table_name, schema))
     if notify:
         create_notify_trigger(table_name, schema=schema)
@@ -365,6 +388,48 @@ def downgrade_job_table_to_v1(table_name: str, *, schema: str | None = None) -> 
         )
         for name, _, _ in _v2_indexes(table_name):
             _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+
+
+def add_dead_index(table_name: str, *, schema: str | None = None) -> None:
+    """Add the dead index of schema version 3 to a live version-2 job table, without
+    blocking its users: ``CREATE INDEX CONCURRENTLY`` in Alembic's ``autocommit_block()``
+    (which first commits whatever the revision did before). Re-runnable: an index an
+    interrupted build left invalid is dropped and built again. The build reads the whole
+    table once; the index itself holds only the dead jobs.
+
+    A revision of yours::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.add_dead_index("email_jobs")
+
+        def downgrade() -> None:
+            jobs.drop_dead_index("email_jobs")
+    """
+    name = names(table_name).dead_index
+    with op.get_context().autocommit_block():
+        _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+        _create_index(
+            name,
+            table_name,
+            DEAD_INDEX_COLUMNS,
+            DEAD_INDEX_PREDICATE,
+            schema=schema,
+            concurrently=True,
+        )
+
+
+def drop_dead_index(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`add_dead_index` (``DROP INDEX CONCURRENTLY IF EXISTS``)."""
+    with op.get_context().autocommit_block():
+        _drop_index(
+            names(table_name).dead_index,
+            table_name,
+            schema=schema,
+            concurrently=True,
+            if_exists=True,
+        )
 
 
 def create_notify_trigger(table_name: str, *, schema: str | None = None) -> None:
