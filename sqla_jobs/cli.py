@@ -5,6 +5,7 @@
     sqla-jobs demo                                   # the whole thing on a throwaway server
     sqla-jobs worker myapp.tasks:registry --queues email,billing --concurrency 8
     sqla-jobs status
+    sqla-jobs health --max-oldest-runnable 60s --max-dead 100 --max-xmin-age 10m
     sqla-jobs retry 42
     sqla-jobs cancel 43
     sqla-jobs prune --older-than 7d --batch-size 10000
@@ -41,12 +42,12 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from sqla_jobs import queue
+from sqla_jobs import health, queue, statements
 from sqla_jobs.errors import SqlaJobsError
 from sqla_jobs.events import describe
 from sqla_jobs.pooler import POOLER_MODES, unprepared_behind_pooler
 from sqla_jobs.registry import Registry
-from sqla_jobs.schema import JobMixin, JobStatus
+from sqla_jobs.schema import JobMixin
 from sqla_jobs.urls import psycopg_url
 
 __all__ = ["DATABASE_URL_VARIABLE", "LISTEN_URL_VARIABLE", "main", "make_engine", "parse_duration"]
@@ -89,6 +90,33 @@ def _positive_int(text: str) -> int:
 
 def _seconds(text: str) -> float:
     return parse_duration(text).total_seconds()
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _timeout(text: str) -> float:
+    seconds = _seconds(text)
+    if not 0 < seconds <= 300:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 300s, got {text!r}")
+    return seconds
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
 
 
 def database_url(value: str | None, variable: str = DATABASE_URL_VARIABLE) -> URL:
@@ -321,45 +349,87 @@ def _last_line(text: str | None) -> str:
     return lines[-1] if lines else ""
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    model = load_model(args)
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"
+
+
+def _read_gauges(
+    args: argparse.Namespace, model: type[JobMixin], dead: int = 0
+) -> tuple[health.Gauges, list[queue.DeadJob]]:
     engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
     try:
         with Session(engine) as session, session.begin():
-            stats = queue.queue_stats(session, model)
-            dead = queue.dead_jobs(session, model, limit=args.dead)
+            timeout = f"{max(1, round(args.timeout * 1000))}ms"
+            session.execute(statements.statement_timeout(), {"timeout": timeout})
+            gauges = health.read_gauges(session, model)
+            listed = queue.dead_jobs(session, model, limit=dead) if dead and gauges.dead else []
     finally:
         engine.dispose()
+    return gauges, listed
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    model = load_model(args)
+    gauges, dead = _read_gauges(args, model, dead=args.dead)
     out = sys.stdout
-    statuses = list(JobStatus)
-    by_queue: dict[str, dict[JobStatus, int]] = {}
-    oldest: dict[str, float | None] = {}
-    for stat in stats:
-        by_queue.setdefault(stat.queue, {})[stat.status] = stat.count
-        if stat.oldest_pending_seconds is not None:
-            oldest[stat.queue] = max(oldest.get(stat.queue) or 0.0, stat.oldest_pending_seconds)
-    name = model.__tablename__  # type: ignore[attr-defined]
-    if not by_queue:
-        out.write(f"{name}: no jobs\n")
-        return 0
-    header = ["queue", *(s.value for s in statuses), "oldest pending"]
-    rows = [
-        [q, *(str(counts.get(s, 0)) for s in statuses), _age(oldest.get(q))]
-        for q, counts in sorted(by_queue.items())
-    ]
-    if len(rows) > 1:
-        totals = [sum(by_queue[q].get(s, 0) for q in by_queue) for s in statuses]
-        every = [v for v in oldest.values() if v is not None]
-        rows.append(["(all)", *(str(t) for t in totals), _age(max(every) if every else None)])
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    out.write(f"{name}\n")
-    for line in [header, *rows]:
-        out.write("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
-        out.write("\n")
-    total_dead = sum(counts.get(JobStatus.DEAD, 0) for counts in by_queue.values())
-    if total_dead:
-        shown = f"the {len(dead)} most recent" if total_dead > len(dead) else "all"
-        out.write(f"\ndead jobs ({total_dead}; {shown}):\n")
+    table = gauges.table
+    out.write(f"{table.table}\n")
+    if gauges.queues:
+        header = ["queue", "pending", "runnable", "running", "expired", "dead", "oldest runnable"]
+        rows = [
+            [
+                q.queue,
+                str(q.pending),
+                str(q.runnable),
+                str(q.running),
+                str(q.expired_leases),
+                str(q.dead),
+                _age(q.oldest_runnable_seconds),
+            ]
+            for q in gauges.queues
+        ]
+        if len(rows) > 1:
+            rows.append(
+                [
+                    "(all)",
+                    str(gauges.pending),
+                    str(gauges.runnable),
+                    str(gauges.running),
+                    str(gauges.expired_leases),
+                    str(gauges.dead),
+                    _age(gauges.oldest_runnable_seconds),
+                ]
+            )
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for line in [header, *rows]:
+            cells = zip(line, widths, strict=True)
+            out.write("  ".join(cell.ljust(w) for cell, w in cells).rstrip() + "\n")
+    else:
+        out.write("no pending, running or dead jobs\n")
+    estimate = (
+        "-"
+        if table.estimated_rows is None or table.estimated_rows < 0
+        else (f"~{table.estimated_rows}")
+    )
+    out.write(
+        f"\ntable: {estimate} rows with history (estimate), {table.dead_tuples} dead row "
+        f"versions, {_bytes(table.table_bytes)}; indexes {_bytes(table.indexes_bytes)} (pending "
+        f"{_bytes(table.pending_index_bytes)}, running {_bytes(table.running_index_bytes)}, "
+        f"dead {_bytes(table.dead_index_bytes)}); last vacuum "
+        f"{_age(table.vacuum_age_seconds)}{'' if table.vacuum_age_seconds is None else ' ago'}\n"
+    )
+    holder = gauges.oldest_xmin
+    out.write(f"oldest snapshot holding back vacuum: {holder if holder else 'none'}\n")
+    if gauges.dead:
+        shown = f"the {len(dead)} most recent" if gauges.dead > len(dead) else "all"
+        out.write(f"\ndead jobs ({gauges.dead}; {shown}):\n")
         for row in dead:
             finished = row.finished_at.isoformat(timespec="seconds") if row.finished_at else "-"
             out.write(
@@ -368,6 +438,36 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         out.write("retry one with: sqla-jobs retry ID\n")
     return 0
+
+
+#: ``sqla-jobs health`` exit statuses (the README's table).
+HEALTHY: Final = 0
+UNHEALTHY: Final = 3
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    thresholds = health.Thresholds(
+        max_oldest_runnable=args.max_oldest_runnable,
+        max_runnable=args.max_runnable,
+        max_expired_leases=args.max_expired_leases,
+        max_dead=args.max_dead,
+        max_xmin_age=args.max_xmin_age,
+        max_dead_tuples=args.max_dead_tuples,
+    )
+    model = load_model(args)
+    gauges, _ = _read_gauges(args, model)
+    problems = thresholds.problems(gauges)
+    if problems:
+        sys.stdout.write(f"unhealthy: {'; '.join(problems)}\n")
+        return UNHEALTHY
+    holder = gauges.oldest_xmin
+    sys.stdout.write(
+        f"healthy: {gauges.runnable} runnable, {gauges.running} running, "
+        f"{gauges.expired_leases} expired leases, {gauges.dead} dead; oldest runnable "
+        f"{_age(gauges.oldest_runnable_seconds)}; vacuum held back "
+        f"{_age(holder.age_seconds if holder else None)}\n"
+    )
+    return HEALTHY
 
 
 def _admin(args: argparse.Namespace, operation: Callable[..., None], done: str) -> int:
@@ -537,9 +637,65 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(handler=cmd_worker)
 
-    status = commands.add_parser("status", parents=[db, which], help="job counts and dead jobs")
+    status = commands.add_parser(
+        "status",
+        parents=[db, which],
+        help="live job counts, vacuum and table gauges, and dead jobs",
+        description=(
+            "Pending, runnable, running, expired and dead jobs by queue, the oldest runnable "
+            "job's age, the job table's size and dead row versions, and the oldest snapshot "
+            "holding back vacuum; read from indexes and statistics only, never the history."
+        ),
+    )
     status.add_argument("--dead", type=_positive_int, default=10, help="dead jobs to list")
+    status.add_argument(
+        "--timeout", type=_timeout, default=5.0, help="statement timeout of the reads (5s)"
+    )
     status.set_defaults(handler=cmd_status)
+
+    check = commands.add_parser(
+        "health",
+        parents=[db, which],
+        help="exit 3 with a one-line reason when a threshold is crossed",
+        description=(
+            "Read the health gauges (as `status` does) and compare them with the given "
+            "limits; a value above its limit is a problem. Exit status: 0 healthy, 1 the "
+            "check could not be made (database unreachable, timeout, bad model), 2 bad "
+            "command line, 3 a threshold crossed. One line on stdout says why."
+        ),
+    )
+    check.add_argument(
+        "--max-oldest-runnable",
+        type=parse_duration,
+        metavar="DURATION",
+        help="longest a runnable job may wait past its run_at, e.g. 60s",
+    )
+    check.add_argument(
+        "--max-runnable", type=_count, metavar="N", help="most runnable jobs in any one queue"
+    )
+    check.add_argument(
+        "--max-expired-leases",
+        type=_count,
+        metavar="N",
+        help="most running jobs whose lease ran out",
+    )
+    check.add_argument("--max-dead", type=_count, metavar="N", help="most dead jobs")
+    check.add_argument(
+        "--max-xmin-age",
+        type=parse_duration,
+        metavar="DURATION",
+        help="longest any snapshot on the server may hold back vacuum, e.g. 10m",
+    )
+    check.add_argument(
+        "--max-dead-tuples",
+        type=_count,
+        metavar="N",
+        help="most dead row versions in the job table",
+    )
+    check.add_argument(
+        "--timeout", type=_timeout, default=5.0, help="statement timeout of the reads (5s)"
+    )
+    check.set_defaults(handler=cmd_health)
 
     for name, handler, text in (
         ("retry", cmd_retry, "make a dead or cancelled job pending again"),

@@ -713,7 +713,8 @@ def oldest_xmin() -> TextClause:
             SELECT 'backend' AS kind,
                    pid::text || coalesce(' ' || nullif(application_name, ''), '')
                        || coalesce(' (' || state || ')', '') AS holder,
-                   greatest(0, extract(epoch FROM statement_timestamp() - xact_start)) AS age_seconds,
+                   greatest(0, extract(epoch FROM statement_timestamp() - xact_start))
+                       AS age_seconds,
                    age(backend_xmin)::bigint AS age_xids
             FROM pg_stat_activity
             WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
