@@ -317,6 +317,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             handle_signals=True,
             listen_engine=listen_engine,
             pooler=args.pooler,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
         )
         return worker.run()
     finally:
@@ -634,6 +636,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=5.0,
         help="lock_timeout of the worker's own connections (5s)",
+    )
+    worker.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (needs the metrics extra; 0: any free port)",
+    )
+    worker.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the metrics are served on (127.0.0.1; 0.0.0.0 for every interface)",
     )
     worker.set_defaults(handler=cmd_worker)
 

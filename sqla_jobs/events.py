@@ -51,6 +51,7 @@ fetch_loop_stuck       ERROR    the fetch loop has not gone round for ``seconds`
 worker_unhealthy       ERROR    something else is stuck (``problems``): a claimed job waits for
                                 a handler thread, or an outcome waits to be written
 health_file_error      WARNING  the health file could not be written
+metrics_serving        INFO     the worker serves Prometheus metrics (``host``, ``port``)
 thread_crashed         CRITICAL a runtime thread died of a bug; it is restarted
 =====================  =======  ==================================================================
 """

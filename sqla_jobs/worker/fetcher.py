@@ -27,6 +27,7 @@ from sqla_jobs.queue import ClaimedJob, claim, heartbeat, release
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobMixin
 from sqla_jobs.worker.link import Link, as_session
+from sqla_jobs.worker.observer import NO_OBSERVER, Observer
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.state import Attempt, State
 
@@ -56,9 +57,11 @@ class Fetcher:
         stopping: threading.Event,
         on_database_error: Callable[[str, Exception], float],
         on_database_ok: Callable[[], None],
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         self.state = state
         self.runner = runner
+        self.observer = observer
         self.registry = registry
         self.link = link
         self.model = model
@@ -98,6 +101,7 @@ class Fetcher:
                     self.state.wait_for_wakeup(delay)
                     continue
                 self.on_database_ok()
+                self.observer.claimed(jobs, time.monotonic() - sent)
                 if jobs:
                     self._hand_out(jobs, sent)
                     self.claimed_since_vacuum += len(jobs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import logging
 import os
 import re
@@ -49,12 +50,15 @@ from sqla_jobs.worker.fetcher import Fetcher
 from sqla_jobs.worker.heartbeat import Heartbeat
 from sqla_jobs.worker.link import Link, is_transient
 from sqla_jobs.worker.listener import Notifier
+from sqla_jobs.worker.observer import NO_OBSERVER, Observer
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.state import Attempt, State
 from sqla_jobs.worker.writer import OutcomeWriter
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
+
+    from sqla_jobs.metrics import MetricsServer
 
 __all__ = ["Worker", "WorkerHealth"]
 
@@ -135,12 +139,14 @@ class _DatabaseWatch:
 
     def __init__(self) -> None:
         self.ok = True
+        self.observer: Observer = NO_OBSERVER
 
     def role(self, what: str) -> tuple[Callable[[str, Exception], float], Callable[[], None]]:
         backoff = Backoff()
 
         def failed(operation: str, exc: Exception) -> float:
             self.ok = False
+            self.observer.database_error(operation)
             delay = backoff.next_delay()
             logger.warning(
                 "database error in %s (%s); retrying in %.1fs",
@@ -212,6 +218,13 @@ class Worker:
     connection to the server, or, without one, finds new jobs by polling only. Such an
     engine needs ``connect_args={"prepare_threshold": None}`` (the worker warns without).
     ``pooler="none"`` keeps the direct behaviour whatever the engine goes through.
+
+    ``metrics_port`` serves Prometheus metrics on ``metrics_host``:``metrics_port`` (0: any
+    free port; :attr:`metrics_address` says which) while the worker runs: its job counters
+    and histograms (:class:`sqla_jobs.metrics.WorkerMetrics`) and the health gauges of its
+    job table, read on scrape at most every ``metrics_max_age`` seconds. Needs the
+    ``metrics`` extra (``prometheus_client``). Without it (the default) the worker reports
+    its events to a no-op observer and imports nothing for metrics.
     """
 
     def __init__(
@@ -235,6 +248,9 @@ class Worker:
         synchronous_commit: bool = True,
         listen_engine: Engine | None = None,
         pooler: str = "auto",
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        metrics_max_age: float = 5.0,
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -260,6 +276,12 @@ class Worker:
             )
         if pooler not in POOLER_MODES:
             raise ConfigurationError(f"pooler must be one of {POOLER_MODES}, not {pooler!r}")
+        _check_metrics(metrics_port, metrics_host, metrics_max_age)
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.metrics_max_age = metrics_max_age
+        self._metrics_server: MetricsServer | None = None
+        self._observer: Observer = NO_OBSERVER
         self.registry = registry
         self.engine = engine
         self.listen_engine = listen_engine
@@ -324,6 +346,7 @@ class Worker:
         self._running = True
         try:
             self._preflight()
+            self._start_metrics()
             previous = self._install_signal_handlers()
             try:
                 self._start()
@@ -341,6 +364,13 @@ class Worker:
                 self._restore_signal_handlers(previous)
         finally:
             self._running = False
+            self._stop_metrics()
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the metrics are served on while the worker runs, else None."""
+        server = self._metrics_server
+        return None if server is None else server.address
 
     def stop(self, *, graceful: bool = True, wait: bool = False) -> None:
         """Ask a running worker to stop (from any thread): like SIGTERM, or with
@@ -448,6 +478,39 @@ class Worker:
 
     # -- start ----------------------------------------------------------------------------
 
+    def _start_metrics(self) -> None:
+        if self.metrics_port is None:
+            return
+        from sqla_jobs.health import GaugeCache  # only with metrics: never for a plain worker
+        from sqla_jobs.metrics import MetricsServer, WorkerMetrics
+
+        metrics = WorkerMetrics(
+            in_flight=lambda: len(self._state.snapshot()),
+            gauges=GaugeCache(self.engine, self.model, max_age=self.metrics_max_age),
+        )
+        try:
+            self._metrics_server = MetricsServer(
+                metrics.registry, self.metrics_host, self.metrics_port
+            )
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {self.metrics_host}:{self.metrics_port}: {describe(exc)}"
+            ) from exc
+        self._observer = self._runner.observer = self._database.observer = metrics
+        host, port = self._metrics_server.address
+        logger.info(
+            "serving metrics on http://%s:%d/metrics",
+            host,
+            port,
+            extra={"action": "metrics_serving", "host": host, "port": port},
+        )
+
+    def _stop_metrics(self) -> None:
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            server.close()
+        self._observer = self._runner.observer = self._database.observer = NO_OBSERVER
+
     def _preflight(self) -> None:
         """Fail at once on a database that refuses the worker for good; wait for one that
         is down (a worker may start before its server)."""
@@ -528,6 +591,7 @@ class Worker:
             finished=self._finished,
             on_database_error=writer_failed,
             on_database_ok=writer_ok,
+            observer=self._observer,
         )
         leases = [t.lease.total_seconds() for t in self.registry.tasks_in(self.queues)]
         beat_failed, beat_ok = self._database.role("heartbeat")
@@ -587,6 +651,7 @@ class Worker:
             stopping=self._stopping,
             on_database_error=failed,
             on_database_ok=ok,
+            observer=self._observer,
         )
 
     def _vacuum_loop(self) -> None:
@@ -614,6 +679,7 @@ class Worker:
             lock_timeout=self.lock_timeout,
             synchronous_commit=self.synchronous_commit,
             pooled=self.pooled,
+            observer=self._observer,
         )
 
     def _start_notifier(self) -> None:
@@ -786,6 +852,21 @@ class Worker:
                 describe(exc),
                 extra={"action": "database_error", "operation": "shutdown"},
             )
+
+
+def _check_metrics(port: object, host: object, max_age: object) -> None:
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigurationError(f"metrics_port must be an integer in [0, 65535], not {port!r}")
+    if not isinstance(host, str) or not host:
+        raise ConfigurationError(f"metrics_host must be a host name or address, not {host!r}")
+    if isinstance(max_age, bool) or not isinstance(max_age, int | float) or not 0 < max_age <= 3600:
+        raise ConfigurationError(f"metrics_max_age must be in (0, 3600] seconds, not {max_age!r}")
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigurationError(
+            "metrics_port needs prometheus_client: pip install 'sqla-jobs[metrics]'"
+        )
 
 
 def _positive_int(value: object) -> bool:

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import statements
 from sqla_jobs.events import describe
+from sqla_jobs.worker.observer import NO_OBSERVER, Observer
 
 __all__ = ["Link", "as_session", "is_transient"]
 
@@ -69,9 +70,11 @@ class Link:
         lock_timeout: float,
         synchronous_commit: bool = True,
         pooled: bool = False,
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         self.engine = engine
         self.pooled = pooled
+        self.observer = observer
         self.settings = {"lock_timeout": f"{max(1, round(lock_timeout * 1000))}ms"}
         if not synchronous_commit:
             self.settings["synchronous_commit"] = "off"
@@ -122,6 +125,7 @@ class Link:
                     describe(exc),
                     extra={"action": "database_reconnect"},
                 )
+                self.observer.reconnected()
             except BaseException:
                 self.close()
                 raise

@@ -39,6 +39,7 @@ from sqla_jobs.events import describe
 from sqla_jobs.queue import complete_many, lock_one
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.worker.link import as_session
+from sqla_jobs.worker.observer import NO_OBSERVER
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
 __all__ = ["Runner", "job_extra"]
@@ -93,6 +94,7 @@ class Runner:
         self.session_factory = session_factory
         self.async_session_factory = async_session_factory
         self.pooled = False  # behind a transaction pooler (set by the worker at start)
+        self.observer = NO_OBSERVER  # set by the worker (its metrics)
         self._queue: collections.deque[Attempt] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
         self._spill = threading.Condition(self._ready._lock)  # type: ignore[attr-defined]
@@ -253,6 +255,7 @@ class Runner:
             )
         if not self.state.start(attempt):
             return Outcome(Kind.RELEASE, why="given back before it started")  # refused: settled
+        self.observer.started(job)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("job started", extra=job_extra(attempt, "job_started"))
         if task.mode == "lock":

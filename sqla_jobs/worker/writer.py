@@ -32,6 +32,7 @@ from sqla_jobs.queue import ClaimedJob, complete_many, fail, release
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.worker.link import Link, as_session, is_transient
+from sqla_jobs.worker.observer import NO_OBSERVER, Finish, Observer
 from sqla_jobs.worker.runner import job_extra
 from sqla_jobs.worker.state import Attempt, Kind, State
 
@@ -55,9 +56,11 @@ class OutcomeWriter:
         finished: threading.Event,
         on_database_error: Callable[[str, Exception], float],
         on_database_ok: Callable[[], None],
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         self.state = state
         self.registry = registry
+        self.observer = observer
         self.link = link
         self.finished = finished
         self.on_database_error = on_database_error
@@ -182,9 +185,16 @@ class OutcomeWriter:
         self.state.written([attempt])
         if status is None:
             _log_lost(attempt, "its failure was fenced out")
+            self._report(attempt, "lost")
         else:
             _log_failure(attempt, status, error)
+            self._report(attempt, "dead" if status is JobStatus.DEAD else "failed")
         return True
+
+    def _report(self, attempt: Attempt, how: Finish) -> None:
+        started = attempt.started_at
+        handler_seconds = attempt.settled_at - started if started else None
+        self.observer.finished(attempt.job, how, handler_seconds)
 
     def _log(
         self,
@@ -198,17 +208,25 @@ class OutcomeWriter:
             outcome = attempt.outcome
             assert outcome is not None
             kind = outcome.kind
+            how: Finish
             if attempt.key in lost or kind is Kind.LOST:
                 _log_lost(attempt, outcome.why or f"its {kind.value} was fenced out")
+                how = "lost"
             elif kind is Kind.FAIL:
                 error = outcome.error
                 text = describe(error) if isinstance(error, BaseException) else error
+                status = statuses[attempt.key]
                 if outcome.action == "job_failed":
-                    _log_failure(attempt, statuses[attempt.key], text)
+                    _log_failure(attempt, status, text)
+                how = "dead" if status is JobStatus.DEAD else "failed"
             elif kind is Kind.RELEASE:
                 released.setdefault(outcome.why, []).append(attempt.job.id)
-            elif debug:
-                logger.debug("job succeeded", extra=job_extra(attempt, "job_succeeded"))
+                how = "released"
+            else:
+                if debug:
+                    logger.debug("job succeeded", extra=job_extra(attempt, "job_succeeded"))
+                how = "succeeded"
+            self._report(attempt, how)
         for why, job_ids in released.items():
             logger.info(
                 "gave back %d jobs: %s",

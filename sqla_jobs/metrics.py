@@ -1,0 +1,230 @@
+"""Prometheus metrics of a worker: ``Worker(..., metrics_port=9100)`` or ``sqla-jobs worker
+--metrics-port 9100``. Needs the ``metrics`` extra (``pip install 'sqla-jobs[metrics]'``,
+which installs ``prometheus_client``); nothing else in sqla_jobs imports this module.
+
+:class:`WorkerMetrics` is the worker's :class:`~sqla_jobs.worker.observer.Observer`: counters
+and histograms updated as events happen, in the worker's own threads. The health gauges of
+:mod:`sqla_jobs.health` are read when Prometheus scrapes, through a
+:class:`~sqla_jobs.health.GaugeCache` (at most one read per ``max_age`` seconds, and a scrape
+never waits more than its ``timeout`` for the database). The metric names are listed in the
+README ("Metrics").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from sqla_jobs.health import GaugeCache
+from sqla_jobs.queue import ClaimedJob
+from sqla_jobs.worker.observer import Finish, Observer
+
+__all__ = ["GaugeCollector", "MetricsServer", "WorkerMetrics"]
+
+_JOB: Final = ("queue", "task")
+#: Handler durations: from 5 ms to 10 minutes.
+HANDLER_BUCKETS: Final = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
+)  # fmt: skip
+#: Claim round trips: from 1 ms to 10 s.
+CLAIM_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class WorkerMetrics(Observer):
+    """The worker's events as Prometheus metrics in ``registry`` (a new one by default);
+    ``in_flight`` gives the attempts the worker holds, ``gauges`` the health gauges."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        in_flight: Callable[[], int] | None = None,
+        gauges: GaugeCache | None = None,
+    ) -> None:
+        self.registry = registry = registry if registry is not None else CollectorRegistry()
+
+        def counter(name: str, text: str, labels: Sequence[str] = _JOB) -> Counter:
+            return Counter(name, text, labels, registry=registry)
+
+        self._started = counter("sqla_jobs_jobs_started", "Attempts whose handler started.")
+        self._outcomes: dict[Finish, Counter] = {
+            "succeeded": counter("sqla_jobs_jobs_succeeded", "Attempts that succeeded."),
+            "failed": counter(
+                "sqla_jobs_jobs_failed",
+                "Attempts that failed (the job retries later, or is dead: see jobs_dead).",
+            ),
+            "dead": counter("sqla_jobs_jobs_dead", "Failed attempts that made their job dead."),
+            "released": counter(
+                "sqla_jobs_jobs_released", "Attempts given back unfinished (shutdown, ...)."
+            ),
+            "lost": counter(
+                "sqla_jobs_attempts_lost", "Attempts fenced out: their lease was taken over."
+            ),
+        }
+        self._handler = Histogram(
+            "sqla_jobs_handler_duration_seconds",
+            "Time from a handler's start to its outcome.",
+            _JOB,
+            buckets=HANDLER_BUCKETS,
+            registry=registry,
+        )
+        self._claim = Histogram(
+            "sqla_jobs_claim_duration_seconds",
+            "Round trip of a claim transaction (claim and commit).",
+            buckets=CLAIM_BUCKETS,
+            registry=registry,
+        )
+        self._claimed = counter("sqla_jobs_jobs_claimed", "Jobs claimed.", ("queue",))
+        self._errors = counter(
+            "sqla_jobs_database_errors", "Failed database calls of the worker.", ("operation",)
+        )
+        self._reconnects = Counter(
+            "sqla_jobs_database_reconnects",
+            "Kept connections found gone and replaced.",
+            registry=registry,
+        )
+        if in_flight is not None:
+            held = Gauge(
+                "sqla_jobs_attempts_in_flight",
+                "Attempts the worker holds (running, or waiting for a thread or a write).",
+                registry=registry,
+            )
+            held.set_function(lambda: float(in_flight()))
+        if gauges is not None:
+            registry.register(GaugeCollector(gauges))
+
+    # -- Observer -----------------------------------------------------------------------
+
+    def claimed(self, jobs: Sequence[ClaimedJob], seconds: float) -> None:
+        self._claim.observe(seconds)
+        for job in jobs:
+            self._claimed.labels(job.queue).inc()
+
+    def started(self, job: ClaimedJob) -> None:
+        self._started.labels(job.queue, job.task).inc()
+
+    def finished(self, job: ClaimedJob, how: Finish, handler_seconds: float | None) -> None:
+        self._outcomes[how].labels(job.queue, job.task).inc()
+        if how == "dead":
+            self._outcomes["failed"].labels(job.queue, job.task).inc()
+        if handler_seconds is not None:
+            self._handler.labels(job.queue, job.task).observe(handler_seconds)
+
+    def database_error(self, operation: str) -> None:
+        self._errors.labels(operation).inc()
+
+    def reconnected(self) -> None:
+        self._reconnects.inc()
+
+
+class GaugeCollector(Collector):
+    """The health gauges (:func:`sqla_jobs.health.read_gauges`), read on scrape through
+    ``cache``. ``sqla_jobs_gauges_up`` is 0 when the last read failed or timed out; the
+    other values are then the last ones read (``sqla_jobs_gauges_age_seconds`` old)."""
+
+    def __init__(self, cache: GaugeCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Any]:
+        reading = self.cache.read()
+        up = GaugeMetricFamily(
+            "sqla_jobs_gauges_up", "1 if the last read of the health gauges succeeded."
+        )
+        up.add_metric([], 0.0 if reading.error or reading.gauges is None else 1.0)
+        yield up
+        gauges = reading.gauges
+        if gauges is None:
+            return
+        age = GaugeMetricFamily("sqla_jobs_gauges_age_seconds", "Age of the health gauges.")
+        age.add_metric([], reading.age_seconds or 0.0)
+        yield age
+        table = gauges.table.table
+
+        def family(name: str, text: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, text, labels=["table", *labels])
+
+        jobs = family("sqla_jobs_queue_jobs", "Live jobs by queue and status.", ["queue", "status"])
+        runnable = family(
+            "sqla_jobs_queue_runnable_jobs", "Pending jobs whose run_at has come.", ["queue"]
+        )
+        oldest = family(
+            "sqla_jobs_queue_oldest_runnable_seconds",
+            "How long the oldest runnable job has waited past its run_at (0: none).",
+            ["queue"],
+        )
+        expired = family(
+            "sqla_jobs_queue_expired_leases", "Running jobs whose lease ran out.", ["queue"]
+        )
+        for queue in gauges.queues:
+            for status, count in (
+                ("pending", queue.pending),
+                ("running", queue.running),
+                ("dead", queue.dead),
+            ):
+                jobs.add_metric([table, queue.queue, status], float(count))
+            runnable.add_metric([table, queue.queue], float(queue.runnable))
+            oldest.add_metric([table, queue.queue], queue.oldest_runnable_seconds or 0.0)
+            expired.add_metric([table, queue.queue], float(queue.expired_leases))
+        yield from (jobs, runnable, oldest, expired)
+        stats = gauges.table
+        for name, text, value in (
+            ("sqla_jobs_table_live_tuples", "Live rows of the job table.", stats.live_tuples),
+            (
+                "sqla_jobs_table_dead_tuples",
+                "Dead row versions of the job table.",
+                stats.dead_tuples,
+            ),
+            ("sqla_jobs_table_bytes", "Size of the job table (heap and TOAST).", stats.table_bytes),
+            (
+                "sqla_jobs_table_vacuum_age_seconds",
+                "Time since the job table was last vacuumed.",
+                stats.vacuum_age_seconds,
+            ),
+        ):
+            if value is not None:
+                metric = family(name, text)
+                metric.add_metric([table], float(value))
+                yield metric
+        indexes = family("sqla_jobs_index_bytes", "Size of the claim and dead indexes.", ["index"])
+        for index, size in (
+            ("pending", stats.pending_index_bytes),
+            ("running", stats.running_index_bytes),
+            ("dead", stats.dead_index_bytes),
+        ):
+            if size is not None:
+                indexes.add_metric([table, index], float(size))
+        yield indexes
+        xmin = gauges.oldest_xmin
+        held = GaugeMetricFamily(
+            "sqla_jobs_oldest_xmin_seconds",
+            "How long the oldest snapshot on the server has held back vacuum (0: none).",
+        )
+        held.add_metric([], (xmin.age_seconds if xmin else None) or 0.0)
+        yield held
+        by_xids = gauges.oldest_xmin_by_xids
+        xids = GaugeMetricFamily(
+            "sqla_jobs_oldest_xmin_xids", "Age in transaction ids of the oldest xmin held."
+        )
+        xids.add_metric([], float((by_xids.age_xids if by_xids else None) or 0))
+        yield xids
+
+
+class MetricsServer:
+    """``registry`` served over HTTP on ``host``:``port`` (0: any free port) in a daemon
+    thread, until :meth:`close`."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.address: tuple[str, int] = (host, int(self._server.server_address[1]))
+        self._closed = threading.Lock()
+
+    def close(self) -> None:
+        if self._closed.acquire(blocking=False):
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(5)
