@@ -316,8 +316,11 @@ def _drain(
     while True:
         with Session(engine) as session:
             counts = {s.status: s.count for s in queue_stats(session, model) if s.queue == queue}
-        done = counts.get(JobStatus.SUCCEEDED, 0)
-        finished = done + counts.get(JobStatus.DEAD, 0) + counts.get(JobStatus.CANCELLED, 0)
+        # queue_stats counts the live jobs only (never the history): what is no longer
+        # pending or running has finished.
+        unfinished = counts.get(JobStatus.PENDING, 0) + counts.get(JobStatus.RUNNING, 0)
+        finished = jobs - unfinished
+        done = finished - counts.get(JobStatus.DEAD, 0)
         elapsed = time.monotonic() - started
         printer.progress(
             f"done {done}/{jobs}  running {counts.get(JobStatus.RUNNING, 0)}  "

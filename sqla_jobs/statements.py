@@ -699,8 +699,9 @@ def oldest_xmin() -> TextClause:
     oldest start (``measure = 'seconds'``) and the one with the oldest xmin (``measure =
     'xids'``), often the same.
 
-    Holders: backends with a ``backend_xmin`` in ``pg_stat_activity`` (an open
-    transaction or a running query; age from ``xact_start``), prepared transactions
+    Holders: backends with a ``backend_xmin`` or a ``backend_xid`` in ``pg_stat_activity``
+    (a snapshot: a running query, a REPEATABLE READ transaction; or a transaction that has
+    written, idle or not; age from ``xact_start``), prepared transactions
     (``pg_prepared_xacts``, age from ``prepared``) and replication slots with an ``xmin``
     or ``catalog_xmin`` (no start time: ``age_seconds`` is NULL). Ages are in database time
     (``statement_timestamp()``) and in transaction ids (``age(xid)``). The asking backend is
@@ -715,9 +716,10 @@ def oldest_xmin() -> TextClause:
                        || coalesce(' (' || state || ')', '') AS holder,
                    greatest(0, extract(epoch FROM statement_timestamp() - xact_start))
                        AS age_seconds,
-                   age(backend_xmin)::bigint AS age_xids
+                   greatest(age(backend_xmin), age(backend_xid))::bigint AS age_xids
             FROM pg_stat_activity
-            WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+            WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+              AND pid <> pg_backend_pid()
             UNION ALL
             SELECT 'prepared', gid,
                    greatest(0, extract(epoch FROM statement_timestamp() - prepared)),

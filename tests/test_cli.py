@@ -171,18 +171,19 @@ def test_status_retry_cancel(
     assert lines[1].split() == [
         "queue",
         "pending",
+        "runnable",
         "running",
-        "succeeded",
+        "expired",
         "dead",
-        "cancelled",
         "oldest",
-        "pending",
+        "runnable",
     ]
-    assert lines[2].split() == ["billing", "0", "0", "0", "1", "0", "-"]
+    assert lines[2].split() == ["billing", "0", "0", "0", "0", "1", "-"]
     mail = lines[3].split()
-    assert mail[:6] == ["mail", "1", "0", "0", "0", "0"]
+    assert mail[:6] == ["mail", "1", "1", "0", "0", "0"]
     assert mail[6].endswith("s")
     assert float(mail[6][:-1]) >= 90
+    assert "oldest snapshot holding back vacuum:" in out
     assert f"  {dead}  billing/charge  attempts=3" in out
     assert "ValueError: card declined" in out
 

