@@ -168,7 +168,7 @@ def test_thresholds_say_what_is_crossed(queue_engine: sa.Engine) -> None:
 )
 def test_bad_thresholds_are_refused_before_any_sql(field: str, value: object) -> None:
     with pytest.raises(InvalidThresholdError) as raised:
-        Thresholds(**{field: value})
+        Thresholds(**{field: value})  # type: ignore[arg-type]
     assert raised.value.field == field
 
 
@@ -211,7 +211,7 @@ HISTORY = 200_000
 
 
 @pytest.fixture
-def history(queue_engine: sa.Engine) -> Iterator[sa.Engine]:
+def history(queue_engine: sa.Engine) -> sa.Engine:
     with queue_engine.begin() as connection:
         connection.execute(sa.text("ALTER TABLE email_jobs DISABLE TRIGGER USER"))
         connection.execute(

@@ -138,7 +138,7 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0002_claim_indexes", "sqla_jobs_0002"]
+        assert sorted(versions.scalars()) == ["0003_dead_index", "sqla_jobs_0003_dead_index"]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS
@@ -223,7 +223,7 @@ def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -
         recorded = connection.execute(
             sa.text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")
         )
-        assert recorded.scalars().all() == ["sqla_jobs_0002"]
+        assert recorded.scalars().all() == ["sqla_jobs_0003_dead_index"]
 
     migrations.downgrade(url_of(db_engine), "base")
     assert catalog(db_engine)["tables"] == []
@@ -235,6 +235,7 @@ def test_versions_path_is_the_installed_package_directory() -> None:
     assert sorted(p.name for p in path.glob("*.py")) == [
         "0001_default_tables.py",
         "0002_claim_indexes.py",
+        "0003_dead_index.py",
     ]
     assert (path.parent / "env.py").is_file()
     assert (path.parent / "script.py.mako").is_file()
@@ -371,8 +372,8 @@ def test_a_table_autogenerate_made_is_reported_until_the_helper_adds_the_trigger
 def test_a_table_the_helpers_made_is_clean_and_notify_false_is_reported(
     db_engine: sa.Engine,
 ) -> None:
-    migrate(db_engine, lambda: migrations.create_job_table("report_jobs", version=2))
-    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False, version=2))
+    migrate(db_engine, lambda: migrations.create_job_table("report_jobs", version=3))
+    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False, version=3))
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, models.ReportJob) == []
         (problem,) = migrations.check_job_tables(connection, sqla_jobs.models.Job)
@@ -579,8 +580,9 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
     before = rows_by_status(db_engine)
     with db_engine.connect() as connection:
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
-    # Each version-1 table: its two new indexes missing, its old one left over, with the fix.
-    assert len(problems) == 3 * len(JOB_MODELS)
+    # Each version-1 table: its three new indexes missing (two of version 2, the dead index
+    # of version 3), its old one left over, with the fix.
+    assert len(problems) == 4 * len(JOB_MODELS)
     assert "upgrade_job_table_to_v2('email_jobs')" in "".join(problems)
 
     command.upgrade(config, "heads")
@@ -588,7 +590,11 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
     assert rows_by_status(db_engine) == before
     for table in JOB_TABLES:
         n = names(table)
-        assert set(index_definitions(db_engine, table)) == {n.pending_index, n.running_index}
+        assert set(index_definitions(db_engine, table)) == {
+            n.pending_index,
+            n.running_index,
+            n.dead_index,
+        }
     assert schema_differences(db_engine, all_metadata()) == []
     command.check(config)  # `alembic check`: autogenerate finds nothing to do
     with db_engine.connect() as connection:
@@ -672,7 +678,9 @@ def test_the_upgrade_helper_can_run_again_after_an_interrupted_run(
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))  # idempotent
     with db_engine.connect() as connection:
-        assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+        assert migrations.check_claim_indexes(connection, models.EmailJob) == [
+            f"index {n.dead_index} on email_jobs: missing from the database"  # version 3's
+        ]
     migrate(db_engine, lambda: migrations.downgrade_job_table_to_v1("email_jobs"))
     assert set(index_definitions(db_engine, "email_jobs")) == {n.claim_index}
 
@@ -680,17 +688,19 @@ def test_the_upgrade_helper_can_run_again_after_an_interrupted_run(
 def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
     db_engine: sa.Engine,
 ) -> None:
-    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=2))
+    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=3))
     migrate(db_engine, lambda: migrations.create_job_table("report_jobs"))
     email, report = names("email_jobs"), names("report_jobs")
     assert set(index_definitions(db_engine, "email_jobs")) == {
         email.pending_index,
         email.running_index,
+        email.dead_index,
     }
     assert set(index_definitions(db_engine, "report_jobs")) == {report.claim_index}
     with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
         assert migrations.check_claim_indexes(connection, models.ReportJob) == [
+            f"index {report.dead_index} on report_jobs: missing from the database",
             f"index {report.pending_index} on report_jobs: missing from the database",
             f"index {report.running_index} on report_jobs: missing from the database",
             (
@@ -700,5 +710,36 @@ def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
             ),
         ]
     with pytest.raises(ValueError, match="schema version"):
-        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=3))
-    assert migrations.SCHEMA_VERSION == 2
+        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=4))
+    assert migrations.SCHEMA_VERSION == 3
+
+
+def test_the_dead_index_is_added_to_a_live_version_2_table_and_dropped(
+    db_engine: sa.Engine,
+) -> None:
+    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=2))
+    n = names("email_jobs")
+    with db_engine.begin() as connection:
+        connection.execute(
+            sa.text(
+                "INSERT INTO email_jobs (task, status, finished_at) "
+                "VALUES ('bad', 'dead', now()), ('ok', 'succeeded', now())"
+            )
+        )
+        # What an interrupted CREATE INDEX CONCURRENTLY leaves: an invalid index of that name.
+        connection.execute(sa.text(f"CREATE INDEX {n.dead_index} ON email_jobs (task)"))
+        connection.execute(
+            sa.text(
+                "UPDATE pg_index SET indisvalid = false "
+                f"WHERE indexrelid = '{n.dead_index}'::regclass"
+            )
+        )
+    migrate(db_engine, lambda: migrations.add_dead_index("email_jobs"))
+    migrate(db_engine, lambda: migrations.add_dead_index("email_jobs"))  # re-runnable
+    with db_engine.connect() as connection:
+        assert migrations.check_job_tables(connection, models.EmailJob) == []
+        with Session(bind=connection) as session:
+            (dead,) = sqla_jobs.queue_stats(session, models.EmailJob)
+        assert (dead.status, dead.count) == ("dead", 1)
+    migrate(db_engine, lambda: migrations.drop_dead_index("email_jobs"))
+    assert n.dead_index not in index_definitions(db_engine, "email_jobs")

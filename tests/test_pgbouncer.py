@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from worker_harness import JobDatabase, Workers, running, wait_until
 
 import sqla_jobs
-from sqla_jobs import JobStatus, LeaseLostError
+from sqla_jobs import LeaseLostError
 from sqla_jobs.pgbouncer import PgBouncer
 from sqla_jobs.pooler import behind_pooler
 from sqla_jobs.urls import libpq_url
