@@ -19,7 +19,7 @@ from sqlalchemy.pool import NullPool
 from worker_harness import JobDatabase, wait_until
 from worker_tasks import FAST_RETRY, WorkerJob
 
-from sqla_jobs import ConfigurationError, JobContext, Registry, Worker
+from sqla_jobs import ConfigurationError, JobContext, Registry, Worker, cli
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -233,3 +233,13 @@ def test_database_errors_and_reconnects_are_counted(engine: sa.Engine) -> None:
             replaced, timeout=30, message="a replaced connection is counted, the second job ran"
         )
     assert value(samples, "sqla_jobs_database_errors_total", operation="claim") >= 1
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_the_worker_command_refuses_a_bad_metrics_port(
+    port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["worker", "nowhere:registry", "--metrics-port", port])
+    assert exited.value.code == 2
+    assert "--metrics-port" in capsys.readouterr().err
