@@ -76,4 +76,4 @@ def seed(engine: sa.Engine) -> Seeded:
 def statuses(engine: sa.Engine) -> dict[int, str]:
     with engine.connect() as connection:
         rows = connection.execute(sa.select(EmailJob.id, EmailJob.status)).all()
-    return {job_id: status for job_id, status in rows}
+    return dict(rows)

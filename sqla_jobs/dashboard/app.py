@@ -210,7 +210,8 @@ def create_app(
     result_table = (
         None if result_model is None else _mapped(result_model, JobResultMixin, "result_model")
     )
-    if token is not None and (not isinstance(token, str) or len(token) < MIN_TOKEN_LENGTH):
+    given: object = token
+    if given is not None and (not isinstance(given, str) or len(given) < MIN_TOKEN_LENGTH):
         raise ConfigurationError(
             f"token must be a string of at least {MIN_TOKEN_LENGTH} characters"
         )
@@ -535,7 +536,7 @@ def _cookie_path(request: Request) -> str:
 
 
 def _when(value: datetime | None) -> str:
-    return "–" if value is None else value.isoformat(sep=" ", timespec="seconds")
+    return "-" if value is None else value.isoformat(sep=" ", timespec="seconds")
 
 
 def _pretty(value: Any) -> str:
@@ -544,7 +545,7 @@ def _pretty(value: Any) -> str:
 
 def _age(seconds: float | None) -> str:
     if seconds is None:
-        return "–"
+        return "-"
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
