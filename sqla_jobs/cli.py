@@ -421,11 +421,14 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         import uvicorn
 
         from sqla_jobs.dashboard import create_app
+        from sqla_jobs.dashboard.app import MIN_TOKEN_LENGTH
     except ImportError as exc:
         raise CommandError(
             f"the dashboard needs the 'dashboard' extra ({exc.name} is missing): "
             "pip install 'sqla-jobs[dashboard]'"
         ) from None
+    if token is not None and len(token) < MIN_TOKEN_LENGTH:
+        raise CommandError(f"the access token must have at least {MIN_TOKEN_LENGTH} characters")
     model = load_model(args)
     result_model = None
     if args.result_model:

@@ -6,8 +6,16 @@ are in test_dashboard_browser.py.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -16,6 +24,8 @@ from models import EmailJob, EmailJobResult
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
+from test_cli import run_cli
+from worker_harness import subprocess_env
 
 import sqla_jobs
 from sqla_jobs.dashboard import create_app
@@ -339,3 +349,79 @@ def test_delete(queue_engine: sa.Engine, seeded: Seeded) -> None:
     with queue_engine.connect() as connection:
         kept = connection.execute(sa.select(sa.func.count()).select_from(EmailJobResult))
         assert kept.scalar_one() == 1
+
+
+# -- sqla-jobs dashboard --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "says"),
+    [
+        (["--host", "0.0.0.0"], 1, "refusing to serve the dashboard on 0.0.0.0 without"),
+        (["--host", "192.0.2.1"], 1, "without an access token"),
+        (["--host", "0.0.0.0", "--token", "short"], 1, "at least 16 characters"),
+        (["--port", "70000"], 2, "is not a port"),
+    ],
+)
+def test_the_command_refuses_bad_settings(
+    tmp_path: Path, args: list[str], status: int, says: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
+    result = run_cli("dashboard", *args, env=env, cwd=tmp_path)
+    assert result.returncode == status
+    assert says in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_command_serves_the_dashboard(
+    tmp_path: Path, queue_engine: sa.Engine, seeded: Seeded
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = queue_engine.url.render_as_string(hide_password=False)
+    command = [
+        sys.executable,
+        "-m",
+        "sqla_jobs",
+        "dashboard",
+        "--model",
+        "models:EmailJob",
+        "--result-model",
+        "models:EmailJobResult",
+        "--port",
+        str(port),
+        "--read-only",
+    ]
+    log = tmp_path / "dashboard.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, cwd=tmp_path, env=subprocess_env(url), stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/jobs/{seeded.succeeded}"
+                ) as r:
+                    page = r.read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        assert "R-77" in page
+        assert 'id="read-only"' in page
+        assert f"sqla-jobs dashboard on http://127.0.0.1:{port}/ (read-only)" in log.read_text()
+        # Another name for this machine's address (DNS rebinding) is refused.
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/", headers={"Host": "rebound.example"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request)
+        refused.value.close()
+        assert refused.value.code == 400
+    finally:
+        process.terminate()
+        process.wait(30)
