@@ -22,6 +22,7 @@ short transaction of its own.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -34,7 +35,7 @@ from typing import Any, Final
 from urllib.parse import urlencode
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from sqlalchemy import Connection, Engine, Table
+from sqlalchemy import Connection, Engine, Select, Table
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -388,8 +389,8 @@ class _Dashboard:
         def read(connection: Connection) -> tuple[list[Any], list[Any]]:
             stats = queue.queue_stats(connection, self.s.model)
             recent = connection.execute(
-                statements.recent_throughput(table),
-                {"before": statements.MAX_ID, "scan": scan},
+                _built(statements.recent_throughput, table, scan=scan),
+                {"before": statements.MAX_ID},
             ).all()
             return stats, list(recent)
 
@@ -420,10 +421,16 @@ class _Dashboard:
     async def job_list(self, request: Request, csrf: str) -> Response:
         query = parse_list_query(request.query_params)
         table, size, scan = self.s.table, self.s.page_size, self.s.scan
-        statement = statements.job_page(
-            table, status=query.status, queue=query.queue is not None, task=query.task is not None
+        statement = _built(
+            statements.job_page,
+            table,
+            status=query.status,
+            queue=query.queue is not None,
+            task=query.task is not None,
+            scan=scan,
+            limit=size + 1,
         )
-        params: dict[str, Any] = {"before": query.before, "scan": scan, "limit": size + 1}
+        params: dict[str, Any] = {"before": query.before}
         if query.queue is not None:
             params["queue"] = query.queue
         if query.task is not None:
@@ -434,7 +441,7 @@ class _Dashboard:
             if len(rows) > size:
                 return rows[:size], rows[size - 1].id, False
             floor = connection.execute(
-                statements.window_floor(table), {"before": query.before, "scan": scan}
+                _built(statements.window_floor, table, scan=scan), {"before": query.before}
             ).scalar()
             # A short page: the window ran out. Its lowest id is the next cursor, unless
             # the window reached the oldest job.
@@ -462,11 +469,15 @@ class _Dashboard:
         table, result_table = self.s.table, self.s.result_table
 
         def read(connection: Connection) -> tuple[Any, Any]:
-            row = connection.execute(statements.job(table), {"job_id": job_id}).mappings().first()
+            row = (
+                connection.execute(_built(statements.job, table), {"job_id": job_id})
+                .mappings()
+                .first()
+            )
             stored = None
             if result_table is not None:
                 stored = connection.execute(
-                    statements.result(result_table), {"job_id": job_id}
+                    _built(statements.result, result_table), {"job_id": job_id}
                 ).first()
             return row, stored
 
@@ -521,6 +532,12 @@ class _Dashboard:
         else:
             target = request.url_for("job", job_id=str(job_id)).path + f"?done={done}"
         return RedirectResponse(target, status_code=303, headers=_HEADERS)
+
+
+@functools.lru_cache(maxsize=256)
+def _built(builder: Callable[..., Select[Any]], table: Table, **options: Any) -> Select[Any]:
+    # A statement depends only on the table and the options: build each one once.
+    return builder(table, **options)
 
 
 def _csrf(request: Request) -> str:

@@ -3,7 +3,7 @@
 Pure builders over the user's tables, like :mod:`sqla_jobs.statements`. None of them takes
 a lock.
 
-Every list read is bounded: it reads at most ``:scan`` entries of the primary key, newest
+Every list read is bounded: it reads at most ``scan`` entries of the primary key, newest
 first, below the keyset cursor ``:before``, whatever the filters and however large the table
 (a *window*). No index beyond the primary key is needed, so the dashboard adds no cost to
 the claim, the enqueue or the outcomes (see the README, "Dashboard", for the measurement on
@@ -28,6 +28,7 @@ from sqlalchemy import (
     select,
 )
 
+from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.schema import JobStatus
 
 __all__ = [
@@ -58,29 +59,40 @@ LIST_COLUMNS: Final = (
 )
 
 
-def _window(table: Table, columns: tuple[str, ...]) -> Any:
-    # The newest :scan jobs below :before, by the primary key, read backwards. LIMIT keeps
+def _count(name: str, value: object) -> int:
+    # Rendered into the SQL text: only ever a positive int.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")
+    return value
+
+
+def _window(table: Table, columns: tuple[str, ...], scan: int) -> Any:
+    # The newest `scan` jobs below :before, by the primary key, read backwards. LIMIT keeps
     # PostgreSQL from flattening the subquery, so the filters of the outer query apply to
-    # this window and never make the scan walk further.
+    # this window and never make the scan walk further. The limits are literals, not
+    # parameters: a generic (prepared) plan then still knows how few rows it reads, and
+    # keeps to the backward index scan.
     return (
         select(*(table.c[name] for name in columns))
         .where(table.c.id < bindparam("before", type_=BigInteger))
         .order_by(table.c.id.desc())
-        .limit(bindparam("scan", type_=Integer))
+        .limit(literal_column(str(_count("scan", scan)), Integer))
         .subquery("window")
     )
 
 
-def job_page(table: Table, *, status: JobStatus | None, queue: bool, task: bool) -> Select[Any]:
-    """One page of the job list, newest first: the jobs of the window (see the module
-    docstring) that match the filters, at most ``:limit`` of them.
+def job_page(
+    table: Table, *, status: JobStatus | None, queue: bool, task: bool, scan: int, limit: int
+) -> Select[Any]:
+    """One page of the job list, newest first: the jobs of the window of ``scan`` jobs
+    below ``:before`` (see the module docstring) that match the filters, at most ``limit``.
 
     ``status`` is rendered as a literal (one statement per status); ``queue`` and ``task``
-    say whether ``:queue`` and ``:task`` filter. Parameters: ``:before``, ``:scan``,
-    ``:limit``, and ``:queue``/``:task`` when used. Reads the primary key backwards and at
-    most ``:scan`` heap rows.
+    say whether ``:queue`` and ``:task`` filter. Parameters: ``:before``, and
+    ``:queue``/``:task`` when used. Reads the primary key backwards and at most ``scan``
+    heap rows.
     """
-    window = _window(table, LIST_COLUMNS)
+    window = _window(table, LIST_COLUMNS, scan)
     conditions = []
     if status is not None:
         conditions.append(window.c.status == literal_column(f"'{JobStatus(status).value}'"))
@@ -91,19 +103,19 @@ def job_page(table: Table, *, status: JobStatus | None, queue: bool, task: bool)
     statement = select(*window.c).order_by(window.c.id.desc())
     if conditions:
         statement = statement.where(and_(*conditions))
-    return statement.limit(bindparam("limit", type_=Integer))
+    return statement.limit(literal_column(str(_count("limit", limit)), Integer))
 
 
-def window_floor(table: Table) -> Select[Any]:
-    """The lowest id of the window below ``:before`` (the ``:scan``-th id down), or no row
+def window_floor(table: Table, *, scan: int) -> Select[Any]:
+    """The lowest id of the window below ``:before`` (the ``scan``-th id down), or no row
     when fewer jobs than that are left: the cursor of the next window. Reads only the
     primary key (an index-only scan once the table is vacuumed)."""
     return (
         select(table.c.id)
         .where(table.c.id < bindparam("before", type_=BigInteger))
         .order_by(table.c.id.desc())
-        .offset(bindparam("scan", type_=Integer) - literal_column("1"))
-        .limit(literal_column("1"))
+        .offset(literal_column(str(_count("scan", scan) - 1), Integer))
+        .limit(literal_column("1", Integer))
     )
 
 
@@ -119,15 +131,15 @@ def result(result_table: Table) -> Select[Any]:
     )
 
 
-def recent_throughput(table: Table) -> Select[Any]:
-    """By queue, among the newest ``:scan`` jobs: how many succeeded and died in the last
-    five minutes and in the last hour, by the database's clock.
+def recent_throughput(table: Table, *, scan: int) -> Select[Any]:
+    """By queue, among the newest ``scan`` jobs below ``:before``: how many succeeded and
+    died in the last five minutes and in the last hour, by the database's clock.
 
     ``queue, succeeded_5m, succeeded_1h, dead_1h, scanned``. Bounded like the job list (a
     job enqueued long before it finished can fall outside the window, so these are lower
     bounds on a busy table; ``scanned`` says how many jobs were read).
     """
-    window = _window(table, ("id", "queue", "status", "finished_at"))
+    window = _window(table, ("id", "queue", "status", "finished_at"), scan)
     now = func.statement_timestamp()
 
     def finished(status: JobStatus, since: str) -> Any:
