@@ -16,11 +16,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import sqlalchemy as sa
 from dashboard_data import Seeded, seed, statuses
-from models import EmailJob, EmailJobResult
+from models import EmailJob, EmailJobResult, ReportJob
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
@@ -30,6 +31,8 @@ from worker_harness import subprocess_env
 import sqla_jobs
 from sqla_jobs.dashboard import create_app
 from sqla_jobs.dashboard.app import CSRF_COOKIE
+from sqla_jobs.dashboard.sources import ListQuery, TableSource, find_job, read_page
+from sqla_jobs.dashboard.statements import MAX_ID
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, JobNotFoundError, JobStateError
 
 TOKEN = "s3cret-token-of-some-length"
@@ -425,3 +428,32 @@ def test_the_command_serves_the_dashboard(
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_the_job_list_merges_a_second_source(queue_engine: sa.Engine) -> None:
+    """A second table of jobs (as finished jobs moved into a history table would be) merges
+    into the same list: every match once, newest first, whatever the windows."""
+    jobs = cast(sa.Table, EmailJob.__table__)
+    history = cast(sa.Table, ReportJob.__table__)
+    with queue_engine.begin() as connection:
+        for job_id in range(1, 61):
+            # Ids interleave unevenly between the two tables, like jobs finishing out of order.
+            target = history if job_id % 3 else jobs
+            connection.execute(
+                sa.insert(target).values(id=job_id, task="even" if job_id % 2 == 0 else "odd")
+            )
+    sources = [TableSource(jobs, scan=7), TableSource(history, scan=11)]
+    for task, expected in (("even", list(range(60, 0, -2))), (None, list(range(60, 0, -1)))):
+        seen: list[int] = []
+        before = MAX_ID
+        with queue_engine.connect() as connection:
+            for _ in range(100):
+                query = ListQuery(queue=None, task=task, status=None, before=before)
+                page = read_page(connection, sources, query, 4)
+                seen += [row.id for row in page.rows]
+                if page.next_before is None:
+                    break
+                before = page.next_before
+            assert find_job(connection, sources, 3) is not None
+            assert find_job(connection, sources, 61) is None
+        assert seen == expected

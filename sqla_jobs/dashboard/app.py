@@ -22,7 +22,6 @@ short transaction of its own.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import json
@@ -35,7 +34,7 @@ from typing import Any, Final
 from urllib.parse import urlencode
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from sqlalchemy import Connection, Engine, Select, Table
+from sqlalchemy import Connection, Engine, Table
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -48,6 +47,14 @@ from starlette.routing import Route
 
 from sqla_jobs import queue, validation
 from sqla_jobs.dashboard import statements
+from sqla_jobs.dashboard.sources import (
+    ListQuery,
+    Page,
+    TableSource,
+    built,
+    find_job,
+    read_page,
+)
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -106,22 +113,14 @@ class _Settings:
     scan: int
 
 
-@dataclass(frozen=True)
-class ListQuery:
-    """The job list's filters and cursor, checked."""
-
-    queue: str | None
-    task: str | None
-    status: JobStatus | None
-    before: int
-
-    def params(self, **changes: Any) -> str:
-        values = {
-            "queue": self.queue,
-            "task": self.task,
-            "status": self.status.value if self.status else None,
-        } | changes
-        return urlencode({k: v for k, v in values.items() if v not in (None, "")})
+def _list_params(query: ListQuery, **changes: Any) -> str:
+    """The job list's query string for ``query``, with ``changes``."""
+    values = {
+        "queue": query.queue,
+        "task": query.task,
+        "status": query.status.value if query.status else None,
+    } | changes
+    return urlencode({k: v for k, v in values.items() if v not in (None, "")})
 
 
 def parse_list_query(query: Any) -> ListQuery:
@@ -255,6 +254,8 @@ Handler = Callable[[Request, str], Awaitable[Response]]
 class _Dashboard:
     def __init__(self, settings: _Settings) -> None:
         self.s = settings
+        # The job table; a history table of finished jobs would be a second source.
+        self.sources = [TableSource(settings.table, settings.scan)]
         self.env = Environment(
             loader=FileSystemLoader(_TEMPLATES),
             autoescape=select_autoescape(default=True, default_for_string=True),
@@ -389,7 +390,7 @@ class _Dashboard:
         def read(connection: Connection) -> tuple[list[Any], list[Any]]:
             stats = queue.queue_stats(connection, self.s.model)
             recent = connection.execute(
-                _built(statements.recent_throughput, table, scan=scan),
+                built(statements.recent_throughput, table, scan=scan),
                 {"before": statements.MAX_ID},
             ).all()
             return stats, list(recent)
@@ -420,44 +421,23 @@ class _Dashboard:
 
     async def job_list(self, request: Request, csrf: str) -> Response:
         query = parse_list_query(request.query_params)
-        table, size, scan = self.s.table, self.s.page_size, self.s.scan
-        statement = _built(
-            statements.job_page,
-            table,
-            status=query.status,
-            queue=query.queue is not None,
-            task=query.task is not None,
-            scan=scan,
-            limit=size + 1,
-        )
-        params: dict[str, Any] = {"before": query.before}
-        if query.queue is not None:
-            params["queue"] = query.queue
-        if query.task is not None:
-            params["task"] = query.task
+        size = self.s.page_size
 
-        def read(connection: Connection) -> tuple[list[Any], int | None, bool]:
-            rows = list(connection.execute(statement, params).all())
-            if len(rows) > size:
-                return rows[:size], rows[size - 1].id, False
-            floor = connection.execute(
-                _built(statements.window_floor, table, scan=scan), {"before": query.before}
-            ).scalar()
-            # A short page: the window ran out. Its lowest id is the next cursor, unless
-            # the window reached the oldest job.
-            return rows, floor, floor is not None
+        def read(connection: Connection) -> Page:
+            return read_page(connection, self.sources, query, size)
 
-        rows, next_before, sparse = await self.run(read)
+        page = await self.run(read)
         return self.render(
             request,
             "jobs.html",
             csrf,
             query=query,
-            rows=rows,
-            next_before=next_before,
-            sparse=sparse,
+            rows=page.rows,
+            next_before=page.next_before,
+            sparse=page.sparse,
             first_page=query.before == statements.MAX_ID,
-            scan=scan,
+            list_params=_list_params,
+            scan=self.s.scan,
             done=_DONE.get(request.query_params.get("done", "")),
         )
 
@@ -469,15 +449,11 @@ class _Dashboard:
         table, result_table = self.s.table, self.s.result_table
 
         def read(connection: Connection) -> tuple[Any, Any]:
-            row = (
-                connection.execute(_built(statements.job, table), {"job_id": job_id})
-                .mappings()
-                .first()
-            )
+            row = find_job(connection, self.sources, job_id)
             stored = None
             if result_table is not None:
                 stored = connection.execute(
-                    _built(statements.result, result_table), {"job_id": job_id}
+                    built(statements.result, result_table), {"job_id": job_id}
                 ).first()
             return row, stored
 
@@ -532,12 +508,6 @@ class _Dashboard:
         else:
             target = request.url_for("job", job_id=str(job_id)).path + f"?done={done}"
         return RedirectResponse(target, status_code=303, headers=_HEADERS)
-
-
-@functools.lru_cache(maxsize=256)
-def _built(builder: Callable[..., Select[Any]], table: Table, **options: Any) -> Select[Any]:
-    # A statement depends only on the table and the options: build each one once.
-    return builder(table, **options)
 
 
 def _csrf(request: Request) -> str:
