@@ -82,7 +82,7 @@ _ACTIONS: Final = {
 _HEADERS: Final = {
     # No script at all; styles only from the page itself; forms post only back here.
     "Content-Security-Policy": (
-        "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
+        "default-src 'none'; style-src 'unsafe-inline'; "
         "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
     "X-Content-Type-Options": "nosniff",
