@@ -9,6 +9,7 @@
     sqla-jobs retry 42
     sqla-jobs cancel 43
     sqla-jobs prune --older-than 7d --batch-size 10000
+    sqla-jobs dashboard --port 8400                  # the web dashboard (extra: dashboard)
 
 The database URL comes from ``--database-url`` or the ``SQLA_JOBS_DATABASE_URL``
 environment variable. Through PgBouncer in transaction mode it needs nothing more: the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import ipaddress
 import json
 import logging
 import os
@@ -47,7 +49,7 @@ from sqla_jobs.errors import SqlaJobsError
 from sqla_jobs.events import describe
 from sqla_jobs.pooler import POOLER_MODES, unprepared_behind_pooler
 from sqla_jobs.registry import Registry
-from sqla_jobs.schema import JobMixin
+from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
 from sqla_jobs.urls import psycopg_url
 
 __all__ = ["DATABASE_URL_VARIABLE", "LISTEN_URL_VARIABLE", "main", "make_engine", "parse_duration"]
@@ -55,6 +57,7 @@ __all__ = ["DATABASE_URL_VARIABLE", "LISTEN_URL_VARIABLE", "main", "make_engine"
 DATABASE_URL_VARIABLE: Final = "SQLA_JOBS_DATABASE_URL"
 LISTEN_URL_VARIABLE: Final = "SQLA_JOBS_LISTEN_URL"
 DEFAULT_MODEL: Final = "sqla_jobs.models:Job"
+DASHBOARD_TOKEN_VARIABLE: Final = "SQLA_JOBS_DASHBOARD_TOKEN"
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
     return value
 
 
@@ -492,6 +502,72 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return _admin(args, queue.cancel, "is cancelled")
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    token = args.token or os.environ.get(DASHBOARD_TOKEN_VARIABLE, "").strip() or None
+    loopback = _is_loopback(args.host)
+    if not loopback and token is None:
+        raise CommandError(
+            f"refusing to serve the dashboard on {args.host} without an access token: set "
+            f"{DASHBOARD_TOKEN_VARIABLE} (or pass --token), or bind to 127.0.0.1"
+        )
+    try:
+        import uvicorn
+
+        from sqla_jobs.dashboard import create_app
+        from sqla_jobs.dashboard.app import MIN_TOKEN_LENGTH
+    except ImportError as exc:
+        raise CommandError(
+            f"the dashboard needs the 'dashboard' extra ({exc.name} is missing): "
+            "pip install 'sqla-jobs[dashboard]'"
+        ) from None
+    if token is not None and len(token) < MIN_TOKEN_LENGTH:
+        raise CommandError(f"the access token must have at least {MIN_TOKEN_LENGTH} characters")
+    model = load_model(args)
+    result_model = None
+    if args.result_model:
+        result_model = load_object(args.result_model, "the result model")
+        if not (isinstance(result_model, type) and issubclass(result_model, JobResultMixin)):
+            raise CommandError(f"{args.result_model} is not a model class mixing in JobResultMixin")
+    engine = make_engine(
+        database_url(args.database_url),
+        pool_size=4,
+        application_name="sqla-jobs dashboard",
+        pooler=args.pooler,
+    )
+    hosts = None
+    if loopback and token is None:
+        # Only the names of this machine: a page of another site that rebinds its own name
+        # to 127.0.0.1 (DNS rebinding) gets no answer.
+        hosts = ["127.0.0.1", "localhost", "[::1]", "::1"]
+    try:
+        app = create_app(
+            engine,
+            model,
+            result_model=result_model,
+            read_only=args.read_only,
+            token=token,
+            allowed_hosts=hosts,
+        )
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        mode = " (read-only)" if args.read_only else ""
+        sys.stderr.write(f"sqla-jobs dashboard on http://{shown}:{args.port}/{mode}\n")
+        sys.stderr.flush()
+        # log_config=None: uvicorn's records go through the logging configured above.
+        uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
+    finally:
+        engine.dispose()
+    return 0
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     model = load_model(args)
     engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
@@ -737,6 +813,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="jobs deleted per transaction; batches repeat until none is left (10000)",
     )
     prune.set_defaults(handler=cmd_prune)
+
+    dashboard = commands.add_parser(
+        "dashboard",
+        parents=[db, which],
+        help="serve the web dashboard (extra: dashboard)",
+        description=(
+            "Serve a web page of the job table: queues, the job list, each job, and retry, "
+            "cancel and delete. Binds to 127.0.0.1; anywhere else it needs an access token "
+            f"(${DASHBOARD_TOKEN_VARIABLE})."
+        ),
+    )
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    dashboard.add_argument("--port", type=_port, default=8400, help="port (8400)")
+    dashboard.add_argument(
+        "--token",
+        help=f"access token, 16+ characters (default: ${DASHBOARD_TOKEN_VARIABLE}; the "
+        "variable keeps it out of the process list)",
+    )
+    dashboard.add_argument("--read-only", action="store_true", help="no retry, cancel or delete")
+    dashboard.add_argument(
+        "--result-model", metavar="MODULE:CLASS", help="show results stored in this model"
+    )
+    dashboard.set_defaults(handler=cmd_dashboard)
 
     demo = commands.add_parser(
         "demo",

