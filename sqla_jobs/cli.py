@@ -49,7 +49,7 @@ from sqla_jobs.errors import SqlaJobsError
 from sqla_jobs.events import describe
 from sqla_jobs.pooler import POOLER_MODES, unprepared_behind_pooler
 from sqla_jobs.registry import Registry
-from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
+from sqla_jobs.schema import JobMixin, JobResultMixin
 from sqla_jobs.urls import psycopg_url
 
 __all__ = ["DATABASE_URL_VARIABLE", "LISTEN_URL_VARIABLE", "main", "make_engine", "parse_duration"]
@@ -88,13 +88,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
     return value
 
 
