@@ -138,7 +138,7 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0002_claim_indexes", "sqla_jobs_0002"]
+        assert sorted(versions.scalars()) == ["0003_unique_jobs", "sqla_jobs_0003_unique_jobs"]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS
@@ -191,7 +191,7 @@ def test_library_branch_alone(db_engine: sa.Engine) -> None:
     command.upgrade(example_config(url_of(db_engine)), "sqla_jobs@head")
 
     tables = {row[0] for row in catalog(db_engine)["tables"]}
-    assert tables == {"sqla_jobs", "sqla_jobs_results"}
+    assert tables == {"sqla_jobs", "sqla_jobs_results", "sqla_jobs_schedules"}
 
 
 def test_offline_sql_renders_the_trigger(db_engine: sa.Engine) -> None:
@@ -216,14 +216,18 @@ def test_offline_sql_renders_the_trigger(db_engine: sa.Engine) -> None:
 def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -> None:
     migrations.upgrade(db_engine.url)
 
-    assert {row[0] for row in catalog(db_engine)["tables"]} == {"sqla_jobs", "sqla_jobs_results"}
+    assert {row[0] for row in catalog(db_engine)["tables"]} == {
+        "sqla_jobs",
+        "sqla_jobs_results",
+        "sqla_jobs_schedules",
+    }
     assert schema_differences(db_engine, sqla_jobs.models.metadata) == []
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, sqla_jobs.models.Job) == []
         recorded = connection.execute(
             sa.text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")
         )
-        assert recorded.scalars().all() == ["sqla_jobs_0002"]
+        assert recorded.scalars().all() == ["sqla_jobs_0003_unique_jobs"]
 
     migrations.downgrade(url_of(db_engine), "base")
     assert catalog(db_engine)["tables"] == []
@@ -235,6 +239,7 @@ def test_versions_path_is_the_installed_package_directory() -> None:
     assert sorted(p.name for p in path.glob("*.py")) == [
         "0001_default_tables.py",
         "0002_claim_indexes.py",
+        "0003_unique_jobs.py",
     ]
     assert (path.parent / "env.py").is_file()
     assert (path.parent / "script.py.mako").is_file()
@@ -371,8 +376,8 @@ def test_a_table_autogenerate_made_is_reported_until_the_helper_adds_the_trigger
 def test_a_table_the_helpers_made_is_clean_and_notify_false_is_reported(
     db_engine: sa.Engine,
 ) -> None:
-    migrate(db_engine, lambda: migrations.create_job_table("report_jobs", version=2))
-    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False, version=2))
+    migrate(db_engine, lambda: migrations.create_job_table("report_jobs", version=3))
+    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False, version=3))
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, models.ReportJob) == []
         (problem,) = migrations.check_job_tables(connection, sqla_jobs.models.Job)
@@ -579,8 +584,10 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
     before = rows_by_status(db_engine)
     with db_engine.connect() as connection:
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
-    # Each version-1 table: its two new indexes missing, its old one left over, with the fix.
-    assert len(problems) == 3 * len(JOB_MODELS)
+    # Each version-1 table: its three new indexes missing (two claim indexes of version 2, the
+    # unique index of version 3), its old one left over, with the fixes.
+    assert len(problems) == 4 * len(JOB_MODELS)
+    assert "add_unique_keys('email_jobs')" in "".join(problems)
     assert "upgrade_job_table_to_v2('email_jobs')" in "".join(problems)
 
     command.upgrade(config, "heads")
@@ -588,7 +595,11 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
     assert rows_by_status(db_engine) == before
     for table in JOB_TABLES:
         n = names(table)
-        assert set(index_definitions(db_engine, table)) == {n.pending_index, n.running_index}
+        assert set(index_definitions(db_engine, table)) == {
+            n.pending_index,
+            n.running_index,
+            n.unique_index,
+        }
     assert schema_differences(db_engine, all_metadata()) == []
     command.check(config)  # `alembic check`: autogenerate finds nothing to do
     with db_engine.connect() as connection:
@@ -671,21 +682,24 @@ def test_the_upgrade_helper_can_run_again_after_an_interrupted_run(
         )
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))  # idempotent
+    migrate(db_engine, lambda: migrations.add_unique_keys("email_jobs"))  # and to version 3
     with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+    migrate(db_engine, lambda: migrations.drop_unique_keys("email_jobs"))
     migrate(db_engine, lambda: migrations.downgrade_job_table_to_v1("email_jobs"))
     assert set(index_definitions(db_engine, "email_jobs")) == {n.claim_index}
 
 
-def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
+def test_create_job_table_builds_version_3_on_request_and_version_1_by_default(
     db_engine: sa.Engine,
 ) -> None:
-    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=2))
+    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=3))
     migrate(db_engine, lambda: migrations.create_job_table("report_jobs"))
     email, report = names("email_jobs"), names("report_jobs")
     assert set(index_definitions(db_engine, "email_jobs")) == {
         email.pending_index,
         email.running_index,
+        email.unique_index,
     }
     assert set(index_definitions(db_engine, "report_jobs")) == {report.claim_index}
     with db_engine.connect() as connection:
@@ -694,11 +708,16 @@ def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
             f"index {report.pending_index} on report_jobs: missing from the database",
             f"index {report.running_index} on report_jobs: missing from the database",
             (
+                f"index {report.unique_index} on report_jobs: missing from the database (a "
+                "job table of schema version 2); upgrade it from a new revision with "
+                "sqla_jobs.migrations.add_unique_keys('report_jobs')"
+            ),
+            (
                 f"index {report.claim_index} on report_jobs: the claim index of schema "
                 "version 1, which the model no longer has; upgrade the table from a new "
                 "revision with sqla_jobs.migrations.upgrade_job_table_to_v2('report_jobs')"
             ),
         ]
     with pytest.raises(ValueError, match="schema version"):
-        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=3))
-    assert migrations.SCHEMA_VERSION == 2
+        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=4))
+    assert migrations.SCHEMA_VERSION == 3
