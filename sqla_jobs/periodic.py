@@ -137,6 +137,8 @@ class Schedule:
 
 
 def _duration(name: str, value: timedelta | float) -> timedelta:
+    if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
+        raise ScheduleError(f"{name} must be a timedelta or seconds, not {value!r}")
     try:
         return validation.check_duration(name, value)
     except InvalidJobError as exc:

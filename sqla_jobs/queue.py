@@ -525,8 +525,8 @@ def _unique_statuses(statuses: Iterable[JobStatus | str]) -> list[str]:
     if missing:
         raise UniqueJobError(
             "unique_statuses",
-            f"must include {missing}: a job that held its key only while pending would let a "
-            "duplicate be enqueued and run while it runs",
+            f"must include {missing}: a job holds its key from its enqueue (pending) until "
+            "it finishes (running); without running, a duplicate could run beside it",
         )
     return sorted(values)
 
@@ -534,6 +534,10 @@ def _unique_statuses(statuses: Iterable[JobStatus | str]) -> list[str]:
 def _unique_period(period: timedelta | float | None) -> float | None:
     if period is None:
         return None
+    if isinstance(period, bool) or not isinstance(period, timedelta | int | float):
+        raise UniqueJobError(
+            "unique_period", f"must be a timedelta or seconds, not {type(period).__name__}"
+        )
     try:
         seconds = validation.check_duration("unique_period", period).total_seconds()
     except InvalidJobError as exc:

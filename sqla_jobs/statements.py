@@ -218,8 +218,8 @@ def enqueue_unique(table: Table) -> Select[Any]:
 
     ``INSERT ... ON CONFLICT (unique_key) WHERE <unique predicate> DO NOTHING``, arbitrated by
     the unique index: a duplicate is skipped, never an error, so the caller's transaction
-    goes on. Rows of the same key within the batch are reduced to the first (``DISTINCT
-    ON``). When the row holding a key is not yet committed, the INSERT waits for its
+    goes on. Rows of the same key within the batch are reduced to the first (by ``n``), and
+    inserted in key order (so that two batches over the same keys cannot deadlock). When the row holding a key is not yet committed, the INSERT waits for its
     transaction: skipped if it commits, inserted if it rolls back.
 
     Returns ``n, unique_key, inserted_id, holder_id`` per row in ``n`` order:
@@ -253,15 +253,18 @@ def enqueue_unique(table: Table) -> Select[Any]:
             key.label("unique_key"),
             cast(rows.c.unique_statuses, table.c.unique_statuses.type).label("unique_statuses"),
             rows.c.n,
+            func.row_number().over(partition_by=key, order_by=rows.c.n).label("rank"),
         )
         .select_from(rows)
         .cte("source")
     )
     inserted_columns = [*names_, "unique_key", "unique_statuses"]
+    # In key order: two transactions inserting the same keys take them in the same order,
+    # so their waits on each other's uncommitted keys cannot deadlock.
     first = (
         select(*(source.c[name] for name in inserted_columns))
-        .distinct(source.c.unique_key)
-        .order_by(source.c.unique_key, source.c.n)
+        .where(source.c.rank == _ONE)
+        .order_by(source.c.unique_key)
     )
     inserted = (
         insert(table)
