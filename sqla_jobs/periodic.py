@@ -180,7 +180,7 @@ def enqueue_due(
     """
     table = _schedule_table(schedule_model)
     slot = schedule.latest_slot(now)
-    params = {"name": task, "slot": slot}
+    params = {"schedule_name": task, "slot": slot}
     if session.execute(_statement(statements.schedule_create, table), params).first():
         logger.info(
             "periodic task %s: schedule started at slot %s, the next slot runs",

@@ -305,11 +305,11 @@ def database_now() -> Select[Any]:
 
 
 def schedule_create(schedule_table: Table) -> Insert:
-    """Start a periodic task's row at ``:slot`` unless it has one: ``INSERT ... ON CONFLICT
+    """Start periodic task ``:schedule_name``'s row at ``:slot`` unless it has one: ``INSERT ... ON CONFLICT
     (name) DO NOTHING RETURNING name``. A row comes back only to the one transaction that
     created it (a concurrent creator waits for it, then skips)."""
     stmt = insert(schedule_table).values(
-        name=bindparam("name", type_=Text),
+        name=bindparam("schedule_name", type_=Text),
         last_slot=bindparam("slot", type_=schedule_table.c.last_slot.type),
     )
     return stmt.on_conflict_do_nothing(index_elements=["name"]).returning(
@@ -318,7 +318,7 @@ def schedule_create(schedule_table: Table) -> Insert:
 
 
 def schedule_advance(schedule_table: Table) -> Update:
-    """Move periodic task ``:name`` to ``:slot`` if its last slot is earlier; return its name
+    """Move periodic task ``:schedule_name`` to ``:slot`` if its last slot is earlier; return its name
     when it moved.
 
     The slot's one winner: concurrent schedulers updating the same row queue on its row
@@ -331,7 +331,7 @@ def schedule_advance(schedule_table: Table) -> Update:
     return (
         update(schedule_table)
         .where(
-            schedule_table.c.name == bindparam("name", type_=Text),
+            schedule_table.c.name == bindparam("schedule_name", type_=Text),
             schedule_table.c.last_slot < slot,
         )
         .values(last_slot=slot, updated_at=_now())

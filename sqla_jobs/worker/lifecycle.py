@@ -12,6 +12,8 @@ The roles it starts, each a named thread (``sqla-jobs-<worker name>-<role>``):
                 leave dead entries until a vacuum, and autovacuum is too slow (or off) to
                 keep a long drain as fast as a short one
 ``notifier``    LISTENs for new jobs (:mod:`~sqla_jobs.worker.listener`)
+``schedule``    enqueues the due slots of the registry's periodic tasks, when it has any
+                (:mod:`~sqla_jobs.worker.scheduler`); every worker runs one, no leader
 
 They share one :class:`~sqla_jobs.worker.state.State`, whose module states its locking
 rules. The thread that calls :meth:`Worker.run` supervises them: a role thread that dies of
@@ -47,6 +49,7 @@ from sqla_jobs.queue import MAX_CLAIM_LIMIT, default_worker_name, vacuum
 from sqla_jobs.registry import Registry
 from sqla_jobs.worker.fetcher import Fetcher
 from sqla_jobs.worker.heartbeat import Heartbeat
+from sqla_jobs.worker.scheduler import Scheduler
 from sqla_jobs.worker.link import Link, is_transient
 from sqla_jobs.worker.listener import Notifier
 from sqla_jobs.worker.runner import Runner
@@ -212,6 +215,11 @@ class Worker:
     connection to the server, or, without one, finds new jobs by polling only. Such an
     engine needs ``connect_args={"prepare_threshold": None}`` (the worker warns without).
     ``pooler="none"`` keeps the direct behaviour whatever the engine goes through.
+
+    When the registry has periodic tasks (``schedule=``), the worker also enqueues their due
+    slots (the ``schedule`` role; :mod:`sqla_jobs.periodic`), whichever queues it serves:
+    every worker may, and the database lets exactly one enqueue each slot.
+    ``scheduler=False`` leaves that to the other workers.
     """
 
     def __init__(
@@ -235,6 +243,7 @@ class Worker:
         synchronous_commit: bool = True,
         listen_engine: Engine | None = None,
         pooler: str = "auto",
+        scheduler: bool = True,
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -283,6 +292,9 @@ class Worker:
         self.handle_signals = handle_signals
         self.lock_timeout = lock_timeout
         self.synchronous_commit = synchronous_commit
+        #: Whether this worker enqueues the due slots of the registry's periodic tasks.
+        self.scheduler = bool(scheduler) and bool(registry.periodic_tasks)
+        self._schedule_sessions = functools.partial(Session, engine)
         self._table = self.model.__table__  # type: ignore[attr-defined]
         self._prefix = f"sqla-jobs-{self.name}"
 
@@ -545,6 +557,16 @@ class Worker:
             "heartbeat": _Role("heartbeat", self._prefix, heartbeat.loop),
             "vacuum": _Role("vacuum", self._prefix, self._vacuum_loop),
         }
+        if self.scheduler:
+            schedule_failed, schedule_ok = self._database.role("schedule")
+            scheduler = Scheduler(
+                self.registry,
+                self._schedule_sessions,
+                stopping=self._stopping,
+                on_database_error=schedule_failed,
+                on_database_ok=schedule_ok,
+            )
+            self._roles["schedule"] = _Role("schedule", self._prefix, scheduler.loop)
         self._runner.start(self.concurrency)
         for role in self._roles.values():
             role.start()
@@ -740,8 +762,9 @@ class Worker:
         while self._state.snapshot() and time.monotonic() < drain_until:
             time.sleep(0.02)
         self._finished.set()
-        for name in ("outcomes", "heartbeat", "vacuum"):
-            self._roles[name].join(_DRAIN_TIMEOUT)
+        for name in ("outcomes", "heartbeat", "vacuum", "schedule"):
+            if name in self._roles:
+                self._roles[name].join(_DRAIN_TIMEOUT)
         self._runner.close(0.5)  # handlers still running are daemon threads
         if self._notifier is not None:
             self._notifier.stop()
