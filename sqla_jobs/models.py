@@ -7,10 +7,10 @@
     with Session(engine) as session, session.begin():
         session.add(Job(task="send_receipt", args={"order": 7}))
 
-The tables are ``sqla_jobs``, ``sqla_jobs_results`` and ``sqla_jobs_schedules`` on a :class:`~sqlalchemy.MetaData`
-of their own (:data:`metadata`). Create them with the library's revisions: add
-``sqla_jobs.migrations:versions`` to your Alembic ``version_locations`` and add
-:data:`metadata` to your ``target_metadata`` list, or call
+The tables are ``sqla_jobs``, ``sqla_jobs_results`` and ``sqla_jobs_schedules`` (the slots of
+periodic tasks) on a :class:`~sqlalchemy.MetaData` of their own (:data:`metadata`). Create
+them with the library's revisions: add ``sqla_jobs.migrations:versions`` to your Alembic
+``version_locations`` and add :data:`metadata` to your ``target_metadata`` list, or call
 :func:`sqla_jobs.migrations.upgrade` on a database without an Alembic environment.
 This module is not imported by ``import sqla_jobs``.
 """

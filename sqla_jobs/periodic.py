@@ -130,8 +130,10 @@ class Schedule:
         return slot.astimezone(timezone.utc)
 
     def __repr__(self) -> str:
-        when = f"cron={self.cron!r} timezone={self.timezone!r}" if self.cron else (
-            f"every={cast(timedelta, self.every).total_seconds():g}s"
+        when = (
+            f"cron={self.cron!r} timezone={self.timezone!r}"
+            if self.cron
+            else (f"every={cast(timedelta, self.every).total_seconds():g}s")
         )
         return f"<Schedule {when}>"
 

@@ -95,7 +95,6 @@ __all__ = [
     "enqueue_unique",
     "enqueue_unique_many",
     "fail",
-    "unique_key_of",
     "heartbeat",
     "lock",
     "lock_one",
@@ -103,6 +102,7 @@ __all__ = [
     "queue_stats",
     "release",
     "retry",
+    "unique_key_of",
     "vacuum",
 ]
 
@@ -513,14 +513,13 @@ def unique_key_of(task: str, args: Mapping[str, Any] | None = None) -> str:
 def _unique_statuses(statuses: Iterable[JobStatus | str]) -> list[str]:
     if isinstance(statuses, str):
         statuses = [statuses]
-    values: set[str] = set()
-    for status in statuses:
-        try:
-            values.add(JobStatus(status).value)
-        except ValueError:
-            raise UniqueJobError(
-                "unique_statuses", f"{status!r} is not one of {[s.value for s in JobStatus]}"
-            ) from None
+    known = {s.value for s in JobStatus}
+    values = {status.value if isinstance(status, JobStatus) else status for status in statuses}
+    unknown = sorted(repr(status) for status in values if status not in known)
+    if unknown:
+        raise UniqueJobError(
+            "unique_statuses", f"{', '.join(unknown)} is not one of {sorted(known)}"
+        )
     missing = [s.value for s in DEFAULT_UNIQUE_STATUSES if s.value not in values]
     if missing:
         raise UniqueJobError(

@@ -259,9 +259,7 @@ class Registry:
     ) -> None:
         if model is not None and not _is_job_model(model):
             raise ConfigurationError(f"{model!r} is not a model class that mixes in JobMixin")
-        if schedule_model is not None and not (
-            isinstance(schedule_model, type) and issubclass(schedule_model, ScheduleMixin)
-        ):
+        if schedule_model is not None and not _is_schedule_model(schedule_model):
             raise ConfigurationError(
                 f"{schedule_model!r} is not a model class that mixes in ScheduleMixin"
             )
@@ -384,9 +382,7 @@ class Registry:
             raise ConfigurationError(f"a task must be a function, not {function!r}")
         if schedule is not None:
             if not isinstance(schedule, Schedule):
-                raise ConfigurationError(
-                    f"schedule must be a sqla_jobs.Schedule, not {schedule!r}"
-                )
+                raise ConfigurationError(f"schedule must be a sqla_jobs.Schedule, not {schedule!r}")
             self.schedule_model  # noqa: B018 (raises now, not in the worker, if there is none)
         task_name = validation.check_name("name", name or getattr(function, "__name__", ""))
         if task_name in self._tasks:
@@ -438,6 +434,10 @@ class Registry:
     def __repr__(self) -> str:
         model = self._model.__name__ if self._model is not None else "sqla_jobs.models.Job"
         return f"<Registry model={model} tasks={sorted(self._tasks)}>"
+
+
+def _is_schedule_model(model: object) -> bool:
+    return isinstance(model, type) and issubclass(model, ScheduleMixin)
 
 
 def _is_job_model(model: object) -> bool:

@@ -359,9 +359,7 @@ class ScheduleMixin:
 
     name: Mapped[str] = mapped_column(String(validation.MAX_NAME_LENGTH), primary_key=True)
     last_slot: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    updated_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), server_default=func.now()
-    )
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 
 class JobResultMixin:

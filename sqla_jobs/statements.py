@@ -160,9 +160,7 @@ def enqueue_columns(table: Table) -> tuple[str, ...]:
     return ENQUEUE_COLUMNS + own
 
 
-def _recordset_values(
-    table: Table, *extra: Any
-) -> tuple[list[Any], Any, list[ColumnElement[Any]]]:
+def _recordset_values(table: Table, *extra: Any) -> tuple[list[Any], Any, list[ColumnElement[Any]]]:
     """The enqueue columns, the ``jsonb_to_recordset(:rows)`` they are read from (with the
     ``extra`` columns too), and each column's value with its server default applied."""
     columns = [table.c[name] for name in enqueue_columns(table)]
@@ -219,8 +217,9 @@ def enqueue_unique(table: Table) -> Select[Any]:
     ``INSERT ... ON CONFLICT (unique_key) WHERE <unique predicate> DO NOTHING``, arbitrated by
     the unique index: a duplicate is skipped, never an error, so the caller's transaction
     goes on. Rows of the same key within the batch are reduced to the first (by ``n``), and
-    inserted in key order (so that two batches over the same keys cannot deadlock). When the row holding a key is not yet committed, the INSERT waits for its
-    transaction: skipped if it commits, inserted if it rolls back.
+    inserted in key order (so that two batches over the same keys cannot deadlock). When
+    the row holding a key is not yet committed, the INSERT waits for its transaction:
+    skipped if it commits, inserted if it rolls back.
 
     Returns ``n, unique_key, inserted_id, holder_id`` per row in ``n`` order:
     ``inserted_id`` when this statement inserted the key's job, else ``holder_id``, the job
@@ -305,21 +304,19 @@ def database_now() -> Select[Any]:
 
 
 def schedule_create(schedule_table: Table) -> Insert:
-    """Start periodic task ``:schedule_name``'s row at ``:slot`` unless it has one: ``INSERT ... ON CONFLICT
-    (name) DO NOTHING RETURNING name``. A row comes back only to the one transaction that
-    created it (a concurrent creator waits for it, then skips)."""
+    """Start periodic task ``:schedule_name``'s row at ``:slot`` unless it has one:
+    ``INSERT ... ON CONFLICT (name) DO NOTHING RETURNING name``. A row comes back only to
+    the one transaction that created it (a concurrent creator waits for it, then skips)."""
     stmt = insert(schedule_table).values(
         name=bindparam("schedule_name", type_=Text),
         last_slot=bindparam("slot", type_=schedule_table.c.last_slot.type),
     )
-    return stmt.on_conflict_do_nothing(index_elements=["name"]).returning(
-        schedule_table.c.name
-    )
+    return stmt.on_conflict_do_nothing(index_elements=["name"]).returning(schedule_table.c.name)
 
 
 def schedule_advance(schedule_table: Table) -> Update:
-    """Move periodic task ``:schedule_name`` to ``:slot`` if its last slot is earlier; return its name
-    when it moved.
+    """Move periodic task ``:schedule_name`` to ``:slot`` if its last slot is earlier;
+    return its name when it moved.
 
     The slot's one winner: concurrent schedulers updating the same row queue on its row
     lock, and each re-checks ``last_slot < :slot`` on the version the previous one

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from periodic_tasks import Run
 from sqlalchemy.orm import Session
 from worker_harness import Workers, wait_until
 
-import sqla_jobs
 from sqla_jobs import ConfigurationError, Registry, Schedule, ScheduleError
 from sqla_jobs.periodic import enqueue_due, slot_key
 
@@ -82,13 +80,14 @@ def test_a_periodic_task_needs_a_schedule_table(queue_engine: sa.Engine) -> None
 
     with pytest.raises(ConfigurationError, match="schedule_model"):
         Registry(EmailJob).add(noop, schedule=Schedule(every=60))
-    with pytest.raises(ConfigurationError, match="sqla_jobs.Schedule"):
+    with pytest.raises(ConfigurationError, match=r"sqla_jobs\.Schedule"):
         Registry(EmailJob, schedule_model=EmailJobSchedule).add(noop, schedule="* * * * *")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="ScheduleMixin"):
         Registry(EmailJob, schedule_model=EmailJob)  # type: ignore[arg-type]
     registry = Registry(EmailJob, schedule_model=EmailJobSchedule)
     task = registry.add(noop, schedule=Schedule(every=60))
-    assert registry.periodic_tasks == [task] and task.schedule == Schedule(every=60)
+    assert registry.periodic_tasks == [task]
+    assert task.schedule == Schedule(every=60)
     from sqla_jobs.models import JobSchedule
 
     assert Registry().schedule_model is JobSchedule
@@ -113,19 +112,23 @@ def test_each_slot_is_enqueued_once_and_a_new_schedule_starts_with_its_next_slot
         assert _due(session, every, start) is None  # new: the 10:00 slot is only recorded
         assert _due(session, every, start + timedelta(seconds=20)) is None
         won = _due(session, every, start + timedelta(seconds=40))  # 10:01
-        assert won is not None and won.inserted
+        assert won is not None
+        assert won.inserted
         assert _due(session, every, start + timedelta(seconds=50)) is None  # 10:01 again
         job = session.get(EmailJob, won.id)
         assert job is not None
         assert (job.task, job.args, job.run_at) == ("tick", {"a": 1}, start + timedelta(seconds=30))
-        assert job.unique_key == slot_key("tick", job.run_at) == "periodic:tick@2030-01-01T10:01:00Z"
+        assert (
+            job.unique_key == slot_key("tick", job.run_at) == "periodic:tick@2030-01-01T10:01:00Z"
+        )
         # The job finishing, and leaving the table, does not free its slot.
         session.delete(job)
         session.commit()
         assert _due(session, every, start + timedelta(seconds=55)) is None
         # After downtime, only the latest missed slot runs.
         late = _due(session, every, start + timedelta(hours=5, seconds=1))
-        assert late is not None and late.inserted
+        assert late is not None
+        assert late.inserted
         assert _due(session, every, start + timedelta(hours=5, seconds=2)) is None
         runs = session.execute(sa.select(EmailJob.run_at).order_by(EmailJob.id)).scalars()
         assert list(runs) == [datetime(2030, 1, 1, 15, 0, tzinfo=UTC)]
@@ -153,7 +156,12 @@ def test_a_rolled_back_win_leaves_the_slot_to_the_next_try(queue_engine: sa.Engi
         _due(session, every, start)
         session.begin()
         assert enqueue_due(
-            session, EmailJob, EmailJobSchedule, task="tick", schedule=every, now=start + timedelta(minutes=1)
+            session,
+            EmailJob,
+            EmailJobSchedule,
+            task="tick",
+            schedule=every,
+            now=start + timedelta(minutes=1),
         )
         session.rollback()
         assert _due(session, every, start + timedelta(minutes=1)) is not None
@@ -163,12 +171,12 @@ def test_a_rolled_back_win_leaves_the_slot_to_the_next_try(queue_engine: sa.Engi
 
 
 @pytest.fixture
-def periodic_url(fresh_database: FreshDatabase) -> Iterator[str]:
+def periodic_url(fresh_database: FreshDatabase) -> str:
     url = fresh_database("sqla_jobs_periodic")
     engine = sa.create_engine(url, poolclass=sa.NullPool)
     PeriodicBase.metadata.create_all(engine)
     engine.dispose()
-    yield url
+    return url
 
 
 @pytest.mark.slow
@@ -212,7 +220,12 @@ def test_three_workers_run_a_per_second_schedule_once_per_slot(
             assert not set(left) & set(seen)
             last = session.execute(sa.select(PeriodicSchedule.last_slot)).scalar_one()
             assert last == max([*seen, *left])
-        winners = {line for p in started for line in p.log_text().splitlines() if "slot_enqueued" in line or "enqueued as job" in line}
+        winners = {
+            line
+            for p in started
+            for line in p.log_text().splitlines()
+            if "slot_enqueued" in line or "enqueued as job" in line
+        }
         assert winners  # the slots were won by the workers' schedulers
     finally:
         pool.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -50,6 +51,21 @@ class _NoSql:
         self.sent.append(statement)
 
 
+def _wait_for_a_lock_wait(engine: sa.Engine, timeout: float = 30.0) -> None:
+    """Wait until some backend waits for a lock (the enqueuer, on the holder's transaction)."""
+    deadline = time.monotonic() + timeout
+    with engine.connect() as connection:
+        while True:
+            waiting = connection.execute(
+                sa.text("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            ).scalar_one()
+            connection.rollback()
+            if waiting:
+                return
+            assert time.monotonic() < deadline, "no enqueuer waited on the holder"
+            time.sleep(0.02)
+
+
 @pytest.fixture
 def session(queue_engine: sa.Engine) -> Iterator[Session]:
     with Session(queue_engine) as session:
@@ -64,8 +80,10 @@ def test_a_duplicate_is_skipped_and_the_transaction_goes_on(
         again = sqla_jobs.enqueue_unique(session, EmailJob(task="digest", args={"user": 7}))
         # The business transaction is intact: more writes, and a commit.
         session.add(Order(id=1, customer="ada"))
-    assert first.inserted and not again.inserted
-    assert again.id == first.id and again.unique_key == first.unique_key
+    assert first.inserted
+    assert not again.inserted
+    assert again.id == first.id
+    assert again.unique_key == first.unique_key
     with session.begin():
         later = sqla_jobs.enqueue_unique(session, EmailJob(task="digest", args={"user": 7}))
     assert later == Enqueued(first.id, False, first.unique_key)
@@ -77,7 +95,8 @@ def test_a_duplicate_is_skipped_and_the_transaction_goes_on(
 def test_the_derived_key_is_the_task_and_its_canonical_args(session: Session) -> None:
     key = sqla_jobs.unique_key_of("digest", {"a": 1, "b": [1, 2]})
     assert key == sqla_jobs.unique_key_of("digest", {"b": [1, 2], "a": 1})
-    assert key.startswith("sha256:") and len(key) == 7 + 64
+    assert key.startswith("sha256:")
+    assert len(key) == 7 + 64
     assert key != sqla_jobs.unique_key_of("digest", {"a": 1.0, "b": [1, 2]})
     assert key != sqla_jobs.unique_key_of("other", {"a": 1, "b": [1, 2]})
     assert sqla_jobs.unique_key_of("t") == sqla_jobs.unique_key_of("t", {})
@@ -87,7 +106,8 @@ def test_the_derived_key_is_the_task_and_its_canonical_args(session: Session) ->
         )
         assert result.unique_key == key
         other = sqla_jobs.enqueue_unique(session, EmailJob(task="digest", args={"a": 2}))
-        assert other.inserted and other.id != result.id
+        assert other.inserted
+        assert other.id != result.id
 
 
 def test_an_explicit_key_spans_tasks_and_args(session: Session) -> None:
@@ -97,7 +117,9 @@ def test_an_explicit_key_spans_tasks_and_args(session: Session) -> None:
         job = session.get(EmailJob, one.id)
         assert job is not None
         assert (job.task, job.unique_key, job.unique_statuses) == ("a", "k", ["pending", "running"])
-    assert one.inserted and not two.inserted and two.id == one.id
+    assert one.inserted
+    assert not two.inserted
+    assert two.id == one.id
 
 
 def test_a_period_bucket_comes_from_run_at(session: Session) -> None:
@@ -112,7 +134,9 @@ def test_a_period_bucket_comes_from_run_at(session: Session) -> None:
         same_hour = at(hour + timedelta(minutes=59, seconds=59))
         next_hour = at(hour + timedelta(hours=1))
         now = sqla_jobs.enqueue_unique(session, EmailJob(task="report"), period=3600)
-    assert first.inserted and not same_hour.inserted and same_hour.id == first.id
+    assert first.inserted
+    assert not same_hour.inserted
+    assert same_hour.id == first.id
     assert next_hour.inserted
     bucket = int(hour.timestamp()) // 3600
     assert first.unique_key == sqla_jobs.unique_key_of("report") + f"@{bucket}"
@@ -139,7 +163,8 @@ def test_a_finished_job_frees_its_key_unless_its_statuses_keep_it(
         refused = sqla_jobs.enqueue_unique(
             session, EmailJob(task="b"), statuses=["pending", "running", "succeeded"]
         )
-    assert again.inserted and again.id != plain.id
+    assert again.inserted
+    assert again.id != plain.id
     assert refused == Enqueued(kept.id, False, refused.unique_key)
     # A job that left its statuses keeps its key as data; the index just no longer holds it.
     assert [key for _, key, _ in _keys(queue_engine)].count(again.unique_key) == 2
@@ -172,11 +197,13 @@ def test_enqueue_unique_many_reports_each_job_in_order(
         (True, False),
     ]
     assert results[2].id == results[1].id
-    assert results[4].id == results[3].id and results[4].unique_key == "explicit"
+    assert results[4].id == results[3].id
+    assert results[4].unique_key == "explicit"
     assert len(_keys(queue_engine)) == 4
     with Session(queue_engine) as check:
         last = check.get(EmailJob, results[5].id)
-        assert last is not None and (last.priority, last.queue) == (5, "q")
+        assert last is not None
+        assert (last.priority, last.queue) == (5, "q")
 
 
 def test_within_a_batch_the_first_job_of_a_key_is_the_one_kept(session: Session) -> None:
@@ -187,7 +214,8 @@ def test_within_a_batch_the_first_job_of_a_key_is_the_one_kept(session: Session)
             [{"task": "first", "unique_key": "k"}, {"task": "second", "unique_key": "k"}],
         )
         job = session.get(EmailJob, results[0].id)
-        assert job is not None and job.task == "first"
+        assert job is not None
+        assert job.task == "first"
     assert [r.inserted for r in results] == [True, False]
 
 
@@ -204,14 +232,13 @@ def test_a_rolled_back_holder_frees_the_key_for_the_waiting_enqueuer(
         held = sqla_jobs.enqueue_unique(holder, EmailJob(task="x"))
         got: list[Enqueued] = []
 
-        def enqueue() -> None:
+        def enqueue(got: list[Enqueued] = got) -> None:
             with Session(queue_engine) as session, session.begin():
                 got.append(sqla_jobs.enqueue_unique(session, EmailJob(task="x")))
 
         waiter = threading.Thread(target=enqueue)
         waiter.start()
-        waiter.join(0.3)
-        assert waiter.is_alive()  # waiting on the holder's transaction
+        _wait_for_a_lock_wait(queue_engine)  # on the holder's transaction
         if outcome == "rollback":
             holder.rollback()
         else:
@@ -247,12 +274,13 @@ def test_a_holder_that_finishes_during_the_wait_lets_the_job_in(
 
     waiter = threading.Thread(target=enqueue)
     waiter.start()
-    waiter.join(0.3)
+    _wait_for_a_lock_wait(queue_engine)  # on the finisher's transaction
     transaction.commit()
     finisher.close()
     waiter.join(30)
     (result,) = got
-    assert result.inserted and result.id != first.id
+    assert result.inserted
+    assert result.id != first.id
 
 
 def test_session_add_of_a_unique_key_is_refused_at_assignment(
@@ -262,7 +290,7 @@ def test_session_add_of_a_unique_key_is_refused_at_assignment(
         EmailJob(task="t", unique_key="k")
     assert info.value.field == "unique_key"
     job = EmailJob(task="t")
-    with pytest.raises(UniqueJobError, match="session.add"):
+    with pytest.raises(UniqueJobError, match=r"session\.add"):
         job.unique_statuses = ["pending", "running"]
     with pytest.raises(UniqueJobError, match="enqueue_unique_many"):
         sqla_jobs.enqueue_many(session, EmailJob, [{"task": "t", "unique_key": "k"}])
@@ -327,7 +355,8 @@ def test_the_unique_index_is_verified(queue_engine: sa.Engine) -> None:
             sa.text(f"CREATE UNIQUE INDEX {n.unique_index} ON email_jobs (unique_key)")
         )
         (problem,) = migrations.check_claim_indexes(connection, EmailJob)
-        assert "the predicate" in problem and n.unique_index in problem
+        assert "the predicate" in problem
+        assert n.unique_index in problem
         connection.rollback()
 
 
@@ -353,5 +382,7 @@ async def test_async_sessions_enqueue_unique_jobs(queue_async_engine: AsyncEngin
         many = await sqla_jobs.aio.enqueue_unique_many(
             session, EmailJob, [{"task": "a", "args": {"n": 1}}, {"task": "a"}], period=60
         )
-    assert first.inserted and not again.inserted and again.id == first.id
+    assert first.inserted
+    assert not again.inserted
+    assert again.id == first.id
     assert [r.inserted for r in many] == [True, True]  # with a period: other keys

@@ -404,7 +404,9 @@ def _create_unique_index(table_name: str, *, schema: str | None, concurrently: b
     }
     if concurrently:
         options["postgresql_concurrently"] = True
-    op.create_index(names(table_name).unique_index, table_name, list(UNIQUE_INDEX_COLUMNS), **options)
+    op.create_index(
+        names(table_name).unique_index, table_name, list(UNIQUE_INDEX_COLUMNS), **options
+    )
 
 
 def add_unique_keys(table_name: str, *, schema: str | None = None) -> None:
