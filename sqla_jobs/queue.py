@@ -52,7 +52,7 @@ from sqlalchemy import (
     Table,
     inspect,
 )
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
@@ -73,6 +73,7 @@ from sqla_jobs.schema import (
     JobMixin,
     JobResultMixin,
     JobStatus,
+    names,
 )
 
 __all__ = [
@@ -1058,8 +1059,18 @@ def _admin(
 
 def retry(session: Executor, model: type[JobMixin], job_id: int) -> None:
     """Make a dead or cancelled job pending again, runnable now, with at least one more
-    attempt. Raises :class:`JobNotFoundError` or :class:`JobStateError`."""
-    _admin(session, model, job_id, statements.retry, "dead or cancelled")
+    attempt. Raises :class:`JobNotFoundError` or :class:`JobStateError`, the latter also
+    when the job is a unique job whose key another pending or running job holds now (the
+    caller's transaction stays usable: the attempt runs under a savepoint)."""
+    try:
+        with session.begin_nested():
+            _admin(session, model, job_id, statements.retry, "dead or cancelled")
+    except IntegrityError as exc:
+        if names(_job_table(model).name).unique_index not in str(exc.orig):
+            raise
+        raise JobStateError(
+            f"job {job_id} cannot be retried: another job holds its unique key"
+        ) from exc
 
 
 def cancel(session: Executor, model: type[JobMixin], job_id: int) -> None:

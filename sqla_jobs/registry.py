@@ -47,8 +47,15 @@ from sqla_jobs import validation
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.periodic import Schedule
 from sqla_jobs.policy import RetryPolicy
-from sqla_jobs.queue import DEFAULT_LEASE, ClaimedJob
-from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin, ScheduleMixin
+from sqla_jobs.queue import DEFAULT_LEASE, ClaimedJob, Enqueued, enqueue_unique
+from sqla_jobs.schema import (
+    DEFAULT_QUEUE,
+    DEFAULT_UNIQUE_STATUSES,
+    JobMixin,
+    JobResultMixin,
+    JobStatus,
+    ScheduleMixin,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -232,6 +239,26 @@ class Task(Generic[_R]):
         row = self.job(args, **options)
         session.add(row)
         return row
+
+    def enqueue_unique(
+        self,
+        session: Session,
+        args: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        period: timedelta | float | None = None,
+        statuses: Iterable[JobStatus | str] = DEFAULT_UNIQUE_STATUSES,
+        **options: Any,
+    ) -> Enqueued:
+        """Enqueue a job for this task unless one with its unique key exists; see
+        :func:`sqla_jobs.enqueue_unique` (the key defaults to the task and ``args``).
+
+        Same options as :meth:`job`. Never aborts the caller's transaction on a duplicate;
+        for an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, use
+        ``await async_session.run_sync(task.enqueue_unique, args)``.
+        """
+        row = self.job(args, **options)
+        return enqueue_unique(session, row, key=key, period=period, statuses=statuses)
 
 
 class Registry:

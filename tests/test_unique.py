@@ -386,3 +386,39 @@ async def test_async_sessions_enqueue_unique_jobs(queue_async_engine: AsyncEngin
     assert not again.inserted
     assert again.id == first.id
     assert [r.inserted for r in many] == [True, True]  # with a period: other keys
+
+
+def test_a_retry_that_would_duplicate_a_held_key_is_refused(
+    queue_engine: sa.Engine, session: Session
+) -> None:
+    with session.begin():
+        first = sqla_jobs.enqueue_unique(session, EmailJob(task="once"))
+        sqla_jobs.cancel(session, EmailJob, first.id)
+        second = sqla_jobs.enqueue_unique(session, EmailJob(task="once"))
+    assert second.inserted
+    with session.begin():
+        with pytest.raises(sqla_jobs.JobStateError, match="holds its unique key"):
+            sqla_jobs.retry(session, EmailJob, first.id)
+        session.add(Order(id=2, customer="bo"))  # the transaction is still usable
+    with session.begin():
+        sqla_jobs.cancel(session, EmailJob, second.id)
+        sqla_jobs.retry(session, EmailJob, first.id)  # the key is free again
+    assert [status for _, _, status in _keys(queue_engine)] == ["pending", "cancelled"]
+
+
+def test_a_task_enqueues_unique_jobs_with_its_options(session: Session) -> None:
+    registry = sqla_jobs.Registry(EmailJob)
+
+    @registry.task(queue="digests", priority=3)
+    def digest(ctx: sqla_jobs.JobContext) -> None:
+        pass
+
+    with session.begin():
+        first = digest.enqueue_unique(session, {"user": 7}, period=3600)
+        again = digest.enqueue_unique(session, {"user": 7}, period=3600)
+        job = session.get(EmailJob, first.id)
+        assert job is not None
+        assert (job.queue, job.priority, job.task) == ("digests", 3, "digest")
+    assert first.inserted
+    assert again == Enqueued(first.id, False, first.unique_key)
+    assert first.unique_key.startswith(sqla_jobs.unique_key_of("digest", {"user": 7}) + "@")
