@@ -721,3 +721,51 @@ def test_create_job_table_builds_version_3_on_request_and_version_1_by_default(
     with pytest.raises(ValueError, match="schema version"):
         migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=4))
     assert migrations.SCHEMA_VERSION == 3
+
+
+# -- schema version 3 (unique jobs) ----------------------------------------------------------
+
+
+def relfilenodes(engine: sa.Engine) -> dict[str, int]:
+    """Each job table's storage file: a table rewrite would give it a new one."""
+    with engine.connect() as connection:
+        rows = connection.execute(
+            sa.text("SELECT relname, relfilenode FROM pg_class WHERE relname = ANY (:tables)"),
+            {"tables": list(JOB_TABLES)},
+        )
+        return {str(name): int(node) for name, node in rows.tuples()}
+
+
+def test_the_0003_revisions_upgrade_version_2_tables_in_place_without_a_rewrite(
+    db_engine: sa.Engine,
+) -> None:
+    config = example_config(url_of(db_engine))
+    command.upgrade(config, "0002_claim_indexes")
+    command.upgrade(config, "sqla_jobs_0002")
+    version_2 = catalog(db_engine)
+    add_jobs_in_every_state(db_engine)
+    before, files = rows_by_status(db_engine), relfilenodes(db_engine)
+    with db_engine.connect() as connection:
+        problems = migrations.check_job_tables(connection, *JOB_MODELS)
+    assert len(problems) == len(JOB_MODELS)
+    assert "add_unique_keys('email_jobs')" in "".join(problems)
+
+    command.upgrade(config, "heads")
+
+    assert relfilenodes(db_engine) == files  # the columns were added without a rewrite
+    assert rows_by_status(db_engine) == before
+    assert schema_differences(db_engine, all_metadata()) == []
+    command.check(config)  # `alembic check`: autogenerate finds nothing to do
+    with db_engine.connect() as connection:
+        assert migrations.check_job_tables(connection, *JOB_MODELS) == []
+    with Session(db_engine) as session, session.begin():
+        first = sqla_jobs.enqueue_unique(session, models.EmailJob(task="t"), key="k")
+        again = sqla_jobs.enqueue_unique(session, models.EmailJob(task="t"), key="k")
+    assert first.inserted
+    assert again.id == first.id
+
+    # And back to version 2, with the old jobs still there.
+    command.downgrade(config, "0002_claim_indexes")
+    command.downgrade(config, "sqla_jobs_0002")
+    assert catalog(db_engine) == version_2
+    assert sum(count for _, count in rows_by_status(db_engine)["sqla_jobs"]) == 1000
