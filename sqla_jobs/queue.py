@@ -383,8 +383,9 @@ def _job_row(
         elif key in statements.UNIQUE_COLUMNS:
             raise UniqueJobError(
                 key,
-                "enqueue_many() would abort your transaction on a duplicate key; use "
-                "sqla_jobs.enqueue_unique_many(session, model, jobs), which skips it",
+                "is set by sqla_jobs.enqueue_unique_many(session, model, jobs, statuses=...) "
+                "(a mapping's own 'unique_key' too), which skips a duplicate; enqueue_many() "
+                "would abort your transaction on one",
             )
         elif key in statements.MANAGED_COLUMNS:
             raise InvalidJobError(key, "is set by the queue, not by the enqueuer")

@@ -733,7 +733,7 @@ def relfilenodes(engine: sa.Engine) -> dict[str, int]:
             sa.text("SELECT relname, relfilenode FROM pg_class WHERE relname = ANY (:tables)"),
             {"tables": list(JOB_TABLES)},
         )
-        return {str(name): int(node) for name, node in rows.tuples()}
+        return {str(row[0]): int(row[1]) for row in rows}
 
 
 def test_the_0003_revisions_upgrade_version_2_tables_in_place_without_a_rewrite(
