@@ -13,7 +13,9 @@ from sqla_jobs.errors import (
     JobNotFoundError,
     JobStateError,
     LeaseLostError,
+    ScheduleError,
     SqlaJobsError,
+    UniqueJobError,
 )
 from sqla_jobs.leasing import (
     Lease,
@@ -25,10 +27,12 @@ from sqla_jobs.leasing import (
     renew_lease,
     renew_leases,
 )
+from sqla_jobs.periodic import Schedule
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import (
     ClaimedJob,
     DeadJob,
+    Enqueued,
     FailOutcome,
     QueueStat,
     cancel,
@@ -38,6 +42,8 @@ from sqla_jobs.queue import (
     dead_jobs,
     delete,
     enqueue_many,
+    enqueue_unique,
+    enqueue_unique_many,
     fail,
     heartbeat,
     lock,
@@ -45,10 +51,11 @@ from sqla_jobs.queue import (
     queue_stats,
     release,
     retry,
+    unique_key_of,
     vacuum,
 )
 from sqla_jobs.registry import JobContext, Registry, Task
-from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, names
+from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, ScheduleMixin, names
 from sqla_jobs.worker import Worker, WorkerHealth
 
 __all__ = [
@@ -56,6 +63,7 @@ __all__ = [
     "ConfigurationError",
     "DeadJob",
     "EmbeddedPostgresError",
+    "Enqueued",
     "FailOutcome",
     "InvalidJobError",
     "InvalidLeaseError",
@@ -72,8 +80,12 @@ __all__ = [
     "QueueStat",
     "Registry",
     "RetryPolicy",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleMixin",
     "SqlaJobsError",
     "Task",
+    "UniqueJobError",
     "Worker",
     "WorkerHealth",
     "acquire_leases",
@@ -84,6 +96,8 @@ __all__ = [
     "dead_jobs",
     "delete",
     "enqueue_many",
+    "enqueue_unique",
+    "enqueue_unique_many",
     "fail",
     "heartbeat",
     "lease_names",
@@ -97,6 +111,7 @@ __all__ = [
     "renew_lease",
     "renew_leases",
     "retry",
+    "unique_key_of",
     "vacuum",
 ]
 

@@ -45,6 +45,8 @@ __all__ = [
     "complete_many",
     "dead_jobs",
     "enqueue_many",
+    "enqueue_unique",
+    "enqueue_unique_many",
     "fail",
     "heartbeat",
     "lock",
@@ -78,6 +80,8 @@ complete = _awaitable(queue.complete)
 complete_many = _awaitable(queue.complete_many)
 dead_jobs = _awaitable(queue.dead_jobs)
 enqueue_many = _awaitable(queue.enqueue_many)
+enqueue_unique = _awaitable(queue.enqueue_unique)
+enqueue_unique_many = _awaitable(queue.enqueue_unique_many)
 fail = _awaitable(queue.fail)
 heartbeat = _awaitable(queue.heartbeat)
 release = _awaitable(queue.release)

@@ -6,12 +6,15 @@ The tree::
     ├── InvalidJobError            bad input, raised before any SQL runs
     │   ├── JobArgumentsError      arguments that PostgreSQL's jsonb would reject or mangle
     │   ├── InvalidLeaseError      a lease function was given an argument it cannot use
-    │   └── InvalidThresholdError  a health threshold or metrics setting that cannot be used
+    │   ├── InvalidThresholdError  a health threshold or metrics setting that cannot be used
+    │   └── UniqueJobError         a unique key or option that cannot be used, or a unique job
+    │                              added without sqla_jobs.enqueue_unique
     ├── LeaseLostError             a fenced transition matched no row: the attempt (or the
     │                              lease of a row) is no longer ours
     ├── JobNotFoundError           an administrative operation named a job that does not exist
     ├── JobStateError              an administrative operation does not apply to the job's status
     ├── ConfigurationError         the library was set up wrongly (a model without the mixin, ...)
+    │   └── ScheduleError          a periodic task's schedule is malformed (cron, timezone, ...)
     └── EmbeddedPostgresError      the throwaway PostgreSQL server could not be set up
 
 Errors raised by the database inside the caller's own transaction (a unique violation in
@@ -31,7 +34,9 @@ __all__ = [
     "JobNotFoundError",
     "JobStateError",
     "LeaseLostError",
+    "ScheduleError",
     "SqlaJobsError",
+    "UniqueJobError",
 ]
 
 
@@ -61,6 +66,19 @@ class JobArgumentsError(InvalidJobError):
 
     jsonb rejects NUL characters, NaN, Infinity and lone surrogates, and JSON object keys
     must be strings; the size limit keeps one job from bloating the queue table.
+    """
+
+
+class UniqueJobError(InvalidJobError):
+    """A unique job was given a key or option that cannot be used, or was enqueued a way
+    that cannot keep it unique; fix the named field or use the named call.
+
+    Raised before any SQL runs: for a key that is empty or too long, a period that is not a
+    positive duration, a status set without ``pending`` and ``running``, and for a
+    ``unique_key`` assigned to a job (``Job(unique_key=...)``, a mapping given to
+    :func:`~sqla_jobs.enqueue_many`): a plain INSERT of a duplicate would abort the caller's
+    transaction, so unique jobs go through :func:`~sqla_jobs.enqueue_unique` or
+    :func:`~sqla_jobs.enqueue_unique_many`, which never do.
     """
 
 
@@ -108,6 +126,12 @@ class JobStateError(SqlaJobsError):
 
 class ConfigurationError(SqlaJobsError, TypeError):
     """sqla_jobs was used with a model or option it does not support."""
+
+
+class ScheduleError(ConfigurationError):
+    """A periodic task's schedule cannot be used: a malformed cron expression, an unknown
+    timezone, an interval that is not a positive whole number of seconds, or both a cron
+    expression and an interval (or neither). Raised when the task is declared."""
 
 
 class EmbeddedPostgresError(SqlaJobsError, RuntimeError):

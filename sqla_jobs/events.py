@@ -52,6 +52,12 @@ worker_unhealthy       ERROR    something else is stuck (``problems``): a claime
                                 a handler thread, or an outcome waits to be written
 health_file_error      WARNING  the health file could not be written
 metrics_serving        INFO     the worker serves Prometheus metrics (``host``, ``port``)
+schedule_started       INFO     a periodic task's schedule row was created at the current slot
+                                (``task``, ``slot``), which does not run; the next one will
+slot_enqueued          INFO     this worker won a periodic task's slot and enqueued its job
+                                (``task``, ``slot``, ``job_id``)
+slot_skipped           WARNING  a won slot was found later than its schedule's ``max_delay``:
+                                recorded, not run (``task``, ``slot``)
 thread_crashed         CRITICAL a runtime thread died of a bug; it is restarted
 =====================  =======  ==================================================================
 """

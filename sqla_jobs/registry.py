@@ -45,9 +45,17 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, ove
 
 from sqla_jobs import validation
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
+from sqla_jobs.periodic import Schedule
 from sqla_jobs.policy import RetryPolicy
-from sqla_jobs.queue import DEFAULT_LEASE, ClaimedJob
-from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin
+from sqla_jobs.queue import DEFAULT_LEASE, ClaimedJob, Enqueued, enqueue_unique
+from sqla_jobs.schema import (
+    DEFAULT_QUEUE,
+    DEFAULT_UNIQUE_STATUSES,
+    JobMixin,
+    JobResultMixin,
+    JobStatus,
+    ScheduleMixin,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -162,6 +170,7 @@ class Task(Generic[_R]):
         lease: timedelta,
         retry: RetryPolicy,
         priority: int,
+        schedule: Schedule | None = None,
     ) -> None:
         self.registry = registry
         self.function = function
@@ -172,6 +181,8 @@ class Task(Generic[_R]):
         self.lease = lease
         self.retry = retry
         self.priority = priority
+        #: When the task runs by itself (a periodic task), or None.
+        self.schedule = schedule
 
     def __call__(self, ctx: JobContext) -> _R:
         return self.function(ctx)
@@ -229,12 +240,35 @@ class Task(Generic[_R]):
         session.add(row)
         return row
 
+    def enqueue_unique(
+        self,
+        session: Session,
+        args: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        period: timedelta | float | None = None,
+        statuses: Iterable[JobStatus | str] = DEFAULT_UNIQUE_STATUSES,
+        **options: Any,
+    ) -> Enqueued:
+        """Enqueue a job for this task unless one with its unique key exists; see
+        :func:`sqla_jobs.enqueue_unique` (the key defaults to the task and ``args``).
+
+        Same options as :meth:`job`. Never aborts the caller's transaction on a duplicate;
+        for an :class:`~sqlalchemy.ext.asyncio.AsyncSession`, use
+        ``await async_session.run_sync(task.enqueue_unique, args)``.
+        """
+        row = self.job(args, **options)
+        return enqueue_unique(session, row, key=key, period=period, statuses=statuses)
+
 
 class Registry:
     """Task names bound to handlers, for one job model.
 
     ``model`` defaults to :class:`sqla_jobs.models.Job` (imported on first use);
-    ``result_model`` stores handler return values (``None`` return values are not stored).
+    ``result_model`` stores handler return values (``None`` return values are not stored);
+    ``schedule_model`` (a :class:`~sqla_jobs.schema.ScheduleMixin` model) records the slots
+    of periodic tasks, and is needed only for them (it defaults to
+    :class:`sqla_jobs.models.JobSchedule` with the default ``model``).
     The defaults apply to tasks that do not set the option.
     """
 
@@ -248,10 +282,17 @@ class Registry:
         default_lease: timedelta | float = DEFAULT_LEASE,
         default_retry: RetryPolicy | None = None,
         default_mode: Mode = "lease",
+        schedule_model: type[ScheduleMixin] | None = None,
     ) -> None:
         if model is not None and not _is_job_model(model):
             raise ConfigurationError(f"{model!r} is not a model class that mixes in JobMixin")
+        if schedule_model is not None and not _is_schedule_model(schedule_model):
+            raise ConfigurationError(
+                f"{schedule_model!r} is not a model class that mixes in ScheduleMixin"
+            )
         self._model = model
+        self._default_model = model is None
+        self._schedule_model = schedule_model
         self.result_model = result_model
         self.default_queue = validation.check_name("default_queue", default_queue)
         self.default_max_attempts = validation.check_max_attempts(
@@ -271,6 +312,25 @@ class Registry:
             self._model = Job
         return self._model
 
+    @property
+    def schedule_model(self) -> type[ScheduleMixin]:
+        """The model whose table records the slots of the periodic tasks."""
+        if self._schedule_model is None:
+            if not self._default_model:
+                raise ConfigurationError(
+                    "periodic tasks need a table for their slots: pass "
+                    "schedule_model=<a ScheduleMixin model> to the Registry"
+                )
+            from sqla_jobs.models import JobSchedule
+
+            self._schedule_model = JobSchedule
+        return self._schedule_model
+
+    @property
+    def periodic_tasks(self) -> list[Task[Any]]:
+        """The tasks that have a schedule, in registration order."""
+        return [task for task in self._tasks.values() if task.schedule is not None]
+
     @overload
     def task(self, function: Callable[[JobContext], _R], /) -> Task[_R]: ...
 
@@ -287,6 +347,7 @@ class Registry:
         lease: timedelta | float | None = None,
         retry: RetryPolicy | None = None,
         priority: int = 0,
+        schedule: Schedule | None = None,
     ) -> Callable[[Callable[[JobContext], _R]], Task[_R]]: ...
 
     def task(
@@ -301,13 +362,16 @@ class Registry:
         lease: timedelta | float | None = None,
         retry: RetryPolicy | None = None,
         priority: int = 0,
+        schedule: Schedule | None = None,
     ) -> Task[Any] | Callable[[Callable[[JobContext], Any]], Task[Any]]:
         """Register a function or coroutine function as a task (a decorator).
 
         ``@registry.task`` or ``@registry.task(queue=..., max_attempts=..., mode="lock",
         lease=30, retry=RetryPolicy(...), name=...)``. The name defaults to the function's
         ``__name__``; a name registered twice raises
-        :class:`~sqla_jobs.errors.ConfigurationError`.
+        :class:`~sqla_jobs.errors.ConfigurationError`. ``schedule=Schedule(cron=...)``
+        (or ``every=...``) makes it a periodic task, which every worker of the registry
+        enqueues when a slot is due (:mod:`sqla_jobs.periodic`).
         """
 
         def register(fn: Callable[[JobContext], Any]) -> Task[Any]:
@@ -320,6 +384,7 @@ class Registry:
                 lease=lease,
                 retry=retry,
                 priority=priority,
+                schedule=schedule,
             )
 
         if function is not None:
@@ -337,10 +402,15 @@ class Registry:
         lease: timedelta | float | None = None,
         retry: RetryPolicy | None = None,
         priority: int = 0,
+        schedule: Schedule | None = None,
     ) -> Task[Any]:
         """Register ``function`` as a task without the decorator syntax; see :meth:`task`."""
         if not callable(function):
             raise ConfigurationError(f"a task must be a function, not {function!r}")
+        if schedule is not None:
+            if not isinstance(schedule, Schedule):
+                raise ConfigurationError(f"schedule must be a sqla_jobs.Schedule, not {schedule!r}")
+            self.schedule_model  # noqa: B018 (raises now, not in the worker, if there is none)
         task_name = validation.check_name("name", name or getattr(function, "__name__", ""))
         if task_name in self._tasks:
             raise ConfigurationError(f"task {task_name!r} is already registered")
@@ -356,6 +426,7 @@ class Registry:
             lease=self.default_lease if lease is None else _duration("lease", lease),
             retry=retry or self.default_retry,
             priority=validation.check_priority("priority", priority),
+            schedule=schedule,
         )
         self._tasks[task_name] = task
         return task
@@ -390,6 +461,10 @@ class Registry:
     def __repr__(self) -> str:
         model = self._model.__name__ if self._model is not None else "sqla_jobs.models.Job"
         return f"<Registry model={model} tasks={sorted(self._tasks)}>"
+
+
+def _is_schedule_model(model: object) -> bool:
+    return isinstance(model, type) and issubclass(model, ScheduleMixin)
 
 
 def _is_job_model(model: object) -> bool:

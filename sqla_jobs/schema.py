@@ -41,24 +41,27 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 
 from sqla_jobs import validation
-from sqla_jobs.errors import InvalidJobError
+from sqla_jobs.errors import InvalidJobError, UniqueJobError
 
 __all__ = [
     "DEFAULT_QUEUE",
+    "DEFAULT_UNIQUE_STATUSES",
     "FINISHED_STATUSES",
     "RUNNABLE_STATUSES",
     "JobMixin",
     "JobResultMixin",
     "JobStatus",
+    "ScheduleMixin",
     "TableNames",
     "dead_predicate",
     "names",
     "pending_predicate",
     "running_predicate",
+    "unique_predicate",
 ]
 
 DEFAULT_QUEUE = "default"
@@ -85,6 +88,13 @@ class JobStatus(str, enum.Enum):
 
 RUNNABLE_STATUSES = (JobStatus.PENDING, JobStatus.RUNNING)
 FINISHED_STATUSES = (JobStatus.SUCCEEDED, JobStatus.DEAD, JobStatus.CANCELLED)
+#: The statuses in which a unique job holds its key unless told otherwise: at most one job
+#: per key is pending or running. A set must include both (a key that a running job did not
+#: hold would let a duplicate run beside it).
+DEFAULT_UNIQUE_STATUSES = RUNNABLE_STATUSES
+#: The longest stored unique key: an explicit key of up to MAX_UNIQUE_KEY_LENGTH characters
+#: plus a period bucket suffix ("@" and up to 20 digits).
+UNIQUE_KEY_COLUMN_LENGTH = 255
 
 
 def _status_list(statuses: tuple[JobStatus, ...]) -> str:
@@ -105,6 +115,7 @@ class TableNames:
     pending_index: str
     running_index: str
     dead_index: str
+    unique_index: str
     claim_index: str
     status_check: str
     priority_check: str
@@ -133,6 +144,7 @@ def names(table: str) -> TableNames:
         pending_index=_identifier(table, "pending_idx"),
         running_index=_identifier(table, "running_idx"),
         dead_index=_identifier(table, "dead_idx"),
+        unique_index=_identifier(table, "unique_idx"),
         claim_index=_identifier(table, "claim_idx"),
         status_check=_identifier(table, "status_ck"),
         priority_check=_identifier(table, "priority_ck"),
@@ -162,6 +174,17 @@ def dead_predicate() -> str:
     """The predicate of the dead index, as SQL text: ``status = 'dead'`` (see
     :func:`pending_predicate`)."""
     return f"status = '{JobStatus.DEAD.value}'"
+
+
+def unique_predicate() -> str:
+    """The predicate of the unique index, as SQL text.
+
+    A job holds its key only while its status is one of *its own* unique statuses (stored
+    with the job, so each enqueue may choose its set without another index); a job without
+    a key is not in the index at all. ``INSERT ... ON CONFLICT`` repeats the predicate word
+    for word, so that PostgreSQL infers this index as the arbiter.
+    """
+    return "unique_key IS NOT NULL AND status = ANY (unique_statuses)"
 
 
 class JobMixin:
@@ -227,6 +250,15 @@ class JobMixin:
     finished_at: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True), server_default=FetchedValue()
     )
+    # Unique jobs (schema version 3): set only by sqla_jobs.enqueue_unique(_many), never by
+    # assignment (see _refuse_unique). NULL for every other job, which the unique index
+    # then leaves out: a job without a key costs that index nothing.
+    unique_key: Mapped[str | None] = mapped_column(
+        String(UNIQUE_KEY_COLUMN_LENGTH), server_default=FetchedValue()
+    )
+    unique_statuses: Mapped[list[str] | None] = mapped_column(
+        ARRAY(String(16)), server_default=FetchedValue()
+    )
 
     @declared_attr.directive
     @classmethod
@@ -263,6 +295,16 @@ class JobMixin:
                 "id",
                 postgresql_where=text(dead_predicate()),
             ),
+            # Unique jobs (schema version 3): at most one job per key among the jobs whose
+            # status is in their own unique statuses. A job that leaves them (completes, is
+            # moved to a history table) frees its key with no extra write: its new row
+            # version fails the predicate and gets no entry.
+            Index(
+                n.unique_index,
+                "unique_key",
+                unique=True,
+                postgresql_where=text(unique_predicate()),
+            ),
             CheckConstraint(f"status IN ({_status_list(tuple(JobStatus))})", name=n.status_check),
             CheckConstraint(
                 f"priority BETWEEN {validation.PRIORITY_MIN} AND {validation.PRIORITY_MAX}",
@@ -279,6 +321,19 @@ class JobMixin:
             # Remember what passed, so that the flush can tell cheaply that it is unchanged.
             self.__dict__[_CHECKED_ARGS] = (validation.args_snapshot(value), limit)
         return checked
+
+    @validates("unique_key", "unique_statuses")
+    def _refuse_unique(self, key: str, value: object) -> object:
+        # A plain INSERT of a duplicate key would abort the caller's whole transaction at
+        # flush, by surprise: refuse it here, at assignment, before anything is written.
+        if value is None:
+            return value
+        raise UniqueJobError(
+            key,
+            "is set by sqla_jobs.enqueue_unique(session, job, key=...) (or "
+            "enqueue_unique_many), which never aborts your transaction on a duplicate; "
+            "session.add() of a job with a unique key would",
+        )
 
     @validates("status")
     def _validate_status(self, key: str, value: object) -> str:
@@ -307,6 +362,24 @@ class JobMixin:
                 f"attempts={loaded.get('attempts', '?')}/{loaded.get('max_attempts', '?')}"
             )
         return f"<{type(self).__name__} {' '.join(parts)}>"
+
+
+class ScheduleMixin:
+    """One row per periodic task: the latest slot a job was enqueued for.
+
+    The worker's scheduler (:mod:`sqla_jobs.periodic`) moves ``last_slot`` forward with
+    ``UPDATE ... WHERE last_slot < :slot`` in the transaction that enqueues the slot's job,
+    so exactly one worker wins each slot, and no slot runs twice even after its job finished
+    and left the job table. Mix it into a model of yours next to your job model, and give it
+    to the :class:`~sqla_jobs.Registry` (``schedule_model=``)::
+
+        class EmailJobSchedule(ScheduleMixin, Base):
+            __tablename__ = "email_job_schedules"
+    """
+
+    name: Mapped[str] = mapped_column(String(validation.MAX_NAME_LENGTH), primary_key=True)
+    last_slot: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 
 class JobResultMixin:

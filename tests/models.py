@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import ForeignKey, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from sqla_jobs import JobMixin, JobResultMixin
+from sqla_jobs import JobMixin, JobResultMixin, ScheduleMixin
 
 
 class Base(DeclarativeBase):
@@ -28,6 +28,12 @@ class EmailJob(JobMixin, Base):
 
 class EmailJobResult(JobResultMixin, Base):
     __tablename__ = "email_job_results"
+
+
+class EmailJobSchedule(ScheduleMixin, Base):
+    """The slots of EmailJob's periodic tasks."""
+
+    __tablename__ = "email_job_schedules"
 
 
 class ReportJob(JobMixin, Base):

@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 import worker_tasks
 from conftest import FreshDatabase, async_url
-from models import EmailJob, EmailJobResult, Order, ReportJob, ReportJobResult
+from models import EmailJob, EmailJobResult, EmailJobSchedule, Order, ReportJob, ReportJobResult
 from sqlalchemy.dialects.postgresql import asyncpg as postgresql_asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -111,7 +111,11 @@ def test_every_operation_has_one_implementation() -> None:
 
 def _built_statements() -> Iterator[tuple[str, Any]]:
     """Every statement builder of sqla_jobs.statements, built for the test models."""
-    tables = {"table": EmailJob.__table__, "result_table": EmailJobResult.__table__}
+    tables = {
+        "table": EmailJob.__table__,
+        "result_table": EmailJobResult.__table__,
+        "schedule_table": EmailJobSchedule.__table__,
+    }
     for name, builder in vars(statements).items():
         if not inspect.isfunction(builder) or builder.__module__ != statements.__name__:
             continue

@@ -138,7 +138,7 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0003_dead_index", "sqla_jobs_0003_dead_index"]
+        assert sorted(versions.scalars()) == ["0003_schema_v3", "sqla_jobs_0003"]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS
@@ -191,7 +191,7 @@ def test_library_branch_alone(db_engine: sa.Engine) -> None:
     command.upgrade(example_config(url_of(db_engine)), "sqla_jobs@head")
 
     tables = {row[0] for row in catalog(db_engine)["tables"]}
-    assert tables == {"sqla_jobs", "sqla_jobs_results"}
+    assert tables == {"sqla_jobs", "sqla_jobs_results", "sqla_jobs_schedules"}
 
 
 def test_offline_sql_renders_the_trigger(db_engine: sa.Engine) -> None:
@@ -216,14 +216,18 @@ def test_offline_sql_renders_the_trigger(db_engine: sa.Engine) -> None:
 def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -> None:
     migrations.upgrade(db_engine.url)
 
-    assert {row[0] for row in catalog(db_engine)["tables"]} == {"sqla_jobs", "sqla_jobs_results"}
+    assert {row[0] for row in catalog(db_engine)["tables"]} == {
+        "sqla_jobs",
+        "sqla_jobs_results",
+        "sqla_jobs_schedules",
+    }
     assert schema_differences(db_engine, sqla_jobs.models.metadata) == []
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, sqla_jobs.models.Job) == []
         recorded = connection.execute(
             sa.text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")
         )
-        assert recorded.scalars().all() == ["sqla_jobs_0003_dead_index"]
+        assert recorded.scalars().all() == ["sqla_jobs_0003"]
 
     migrations.downgrade(url_of(db_engine), "base")
     assert catalog(db_engine)["tables"] == []
@@ -235,7 +239,7 @@ def test_versions_path_is_the_installed_package_directory() -> None:
     assert sorted(p.name for p in path.glob("*.py")) == [
         "0001_default_tables.py",
         "0002_claim_indexes.py",
-        "0003_dead_index.py",
+        "0003_schema_v3.py",
     ]
     assert (path.parent / "env.py").is_file()
     assert (path.parent / "script.py.mako").is_file()
@@ -580,9 +584,10 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
     before = rows_by_status(db_engine)
     with db_engine.connect() as connection:
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
-    # Each version-1 table: its three new indexes missing (two of version 2, the dead index
-    # of version 3), its old one left over, with the fix.
-    assert len(problems) == 4 * len(JOB_MODELS)
+    # Each version-1 table: its four new indexes missing (two claim indexes of version 2, the
+    # dead and unique indexes of version 3), its old one left over, with the fixes.
+    assert len(problems) == 5 * len(JOB_MODELS)
+    assert "add_unique_keys('email_jobs')" in "".join(problems)
     assert "upgrade_job_table_to_v2('email_jobs')" in "".join(problems)
 
     command.upgrade(config, "heads")
@@ -594,6 +599,7 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
             n.pending_index,
             n.running_index,
             n.dead_index,
+            n.unique_index,
         }
     assert schema_differences(db_engine, all_metadata()) == []
     command.check(config)  # `alembic check`: autogenerate finds nothing to do
@@ -677,15 +683,15 @@ def test_the_upgrade_helper_can_run_again_after_an_interrupted_run(
         )
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))  # idempotent
+    migrate(db_engine, lambda: migrations.upgrade_job_table_to_v3("email_jobs"))  # and to v3
     with db_engine.connect() as connection:
-        assert migrations.check_claim_indexes(connection, models.EmailJob) == [
-            f"index {n.dead_index} on email_jobs: missing from the database"  # version 3's
-        ]
+        assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+    migrate(db_engine, lambda: migrations.downgrade_job_table_to_v2("email_jobs"))
     migrate(db_engine, lambda: migrations.downgrade_job_table_to_v1("email_jobs"))
     assert set(index_definitions(db_engine, "email_jobs")) == {n.claim_index}
 
 
-def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
+def test_create_job_table_builds_version_3_on_request_and_version_1_by_default(
     db_engine: sa.Engine,
 ) -> None:
     migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=3))
@@ -695,6 +701,7 @@ def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
         email.pending_index,
         email.running_index,
         email.dead_index,
+        email.unique_index,
     }
     assert set(index_definitions(db_engine, "report_jobs")) == {report.claim_index}
     with db_engine.connect() as connection:
@@ -703,6 +710,11 @@ def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
             f"index {report.dead_index} on report_jobs: missing from the database",
             f"index {report.pending_index} on report_jobs: missing from the database",
             f"index {report.running_index} on report_jobs: missing from the database",
+            (
+                f"index {report.unique_index} on report_jobs: missing from the database (a "
+                "job table of schema version 2); upgrade it from a new revision with "
+                "sqla_jobs.migrations.add_unique_keys('report_jobs')"
+            ),
             (
                 f"index {report.claim_index} on report_jobs: the claim index of schema "
                 "version 1, which the model no longer has; upgrade the table from a new "
@@ -737,9 +749,58 @@ def test_the_dead_index_is_added_to_a_live_version_2_table_and_dropped(
     migrate(db_engine, lambda: migrations.add_dead_index("email_jobs"))
     migrate(db_engine, lambda: migrations.add_dead_index("email_jobs"))  # re-runnable
     with db_engine.connect() as connection:
-        assert migrations.check_job_tables(connection, models.EmailJob) == []
+        problems = migrations.check_job_tables(connection, models.EmailJob)
+        assert [p for p in problems if n.dead_index in p] == []
         with Session(bind=connection) as session:
             (dead,) = sqla_jobs.queue_stats(session, models.EmailJob)
         assert (dead.status, dead.count) == ("dead", 1)
     migrate(db_engine, lambda: migrations.drop_dead_index("email_jobs"))
     assert n.dead_index not in index_definitions(db_engine, "email_jobs")
+
+
+# -- schema version 3 (unique jobs) ----------------------------------------------------------
+
+
+def relfilenodes(engine: sa.Engine) -> dict[str, int]:
+    """Each job table's storage file: a table rewrite would give it a new one."""
+    with engine.connect() as connection:
+        rows = connection.execute(
+            sa.text("SELECT relname, relfilenode FROM pg_class WHERE relname = ANY (:tables)"),
+            {"tables": list(JOB_TABLES)},
+        )
+        return {str(row[0]): int(row[1]) for row in rows}
+
+
+def test_the_0003_revisions_upgrade_version_2_tables_in_place_without_a_rewrite(
+    db_engine: sa.Engine,
+) -> None:
+    config = example_config(url_of(db_engine))
+    command.upgrade(config, "0002_claim_indexes")
+    command.upgrade(config, "sqla_jobs_0002")
+    version_2 = catalog(db_engine)
+    add_jobs_in_every_state(db_engine)
+    before, files = rows_by_status(db_engine), relfilenodes(db_engine)
+    with db_engine.connect() as connection:
+        problems = migrations.check_job_tables(connection, *JOB_MODELS)
+    assert len(problems) == 2 * len(JOB_MODELS)  # the dead and unique indexes
+    assert "add_unique_keys('email_jobs')" in "".join(problems)
+
+    command.upgrade(config, "heads")
+
+    assert relfilenodes(db_engine) == files  # the columns were added without a rewrite
+    assert rows_by_status(db_engine) == before
+    assert schema_differences(db_engine, all_metadata()) == []
+    command.check(config)  # `alembic check`: autogenerate finds nothing to do
+    with db_engine.connect() as connection:
+        assert migrations.check_job_tables(connection, *JOB_MODELS) == []
+    with Session(db_engine) as session, session.begin():
+        first = sqla_jobs.enqueue_unique(session, models.EmailJob(task="t"), key="k")
+        again = sqla_jobs.enqueue_unique(session, models.EmailJob(task="t"), key="k")
+    assert first.inserted
+    assert again.id == first.id
+
+    # And back to version 2, with the old jobs still there.
+    command.downgrade(config, "0002_claim_indexes")
+    command.downgrade(config, "sqla_jobs_0002")
+    assert catalog(db_engine) == version_2
+    assert sum(count for _, count in rows_by_status(db_engine)["sqla_jobs"]) == 1000

@@ -99,6 +99,13 @@ def _problems(connection: sa.Connection, table: sa.Table, index: sa.Index) -> li
     index_name = ddl.qualified_name(str(index.name), table.schema)
     actual = _shape(connection, index_name, ddl.qualified_name(table.name, table.schema))
     if actual is None:
+        if _is_job_table(table) and index.name == names(table.name).unique_index:
+            problem = (
+                f"{label}: missing from the database (a job table of schema version 2); "
+                "upgrade it from a new revision with "
+                f"sqla_jobs.migrations.add_unique_keys{_arguments(table)}"
+            )
+            return [problem]
         return [f"{label}: missing from the database"]
     if not actual.valid:
         return [f"{label}: invalid (a failed CREATE INDEX CONCURRENTLY?); drop and rebuild it"]

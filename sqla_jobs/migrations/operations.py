@@ -10,22 +10,28 @@ Schema versions:
 
 1. The job columns, constraints, NOTIFY trigger, storage parameters, and one partial claim
    index ``(queue, priority, run_at, id) WHERE status IN ('pending', 'running')``.
-2. (What :class:`~sqla_jobs.schema.JobMixin` declares today.) The same table with two
+2. The same table with two
    claim indexes instead of one: the pending index ``(queue, priority, run_at, id) WHERE
    status = 'pending'`` and the running index ``(queue, lease_expires_at) WHERE status =
    'running'``, so that a claim's cost grows neither with the number of queues it serves nor
    with the jobs in flight. :func:`create_job_table` builds it with ``version=2``; a
    version-1 table is upgraded in place, on a live table, by
    :func:`upgrade_job_table_to_v2`.
+3. (What :class:`~sqla_jobs.schema.JobMixin` declares today.) Version 2 plus unique jobs:
+   the nullable columns ``unique_key`` and ``unique_statuses`` and the partial unique index
+   ``(unique_key) WHERE unique_key IS NOT NULL AND status = ANY (unique_statuses)``.
+   :func:`create_job_table` builds it with ``version=3``; a version-2 table is upgraded in
+   place, without a rewrite, by :func:`add_unique_keys`.
 
-3. (Being assembled from several features.) Version 2 plus the dead index ``(queue,
-   finished_at, id) WHERE status = 'dead'``, from which health checks and ``sqla-jobs
-   status`` count and list dead jobs without reading the finished history.
-   :func:`create_job_table` builds it with ``version=3``; a live version-2 table gets it
-   with :func:`add_dead_index` (``CREATE INDEX CONCURRENTLY``), and loses it with
-   :func:`drop_dead_index`.
+   Version 3 also has the dead index ``(queue, finished_at, id) WHERE status = 'dead'``,
+   from which health checks and ``sqla-jobs status`` count and list dead jobs without
+   reading the finished history (alone: :func:`add_dead_index` / :func:`drop_dead_index`).
+   :func:`upgrade_job_table_to_v3` upgrades a live version-2 table with every version-3
+   feature, each without a table rewrite and with indexes built concurrently;
+   :func:`downgrade_job_table_to_v2` undoes it.
 
-The result table has not changed since version 1.
+The result table has not changed since version 1. The schedule table of periodic jobs
+(:class:`~sqla_jobs.schema.ScheduleMixin`) is made by :func:`create_schedule_table`.
 """
 
 from __future__ import annotations
@@ -52,15 +58,20 @@ __all__ = [
     "RUNNING_INDEX_COLUMNS",
     "RUNNING_INDEX_PREDICATE",
     "SCHEMA_VERSION",
+    "UNIQUE_INDEX_COLUMNS",
+    "UNIQUE_INDEX_PREDICATE",
     "add_dead_index",
     "add_lease_columns",
+    "add_unique_keys",
     "create_claim_index",
     "create_claim_indexes",
     "create_job_table",
     "create_lease_index",
     "create_notify_trigger",
     "create_result_table",
+    "create_schedule_table",
     "downgrade_job_table_to_v1",
+    "downgrade_job_table_to_v2",
     "drop_claim_index",
     "drop_claim_indexes",
     "drop_dead_index",
@@ -69,7 +80,10 @@ __all__ = [
     "drop_lease_index",
     "drop_notify_trigger",
     "drop_result_table",
+    "drop_schedule_table",
+    "drop_unique_keys",
     "upgrade_job_table_to_v2",
+    "upgrade_job_table_to_v3",
 ]
 
 SCHEMA_VERSION = 3
@@ -86,9 +100,13 @@ PENDING_INDEX_COLUMNS = ("queue", "priority", "run_at", "id")
 PENDING_INDEX_PREDICATE = "status = 'pending'"
 RUNNING_INDEX_COLUMNS = ("queue", "lease_expires_at")
 RUNNING_INDEX_PREDICATE = "status = 'running'"
-# Version 3 (health): the dead index.
+# Version 3: the dead index (health), and unique jobs (two nullable columns and the unique
+# index).
 DEAD_INDEX_COLUMNS = ("queue", "finished_at", "id")
 DEAD_INDEX_PREDICATE = "status = 'dead'"
+UNIQUE_INDEX_COLUMNS = ("unique_key",)
+UNIQUE_INDEX_PREDICATE = "unique_key IS NOT NULL AND status = ANY (unique_statuses)"
+_UNIQUE_KEY_LENGTH = 255
 _NAME_LENGTH = 200
 _STATUSES = "'pending', 'running', 'succeeded', 'dead', 'cancelled'"
 
@@ -117,6 +135,13 @@ def _job_table_items(table_name: str) -> list[SchemaItem]:
         sa.CheckConstraint(f"status IN ({_STATUSES})", name=n.status_check),
         sa.CheckConstraint("priority BETWEEN -100 AND 100", name=n.priority_check),
         sa.CheckConstraint("attempts >= 0 AND max_attempts >= 1", name=n.attempts_check),
+    ]
+
+
+def _unique_columns() -> list[sa.Column[Any]]:
+    return [
+        sa.Column("unique_key", sa.String(_UNIQUE_KEY_LENGTH), nullable=True),
+        sa.Column("unique_statuses", sa.ARRAY(sa.String(16)), nullable=True),
     ]
 
 
@@ -184,9 +209,10 @@ def create_job_table(
     """Create a job table with its claim index(es), storage parameters and NOTIFY trigger.
 
     ``version`` is the schema version to build (see the module's docstring): a new revision
-    passes ``version=2``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
+    passes ``version=3``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
     it the table is version 1, as it was when the revisions already written called this
-    helper; upgrade such a table with :func:`upgrade_job_table_to_v2`.
+    helper; upgrade such a table with :func:`upgrade_job_table_to_v2`, then
+    :func:`add_unique_keys`.
 
     ``extra`` are your model's own columns and constraints (``sa.Column``,
     ``sa.ForeignKeyConstraint``, ``sa.Index``, ...), added after the job columns.
@@ -216,7 +242,10 @@ def create_job_table(
     """
     if version not in (1, 2, 3):
         raise ValueError(f"schema version must be 1, 2 or 3, not {version!r}")
-    table = op.create_table(table_name, *_job_table_items(table_name), *extra, schema=schema)
+    items = _job_table_items(table_name)
+    if version >= 3:
+        items += _unique_columns()
+    table = op.create_table(table_name, *items, *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
     else:
@@ -230,6 +259,7 @@ def create_job_table(
             schema=schema,
             concurrently=False,
         )
+        _create_unique_index(table_name, schema=schema, concurrently=False)
     _execute(ddl.set_storage_parameters(table_name, schema))
     if notify:
         create_notify_trigger(table_name, schema=schema)
@@ -390,6 +420,32 @@ def downgrade_job_table_to_v1(table_name: str, *, schema: str | None = None) -> 
             _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
 
 
+def upgrade_job_table_to_v3(table_name: str, *, schema: str | None = None) -> None:
+    """Upgrade a live version-2 job table to version 3, feature by feature, without a table
+    rewrite (nullable columns without defaults) and without blocking its users (indexes
+    ``CONCURRENTLY``, in Alembic's ``autocommit_block()``, which commits what the revision
+    did before). Each step can run again after an interrupted one.
+
+    A revision of yours::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.upgrade_job_table_to_v3("email_jobs")
+
+        def downgrade() -> None:
+            jobs.downgrade_job_table_to_v2("email_jobs")
+    """
+    add_dead_index(table_name, schema=schema)
+    add_unique_keys(table_name, schema=schema)
+
+
+def downgrade_job_table_to_v2(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`upgrade_job_table_to_v3`, feature by feature, in reverse order."""
+    drop_unique_keys(table_name, schema=schema)
+    drop_dead_index(table_name, schema=schema)
+
+
 def add_dead_index(table_name: str, *, schema: str | None = None) -> None:
     """Add the dead index of schema version 3 to a live version-2 job table, without
     blocking its users: ``CREATE INDEX CONCURRENTLY`` in Alembic's ``autocommit_block()``
@@ -430,6 +486,90 @@ def drop_dead_index(table_name: str, *, schema: str | None = None) -> None:
             concurrently=True,
             if_exists=True,
         )
+
+
+def _create_unique_index(table_name: str, *, schema: str | None, concurrently: bool) -> None:
+    options: dict[str, Any] = {
+        "schema": schema,
+        "unique": True,
+        "postgresql_where": sa.text(UNIQUE_INDEX_PREDICATE),
+    }
+    if concurrently:
+        options["postgresql_concurrently"] = True
+    op.create_index(
+        names(table_name).unique_index, table_name, list(UNIQUE_INDEX_COLUMNS), **options
+    )
+
+
+def add_unique_keys(table_name: str, *, schema: str | None = None) -> None:
+    """Add unique jobs (schema version 3) to a live version-2 job table, in place.
+
+    Adds the nullable columns ``unique_key`` and ``unique_statuses`` (no default: a catalog
+    change only, no table rewrite, under a brief ``ACCESS EXCLUSIVE`` lock; set a
+    ``lock_timeout`` in the revision on a busy table), commits, then builds the unique index
+    with ``CREATE UNIQUE INDEX CONCURRENTLY`` in Alembic's ``autocommit_block()``, which
+    blocks no enqueue, claim or outcome. Every existing job has no key, so the build cannot
+    fail on duplicates; it can be run again after an interrupted build (an invalid index
+    left behind is dropped first).
+
+    A revision of yours::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.add_unique_keys("email_jobs")
+
+        def downgrade() -> None:
+            jobs.drop_unique_keys("email_jobs")
+    """
+    for column in _unique_columns():
+        op.add_column(table_name, column, schema=schema)
+    with op.get_context().autocommit_block():
+        _drop_index(
+            names(table_name).unique_index,
+            table_name,
+            schema=schema,
+            concurrently=True,
+            if_exists=True,
+        )
+        _create_unique_index(table_name, schema=schema, concurrently=True)
+
+
+def drop_unique_keys(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`add_unique_keys`: drop the unique index concurrently, then the columns
+    (dropping a column does not rewrite the table either)."""
+    with op.get_context().autocommit_block():
+        _drop_index(
+            names(table_name).unique_index,
+            table_name,
+            schema=schema,
+            concurrently=True,
+            if_exists=True,
+        )
+    for column in reversed(_unique_columns()):
+        op.drop_column(table_name, column.name, schema=schema)
+
+
+def create_schedule_table(
+    table_name: str, *extra: SchemaItem, schema: str | None = None
+) -> sa.Table:
+    """Create the table of a :class:`~sqla_jobs.schema.ScheduleMixin` model: one row per
+    periodic task, the latest slot it was enqueued for."""
+    return op.create_table(
+        table_name,
+        sa.Column("name", sa.String(_NAME_LENGTH), primary_key=True),
+        sa.Column("last_slot", sa.DateTime(timezone=True), nullable=False),
+        sa.Column(
+            "updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False
+        ),
+        *extra,
+        schema=schema,
+    )
+
+
+def drop_schedule_table(table_name: str, *, schema: str | None = None) -> None:
+    """Drop a schedule table."""
+    op.drop_table(table_name, schema=schema)
 
 
 def create_notify_trigger(table_name: str, *, schema: str | None = None) -> None:

@@ -12,6 +12,8 @@ The roles it starts, each a named thread (``sqla-jobs-<worker name>-<role>``):
                 leave dead entries until a vacuum, and autovacuum is too slow (or off) to
                 keep a long drain as fast as a short one
 ``notifier``    LISTENs for new jobs (:mod:`~sqla_jobs.worker.listener`)
+``schedule``    enqueues the due slots of the registry's periodic tasks, when it has any
+                (:mod:`~sqla_jobs.worker.scheduler`); every worker runs one, no leader
 
 They share one :class:`~sqla_jobs.worker.state.State`, whose module states its locking
 rules. The thread that calls :meth:`Worker.run` supervises them: a role thread that dies of
@@ -52,6 +54,7 @@ from sqla_jobs.worker.link import Link, is_transient
 from sqla_jobs.worker.listener import Notifier
 from sqla_jobs.worker.observer import NO_OBSERVER, Observer
 from sqla_jobs.worker.runner import Runner
+from sqla_jobs.worker.scheduler import Scheduler
 from sqla_jobs.worker.state import Attempt, State
 from sqla_jobs.worker.writer import OutcomeWriter
 
@@ -225,6 +228,10 @@ class Worker:
     job table, read on scrape at most every ``metrics_max_age`` seconds. Needs the
     ``metrics`` extra (``prometheus_client``). Without it (the default) the worker reports
     its events to a no-op observer and imports nothing for metrics.
+    When the registry has periodic tasks (``schedule=``), the worker also enqueues their due
+    slots (the ``schedule`` role; :mod:`sqla_jobs.periodic`), whichever queues it serves:
+    every worker may, and the database lets exactly one enqueue each slot.
+    ``scheduler=False`` leaves that to the other workers.
     """
 
     def __init__(
@@ -251,6 +258,7 @@ class Worker:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         metrics_max_age: float = 5.0,
+        scheduler: bool = True,
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -305,6 +313,9 @@ class Worker:
         self.handle_signals = handle_signals
         self.lock_timeout = lock_timeout
         self.synchronous_commit = synchronous_commit
+        #: Whether this worker enqueues the due slots of the registry's periodic tasks.
+        self.scheduler = bool(scheduler) and bool(registry.periodic_tasks)
+        self._schedule_sessions = functools.partial(Session, engine)
         self._table = self.model.__table__  # type: ignore[attr-defined]
         self._prefix = f"sqla-jobs-{self.name}"
 
@@ -609,6 +620,16 @@ class Worker:
             "heartbeat": _Role("heartbeat", self._prefix, heartbeat.loop),
             "vacuum": _Role("vacuum", self._prefix, self._vacuum_loop),
         }
+        if self.scheduler:
+            schedule_failed, schedule_ok = self._database.role("schedule")
+            scheduler = Scheduler(
+                self.registry,
+                self._schedule_sessions,
+                stopping=self._stopping,
+                on_database_error=schedule_failed,
+                on_database_ok=schedule_ok,
+            )
+            self._roles["schedule"] = _Role("schedule", self._prefix, scheduler.loop)
         self._runner.start(self.concurrency)
         for role in self._roles.values():
             role.start()
@@ -806,8 +827,9 @@ class Worker:
         while self._state.snapshot() and time.monotonic() < drain_until:
             time.sleep(0.02)
         self._finished.set()
-        for name in ("outcomes", "heartbeat", "vacuum"):
-            self._roles[name].join(_DRAIN_TIMEOUT)
+        for name in ("outcomes", "heartbeat", "vacuum", "schedule"):
+            if name in self._roles:
+                self._roles[name].join(_DRAIN_TIMEOUT)
         self._runner.close(0.5)  # handlers still running are daemon threads
         if self._notifier is not None:
             self._notifier.stop()
