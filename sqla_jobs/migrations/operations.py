@@ -17,6 +17,11 @@ Schema versions:
    with the jobs in flight. :func:`create_job_table` builds it with ``version=2``; a
    version-1 table is upgraded in place, on a live table, by
    :func:`upgrade_job_table_to_v2`.
+3. (Being assembled from several features.) Cancel: a nullable ``cancel_requested_at``
+   column (when :func:`sqla_jobs.cancel` asked a running job's worker to stop it).
+   :func:`create_job_table` builds it with ``version=3``; a version-2 table gets it in place
+   by :func:`add_cancel` (``ADD COLUMN`` of a nullable column without a default: no table
+   rewrite, only a brief lock).
 
 The result table has not changed since version 1.
 """
@@ -43,6 +48,7 @@ __all__ = [
     "RUNNING_INDEX_COLUMNS",
     "RUNNING_INDEX_PREDICATE",
     "SCHEMA_VERSION",
+    "add_cancel",
     "add_lease_columns",
     "create_claim_index",
     "create_claim_indexes",
@@ -51,6 +57,7 @@ __all__ = [
     "create_notify_trigger",
     "create_result_table",
     "downgrade_job_table_to_v1",
+    "drop_cancel",
     "drop_claim_index",
     "drop_claim_indexes",
     "drop_job_table",
@@ -61,7 +68,7 @@ __all__ = [
     "upgrade_job_table_to_v2",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The latest version of the job and result tables: the one the mixins declare."""
 
 # Frozen copies of what the mixins declared in each version. tests/test_migrations.py proves
@@ -75,6 +82,8 @@ PENDING_INDEX_COLUMNS = ("queue", "priority", "run_at", "id")
 PENDING_INDEX_PREDICATE = "status = 'pending'"
 RUNNING_INDEX_COLUMNS = ("queue", "lease_expires_at")
 RUNNING_INDEX_PREDICATE = "status = 'running'"
+# Version 3 (cancel): the cancel request column.
+CANCEL_REQUESTED_COLUMN = "cancel_requested_at"
 _NAME_LENGTH = 200
 _STATUSES = "'pending', 'running', 'succeeded', 'dead', 'cancelled'"
 
@@ -104,6 +113,10 @@ def _job_table_items(table_name: str) -> list[SchemaItem]:
         sa.CheckConstraint("priority BETWEEN -100 AND 100", name=n.priority_check),
         sa.CheckConstraint("attempts >= 0 AND max_attempts >= 1", name=n.attempts_check),
     ]
+
+
+def _cancel_column() -> sa.Column[Any]:
+    return sa.Column(CANCEL_REQUESTED_COLUMN, sa.DateTime(timezone=True), nullable=True)
 
 
 def _result_table_items() -> list[SchemaItem]:
@@ -170,9 +183,10 @@ def create_job_table(
     """Create a job table with its claim index(es), storage parameters and NOTIFY trigger.
 
     ``version`` is the schema version to build (see the module's docstring): a new revision
-    passes ``version=2``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
+    passes ``version=3``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
     it the table is version 1, as it was when the revisions already written called this
-    helper; upgrade such a table with :func:`upgrade_job_table_to_v2`.
+    helper; upgrade such a table with :func:`upgrade_job_table_to_v2`, then a version-2
+    table with :func:`add_cancel`.
 
     ``extra`` are your model's own columns and constraints (``sa.Column``,
     ``sa.ForeignKeyConstraint``, ``sa.Index``, ...), added after the job columns.
@@ -200,9 +214,12 @@ def create_job_table(
             jobs.drop_result_table("email_job_results")
             jobs.drop_job_table("email_jobs")
     """
-    if version not in (1, 2):
-        raise ValueError(f"schema version must be 1 or 2, not {version!r}")
-    table = op.create_table(table_name, *_job_table_items(table_name), *extra, schema=schema)
+    if version not in (1, 2, 3):
+        raise ValueError(f"schema version must be 1, 2 or 3, not {version!r}")
+    items = _job_table_items(table_name)
+    if version >= 3:
+        items.append(_cancel_column())
+    table = op.create_table(table_name, *items, *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
     else:
@@ -365,6 +382,32 @@ def downgrade_job_table_to_v1(table_name: str, *, schema: str | None = None) -> 
         )
         for name, _, _ in _v2_indexes(table_name):
             _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+
+
+def add_cancel(table_name: str, *, schema: str | None = None) -> None:
+    """Add what cancelling a running job needs (schema version 3's cancel feature) to a
+    version-2 job table in place: the nullable ``cancel_requested_at`` column.
+
+    ``ALTER TABLE ... ADD COLUMN`` of a nullable column without a default rewrites nothing
+    and holds the table's ``ACCESS EXCLUSIVE`` lock only for a moment (but it waits, and
+    makes every later claim wait, behind a transaction using the table: a lock-held
+    worker's long handler; set ``lock_timeout`` in your migration environment). Deploy the
+    code that reads the column after the revision has run. A revision of yours::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.add_cancel("email_jobs")
+
+        def downgrade() -> None:
+            jobs.drop_cancel("email_jobs")
+    """
+    op.add_column(table_name, _cancel_column(), schema=schema)
+
+
+def drop_cancel(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`add_cancel`: drop the ``cancel_requested_at`` column."""
+    op.drop_column(table_name, CANCEL_REQUESTED_COLUMN, schema=schema)
 
 
 def create_notify_trigger(table_name: str, *, schema: str | None = None) -> None:
