@@ -365,7 +365,7 @@ def lock(table: Table) -> Select[Any]:
         .select_from(table)
         .join(pairs, match)
         .order_by(table.c.id)
-        .with_for_update(of=table, key_share=True)
+        .with_for_update(of=table, read=True, key_share=True)
     )
 
 
