@@ -608,7 +608,9 @@ def request_cancel(table: Table) -> Update:
         + literal_column("':'")
         + func.cast(table.c.attempts, Text)
     )
-    channel: ColumnElement[str] = literal_column("'" + names(table.name).channel.replace("'", "''") + "'")
+    channel: ColumnElement[str] = literal_column(
+        "'" + names(table.name).channel.replace("'", "''") + "'"
+    )
     return (
         update(table)
         .where(

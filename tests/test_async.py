@@ -29,7 +29,6 @@ from sqla_jobs import (
     ClaimedJob,
     JobMixin,
     JobNotFoundError,
-    JobStateError,
     JobStatus,
     LeaseLostError,
     aio,

@@ -111,9 +111,12 @@ def test_cancel_refuses_bad_input_before_any_sql_and_says_what_is_wrong(
     for bad in ("12", True, 1.0, None):
         with pytest.raises(InvalidJobError, match="job_id: must be an integer"):
             sqla_jobs.cancel(unbound, EmailJob, bad)  # type: ignore[arg-type]
-    with Session(queue_engine) as session, session.begin():
-        with pytest.raises(JobNotFoundError, match="EmailJob has no job 424242"):
-            sqla_jobs.cancel(session, EmailJob, 424242)
+    with (
+        Session(queue_engine) as session,
+        session.begin(),
+        pytest.raises(JobNotFoundError, match="EmailJob has no job 424242"),
+    ):
+        sqla_jobs.cancel(session, EmailJob, 424242)
     (done_id,) = enqueue(queue_engine, EmailJob(task="t"))
     (job,) = claim(queue_engine)
     with Session(queue_engine) as session, session.begin():
@@ -137,14 +140,17 @@ def test_a_cancel_request_is_final_for_every_transition_of_its_attempt(
     completing, failing, releasing, cancelling = (jobs[i] for i in ids)
     with Session(queue_engine) as session, session.begin():
         with pytest.raises(JobCancelledError, match="cancelled, not succeeded"):
-            sqla_jobs.complete(session, completing, result={"done": True}, result_model=EmailJobResult)
+            sqla_jobs.complete(
+                session, completing, result={"done": True}, result_model=EmailJobResult
+            )
         assert sqla_jobs.fail(session, failing, "boom").status is JobStatus.CANCELLED
         assert sqla_jobs.release(session, [releasing]) == []
         assert cancel_attempts(session, [cancelling]) == []
     for job_id in ids:
         ended = row(queue_engine, job_id)
         assert (ended.status, ended.attempts) == ("cancelled", 1)
-        assert ended.finished_at is not None and ended.lease_expires_at is None
+        assert ended.finished_at is not None
+        assert ended.lease_expires_at is None
     assert results(queue_engine) == {}  # the completion's result was not stored
     assert claim(queue_engine, limit=4) == []  # none of them is pending again
 

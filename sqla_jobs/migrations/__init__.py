@@ -110,10 +110,10 @@ from sqla_jobs.migrations.operations import (
 __all__ = [
     "LEASE_SCHEMA_VERSION",
     "SCHEMA_VERSION",
-    "add_cancel",
     "SCRIPT_LOCATION",
     "VERSION_LOCATION",
     "VERSION_TABLE",
+    "add_cancel",
     "add_lease_columns",
     "check_claim_indexes",
     "check_job_tables",

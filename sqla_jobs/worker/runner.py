@@ -116,6 +116,7 @@ class Runner:
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
         self._own_loop = True
+        self._columns_loader = self._load_columns  # one bound method, not one per job
 
     def request_cancel(self, key: tuple[int, int]) -> None:
         """The cancel of attempt ``key`` (job id, attempt) was requested (a notification,
@@ -286,7 +287,7 @@ class Runner:
             logger.debug("job started", extra=job_extra(attempt, "job_started"))
         if task.mode == "lock":
             return self._run_locked(attempt, task)
-        ctx = JobContext(job, self.worker_name, _cancel=attempt, _loader=self._load_columns)
+        ctx = JobContext(job, self.worker_name, _cancel=attempt, _loader=self._columns_loader)
         result = self._call(attempt, task, ctx)
         return Outcome(Kind.COMPLETE, result=self._storable(result))
 
@@ -342,7 +343,11 @@ class Runner:
                 attempt.backend = None if pid is None else (pid, started)
                 try:
                     ctx = JobContext(
-                        job, self.worker_name, session, _cancel=attempt, _loader=self._load_columns
+                        job,
+                        self.worker_name,
+                        session,
+                        _cancel=attempt,
+                        _loader=self._columns_loader,
                     )
                     result = self._storable(self._call(attempt, task, ctx))
                     if session.get_transaction() is not transaction or not transaction.is_active:
@@ -386,7 +391,7 @@ class Runner:
                         self.worker_name,
                         _async_session=session,
                         _cancel=attempt,
-                        _loader=self._load_columns,
+                        _loader=self._columns_loader,
                     )
                     result = self._storable(await task.function(ctx))
                     if not transaction.is_active or session.get_transaction() is not transaction:

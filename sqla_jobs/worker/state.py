@@ -1,8 +1,8 @@
 """What the worker's threads share: the attempts it holds, its slots, the outcomes to write.
 
 The rule this module exists for: **every claimed attempt reaches exactly one outcome**
-(complete, fail, cancel, release, lost, or committed by its own lock-mode transaction). It lives
-in one place, :meth:`State.settle`: the first outcome given for an attempt is kept, any
+(complete, fail, cancel, release, lost, or committed by its own lock-mode transaction). It
+lives in one place, :meth:`State.settle`: the first outcome given for an attempt is kept, any
 later one is refused. The handler path settles every attempt it starts in a ``finally``
 (:mod:`sqla_jobs.worker.runner`), and shutdown settles whatever is still unsettled as a
 release through the same method, so a handler that finishes after the worker gave its job
@@ -22,12 +22,12 @@ An attempt's life here::
 
 Locking rules
     One lock, :attr:`State.lock`, guards every mutable field of :class:`State` and the
-    ``outcome``, ``settled_at`` and ``started_at`` fields of every :class:`Attempt`. It is
-    held only for bookkeeping: never across database calls, handler calls or logging, and
-    no other lock is taken while it is held. Two conditions share it: ``changed`` (a slot
-    freed, a wake-up arrived, the worker is stopping: the fetch loop waits on it) and
-    ``outcomes_ready`` (the outcome writer waits on it). Fields of an attempt outside that
-    list are written by one thread only, as noted on each.
+    ``outcome``, ``settled_at``, ``started_at`` and ``cancel_requested`` fields of every
+    :class:`Attempt`. It is held only for bookkeeping: never across database calls, handler
+    calls or logging, and no other lock is taken while it is held. Two conditions share it:
+    ``changed`` (a slot freed, a wake-up arrived, the worker is stopping: the fetch loop
+    waits on it) and ``outcomes_ready`` (the outcome writer waits on it). Fields of an
+    attempt outside that list are written by one thread only, as noted on each.
 """
 
 from __future__ import annotations
