@@ -315,7 +315,7 @@ class Runner:
 
     def _storable(self, result: Any) -> Any:
         # A result jsonb cannot store fails its own job here, not the batch it is written in.
-        if self.registry.result_model is not None and result is not None:
+        if result is not None and self.registry.result_model is not None:
             try:
                 validation.check_json("result", result)
             except RecursionError as exc:
