@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from models import EmailJob, EmailJobResult, Order, ReportJob
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
 from worker_harness import wait_until
 
@@ -29,6 +30,7 @@ from sqla_jobs import (
     Worker,
 )
 from sqla_jobs.queue import cancel_attempts
+from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
 #: How long a handler waits for its cancel before giving up (a failing test, not a hang).
 HANDLER_PATIENCE = 20.0
@@ -378,3 +380,57 @@ def test_handlers_see_the_job_models_own_columns(queue_engine: sa.Engine) -> Non
         ids[1]: {"order_id": 7},
         ids[2]: {"order_id": None},
     }
+
+
+async def test_a_lock_mode_coroutines_async_session_rolls_back_when_it_is_cancelled(
+    queue_engine: sa.Engine,
+) -> None:
+    registry = Registry(EmailJob)
+    started = asyncio.Event()
+    seen: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    @registry.task(queue="cancel", mode="lock", lease=60)
+    async def charge(ctx: JobContext) -> None:
+        ctx.async_session.add(Order(id=ctx.args["order"], customer="ada"))
+        await ctx.async_session.flush()
+        loop.call_soon_threadsafe(started.set)
+        try:
+            await asyncio.sleep(HANDLER_PATIENCE)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    async_engine = create_async_engine(queue_engine.url)
+    sessions: async_sessionmaker[AsyncSession] = async_sessionmaker(async_engine)
+    try:
+        async with Worker(
+            registry, queue_engine, poll_interval=0.1, grace=5, async_session_factory=sessions
+        ):
+            (job_id,) = await asyncio.to_thread(enqueue, queue_engine, charge.job({"order": 6}))
+            await asyncio.wait_for(started.wait(), 10)
+            await asyncio.to_thread(cancel, queue_engine, job_id)
+            deadline = time.monotonic() + 5
+            while await asyncio.to_thread(status, queue_engine, job_id) != "cancelled":
+                assert time.monotonic() < deadline, "timed out waiting for the cancel"
+                await asyncio.sleep(0.05)
+    finally:
+        await async_engine.dispose()
+    assert seen == ["cancelled"]
+    assert await asyncio.to_thread(orders, queue_engine) == []
+
+
+def test_an_attempt_whose_handler_has_not_started_is_settled_as_a_cancel_at_once() -> None:
+    # The worker's bookkeeping alone (no database): a request for an attempt still queued
+    # for a handler thread fixes its outcome, and its handler then never starts.
+    state = State(concurrency=1)
+    job = sqla_jobs.ClaimedJob(EmailJob, 1, "q", "t", {}, 0, 1, 20, None, None)  # type: ignore[arg-type]
+    attempt = Attempt(job, None, 0.0, 0.0)
+    assert state.admit([attempt])
+    assert state.request_cancel(attempt.key) is None
+    assert attempt.outcome is not None
+    assert attempt.outcome.kind is Kind.CANCEL
+    assert not state.start(attempt)
+    assert state.request_cancel(attempt.key) is None  # idempotent
+    assert not state.settle(attempt, Outcome(Kind.COMPLETE))  # one outcome per attempt
+    assert state.free_slots() == 1

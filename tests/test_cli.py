@@ -196,6 +196,17 @@ def test_status_retry_cancel(
     assert main(capsys, "cancel", str(pending))[:2] == (0, f"job {pending} is cancelled\n")
     status, _, err = main(capsys, "retry", str(pending))
     assert status == 0
+    # A running job: its worker is asked to cancel it (tests/test_cancel.py for the rest).
+    with jobs_engine.begin() as connection:
+        connection.execute(
+            sa.update(Job)
+            .where(Job.id == dead)
+            .values(status="running", attempts=4, lease_expires_at=sa.func.now())
+        )
+    assert main(capsys, "cancel", str(dead))[:2] == (
+        0,
+        f"job {dead} is running: its worker was asked to cancel it\n",
+    )
     status, _, err = main(capsys, "retry", "999999")
     assert (status, err) == (1, "sqla-jobs: error: Job has no job 999999\n")
 
