@@ -49,7 +49,7 @@ from sqla_jobs.errors import SqlaJobsError
 from sqla_jobs.events import describe
 from sqla_jobs.pooler import POOLER_MODES, unprepared_behind_pooler
 from sqla_jobs.registry import Registry
-from sqla_jobs.schema import JobMixin, JobResultMixin
+from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
 from sqla_jobs.urls import psycopg_url
 
 __all__ = ["DATABASE_URL_VARIABLE", "LISTEN_URL_VARIABLE", "main", "make_engine", "parse_duration"]
@@ -492,7 +492,18 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    return _admin(args, queue.cancel, "is cancelled")
+    model = load_model(args)
+    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
+    try:
+        with Session(engine) as session, session.begin():
+            status = queue.cancel(session, model, args.job_id)
+    finally:
+        engine.dispose()
+    if status is JobStatus.RUNNING:
+        sys.stdout.write(f"job {args.job_id} is running: its worker was asked to cancel it\n")
+    else:
+        sys.stdout.write(f"job {args.job_id} is cancelled\n")
+    return 0
 
 
 def _is_loopback(host: str) -> bool:
@@ -782,7 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, handler, text in (
         ("retry", cmd_retry, "make a dead or cancelled job pending again"),
-        ("cancel", cmd_cancel, "cancel a pending job"),
+        ("cancel", cmd_cancel, "cancel a pending job, or ask a running one's worker to stop it"),
     ):
         sub = commands.add_parser(name, parents=[db, which], help=text, description=text)
         sub.add_argument("job_id", metavar="ID", type=_positive_int)

@@ -13,6 +13,8 @@ The tree::
     │                              lease of a row) is no longer ours
     ├── JobNotFoundError           an administrative operation named a job that does not exist
     ├── JobStateError              an administrative operation does not apply to the job's status
+    ├── JobCancelledError          raised inside a handler by ctx.raise_if_cancelled(): its
+    │                              job's cancel was requested
     ├── ConfigurationError         the library was set up wrongly (a model without the mixin, ...)
     │   └── ScheduleError          a periodic task's schedule is malformed (cron, timezone, ...)
     └── EmbeddedPostgresError      the throwaway PostgreSQL server could not be set up
@@ -31,6 +33,7 @@ __all__ = [
     "InvalidLeaseError",
     "InvalidThresholdError",
     "JobArgumentsError",
+    "JobCancelledError",
     "JobNotFoundError",
     "JobStateError",
     "LeaseLostError",
@@ -122,6 +125,16 @@ class JobNotFoundError(SqlaJobsError, LookupError):
 
 class JobStateError(SqlaJobsError):
     """The operation does not apply to the job in its current status."""
+
+
+class JobCancelledError(SqlaJobsError):
+    """This job's cancel was requested: stop working on it and let this propagate.
+
+    Raised inside a handler by :meth:`JobContext.raise_if_cancelled
+    <sqla_jobs.JobContext.raise_if_cancelled>` once :func:`sqla_jobs.cancel` asked for the
+    running job to stop. The worker ends the job ``cancelled`` (in lock mode, the handler's
+    writes roll back), whatever the handler does next: catching it changes nothing.
+    """
 
 
 class ConfigurationError(SqlaJobsError, TypeError):

@@ -59,6 +59,9 @@ class WorkerMetrics(Observer):
                 "Attempts that failed (the job retries later, or is dead: see jobs_dead).",
             ),
             "dead": counter("sqla_jobs_jobs_dead", "Failed attempts that made their job dead."),
+            "cancelled": counter(
+                "sqla_jobs_jobs_cancelled", "Attempts that ended cancelled (sqla_jobs.cancel)."
+            ),
             "released": counter(
                 "sqla_jobs_jobs_released", "Attempts given back unfinished (shutdown, ...)."
             ),

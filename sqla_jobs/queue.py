@@ -60,6 +60,7 @@ from sqla_jobs import statements, validation
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
+    JobCancelledError,
     JobNotFoundError,
     JobStateError,
     LeaseLostError,
@@ -87,8 +88,11 @@ __all__ = [
     "FailOutcome",
     "QueueStat",
     "cancel",
+    "cancel_attempts",
+    "cancel_requests",
     "claim",
     "complete",
+    "complete_attempts",
     "complete_many",
     "dead_jobs",
     "default_worker_name",
@@ -98,6 +102,7 @@ __all__ = [
     "enqueue_unique_many",
     "fail",
     "heartbeat",
+    "job_columns",
     "lock",
     "lock_one",
     "prune",
@@ -835,6 +840,22 @@ def _log_exhausted(rows: Sequence[Any], running: str) -> None:
     for job_id, status, queue, task, _args, _priority, attempt, maximum, _run_at, _lease in rows:
         if status == running:
             continue
+        if status == JobStatus.CANCELLED.value:
+            logger.info(
+                "job %d (%s) is cancelled: attempt %d lost its lease after its cancel was "
+                "requested, and is not run again",
+                job_id,
+                task,
+                attempt,
+                extra={
+                    "action": "job_cancelled",
+                    "job_id": job_id,
+                    "task": task,
+                    "queue": queue,
+                    "attempt": attempt,
+                },
+            )
+            continue
         logger.error(
             "job %d (%s) is dead: attempt %d of %d lost its lease (its worker stopped or "
             "crashed mid-job) and no attempt is left",
@@ -867,6 +888,23 @@ def lock(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     return [job for job in jobs if (job.id, job.attempt) in kept]
 
 
+def job_columns(job: ClaimedJob, session: Executor | None = None) -> dict[str, Any]:
+    """The values of the job model's own columns (those not declared by
+    :class:`~sqla_jobs.JobMixin`, such as an ``order_id``) in the job's row, by column name:
+    one query by primary key, in ``session``'s transaction. A model without columns of its
+    own gives ``{}`` without any query (and needs no session)."""
+    table = _job_table(job.model)
+    own = _own_columns(table)
+    if not own:
+        return {}
+    if session is None:
+        raise ConfigurationError("job_columns needs a session to read the job row with")
+    row = session.execute(_statement(statements.own_columns, table), {"job_id": job.id}).first()
+    if row is None:
+        raise JobNotFoundError(f"{job.model.__name__} has no job {job.id}")
+    return dict(row._mapping)
+
+
 def lock_one(session: Executor, job: ClaimedJob) -> float | None:
     """:func:`lock` for one attempt, for a worker that must later be able to end the
     transaction holding the lock: returns that transaction's start (epoch seconds), or None
@@ -889,14 +927,24 @@ def complete(
     """Mark this attempt's job succeeded, optionally storing ``result`` in ``result_model``.
 
     Runs in the caller's transaction: the completion commits together with the caller's
-    other writes. Raises :class:`LeaseLostError` when the attempt no longer owns the job
-    (nothing changes then), and :class:`InvalidJobError` for a result jsonb cannot store.
+    other writes. ``result_model`` defaults to the job model's own ``result_model`` (see
+    :class:`~sqla_jobs.JobMixin`). Raises :class:`LeaseLostError` when the attempt no longer
+    owns the job (nothing changes then), and :class:`InvalidJobError` for a result jsonb
+    cannot store. When the job's cancel was requested (:func:`cancel`) it is made
+    ``cancelled`` instead, its result not stored, and :class:`JobCancelledError` is raised:
+    commit as usual to record it (or roll back: the job still ends cancelled, once the
+    attempt's lease runs out).
     """
     results = None if result is _NO_RESULT else [result]
-    lost = complete_many(session, [job], results=results, result_model=result_model)
+    lost, cancelled = complete_attempts(session, [job], results=results, result_model=result_model)
     if lost:
         raise LeaseLostError(
             f"job {job.id} attempt {job.attempt} no longer owns the job; nothing was changed"
+        )
+    if cancelled:
+        raise JobCancelledError(
+            f"job {job.id} was cancelled while attempt {job.attempt} ran: it is cancelled, "
+            "not succeeded, and its result was not stored"
         )
 
 
@@ -909,16 +957,31 @@ def complete_many(
 ) -> list[ClaimedJob]:
     """Complete a batch of attempts in one statement (two with results).
 
-    ``results``, if given, pairs with ``jobs`` by position and needs ``result_model``.
-    Returns the attempts that had lost their job (fenced out, nothing changed for them);
-    the others are succeeded, or deleted if the model sets ``delete_on_success``.
+    ``results``, if given, pairs with ``jobs`` by position and needs ``result_model`` (by
+    default the job model's ``result_model``). Returns the attempts that had lost their job
+    (fenced out, nothing changed for them); the others are succeeded, or deleted if the
+    model sets ``delete_on_success``, or cancelled (their results not stored) when their
+    cancel was requested.
     """
+    return complete_attempts(session, jobs, results=results, result_model=result_model)[0]
+
+
+def complete_attempts(
+    session: Executor,
+    jobs: Sequence[ClaimedJob],
+    *,
+    results: Sequence[Any] | None = None,
+    result_model: type[JobResultMixin] | None = None,
+) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+    """:func:`complete_many`, also saying which of the jobs ended cancelled instead (their
+    cancel was requested): returns ``(lost, cancelled)``."""
     if not jobs:
-        return []
+        return [], []
     model = _one_model(jobs)
     table = _job_table(model)
     result_table = None
     if results is not None:
+        result_model = result_model or model.result_model
         if result_model is None:
             raise InvalidJobError("result_model", "is required to store results")
         result_table = _result_table(result_model)
@@ -926,9 +989,21 @@ def complete_many(
             raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
         for value in results:
             validation.check_json("result", value)
-    builder = statements.complete_and_delete if model.delete_on_success else statements.complete
-    rows = _rows(session, builder, table, _fence_params(jobs))
-    done = _fenced(rows)
+    cancelled: set[tuple[int, int]] = set()
+    if model.delete_on_success:
+        done = _fenced(_rows(session, statements.complete_and_delete, table, _fence_params(jobs)))
+        if len(done) < len(jobs):  # not deleted: lost, or cancel requested (rare)
+            cancelled = _fenced(
+                session.execute(
+                    _statement(statements.cancel_attempts, table),
+                    _fence_params(_lost(jobs, done)),
+                )
+            )
+    else:
+        done = set()
+        cancelled_value = JobStatus.CANCELLED.value
+        for row in _rows(session, statements.complete, table, _fence_params(jobs)):
+            (cancelled if row[3] == cancelled_value else done).add((row[0], row[1]))
     if result_table is not None and results is not None and done:
         payload = [
             {"job_id": job.id, "task": job.task, "value": value}
@@ -936,7 +1011,10 @@ def complete_many(
             if (job.id, job.attempt) in done
         ]
         session.execute(_statement(statements.store_results, result_table), {"results": payload})
-    return _lost(jobs, done)
+    if not cancelled:
+        return _lost(jobs, done), []
+    ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
+    return _lost(jobs, done | cancelled), ended_cancelled
 
 
 def storable_text(text: str) -> str:
@@ -978,7 +1056,8 @@ def fail(
 
     The job is retried after ``delay`` if given, else after the ``policy``'s exponential
     backoff with jitter, both measured from the database's clock; it is dead instead when
-    this was its last attempt or ``retry`` is false. The error (a traceback for an
+    this was its last attempt or ``retry`` is false, and ``cancelled`` when its cancel was
+    requested (:func:`cancel`). The error (a traceback for an
     exception) is kept in ``last_error``, which nothing else clears: a job that later
     succeeds keeps it, so it is the last error of any attempt. Raises
     :class:`LeaseLostError` when the attempt no longer owns the job, and then nothing
@@ -1037,8 +1116,8 @@ def release(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     """Give these attempts' jobs back unfinished, runnable at once by any worker.
 
     For a worker shutting down with work it will not finish. The attempt is not charged
-    against the job (``max_attempts`` grows by one). Returns the attempts that had already
-    lost their job.
+    against the job (``max_attempts`` grows by one); a job whose cancel was requested ends
+    ``cancelled`` instead. Returns the attempts that had already lost their job.
     """
     if not jobs:
         return []
@@ -1084,10 +1163,61 @@ def retry(session: Executor, model: type[JobMixin], job_id: int) -> None:
         ) from exc
 
 
-def cancel(session: Executor, model: type[JobMixin], job_id: int) -> None:
-    """Cancel a pending job. Raises :class:`JobNotFoundError`, or :class:`JobStateError`
-    when the job is not pending (a running attempt owns its job until it ends)."""
-    _admin(session, model, job_id, statements.cancel, "pending")
+def cancel(session: Executor, model: type[JobMixin], job_id: int) -> JobStatus:
+    """Cancel a job: at once if it is pending, by asking its worker if it is running.
+
+    Returns the job's status once the caller commits: ``cancelled`` for a pending job (or
+    one already cancelled: idempotent), ``running`` for a running one, whose cancel is now
+    *requested* (:func:`sqla_jobs.statements.request_cancel`): its worker hears of it
+    through a notification on the table's channel at commit (and at its next heartbeat if
+    it missed that), cancels a coroutine handler, raises
+    :class:`~sqla_jobs.errors.JobCancelledError` from ``ctx.raise_if_cancelled()`` in a
+    thread handler, rolls a lock-mode handler's transaction back, and ends the job
+    ``cancelled``, fenced by its attempt. From the request on, the job never succeeds,
+    retries or runs again: a handler that ignores the request and returns ends cancelled
+    all the same (its result is not stored), and if its worker died, the claim that finds
+    its lease expired makes it cancelled instead of running it.
+
+    Runs in the caller's transaction: nothing happens until the caller commits. Raises
+    :class:`InvalidJobError` for a ``job_id`` that is not an integer (before any SQL),
+    :class:`JobNotFoundError` when there is no such job, and :class:`JobStateError` when it
+    already succeeded or is dead (use :func:`retry` first for a dead one).
+    """
+    if isinstance(job_id, bool) or not isinstance(job_id, int):
+        raise InvalidJobError("job_id", f"must be an integer, not {type(job_id).__name__}")
+    table = _job_table(model)
+    params = {"job_id": job_id}
+    if session.execute(_statement(statements.cancel, table), params).first() is not None:
+        return JobStatus.CANCELLED
+    if session.execute(_statement(statements.request_cancel, table), params).first() is not None:
+        return JobStatus.RUNNING
+    status = session.execute(_statement(statements.status_of, table), params).scalar()
+    if status is None:
+        raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
+    if status == JobStatus.CANCELLED.value:
+        return JobStatus.CANCELLED
+    raise JobStateError(f"job {job_id} is {status}; only pending or running jobs can be cancelled")
+
+
+def cancel_attempts(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+    """End these attempts' jobs ``cancelled`` (the worker's outcome for an attempt whose
+    cancel was requested). Fenced: returns the attempts that had lost their job."""
+    if not jobs:
+        return []
+    table = _job_table(_one_model(jobs))
+    rows = session.execute(_statement(statements.cancel_attempts, table), _fence_params(jobs))
+    return _lost(jobs, _fenced(rows))
+
+
+def cancel_requests(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+    """Which of these attempts' jobs have a cancel request (:func:`cancel`). A plain read,
+    no lock; the worker's heartbeat asks it, in case it missed the notification."""
+    if not jobs:
+        return []
+    table = _job_table(_one_model(jobs))
+    rows = session.execute(_statement(statements.cancel_requests, table), _fence_params(jobs))
+    asked = _fenced(rows)
+    return [job for job in jobs if (job.id, job.attempt) in asked]
 
 
 def delete(session: Executor, model: type[JobMixin], job_id: int) -> None:

@@ -41,13 +41,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeAlias, TypeVar, overload
 
 from sqla_jobs import validation
-from sqla_jobs.errors import ConfigurationError, InvalidJobError
+from sqla_jobs.errors import ConfigurationError, InvalidJobError, JobCancelledError
 from sqla_jobs.periodic import Schedule
 from sqla_jobs.policy import RetryPolicy
-from sqla_jobs.queue import DEFAULT_LEASE, ClaimedJob, Enqueued, enqueue_unique
+from sqla_jobs.queue import DEFAULT_LEASE, ClaimedJob, Enqueued, enqueue_unique, job_columns
 from sqla_jobs.schema import (
     DEFAULT_QUEUE,
     DEFAULT_UNIQUE_STATUSES,
@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_LEASE",
+    "CancelFlag",
+    "ColumnLoader",
     "Handler",
     "JobContext",
     "Mode",
@@ -75,6 +77,19 @@ Mode: TypeAlias = Literal["lease", "lock"]
 _R = TypeVar("_R")
 Handler: TypeAlias = Callable[["JobContext"], Any]
 """A task's function: ``def f(ctx: JobContext) -> Any`` or ``async def f(ctx) -> Any``."""
+
+
+class CancelFlag(Protocol):
+    """Where a :class:`JobContext` reads whether its job's cancel was requested (the
+    worker's attempt: it sets ``cancel_requested`` when it hears of the request)."""
+
+    cancel_requested: bool
+
+
+class ColumnLoader(Protocol):
+    """How a :class:`JobContext` reads its job row's own columns: once, when first asked."""
+
+    def __call__(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +107,51 @@ class JobContext:
     :class:`~sqla_jobs.errors.ConfigurationError`. A coroutine handler in lock mode, run by
     a worker given an ``async_session_factory``, gets ``async_session`` instead: an
     :class:`~sqlalchemy.ext.asyncio.AsyncSession` holding the lock, with the same rules.
+
+    ``columns`` holds the values of the job model's own columns (those you added to your
+    :class:`~sqla_jobs.JobMixin` subclass, such as ``order_id``), by column name, read
+    with one query the first time it is asked for (through ``session`` in lock mode, so
+    under the job's row lock), never when it is not: a handler that does not ask pays
+    nothing.
+
+    ``cancelled`` turns true once :func:`sqla_jobs.cancel` asked for this running job to
+    stop and the worker heard of it (within about a second, by a notification; at the next
+    heartbeat otherwise); :meth:`raise_if_cancelled` raises
+    :class:`~sqla_jobs.errors.JobCancelledError` then. A coroutine handler is cancelled
+    instead (``asyncio.CancelledError`` at its current ``await``). Either way the job ends
+    ``cancelled``, and a handler that ignores the request and returns ends cancelled too
+    (its result is not stored): check it between steps of a long thread handler.
     """
 
     job: ClaimedJob
     worker: str
     _session: Session | None = field(default=None, repr=False)
     _async_session: AsyncSession | None = field(default=None, repr=False)
+    _cancel: CancelFlag | None = field(default=None, repr=False)
+    _loader: ColumnLoader | None = field(default=None, repr=False)
+    _columns: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether this job's cancel was requested (see the class docstring)."""
+        return self._cancel is not None and self._cancel.cancel_requested
+
+    def raise_if_cancelled(self) -> None:
+        """Raise :class:`~sqla_jobs.errors.JobCancelledError` if this job's cancel was
+        requested; call it between the steps of a long handler and let it propagate."""
+        if self._cancel is not None and self._cancel.cancel_requested:
+            raise JobCancelledError(f"job {self.job.id} was cancelled while it ran")
+
+    @property
+    def columns(self) -> dict[str, Any]:
+        """The job row's own columns (not the mixin's), by name; read once, when first
+        asked for. Empty for a model without columns of its own."""
+        columns = self._columns
+        if columns is None:
+            loader = self._loader or job_columns
+            columns = loader(self.job, self._session)
+            object.__setattr__(self, "_columns", columns)
+        return columns
 
     @property
     def id(self) -> int:
@@ -269,6 +323,8 @@ class Registry:
     ``schedule_model`` (a :class:`~sqla_jobs.schema.ScheduleMixin` model) records the slots
     of periodic tasks, and is needed only for them (it defaults to
     :class:`sqla_jobs.models.JobSchedule` with the default ``model``).
+    it defaults to the model's own ``result_model`` class attribute (declare it once there,
+    see :class:`~sqla_jobs.JobMixin`).
     The defaults apply to tasks that do not set the option.
     """
 
@@ -293,7 +349,7 @@ class Registry:
         self._model = model
         self._default_model = model is None
         self._schedule_model = schedule_model
-        self.result_model = result_model
+        self._result_model = result_model
         self.default_queue = validation.check_name("default_queue", default_queue)
         self.default_max_attempts = validation.check_max_attempts(
             "default_max_attempts", default_max_attempts
@@ -302,6 +358,18 @@ class Registry:
         self.default_retry = default_retry or RetryPolicy()
         self.default_mode: Mode = _check_mode(default_mode)
         self._tasks: dict[str, Task[Any]] = {}
+
+    @property
+    def result_model(self) -> type[JobResultMixin] | None:
+        """Where handler return values are stored: the ``result_model`` given to the
+        registry, else the job model's own ``result_model``, else None (not stored)."""
+        if self._result_model is not None:
+            return self._result_model
+        return self.model.result_model
+
+    @result_model.setter
+    def result_model(self, value: type[JobResultMixin] | None) -> None:
+        self._result_model = value
 
     @property
     def model(self) -> type[JobMixin]:

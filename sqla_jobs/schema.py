@@ -215,10 +215,15 @@ class JobMixin:
     ``delete_on_success``
         Delete the job row when it succeeds, keeping only its result row if one is stored
         (default ``False``: keep the row as ``succeeded`` until it is pruned).
+    ``result_model``
+        The :class:`JobResultMixin` model that stores the values handlers return, declared
+        once here instead of on every :func:`~sqla_jobs.complete` call or
+        :class:`~sqla_jobs.Registry` (default ``None``: return values are not stored).
     """
 
     max_args_bytes: ClassVar[int] = validation.DEFAULT_MAX_ARGS_BYTES
     delete_on_success: ClassVar[bool] = False
+    result_model: ClassVar[type[JobResultMixin] | None] = None
 
     # No Python-side defaults (``default=``), only server defaults, and FetchedValue() (no
     # DDL) on the nullable managed columns: the ORM's INSERT then sends only the columns the
@@ -258,6 +263,11 @@ class JobMixin:
     )
     unique_statuses: Mapped[list[str] | None] = mapped_column(
         ARRAY(String(16)), server_default=FetchedValue()
+    )
+    # Schema version 3: when sqla_jobs.cancel() asked the running attempt to stop (database
+    # time). Once set, the job ends cancelled: no transition makes it pending or succeeded.
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), server_default=FetchedValue()
     )
 
     @declared_attr.directive

@@ -60,6 +60,8 @@ from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names, unique_predica
 
 __all__ = [
     "cancel",
+    "cancel_attempts",
+    "cancel_requests",
     "claim",
     "complete",
     "complete_and_delete",
@@ -72,9 +74,11 @@ __all__ = [
     "heartbeat",
     "lock",
     "oldest_xmin",
+    "own_columns",
     "prune",
     "queue_stats",
     "release",
+    "request_cancel",
     "retry",
     "schedule_advance",
     "schedule_create",
@@ -111,6 +115,17 @@ def _split(param: str, element: Any) -> ColumnElement[Any]:
     return cast(text, ARRAY(element))
 
 
+def _cancel_requested(table: Table) -> ColumnElement[bool]:
+    """Whether :func:`sqla_jobs.cancel` asked the job's running attempt to stop.
+
+    The rule it carries, in every statement that ends or gives back an attempt (complete,
+    fail, release, the claim's takeover of an expired lease): a job whose cancel was
+    requested ends ``cancelled``; it is never made pending, running or succeeded again
+    (until :func:`retry` clears the request).
+    """
+    return table.c.cancel_requested_at.is_not(null())
+
+
 def _fences(table: Table, *, leases: bool = False) -> tuple[Any, ColumnElement[bool]]:
     """The ``(id, attempt)`` pairs of a batch (with a lease in seconds each, if ``leases``),
     and the fenced match against the table."""
@@ -143,6 +158,7 @@ MANAGED_COLUMNS: Final = frozenset(
         "last_error",
         "created_at",
         "finished_at",
+        "cancel_requested_at",
     }
 )
 
@@ -377,8 +393,9 @@ def claim(table: Table, *, queue_count: int) -> Update:
     apply once, to the chosen rows, before the ``UPDATE`` joins them back.
 
     A running job whose lease expired on its last attempt is made ``dead`` instead (with
-    ``last_error`` saying so) and comes back with status ``dead``: callers must hand out
-    only the rows whose status is ``running``.
+    ``last_error`` saying so) and comes back with status ``dead``, and one whose cancel was
+    requested is made ``cancelled`` (:func:`_cancel_requested`): callers must hand out only
+    the rows whose status is ``running``.
 
     Parameters: ``:queue_name`` (one queue) or ``:queue_names`` (an array), ``:limit``,
     ``:lease_seconds``, ``:worker``.
@@ -439,7 +456,10 @@ def claim(table: Table, *, queue_count: int) -> Update:
     # the job is dead now rather than run again, or a job that kills its worker every time
     # would loop forever. Such rows come back with status 'dead' and are not handed out.
     expired = table.c.status == _lit(JobStatus.RUNNING)
-    exhausted = and_(expired, table.c.attempts >= table.c.max_attempts)
+    # A cancel requested of an attempt whose worker died: the job ends cancelled, never
+    # runs again (and comes back with status 'cancelled', not handed out either).
+    cancelled = and_(expired, _cancel_requested(table))
+    exhausted = or_(cancelled, and_(expired, table.c.attempts >= table.c.max_attempts))
     lost_lease: ColumnElement[str] = (
         literal_column("'attempt '")
         + func.cast(table.c.attempts, Text)
@@ -449,7 +469,11 @@ def claim(table: Table, *, queue_count: int) -> Update:
         update(table)
         .where(table.c.id == claimable.c.id)
         .values(
-            status=case((exhausted, _lit(JobStatus.DEAD)), else_=_lit(JobStatus.RUNNING)),
+            status=case(
+                (cancelled, _lit(JobStatus.CANCELLED)),
+                (exhausted, _lit(JobStatus.DEAD)),
+                else_=_lit(JobStatus.RUNNING),
+            ),
             attempts=case((exhausted, table.c.attempts), else_=table.c.attempts + _ONE),
             lease_expires_at=case((exhausted, null()), else_=now + _seconds("lease_seconds")),
             leased_by=case((exhausted, null()), else_=bindparam("worker", type_=Text)),
@@ -479,6 +503,12 @@ def lock(table: Table) -> Select[Any]:
     transaction that runs the handlers. Fenced by ``(id, attempts)``: an attempt whose lease
     already ran out and was taken over is not returned. Rows are locked in id order.
 
+    The lock is ``FOR KEY SHARE``: every claim and heartbeat locks ``FOR UPDATE SKIP
+    LOCKED``, which conflicts with it, so they skip the row as before; but a plain
+    ``UPDATE`` of a non-key column does not wait for it, so :func:`request_cancel` can
+    record a cancel request while the handler holds the row (the handler's own completion
+    then waits for that request to commit, sees it, and the worker rolls back).
+
     Returns ``id, attempts`` and the locking transaction's start as epoch seconds (which,
     with the backend's pid, names that transaction: :func:`terminate_transactions`).
     Parameters: ``:fence_ids``, ``:fence_attempts``.
@@ -493,14 +523,15 @@ def lock(table: Table) -> Select[Any]:
         .select_from(table)
         .join(pairs, match)
         .order_by(table.c.id)
-        .with_for_update(of=table)
+        .with_for_update(of=table, read=True, key_share=True)
     )
 
 
 def complete(table: Table) -> Update:
-    """Mark the given attempts succeeded. Fenced.
+    """Mark the given attempts succeeded, or cancelled when their cancel was requested
+    (:func:`_cancel_requested`). Fenced.
 
-    Returns ``id, attempts, task`` of each completed job.
+    Returns ``id, attempts, task, status`` of each job it ended.
 
     Parameters: ``:fence_ids``, ``:fence_attempts``. Locks the matched rows (an ``UPDATE``).
     """
@@ -508,19 +539,32 @@ def complete(table: Table) -> Update:
     return (
         update(table)
         .where(match)
-        .values(status=_lit(JobStatus.SUCCEEDED), finished_at=_now(), lease_expires_at=null())
-        .returning(table.c.id, table.c.attempts, table.c.task)
+        .values(
+            status=case(
+                (_cancel_requested(table), _lit(JobStatus.CANCELLED)),
+                else_=_lit(JobStatus.SUCCEEDED),
+            ),
+            finished_at=_now(),
+            lease_expires_at=null(),
+        )
+        .returning(table.c.id, table.c.attempts, table.c.task, table.c.status)
     )
 
 
 def complete_and_delete(table: Table) -> ReturningDelete[Any]:
     """Delete the rows of the given succeeded attempts (seed 001's variant). Fenced.
 
-    Returns ``id, attempts, task`` of each deleted job.
+    A job whose cancel was requested is not deleted (it is not succeeded): it comes back
+    as not matched, for :func:`cancel_attempts`. Returns ``id, attempts, task`` of each
+    deleted job.
     Parameters: ``:fence_ids``, ``:fence_attempts``.
     """
     _, match = _fences(table)
-    return delete(table).where(match).returning(table.c.id, table.c.attempts, table.c.task)
+    return (
+        delete(table)
+        .where(match, table.c.cancel_requested_at.is_(null()))
+        .returning(table.c.id, table.c.attempts, table.c.task)
+    )
 
 
 def store_results(result_table: Table) -> Insert:
@@ -548,8 +592,9 @@ def store_results(result_table: Table) -> Insert:
 def fail(table: Table) -> Update:
     """Record a failed attempt: retry it after a backoff, or make it dead. Fenced.
 
-    The job is dead when this was its last attempt (``attempts >= max_attempts``) or when
-    ``:retry`` is false; otherwise it is pending again at ``statement_timestamp()`` plus
+    The job is cancelled when its cancel was requested (:func:`_cancel_requested`), dead
+    when this was its last attempt (``attempts >= max_attempts``) or when ``:retry`` is
+    false; otherwise it is pending again at ``statement_timestamp()`` plus
     ``:delay_seconds`` if given, else plus an exponential backoff with jitter, computed in
     the database from the row's own attempt count::
 
@@ -579,12 +624,16 @@ def fail(table: Table) -> Update:
             table.c.status == _lit(JobStatus.RUNNING),
         )
         .values(
-            status=case((is_dead, _lit(JobStatus.DEAD)), else_=_lit(JobStatus.PENDING)),
+            status=case(
+                (_cancel_requested(table), _lit(JobStatus.CANCELLED)),
+                (is_dead, _lit(JobStatus.DEAD)),
+                else_=_lit(JobStatus.PENDING),
+            ),
             run_at=case(
-                (is_dead, table.c.run_at),
+                (or_(is_dead, _cancel_requested(table)), table.c.run_at),
                 else_=now + delay * _SECOND,
             ),
-            finished_at=case((is_dead, now), else_=null()),
+            finished_at=case((or_(is_dead, _cancel_requested(table)), now), else_=null()),
             last_error=bindparam("error", type_=Text),
             lease_expires_at=null(),
             leased_by=null(),
@@ -628,6 +677,8 @@ def heartbeat(table: Table) -> Update:
 def release(table: Table) -> Update:
     """Give back the given attempts unfinished: pending again, runnable now. Fenced.
 
+    A job whose cancel was requested is not given back: it ends cancelled instead.
+
     ``attempts`` stays (it is the fence, and must never repeat); ``max_attempts`` grows by
     one instead, so a job given back at shutdown loses none of its remaining attempts.
     Returns ``id, attempts`` of the released attempts.
@@ -638,9 +689,13 @@ def release(table: Table) -> Update:
         update(table)
         .where(match)
         .values(
-            status=_lit(JobStatus.PENDING),
+            status=case(
+                (_cancel_requested(table), _lit(JobStatus.CANCELLED)),
+                else_=_lit(JobStatus.PENDING),
+            ),
             run_at=_now(),
             max_attempts=table.c.max_attempts + _ONE,
+            finished_at=case((_cancel_requested(table), _now()), else_=null()),
             lease_expires_at=null(),
             leased_by=null(),
         )
@@ -651,8 +706,9 @@ def release(table: Table) -> Update:
 def retry(table: Table) -> Update:
     """Make a dead or cancelled job ``:job_id`` pending again, runnable now.
 
-    It gets at least one more attempt; ``attempts`` is kept, so fencing stays sound.
-    Returns the id, or no row when the job is not dead or cancelled.
+    It gets at least one more attempt; ``attempts`` is kept, so fencing stays sound; a
+    cancel request it carried is cleared. Returns the id, or no row when the job is not
+    dead or cancelled.
     """
     return (
         update(table)
@@ -667,6 +723,7 @@ def retry(table: Table) -> Update:
             finished_at=null(),
             lease_expires_at=null(),
             leased_by=null(),
+            cancel_requested_at=null(),
         )
         .returning(table.c.id)
     )
@@ -702,6 +759,86 @@ def delete_job(table: Table) -> ReturningDelete[Any]:
             table.c.status != _lit(JobStatus.RUNNING),
         )
         .returning(table.c.id)
+    )
+
+
+#: The NOTIFY payload that asks a worker to stop attempt ``<attempt>`` of job ``<id>``:
+#: ``"!cancel:<id>:<attempt>"``, sent on the table's channel. A queue name cannot begin
+#: with ``!`` (:data:`sqla_jobs.validation.NAME_RULE`), so it is never taken for one.
+CANCEL_PAYLOAD_PREFIX: Final = "!cancel:"
+
+
+def request_cancel(table: Table) -> Update:
+    """Ask the running attempt of job ``:job_id`` to stop: set ``cancel_requested_at``
+    (kept if set already: idempotent) and notify the table's channel with
+    ``!cancel:<id>:<attempt>`` (:data:`CANCEL_PAYLOAD_PREFIX`), delivered at commit.
+
+    Returns ``id, attempts`` (and the notification's empty value), or no row when the job
+    is not running. Locks the row like any ``UPDATE``; a lock-held handler's ``FOR KEY
+    SHARE`` lock (:func:`lock`) does not make it wait.
+    """
+    payload: ColumnElement[str] = (
+        literal_column(f"'{CANCEL_PAYLOAD_PREFIX}'")
+        + func.cast(table.c.id, Text)
+        + literal_column("':'")
+        + func.cast(table.c.attempts, Text)
+    )
+    channel: ColumnElement[str] = literal_column(
+        "'" + names(table.name).channel.replace("'", "''") + "'"
+    )
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.status == _lit(JobStatus.RUNNING),
+        )
+        .values(cancel_requested_at=func.coalesce(table.c.cancel_requested_at, _now()))
+        .returning(table.c.id, table.c.attempts, func.pg_notify(channel, payload))
+    )
+
+
+def cancel_attempts(table: Table) -> Update:
+    """End the given attempts' jobs ``cancelled`` (a worker's cancel outcome). Fenced.
+
+    Returns ``id, attempts`` of the cancelled jobs.
+    Parameters: ``:fence_ids``, ``:fence_attempts``.
+    """
+    _, match = _fences(table)
+    return (
+        update(table)
+        .where(match)
+        .values(
+            status=_lit(JobStatus.CANCELLED),
+            finished_at=_now(),
+            lease_expires_at=null(),
+            leased_by=null(),
+        )
+        .returning(table.c.id, table.c.attempts)
+    )
+
+
+def cancel_requests(table: Table) -> Select[Any]:
+    """Which of the given attempts have a cancel request: ``id, attempts``. Fenced.
+
+    A plain read (no row lock, so it also sees the rows that lock-held handlers hold):
+    the heartbeat's fallback for a cancel notification the worker missed.
+    Parameters: ``:fence_ids``, ``:fence_attempts``.
+    """
+    pairs, match = _fences(table)
+    return (
+        select(table.c.id, table.c.attempts)
+        .select_from(table)
+        .join(pairs, match)
+        .where(_cancel_requested(table))
+    )
+
+
+def own_columns(table: Table) -> Select[Any]:
+    """The model's own columns (:func:`enqueue_columns` past :data:`ENQUEUE_COLUMNS`) of
+    job ``:job_id``, by primary key; no lock. What a handler's ``ctx.columns`` reads."""
+    own = enqueue_columns(table)[len(ENQUEUE_COLUMNS) :]
+    return select(*(table.c[name] for name in own)).where(
+        table.c.id == bindparam("job_id", type_=BigInteger)
     )
 
 

@@ -193,10 +193,20 @@ def test_status_retry_cancel(
         statuses = {row.id: row.status for row in connection.execute(sa.select(Job.id, Job.status))}
     assert statuses == {dead: "pending", pending: "cancelled"}
 
-    status, _, err = main(capsys, "cancel", str(pending))
-    assert (status, err) == (
-        1,
-        f"sqla-jobs: error: job {pending} is cancelled; only pending jobs can be changed so\n",
+    # Idempotent: cancelling a cancelled job again says so and changes nothing.
+    assert main(capsys, "cancel", str(pending))[:2] == (0, f"job {pending} is cancelled\n")
+    status, _, err = main(capsys, "retry", str(pending))
+    assert status == 0
+    # A running job: its worker is asked to cancel it (tests/test_cancel.py for the rest).
+    with jobs_engine.begin() as connection:
+        connection.execute(
+            sa.update(Job)
+            .where(Job.id == dead)
+            .values(status="running", attempts=4, lease_expires_at=sa.func.now())
+        )
+    assert main(capsys, "cancel", str(dead))[:2] == (
+        0,
+        f"job {dead} is running: its worker was asked to cancel it\n",
     )
     status, _, err = main(capsys, "retry", "999999")
     assert (status, err) == (1, "sqla-jobs: error: Job has no job 999999\n")

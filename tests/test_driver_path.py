@@ -71,7 +71,10 @@ def test_core_connection_claims_and_completes_through_the_driver(
     assert all(job.run_at.tzinfo is not None for job in jobs)
     assert statuses(queue_engine) == dict.fromkeys(ids, (JobStatus.SUCCEEDED.value, 1))
     assert any("FOR UPDATE SKIP LOCKED" in sql for sql in calls)
-    assert any(sql.startswith("UPDATE email_jobs SET status='succeeded'") for sql in calls)
+    assert any(
+        sql.startswith("UPDATE email_jobs SET status=CASE") and "'succeeded'" in sql
+        for sql in calls
+    )
 
 
 def test_driver_path_is_fenced(queue_engine: sa.Engine) -> None:

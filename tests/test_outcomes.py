@@ -256,10 +256,12 @@ def test_admin_operations_on_wrong_states_and_missing_jobs(queue_engine: sa.Engi
             sqla_jobs.retry(session, EmailJob, job_id)
         with pytest.raises(JobNotFoundError):
             sqla_jobs.cancel(session, EmailJob, 999_999)
-    claim(queue_engine)
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete(session, job)
     with Session(queue_engine) as session, session.begin(), pytest.raises(JobStateError):
         sqla_jobs.cancel(session, EmailJob, job_id)
-    assert row(queue_engine, job_id).status == "running"
+    assert row(queue_engine, job_id).status == "succeeded"
 
 
 def test_prune_deletes_old_finished_jobs_in_batches(queue_engine: sa.Engine) -> None:

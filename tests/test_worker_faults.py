@@ -138,12 +138,12 @@ def test_an_outcome_that_cannot_be_written_at_all_is_given_up(
         if not refused and jobs:
             refused.append(jobs[0].id)
             raise ValueError("refused, whatever it is")
-        return sqla_jobs.queue.complete_many(session, jobs, **kwargs)
+        return sqla_jobs.queue.complete_attempts(session, jobs, **kwargs)
 
     def refuse_fail(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("refused too")
 
-    monkeypatch.setattr(writer, "complete_many", refuse_first)
+    monkeypatch.setattr(writer, "complete_attempts", refuse_first)
     monkeypatch.setattr(writer, "fail", refuse_fail)
     caplog.set_level(logging.INFO, logger="sqla_jobs")
     job_id = db.enqueue("sleepy")

@@ -317,15 +317,15 @@ def test_outcomes_of_a_failed_write_are_written_again(
     from sqla_jobs.worker import writer
 
     raised: list[int] = []
-    original = sqla_jobs.queue.complete_many
+    original = sqla_jobs.queue.complete_attempts
 
-    def failing_once(*args: Any, **kwargs: Any) -> list[ClaimedJob]:
+    def failing_once(*args: Any, **kwargs: Any) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
         if not raised:
             raised.append(1)
             raise OperationalError("complete", {}, psycopg.OperationalError("server gone"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(writer, "complete_many", failing_once)
+    monkeypatch.setattr(writer, "complete_attempts", failing_once)
     caplog.set_level(logging.INFO, logger="sqla_jobs")
     ids = db.enqueue_many([("sleepy", {"sleep": 0.01})] * 20)
     with running(db, concurrency=4, batch_size=4):

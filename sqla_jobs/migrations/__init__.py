@@ -22,7 +22,7 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
         jobs.create_job_table(
             "email_jobs",
             sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id")),
-            version=2,
+            version=3,
         )
         jobs.create_result_table("email_job_results")
 
@@ -31,7 +31,7 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
         jobs.drop_result_table("email_job_results")
         jobs.drop_job_table("email_jobs")
 
-``version=2`` is the schema version to build: the one the mixins declare today. A table an
+``version=3`` is the schema version to build: the one the mixins declare today. A table an
 earlier revision built without it is version 1; a new revision upgrades it in place, with
 indexes built concurrently on the live table::
 
@@ -87,6 +87,7 @@ from sqla_jobs.migrations.commands import (
 from sqla_jobs.migrations.operations import (
     LEASE_SCHEMA_VERSION,
     SCHEMA_VERSION,
+    add_cancel,
     add_dead_index,
     add_lease_columns,
     add_unique_keys,
@@ -99,6 +100,7 @@ from sqla_jobs.migrations.operations import (
     create_schedule_table,
     downgrade_job_table_to_v1,
     downgrade_job_table_to_v2,
+    drop_cancel,
     drop_claim_index,
     drop_claim_indexes,
     drop_dead_index,
@@ -119,6 +121,7 @@ __all__ = [
     "SCRIPT_LOCATION",
     "VERSION_LOCATION",
     "VERSION_TABLE",
+    "add_cancel",
     "add_dead_index",
     "add_lease_columns",
     "add_unique_keys",
@@ -134,6 +137,7 @@ __all__ = [
     "downgrade",
     "downgrade_job_table_to_v1",
     "downgrade_job_table_to_v2",
+    "drop_cancel",
     "drop_claim_index",
     "drop_claim_indexes",
     "drop_dead_index",

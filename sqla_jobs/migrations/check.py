@@ -38,8 +38,11 @@ _INDEX_SHAPE = sa.text(
     """
 )
 _SCRATCH_TABLE = "sqla_jobs_index_check"
-# Every column of JobMixin: a table that has them all is a job table, whoever made it.
-_JOB_COLUMNS = frozenset(statements.ENQUEUE_COLUMNS) | statements.MANAGED_COLUMNS
+# The columns every version of JobMixin has: a table that has them all is a job table,
+# whoever made it (and whichever version: version 3 adds nullable columns to version 2's).
+_JOB_COLUMNS = (frozenset(statements.ENQUEUE_COLUMNS) | statements.MANAGED_COLUMNS) - {
+    "cancel_requested_at"
+}
 
 
 @dataclass(frozen=True)

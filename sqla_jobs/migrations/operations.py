@@ -19,9 +19,10 @@ Schema versions:
    :func:`upgrade_job_table_to_v2`.
 3. (What :class:`~sqla_jobs.schema.JobMixin` declares today.) Version 2 plus unique jobs:
    the nullable columns ``unique_key`` and ``unique_statuses`` and the partial unique index
-   ``(unique_key) WHERE unique_key IS NOT NULL AND status = ANY (unique_statuses)``.
-   :func:`create_job_table` builds it with ``version=3``; a version-2 table is upgraded in
-   place, without a rewrite, by :func:`add_unique_keys`.
+   ``(unique_key) WHERE unique_key IS NOT NULL AND status = ANY (unique_statuses)``
+   (:func:`add_unique_keys`); cancel: a nullable ``cancel_requested_at`` column (when
+   :func:`sqla_jobs.cancel` asked a running job's worker to stop it; :func:`add_cancel`).
+   :func:`create_job_table` builds it with ``version=3``.
 
    Version 3 also has the dead index ``(queue, finished_at, id) WHERE status = 'dead'``,
    from which health checks and ``sqla-jobs status`` count and list dead jobs without
@@ -60,6 +61,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "UNIQUE_INDEX_COLUMNS",
     "UNIQUE_INDEX_PREDICATE",
+    "add_cancel",
     "add_dead_index",
     "add_lease_columns",
     "add_unique_keys",
@@ -72,6 +74,7 @@ __all__ = [
     "create_schedule_table",
     "downgrade_job_table_to_v1",
     "downgrade_job_table_to_v2",
+    "drop_cancel",
     "drop_claim_index",
     "drop_claim_indexes",
     "drop_dead_index",
@@ -107,6 +110,8 @@ DEAD_INDEX_PREDICATE = "status = 'dead'"
 UNIQUE_INDEX_COLUMNS = ("unique_key",)
 UNIQUE_INDEX_PREDICATE = "unique_key IS NOT NULL AND status = ANY (unique_statuses)"
 _UNIQUE_KEY_LENGTH = 255
+# Version 3 (cancel): the cancel request column.
+CANCEL_REQUESTED_COLUMN = "cancel_requested_at"
 _NAME_LENGTH = 200
 _STATUSES = "'pending', 'running', 'succeeded', 'dead', 'cancelled'"
 
@@ -143,6 +148,10 @@ def _unique_columns() -> list[sa.Column[Any]]:
         sa.Column("unique_key", sa.String(_UNIQUE_KEY_LENGTH), nullable=True),
         sa.Column("unique_statuses", sa.ARRAY(sa.String(16)), nullable=True),
     ]
+
+
+def _cancel_column() -> sa.Column[Any]:
+    return sa.Column(CANCEL_REQUESTED_COLUMN, sa.DateTime(timezone=True), nullable=True)
 
 
 def _result_table_items() -> list[SchemaItem]:
@@ -212,7 +221,7 @@ def create_job_table(
     passes ``version=3``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
     it the table is version 1, as it was when the revisions already written called this
     helper; upgrade such a table with :func:`upgrade_job_table_to_v2`, then
-    :func:`add_unique_keys`.
+    :func:`upgrade_job_table_to_v3`.
 
     ``extra`` are your model's own columns and constraints (``sa.Column``,
     ``sa.ForeignKeyConstraint``, ``sa.Index``, ...), added after the job columns.
@@ -245,6 +254,7 @@ def create_job_table(
     items = _job_table_items(table_name)
     if version >= 3:
         items += _unique_columns()
+        items.append(_cancel_column())
     table = op.create_table(table_name, *items, *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
@@ -424,7 +434,8 @@ def upgrade_job_table_to_v3(table_name: str, *, schema: str | None = None) -> No
     """Upgrade a live version-2 job table to version 3, feature by feature, without a table
     rewrite (nullable columns without defaults) and without blocking its users (indexes
     ``CONCURRENTLY``, in Alembic's ``autocommit_block()``, which commits what the revision
-    did before). Each step can run again after an interrupted one.
+    did before). An index build that was interrupted is dropped and built again when the
+    upgrade runs again.
 
     A revision of yours::
 
@@ -438,10 +449,12 @@ def upgrade_job_table_to_v3(table_name: str, *, schema: str | None = None) -> No
     """
     add_dead_index(table_name, schema=schema)
     add_unique_keys(table_name, schema=schema)
+    add_cancel(table_name, schema=schema)
 
 
 def downgrade_job_table_to_v2(table_name: str, *, schema: str | None = None) -> None:
     """Undo :func:`upgrade_job_table_to_v3`, feature by feature, in reverse order."""
+    drop_cancel(table_name, schema=schema)
     drop_unique_keys(table_name, schema=schema)
     drop_dead_index(table_name, schema=schema)
 
@@ -570,6 +583,32 @@ def create_schedule_table(
 def drop_schedule_table(table_name: str, *, schema: str | None = None) -> None:
     """Drop a schedule table."""
     op.drop_table(table_name, schema=schema)
+
+
+def add_cancel(table_name: str, *, schema: str | None = None) -> None:
+    """Add what cancelling a running job needs (schema version 3's cancel feature) to a
+    version-2 job table in place: the nullable ``cancel_requested_at`` column.
+
+    ``ALTER TABLE ... ADD COLUMN`` of a nullable column without a default rewrites nothing
+    and holds the table's ``ACCESS EXCLUSIVE`` lock only for a moment (but it waits, and
+    makes every later claim wait, behind a transaction using the table: a lock-held
+    worker's long handler; set ``lock_timeout`` in your migration environment). Deploy the
+    code that reads the column after the revision has run. A revision of yours::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.add_cancel("email_jobs")
+
+        def downgrade() -> None:
+            jobs.drop_cancel("email_jobs")
+    """
+    op.add_column(table_name, _cancel_column(), schema=schema)
+
+
+def drop_cancel(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`add_cancel`: drop the ``cancel_requested_at`` column."""
+    op.drop_column(table_name, CANCEL_REQUESTED_COLUMN, schema=schema)
 
 
 def create_notify_trigger(table_name: str, *, schema: str | None = None) -> None:

@@ -12,6 +12,12 @@ lock-mode handler's own transaction, an outcome being written), so it cannot dea
 the outcome writer; a lock-mode attempt's row lock keeps other claims away meanwhile, and
 an attempt whose outcome is being written is no longer at risk. Only a lease-mode attempt
 whose handler still runs is taken for lost when its lease was not extended.
+
+Each beat also asks, in the same transaction, which held attempts have a cancel request
+(:func:`sqla_jobs.queue.cancel_requests`, a plain read that sees lock-held rows too): the
+fallback for a cancel notification the worker missed (sent while its listener was
+reconnecting, or a worker without LISTEN). So a cancel reaches a handler within about a
+second through the notification, and within a third of the lease without it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Callable
 
 from sqlalchemy import Connection
 
-from sqla_jobs.queue import ClaimedJob, heartbeat
+from sqla_jobs.queue import ClaimedJob, cancel_requests, heartbeat
 from sqla_jobs.worker.link import Link, as_session
 from sqla_jobs.worker.runner import job_extra
 from sqla_jobs.worker.state import Attempt, State
@@ -43,7 +49,9 @@ class Heartbeat:
         finished: threading.Event,
         on_database_error: Callable[[str, Exception], float],
         on_database_ok: Callable[[], None],
+        on_cancel_requested: Callable[[tuple[int, int]], None] = lambda key: None,
     ) -> None:
+        self.on_cancel_requested = on_cancel_requested
         self.state = state
         self.link = link
         self.every = every
@@ -66,15 +74,20 @@ class Heartbeat:
         leases = [a.lease_seconds for a in held]
         sent = time.monotonic()
 
-        def extend(connection: Connection) -> list[ClaimedJob]:
-            return heartbeat(as_session(connection), jobs, lease=leases)
+        running = [a.job for a in held if a.outcome is None and not a.cancel_requested]
+
+        def extend(connection: Connection) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+            session = as_session(connection)
+            return heartbeat(session, jobs, lease=leases), cancel_requests(session, running)
 
         try:
-            refused = self.link.transaction(extend)
+            refused, cancels = self.link.transaction(extend)
         except Exception as exc:
             self.on_database_error("heartbeat", exc)
             return
         self.on_database_ok()
+        for job in cancels:
+            self.on_cancel_requested((job.id, job.attempt))
         refused_keys = {(job.id, job.attempt) for job in refused}
         for attempt in held:
             if attempt.key not in refused_keys:

@@ -613,6 +613,7 @@ class Worker:
             finished=self._finished,
             on_database_error=beat_failed,
             on_database_ok=beat_ok,
+            on_cancel_requested=self._runner.request_cancel,
         )
         self._roles = {
             "fetch": _Role("fetch", self._prefix, self._fetcher.loop),
@@ -716,6 +717,10 @@ class Worker:
     def _on_notify(self, payload: str) -> None:
         if payload in self.queues:
             self._state.wake()
+        elif payload.startswith(statements.CANCEL_PAYLOAD_PREFIX):  # cancel() of a running job
+            job_id, _, attempt = payload[len(statements.CANCEL_PAYLOAD_PREFIX) :].partition(":")
+            if job_id.isdigit() and attempt.isdigit():
+                self._runner.request_cancel((int(job_id), int(attempt)))
 
     # -- supervise --------------------------------------------------------------------------
 

@@ -15,8 +15,12 @@ exactly once:
   starved): ``release``, and the handler never starts (the rule "a lease is checked before
   a handler starts" lives in :meth:`Runner._execute`);
 * lock mode: the handler's transaction committed the completion itself (``committed``), or
-  the row was no longer this attempt's (``lost``), or the database failed under it
-  (``release``).
+  the row was no longer this attempt's (``lost``, the handler's writes rolled back), or
+  the job's cancel was requested (``cancel``, the handler's writes rolled back), or the
+  database failed under it (``release``);
+* the job's cancel was requested while the handler ran: ``cancel``, whatever the handler
+  did (:meth:`State.settle <sqla_jobs.worker.state.State.settle>` holds that rule;
+  :meth:`Runner.request_cancel` tells the handler).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from sqlalchemy.orm import Session
 from sqla_jobs import statements, validation
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
-from sqla_jobs.queue import complete_many, lock_one
+from sqla_jobs.queue import ClaimedJob, complete_attempts, job_columns, lock_one
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.worker.link import as_session
 from sqla_jobs.worker.observer import NO_OBSERVER
@@ -69,7 +73,13 @@ def job_extra(attempt: Attempt, action: str, **more: Any) -> dict[str, Any]:
     }
 
 
-async def _awaited(awaitable: Awaitable[_T]) -> _T:
+async def _awaited(awaitable: Awaitable[_T], attempt: Attempt) -> _T:
+    task = asyncio.current_task()
+    attempt.aio_task = task
+    if attempt.cancel_requested and task is not None:
+        # Asked before the coroutine started (see Runner.request_cancel): it is cancelled
+        # at its first await.
+        task.cancel()
     return await awaitable
 
 
@@ -108,6 +118,26 @@ class Runner:
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
         self._own_loop = True
+        self._columns_loader = self._load_columns  # one bound method, not one per job
+
+    def request_cancel(self, key: tuple[int, int]) -> None:
+        """The cancel of attempt ``key`` (job id, attempt) was requested (a notification,
+        or the heartbeat's answer): a handler not started is settled as a cancel at once;
+        a running thread handler sees ``ctx.cancelled``; a running coroutine handler is
+        cancelled on its event loop. Nothing for an attempt this worker does not hold."""
+        attempt = self.state.request_cancel(key)
+        if attempt is None:
+            return
+        logger.info(
+            "job %d: cancel requested while it runs; stopping it",
+            attempt.job.id,
+            extra=job_extra(attempt, "job_cancel_requested"),
+        )
+        task, loop = attempt.aio_task, self._loop
+        if task is not None and loop is not None and not loop.is_closed():
+            # Not the concurrent future's cancel: that would let the handler thread go on
+            # before the coroutine has finished (a lock-mode transaction not yet rolled back).
+            loop.call_soon_threadsafe(task.cancel)
 
     def use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run coroutine handlers on ``loop`` (an application's) instead of a loop of the
@@ -260,8 +290,16 @@ class Runner:
             logger.debug("job started", extra=job_extra(attempt, "job_started"))
         if task.mode == "lock":
             return self._run_locked(attempt, task)
-        result = self._call(attempt, task, JobContext(job, self.worker_name))
+        ctx = JobContext(job, self.worker_name, _cancel=attempt, _loader=self._columns_loader)
+        result = self._call(attempt, task, ctx)
         return Outcome(Kind.COMPLETE, result=self._storable(result))
+
+    def _load_columns(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]:
+        # ctx.columns: through the claim's session in lock mode, else a session of its own.
+        if session is not None:
+            return job_columns(job, session)
+        with self.session_factory() as own, own.begin():
+            return job_columns(job, own)
 
     def _call(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any:
         value = task.function(ctx)
@@ -271,7 +309,7 @@ class Runner:
 
     def _await(self, attempt: Attempt, awaitable: Awaitable[_T]) -> _T:
         """Await on the event loop, from this handler thread."""
-        future = asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._event_loop())
+        future = asyncio.run_coroutine_threadsafe(_awaited(awaitable, attempt), self._event_loop())
         attempt.future = future
         try:
             return future.result()
@@ -280,7 +318,7 @@ class Runner:
 
     def _storable(self, result: Any) -> Any:
         # A result jsonb cannot store fails its own job here, not the batch it is written in.
-        if self.registry.result_model is not None and result is not None:
+        if result is not None and self.registry.result_model is not None:
             try:
                 validation.check_json("result", result)
             except RecursionError as exc:
@@ -307,9 +345,14 @@ class Runner:
                 pid = _backend_pid(session, ask=self.pooled)
                 attempt.backend = None if pid is None else (pid, started)
                 try:
-                    result = self._storable(
-                        self._call(attempt, task, JobContext(job, self.worker_name, session))
+                    ctx = JobContext(
+                        job,
+                        self.worker_name,
+                        session,
+                        _cancel=attempt,
+                        _loader=self._columns_loader,
                     )
+                    result = self._storable(self._call(attempt, task, ctx))
                     if session.get_transaction() is not transaction or not transaction.is_active:
                         raise ConfigurationError(_ENDED_TRANSACTION)
                     # The handler's pending writes: refused ones fail the job like an error
@@ -318,11 +361,12 @@ class Runner:
                 except BaseException as exc:
                     _rollback_quietly(session)
                     return Outcome(Kind.FAIL, error=exc)
-                lost = self._complete(as_session(connection), attempt, result)
+                ended = self._complete(as_session(connection), attempt, result)
+                if ended is not None:  # nothing of the handler's may commit then
+                    _rollback_quietly(session)
+                    return ended
                 committing = True
                 session.commit()
-            if lost:
-                return Outcome(Kind.LOST, why="its completion was fenced out")
             return Outcome(Kind.COMMITTED)
         except Exception as exc:
             return _database_failed(attempt, exc, committing=committing)
@@ -345,7 +389,13 @@ class Runner:
                 pid = await session.run_sync(_backend_pid, ask=self.pooled)
                 attempt.backend = None if pid is None else (pid, started)
                 try:
-                    ctx = JobContext(job, self.worker_name, _async_session=session)
+                    ctx = JobContext(
+                        job,
+                        self.worker_name,
+                        _async_session=session,
+                        _cancel=attempt,
+                        _loader=self._columns_loader,
+                    )
                     result = self._storable(await task.function(ctx))
                     if not transaction.is_active or session.get_transaction() is not transaction:
                         raise ConfigurationError(_ENDED_TRANSACTION)
@@ -356,25 +406,35 @@ class Runner:
                     except Exception as rollback_error:  # the server rolls back for us
                         logger.debug("rollback failed: %s", describe(rollback_error))
                     return Outcome(Kind.FAIL, error=exc)
-                lost = await session.run_sync(lambda s: self._complete(s, attempt, result))
+                ended = await session.run_sync(lambda s: self._complete(s, attempt, result))
+                if ended is not None:  # as in _run_locked
+                    await transaction.rollback()
+                    return ended
                 committing = True
                 await transaction.commit()
-            if lost:
-                return Outcome(Kind.LOST, why="its completion was fenced out")
             return Outcome(Kind.COMMITTED)
         except Exception as exc:
             return _database_failed(attempt, exc, committing=committing)
         finally:
             attempt.backend = None
 
-    def _complete(self, session: Session, attempt: Attempt, result: Any) -> bool:
-        """Complete ``attempt`` in ``session``'s transaction; whether it was fenced out."""
+    def _complete(self, session: Session, attempt: Attempt, result: Any) -> Outcome | None:
+        """Complete ``attempt`` in ``session``'s transaction. None when it completed; else
+        the outcome instead, and the caller rolls the transaction back: ``lost`` when it was
+        fenced out, ``cancel`` when its cancel was requested (the completion made it
+        cancelled: rolled back with the handler's writes, the outcome writer cancels it)."""
         result_model = self.registry.result_model
         if result_model is None or result is None:
-            return bool(complete_many(session, [attempt.job]))
-        return bool(
-            complete_many(session, [attempt.job], results=[result], result_model=result_model)
-        )
+            lost, cancelled = complete_attempts(session, [attempt.job])
+        else:
+            lost, cancelled = complete_attempts(
+                session, [attempt.job], results=[result], result_model=result_model
+            )
+        if cancelled:
+            return Outcome(Kind.CANCEL, why="its cancel was requested")
+        if lost:
+            return Outcome(Kind.LOST, why="its completion was fenced out")
+        return None
 
 
 _ENDED_TRANSACTION: Final = (

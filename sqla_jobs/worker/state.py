@@ -1,12 +1,17 @@
 """What the worker's threads share: the attempts it holds, its slots, the outcomes to write.
 
 The rule this module exists for: **every claimed attempt reaches exactly one outcome**
-(complete, fail, release, lost, or committed by its own lock-mode transaction). It lives
-in one place, :meth:`State.settle`: the first outcome given for an attempt is kept, any
+(complete, fail, cancel, release, lost, or committed by its own lock-mode transaction). It
+lives in one place, :meth:`State.settle`: the first outcome given for an attempt is kept, any
 later one is refused. The handler path settles every attempt it starts in a ``finally``
 (:mod:`sqla_jobs.worker.runner`), and shutdown settles whatever is still unsettled as a
 release through the same method, so a handler that finishes after the worker gave its job
 back changes nothing.
+
+A cancel (:func:`sqla_jobs.cancel` of a running job) is one more outcome, fixed here too:
+once the worker has heard of the request (:meth:`State.request_cancel`), whatever the
+handler ends with (it returned, it raised, it was cancelled) is settled as ``cancel``, and
+an attempt whose handler has not started yet is settled as ``cancel`` at once.
 
 An attempt's life here::
 
@@ -17,16 +22,17 @@ An attempt's life here::
 
 Locking rules
     One lock, :attr:`State.lock`, guards every mutable field of :class:`State` and the
-    ``outcome``, ``settled_at`` and ``started_at`` fields of every :class:`Attempt`. It is
-    held only for bookkeeping: never across database calls, handler calls or logging, and
-    no other lock is taken while it is held. Two conditions share it: ``changed`` (a slot
-    freed, a wake-up arrived, the worker is stopping: the fetch loop waits on it) and
-    ``outcomes_ready`` (the outcome writer waits on it). Fields of an attempt outside that
-    list are written by one thread only, as noted on each.
+    ``outcome``, ``settled_at``, ``started_at`` and ``cancel_requested`` fields of every
+    :class:`Attempt`. It is held only for bookkeeping: never across database calls, handler
+    calls or logging, and no other lock is taken while it is held. Two conditions share it:
+    ``changed`` (a slot freed, a wake-up arrived, the worker is stopping: the fetch loop
+    waits on it) and ``outcomes_ready`` (the outcome writer waits on it). Fields of an
+    attempt outside that list are written by one thread only, as noted on each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import enum
 import threading
@@ -46,6 +52,7 @@ class Kind(enum.Enum):
 
     COMPLETE = "complete"  # the handler returned: mark the job succeeded (with its result)
     FAIL = "fail"  # the handler raised (or could not run): retry later, or dead
+    CANCEL = "cancel"  # its cancel was requested: mark the job cancelled
     RELEASE = "release"  # not run to the end: give the job back, the attempt not charged
     LOST = "lost"  # another attempt owns the job: nothing to write
     COMMITTED = "committed"  # a lock-mode handler's transaction completed it: nothing to write
@@ -64,7 +71,7 @@ class Outcome:
 
     @property
     def writes(self) -> bool:
-        return self.kind in (Kind.COMPLETE, Kind.FAIL, Kind.RELEASE)
+        return self.kind in (Kind.COMPLETE, Kind.FAIL, Kind.CANCEL, Kind.RELEASE)
 
 
 @dataclass(eq=False, slots=True)
@@ -88,6 +95,12 @@ class Attempt:
     backend: tuple[int, float] | None = None
     # By the handler thread: the future of a coroutine handler, cancelled at shutdown.
     future: concurrent.futures.Future[Any] | None = None
+    # Under State.lock, by State.request_cancel only (read without it: a bool, set once):
+    # the job's cancel was requested. JobContext.cancelled reads it.
+    cancel_requested: bool = False
+    # By the event loop's thread: the asyncio task awaiting a coroutine handler, which a
+    # cancel request cancels.
+    aio_task: asyncio.Task[Any] | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -97,6 +110,9 @@ class Attempt:
     def lease_seconds(self) -> float:
         task = self.task
         return task.lease.total_seconds() if task is not None else 0.0
+
+
+_CANCELLED = Outcome(Kind.CANCEL, why="its cancel was requested")
 
 
 @dataclass
@@ -174,11 +190,16 @@ class State:
         """Fix ``attempt``'s outcome, free its slot and queue it for the outcome writer.
 
         The first outcome wins; a later one is refused (returns False) and changes
-        nothing: this is where "exactly one outcome per attempt" holds.
+        nothing: this is where "exactly one outcome per attempt" holds. Once the attempt's
+        cancel was requested, a completion or a failure is settled as a cancel: the job
+        ends cancelled whatever its handler did (the statements hold the same rule for a
+        request the worker has not heard of yet).
         """
         with self.lock:
             if attempt.outcome is not None:
                 return False
+            if attempt.cancel_requested and outcome.kind in (Kind.COMPLETE, Kind.FAIL):
+                outcome = _CANCELLED
             attempt.outcome = outcome
             attempt.settled_at = time.monotonic()
             self.busy -= 1
@@ -188,6 +209,21 @@ class State:
             if self.slots_wanted and self.concurrency - self.busy >= self.slots_wanted:
                 self.changed.notify_all()
             return True
+
+    def request_cancel(self, key: tuple[int, int]) -> Attempt | None:
+        """The job's cancel was requested: mark the attempt so that its handler can see it
+        and its outcome is a cancel; settle it as a cancel at once if its handler has not
+        started. Returns the attempt when its handler is running (the caller cancels a
+        coroutine), None otherwise (unknown here, settled already, or settled now)."""
+        with self.lock:
+            attempt = self.held.get(key)
+            if attempt is None or attempt.outcome is not None or attempt.cancel_requested:
+                return None
+            attempt.cancel_requested = True
+            if attempt.started_at:
+                return attempt
+        self.settle(attempt, _CANCELLED)
+        return None
 
     def start(self, attempt: Attempt) -> bool:
         """Mark the attempt's handler as starting; False when its outcome is fixed already

@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 from sqlalchemy import Connection
 
 from sqla_jobs.errors import LeaseLostError
 from sqla_jobs.events import describe
 from sqla_jobs.policy import RetryPolicy
-from sqla_jobs.queue import ClaimedJob, complete_many, fail, release
+from sqla_jobs.queue import ClaimedJob, cancel_attempts, complete_attempts, fail, release
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.worker.link import Link, as_session, is_transient
@@ -102,6 +102,9 @@ class OutcomeWriter:
         statuses: dict[tuple[int, int], JobStatus] = {}
         if to_write:
             lost, statuses = self.link.transaction(lambda c: self._statements(c, to_write))
+        # An attempt is logged as cancelled when its outcome was a cancel, or when the
+        # database made its completion or failure a cancel (a request the worker had not
+        # heard of yet).
         self.state.written(batch)
         self._log(batch, lost, statuses)
 
@@ -118,18 +121,28 @@ class OutcomeWriter:
         completed = by_kind.get(Kind.COMPLETE, [])
         result_model = self.registry.result_model
         results = [a.outcome.result if a.outcome is not None else None for a in completed]
+        cancelled: list[ClaimedJob] = []
+        batches: list[tuple[list[ClaimedJob], list[Any] | None]]
         if result_model is None or all(result is None for result in results):
-            lost += complete_many(session, [a.job for a in completed])
+            batches = [([a.job for a in completed], None)]
         else:
             pairs = list(zip(completed, results, strict=True))
-            lost += complete_many(session, [a.job for a, result in pairs if result is None])
             stored = [(a.job, result) for a, result in pairs if result is not None]
-            lost += complete_many(
-                session,
-                [job for job, _ in stored],
-                results=[result for _, result in stored],
-                result_model=result_model,
+            batches = [
+                ([a.job for a, result in pairs if result is None], None),
+                ([job for job, _ in stored], [result for _, result in stored]),
+            ]
+        for jobs, values in batches:
+            lost_now, cancelled_now = complete_attempts(
+                session, jobs, results=values, result_model=result_model if values else None
             )
+            lost += lost_now
+            cancelled += cancelled_now
+        for job in cancelled:
+            statuses[(job.id, job.attempt)] = JobStatus.CANCELLED
+        cancels = by_kind.get(Kind.CANCEL, [])
+        if cancels:
+            lost += cancel_attempts(session, [a.job for a in cancels])
         for attempt in sorted(by_kind.get(Kind.FAIL, []), key=lambda a: a.job.id):
             outcome = attempt.outcome
             assert outcome is not None
@@ -212,6 +225,15 @@ class OutcomeWriter:
             if attempt.key in lost or kind is Kind.LOST:
                 _log_lost(attempt, outcome.why or f"its {kind.value} was fenced out")
                 how = "lost"
+            elif kind is Kind.CANCEL or statuses.get(attempt.key) is JobStatus.CANCELLED:
+                logger.info(
+                    "job %d (%s) is cancelled (attempt %d)",
+                    attempt.job.id,
+                    attempt.job.task,
+                    attempt.job.attempt,
+                    extra=job_extra(attempt, "job_cancelled"),
+                )
+                how = "cancelled"
             elif kind is Kind.FAIL:
                 error = outcome.error
                 text = describe(error) if isinstance(error, BaseException) else error
