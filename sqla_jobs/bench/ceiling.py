@@ -42,15 +42,17 @@ from sqla_jobs.urls import libpq_url
 __all__ = ["bare_insert", "processes", "run_sweep", "seed_loop"]
 
 
-def seed_loop(url: str, queue: str, batch: int, mode: str, start_at: float, out: Any) -> None:
-    """Claim and complete with the seed SQL until the queue is empty. Sends
-    ``(count, started, ended)`` (wall clock) to ``out``."""
+def seed_loop(url: str, queue: str, batch: int, mode: str, ready: Any, go: Any, out: Any) -> None:
+    """Once connected, put None on ``ready`` and wait for ``go``; then claim and complete
+    with the seed SQL until the queue is empty. Sends ``(count, started, ended)`` (wall
+    clock) to ``out``."""
     table = scratch.TABLE
     many = batch > 1
     done = 0
     with psycopg.connect(libpq_url(url), autocommit=True) as connection:
         connection.execute(scratch.sql(statements.ping()))
-        time.sleep(max(0.0, start_at - time.time()))
+        ready.put(None)
+        go.wait(120)
         started = time.time()
         if mode == "lease":
             claim_sql = scratch.sql(bench_sql.seed_claim(table))
@@ -83,14 +85,16 @@ def seed_loop(url: str, queue: str, batch: int, mode: str, start_at: float, out:
 
 
 def processes(target: Callable[..., None], args: Sequence[Any], count: int) -> list[Any]:
-    """Run ``target(*args, start_at, out)`` in ``count`` spawned processes that start
-    together; what each put on ``out``."""
+    """Run ``target(*args, ready, go, out)`` in ``count`` spawned processes, released
+    together (``go``) once each has said it is ready; what each put on ``out``."""
     context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    start_at = time.time() + 1.5  # spawned interpreters need a moment to import
-    procs = [context.Process(target=target, args=(*args, start_at, out)) for _ in range(count)]
+    ready, go, out = context.Queue(), context.Event(), context.Queue()
+    procs = [context.Process(target=target, args=(*args, ready, go, out)) for _ in range(count)]
     for proc in procs:
         proc.start()
+    for _ in procs:
+        ready.get(timeout=120)
+    go.set()
     results = [out.get(timeout=600) for _ in procs]
     for proc in procs:
         proc.join(30)
