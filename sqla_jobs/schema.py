@@ -315,11 +315,12 @@ def _checked(job: JobMixin, key: str, value: object) -> object:
             raise InvalidJobError(key, f"must be one of {[s.value for s in JobStatus]}")
         return value
     limit = job.max_args_bytes
-    checked = validation.check_field(key, value, max_args_bytes=limit)
     if key == "args":
         # Remember what passed, so that the flush can tell cheaply that it is unchanged.
-        job.__dict__[_CHECKED_ARGS] = (validation.args_snapshot(value), limit)
-    return checked
+        snapshot = validation.checked_args(key, value, max_bytes=limit)
+        job.__dict__[_CHECKED_ARGS] = (snapshot, limit)
+        return value
+    return validation.check_field(key, value, max_args_bytes=limit)
 
 
 def _recheck_args(_mapper: object, _connection: object, state: InstanceState[JobMixin]) -> None:
