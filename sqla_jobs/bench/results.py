@@ -20,7 +20,7 @@ SECTIONS: Final = (
 )
 
 #: The batch sizes the ceiling's plain loops are measured at; the best is the ceiling.
-SWEEP: Final = (1, 10, 25, 50, 100, 200)
+SWEEP: Final = (1, 10, 50, 100, 200)
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Config:
     memory_base_jobs: int = 50_000
     repeat: int = 3
     #: The batched drains' worker: Worker(concurrency=...) and nothing else (its defaults).
-    concurrency: int = 100
+    concurrency: int = 200
     #: The batch size of the history section's library claim loop.
     batch: int = 50
     sweep: tuple[int, ...] = SWEEP

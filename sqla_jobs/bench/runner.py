@@ -52,11 +52,11 @@ def _parser() -> argparse.ArgumentParser:
         "--memory-base-jobs", type=int, help="jobs of the drain it is compared with (50000)"
     )
     parser.add_argument(
-        "--concurrency", type=int, help="the batched drains' Worker(concurrency=...) (100)"
+        "--concurrency", type=int, help="the batched drains' Worker(concurrency=...) (200)"
     )
     parser.add_argument("--batch", type=int, help="the history and async claim batch (50)")
     parser.add_argument(
-        "--sweep", help="the ceiling's batch sizes, comma-separated (1,10,25,50,100,200)"
+        "--sweep", help="the ceiling's batch sizes, comma-separated (1,10,50,100,200)"
     )
     parser.add_argument("--chunk", type=int, help="bulk enqueue chunk size (1000)")
     parser.add_argument("--latency-samples", type=int, help="wake-ups measured (200)")
