@@ -12,7 +12,7 @@ server-side prepared statements (``prepare=True``), until the queue is empty:
            (:func:`~sqla_jobs.bench.statements.seed_lock`), complete them in the same
            transaction (:func:`~sqla_jobs.bench.statements.seed_lock_complete`), commit.
 
-B runs over the sweep (``--sweep``, default 1, 10, 50, 100, 200): B = 1 is the
+B runs over the sweep (``--sweep``, default 1, 10, 50, 100, 200, 500): B = 1 is the
 one-job-per-claim ceiling, and the best rate of the others the batched ceiling
 (``ceiling.<mode>.batched.<n>p``), so that the ceiling is the strongest plain loop, not one
 at a batch size that happens to suit the library. Every point of the sweep is reported

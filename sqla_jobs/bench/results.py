@@ -20,7 +20,7 @@ SECTIONS: Final = (
 )
 
 #: The batch sizes the ceiling's plain loops are measured at; the best is the ceiling.
-SWEEP: Final = (1, 10, 50, 100, 200)
+SWEEP: Final = (1, 10, 50, 100, 200, 500)
 
 
 @dataclass

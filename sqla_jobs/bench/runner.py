@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--batch", type=int, help="the history and async claim batch (50)")
     parser.add_argument(
-        "--sweep", help="the ceiling's batch sizes, comma-separated (1,10,50,100,200)"
+        "--sweep", help="the ceiling's batch sizes, comma-separated (1,10,50,100,200,500)"
     )
     parser.add_argument("--chunk", type=int, help="bulk enqueue chunk size (1000)")
     parser.add_argument("--latency-samples", type=int, help="wake-ups measured (200)")
