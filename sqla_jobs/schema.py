@@ -23,7 +23,7 @@ import enum
 import hashlib
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
     BigInteger,
@@ -42,7 +42,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
-from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
+from sqlalchemy.orm import InstanceState, Mapped, Mapper, declared_attr, mapped_column
 
 from sqla_jobs import validation
 from sqla_jobs.errors import InvalidJobError, UniqueJobError
@@ -323,35 +323,17 @@ class JobMixin:
             CheckConstraint("attempts >= 0 AND max_attempts >= 1", name=n.attempts_check),
         )
 
-    @validates(*sorted(validation.JOB_FIELDS))
-    def _validate_field(self, key: str, value: object) -> object:
-        limit = self.max_args_bytes
-        checked = validation.check_field(key, value, max_args_bytes=limit)
-        if key == "args":
-            # Remember what passed, so that the flush can tell cheaply that it is unchanged.
-            self.__dict__[_CHECKED_ARGS] = (validation.args_snapshot(value), limit)
-        return checked
+    if not TYPE_CHECKING:  # at run time only: to a type checker, assignments stay typed
 
-    @validates("unique_key", "unique_statuses")
-    def _refuse_unique(self, key: str, value: object) -> object:
-        # A plain INSERT of a duplicate key would abort the caller's whole transaction at
-        # flush, by surprise: refuse it here, at assignment, before anything is written.
-        if value is None:
-            return value
-        raise UniqueJobError(
-            key,
-            "is set by sqla_jobs.enqueue_unique(session, job, key=...) (or "
-            "enqueue_unique_many), which never aborts your transaction on a duplicate; "
-            "session.add() of a job with a unique key would",
-        )
-
-    @validates("status")
-    def _validate_status(self, key: str, value: object) -> str:
-        if isinstance(value, JobStatus):
-            return value.value
-        if not isinstance(value, str) or value not in {s.value for s in JobStatus}:
-            raise InvalidJobError(key, f"must be one of {[s.value for s in JobStatus]}")
-        return value
+        def __setattr__(self, key: str, value: object) -> None:
+            # Every job field is checked as it is assigned, the constructor's keyword
+            # arguments included (SQLAlchemy's constructor assigns them one by one). A plain
+            # __setattr__ rather than @validates: validators are attribute events, and on
+            # add_all's hot path their dispatch cost about as much as the checks themselves
+            # (instructions per constructed job, callgrind: see the README's Benchmarks).
+            if key in _CHECKED_FIELDS:
+                value = _checked(self, key, value)
+            super().__setattr__(key, value)
 
     def __repr__(self) -> str:
         # Only what the instance already holds: reading a mapped attribute could load it
@@ -407,32 +389,63 @@ class JobResultMixin:
     )
 
 
-# Set on an instance by the ``args`` validator: (validation.args_snapshot() of the value it
+# Set on an instance by the ``args`` check: (validation.args_snapshot() of the value it
 # passed, the size limit it was checked against).
 _CHECKED_ARGS = "_sqla_jobs_checked_args"
+_UNIQUE_FIELDS = frozenset({"unique_key", "unique_statuses"})
+_CHECKED_FIELDS = validation.JOB_FIELDS | {"status"} | _UNIQUE_FIELDS
+_STATUS_VALUES = frozenset(s.value for s in JobStatus)
 
 
-def _recheck_args(_mapper: object, _connection: object, target: JobMixin) -> None:
+def _checked(job: JobMixin, key: str, value: object) -> object:
+    """The value to store for the job field ``key`` (or InvalidJobError), as it is assigned."""
+    if key in _UNIQUE_FIELDS:
+        # A plain INSERT of a duplicate key would abort the caller's whole transaction at
+        # flush, by surprise: refuse it here, at assignment, before anything is written.
+        if value is None:
+            return value
+        raise UniqueJobError(
+            key,
+            "is set by sqla_jobs.enqueue_unique(session, job, key=...) (or "
+            "enqueue_unique_many), which never aborts your transaction on a duplicate; "
+            "session.add() of a job with a unique key would",
+        )
+    if key == "status":
+        if isinstance(value, JobStatus):
+            return value.value
+        if not isinstance(value, str) or value not in _STATUS_VALUES:
+            raise InvalidJobError(key, f"must be one of {[s.value for s in JobStatus]}")
+        return value
+    limit = job.max_args_bytes
+    if key == "args":
+        # Remember what passed, so that the flush can tell cheaply that it is unchanged.
+        snapshot = validation.checked_args(key, value, max_bytes=limit)
+        job.__dict__[_CHECKED_ARGS] = (snapshot, limit)
+        return value
+    return validation.check_field(key, value, max_args_bytes=limit)
+
+
+def _recheck_args(_mapper: object, _connection: object, state: InstanceState[JobMixin]) -> None:
     # A dict can be changed in place after it was assigned, which no validator sees; check
     # once more before the INSERT. Raising here aborts the flush and the session's
-    # transaction, so nothing of the transaction is written.
-    args: dict[str, Any] | None = target.args
-    if args is None:  # never assigned: the column default ({}) applies
+    # transaction, so nothing of the transaction is written. (raw=True: the listener gets
+    # the InstanceState, and reads the instance's dict directly: an ``args`` that is not
+    # loaded was not changed, and reading it through the attribute would load it mid-flush.)
+    loaded = state.dict
+    args = loaded.get("args")
+    if args is None:  # never assigned (the column default, {}, applies) or not loaded
         return
     # The same bytes are the same value (see args_snapshot), whatever happened in between:
     # then the check at assignment still holds, and the JSON encoding can be skipped.
-    snapshot, limit = target.__dict__.pop(_CHECKED_ARGS, (None, 0))
-    if (
-        snapshot is not None
-        and limit <= target.max_args_bytes
-        and validation.args_snapshot(args) == snapshot
-    ):
+    snapshot, limit = loaded.pop(_CHECKED_ARGS, (None, 0))
+    max_bytes = state.class_.max_args_bytes
+    if snapshot is not None and limit <= max_bytes and validation.args_snapshot(args) == snapshot:
         return
-    validation.check_args("args", args, max_bytes=target.max_args_bytes)
+    validation.check_args("args", args, max_bytes=max_bytes)
 
 
-event.listen(JobMixin, "before_insert", _recheck_args, propagate=True)
-event.listen(JobMixin, "before_update", _recheck_args, propagate=True)
+event.listen(JobMixin, "before_insert", _recheck_args, propagate=True, raw=True)
+event.listen(JobMixin, "before_update", _recheck_args, propagate=True, raw=True)
 
 
 def _attach_table_ddl(mapper: Mapper[Any], _class: type[Any]) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "check_name",
     "check_priority",
     "check_run_at",
+    "checked_args",
 ]
 
 DEFAULT_MAX_ARGS_BYTES = 256 * 1024
@@ -266,6 +267,58 @@ def args_snapshot(value: object) -> bytes | None:
         return None
 
 
+# No JSON text is longer than this many times the value's args_snapshot() (marshal format
+# 2), in bytes: the worst case is a string of control characters, 1 byte in marshal and 6 in
+# JSON (\u001f); an int, float, bool or None, a container's framing and a dict's key are
+# all cheaper. So a snapshot of n bytes bounds the JSON size by 6 * n, without encoding.
+_JSON_BYTES_PER_SNAPSHOT_BYTE: Final = 6
+
+
+def checked_args(field: str, value: object, *, max_bytes: int) -> bytes | None:
+    """:func:`check_args`, returning the value's :func:`args_snapshot` (None when there is
+    none to take) instead of its size.
+
+    The common case takes a fast path with no JSON encoding: the snapshot takes only the
+    exact built-in types, and when it is small enough to bound the JSON size under
+    ``max_bytes`` and one walk finds only string keys, ASCII text without NUL, finite floats,
+    ints, bools, None, lists, tuples and dicts, the value is storable as it is. Anything else
+    goes through :func:`check_args`, which finds and names the problem.
+    """
+    snapshot = args_snapshot(value)
+    if (
+        snapshot is None
+        or type(value) is not dict
+        or _JSON_BYTES_PER_SNAPSHOT_BYTE * len(snapshot) > max_bytes
+        or not _plain_json(value)
+    ):
+        check_args(field, value, max_bytes=max_bytes)
+    return snapshot
+
+
+def _plain_json(value: object) -> bool:
+    # Exact types only (the snapshot has refused subclasses and every other type already).
+    stack: list[Any] = [value]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is str:
+            if not node.isascii() or "\x00" in node:
+                return False
+        elif kind is dict:
+            for key, item in node.items():
+                if type(key) is not str or not key.isascii() or "\x00" in key:
+                    return False
+                stack.append(item)
+        elif kind is list or kind is tuple:
+            stack.extend(node)
+        elif kind is float:
+            if not math.isfinite(node):
+                return False
+        elif kind is not int and kind is not bool and node is not None:
+            return False
+    return True
+
+
 #: The job fields an enqueuer sets, each with its check. The mixin's validators and
 #: ``enqueue_many`` both go through :func:`check_field`, so they cannot disagree.
 JOB_FIELDS: Final = frozenset({"queue", "task", "args", "priority", "max_attempts", "run_at"})
@@ -277,7 +330,7 @@ def check_field(field: str, value: object, *, max_args_bytes: int) -> object:
     if field in ("queue", "task"):
         return check_name(field, value)
     if field == "args":
-        check_args(field, value, max_bytes=max_args_bytes)
+        checked_args(field, value, max_bytes=max_args_bytes)
         return value
     if field == "priority":
         return check_priority(field, value)

@@ -44,11 +44,21 @@ def test_quick_bench_writes_every_section(
         if metric["ceiling"] is not None:
             assert metric["ceiling_median"] > 0, name
             assert metric["ratio"] == pytest.approx(metric["median"] / metric["ceiling_median"])
+    sweep = document["config"]["sweep"]
     for mode in ("lease", "lock"):
-        for kind in ("single", "batched"):
-            for procs in (1, 2):
+        for procs in (1, 2):
+            # The ceiling: every point of the sweep; B = 1 is one per claim, the best of the
+            # others is the batched ceiling.
+            points = {b: metrics[f"ceiling.sweep.{mode}.b{b}.{procs}p"]["runs"] for b in sweep}
+            assert metrics[f"ceiling.{mode}.single.{procs}p"]["runs"] == points[1]
+            batched = metrics[f"ceiling.{mode}.batched.{procs}p"]
+            assert batched["runs"] == [max(points[b][0] for b in sweep if b > 1)]
+            assert batched["best_batch"][0] in sweep
+            for kind in ("single", "batched"):
                 drain = metrics[f"drain.{mode}.{kind}.{procs}p"]
                 assert drain["ceiling"] == f"ceiling.{mode}.{kind}.{procs}p"
+    assert metrics["memory.drain_rate"]["ceiling"] == "memory.drain_rate.base"
+    assert "best batch of each sweep" in table
     if "pgbouncer" in sections:
         for kind, procs in (("batched", 1), ("batched", 2), ("single", 1)):
             drain = metrics[f"pgbouncer.drain.lease.{kind}.{procs}p"]
@@ -70,6 +80,8 @@ def test_quick_bench_writes_every_section(
         "latency.p50",
         "history.claim.big",
         "memory.worker_rss_growth",
+        "memory.drain_rate",
+        "drain.lock.batched.2p",
     }
     assert all(row["met"] in (True, False) for row in document["targets"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -11,10 +12,17 @@ import pytest
 import sqlalchemy as sa
 from models import EmailJob, EmailJobResult, Order
 from sqlalchemy import event
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Session, validates
 
 import sqla_jobs
-from sqla_jobs import ConfigurationError, InvalidJobError, JobArgumentsError, Registry, validation
+from sqla_jobs import (
+    ConfigurationError,
+    InvalidJobError,
+    JobArgumentsError,
+    JobMixin,
+    Registry,
+    validation,
+)
 from sqla_jobs.queue import DEFAULT_LEASE
 
 
@@ -248,3 +256,82 @@ def test_a_duration_past_a_century_is_refused(value: timedelta | float) -> None:
     # A timestamp computed from it would overflow in the database, mid-transaction.
     with pytest.raises(InvalidJobError, match=r"^delay: must be at most .* \(about 100 years\)"):
         validation.check_duration("delay", value)
+
+
+# -- the fast path of the args check at assignment (validation.checked_args) ----------------
+
+_ARGS_CASES: list[Any] = [
+    {"n": 1},
+    {"n": [1, 2.5, "x", None, True, False, {"k": "v"}, (1, 2)]},
+    {"big": 10**40, "neg": -(2**63), "tiny": -1.2345678901234567e-308},
+    {"ctl": '\x1f\n\t"\\'},
+    {"s": "x" * 60},
+    {"e": "\u00e9"},
+    {"nul": "a\x00b"},
+    {"nul\x00key": 1},
+    {"nan": float("nan")},
+    {"inf": [float("-inf")]},
+    {1: "int key"},
+    {None: "None key"},
+    {"b": b"bytes"},
+    {"set": {1, 2}},
+    {"c": 1 + 2j},
+    {"surrogate": "\ud800"},
+    {"deep": [[[[{"ok": [None]}]]]]},
+    ["not", "a", "dict"],
+]
+
+
+@pytest.mark.parametrize("max_bytes", [16, 64, validation.DEFAULT_MAX_ARGS_BYTES])
+@pytest.mark.parametrize("value", _ARGS_CASES, ids=repr)
+def test_the_fast_args_check_agrees_with_the_full_one(value: Any, max_bytes: int) -> None:
+    def outcome(check: Any) -> str | None:
+        try:
+            check("args", value, max_bytes=max_bytes)
+        except JobArgumentsError as exc:
+            return str(exc)
+        return None
+
+    assert outcome(validation.checked_args) == outcome(validation.check_args)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"s": "\x1f" * 1000},
+        {"s": "\x00\x01" * 10},
+        {"f": [False] * 1000},
+        {"n": [None] * 1000},
+        {"i": [-(2**31)] * 100, "l": [10**100, -(10**300)]},
+        {"x": [-1.2345678901234567e-308] * 100},
+        {"": {"": {"": [[], {}, ""]}}},
+        {"u": "\u00e9" * 100, "k\u00e9": "\U0001f600"},
+    ],
+    ids=lambda v: repr(v)[:40],
+)
+def test_a_snapshot_bounds_the_json_size(value: Any) -> None:
+    # The fast path's size bound: no JSON text is longer than 6 bytes per snapshot byte.
+    snapshot = validation.args_snapshot(value)
+    assert snapshot is not None
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    assert size <= 6 * len(snapshot)
+
+
+def test_a_models_own_validator_runs_after_the_mixins_check() -> None:
+    class Base(DeclarativeBase):
+        pass
+
+    class LowerQueueJob(JobMixin, Base):
+        __tablename__ = "lower_queue_jobs"
+
+        @validates("queue")
+        def _lower(self, key: str, value: str) -> str:
+            return value.lower()
+
+    assert LowerQueueJob(task="t", queue="Email").queue == "email"
+    job = LowerQueueJob(task="t")
+    job.queue = "Billing"
+    assert job.queue == "billing"
+    with pytest.raises(InvalidJobError) as info:
+        LowerQueueJob(task="t", queue="")
+    assert info.value.field == "queue"

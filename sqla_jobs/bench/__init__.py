@@ -1,37 +1,41 @@
-"""``sqla-jobs bench``: sqla_jobs measured against PostgreSQL running the same statements bare.
+"""``sqla-jobs bench``: sqla_jobs measured against the simplest correct queue SQL, run bare.
 
-Every figure is a ratio to a **ceiling** measured in the same run on the same server: the
-library's own claim, complete, lock and insert statements (compiled from
-:mod:`sqla_jobs.statements`), run by a plain psycopg 3 loop with server-side prepared
-statements, each single-statement transaction in autocommit and the lock-held pair in an
-explicit transaction, as the real path does. Shared machines drift; ratios measured side by
-side do not drift with them. Sections (``--only``):
+Every figure is a ratio to a **ceiling** measured in the same run on the same server. The
+drains' ceiling is not the library's own statements: it is the SQL of the articles that made
+``SKIP LOCKED`` queues popular (a CTE that selects ``FOR UPDATE SKIP LOCKED`` feeding an
+``UPDATE ... RETURNING``, the lease folded in; a completion fenced by attempt; in lock-held
+mode, the lock and the completion in one transaction), in a plain psycopg 3 loop with
+prepared statements, at the best of several batch sizes (:mod:`~sqla_jobs.bench.ceiling`).
+Shared machines drift; ratios measured side by side do not drift with them. Sections
+(``--only``):
 
-``ceiling``  the bare loops: claim 1 + complete 1, claim B + complete B, lock-held (claim,
-             then lock + complete per job in one transaction), with 1 and 2 processes; and
-             the bulk INSERT.
+``ceiling``  the plain loops, lease and lock-held, 1 and 2 processes, over a sweep of batch
+             sizes (``--sweep``, every point printed): B = 1 is the one-job-per-claim
+             ceiling, the best B > 1 the batched one. And the bulk INSERT of
+             :func:`sqla_jobs.enqueue_many` by psycopg alone, and ORM ``add_all`` of a bare
+             class mapped onto the same job table (``ceiling.orm_add_all``).
 ``enqueue``  ORM ``session.add_all`` with a flush per 1000 jobs, and
-             :func:`sqla_jobs.enqueue_many`, both in one transaction. The ceiling of
-             ``add_all`` is the same ``add_all`` on a bare declarative model with the four
-             columns an enqueue sets (``ceiling.orm_add_all``): SQLAlchemy's own cost.
+             :func:`sqla_jobs.enqueue_many`, both in one transaction; what the NOTIFY
+             trigger costs.
 ``drain``    no-op jobs through the real :class:`~sqla_jobs.worker.Worker`, in 1 and 2
-             worker processes: one job per claim (``concurrency=1, batch_size=1``) and
-             batched (``batch_size=B``; ``concurrency=2B`` in lease mode, so the next claim
-             goes out while the handlers run the last batch), in lease and lock-held mode.
-             Workers wait idle; the jobs arrive in one committed INSERT, whose NOTIFY wakes
-             them; the figure is jobs / (last ``finished_at`` - commit), both by the
-             database's clock.
-``latency``  enqueue commit -> handler start on an idle worker (LISTEN/NOTIFY), p50/p99.
+             worker processes, interleaved with the ceiling's sweep: batched is
+             ``Worker(registry, engine, concurrency=--concurrency)`` with every other
+             setting at its default; one job per claim is ``concurrency=1``; lease and
+             lock-held mode. Workers wait idle; the jobs arrive in one committed INSERT,
+             whose NOTIFY wakes them; the figure is jobs / (last ``finished_at`` - commit),
+             both by the database's clock.
+``latency``  enqueue commit -> handler start on an idle worker (LISTEN/NOTIFY), p50/p99, and
+             under load (a steady rate of 200 ms jobs on 16 slots).
 ``history``  claim throughput (library claim + complete_many, batched) with 10k and with
              ``--history-rows`` finished rows in the table.
-``memory``   worker RSS across a drain of ``--memory-jobs`` jobs, and the peak RSS of a
-             process that bulk-enqueues ``--memory-jobs`` jobs from a generator (against
-             one that enqueues a tenth of them).
-``pgbouncer`` lease-mode drains (batched with 1 and 2 processes, one job per claim with 1)
-             with the workers' engine through a PgBouncer in transaction mode started in
-             front of the server (``prepare_threshold=None``, LISTEN on a direct
-             connection), against the same drains direct, side by side. Skipped, saying
-             why, when the ``pgbouncer`` binary is not installed.
+``memory``   a worker's RSS and rate over a drain of ``--memory-jobs`` jobs, against the rate
+             of a ``--memory-base-jobs`` drain through the same worker; the peak RSS of a
+             process that bulk-enqueues ``--memory-jobs`` jobs from a generator (against one
+             that enqueues a tenth of them).
+``pgbouncer`` lease-mode drains with the workers' engine through a PgBouncer in transaction
+             mode started in front of the server (``prepare_threshold=None``, LISTEN on a
+             direct connection), against the same drains direct, side by side. Skipped,
+             saying why, when the ``pgbouncer`` binary is not installed.
 ``async``    :mod:`sqla_jobs.aio` on an ``AsyncSession`` of psycopg 3 and of asyncpg, beside
              the sync ``Session`` and the sync Core ``Connection`` (the queue's psycopg fast
              path): ``add_all`` and ``enqueue_many`` of ``--jobs`` jobs, and claim +
@@ -44,10 +48,18 @@ Runs on a throwaway embedded PostgreSQL by default (``pip install 'sqla-jobs[emb
 or on the server of ``--database-url``, where it creates a scratch database
 ``sqla_jobs_bench_<hex>`` and drops it afterwards (the role needs CREATEDB).
 
-The package: :mod:`~sqla_jobs.bench.runner` runs the sections and prints the report;
-:mod:`~sqla_jobs.bench.statements` holds the SQL that only the benchmark needs;
-:mod:`~sqla_jobs.bench.drivers` measures the ``async`` section's paths. Nothing of
-sqla_jobs' runtime imports it: the ``sqla-jobs bench`` command imports it when it runs.
+The package, one module per concern: :mod:`~sqla_jobs.bench.runner` (the command line),
+:mod:`~sqla_jobs.bench.results` (what is asked and what was measured),
+:mod:`~sqla_jobs.bench.scratch` (the scratch database), :mod:`~sqla_jobs.bench.tasks` and
+:mod:`~sqla_jobs.bench.workers` (the jobs and the worker processes), one module per section
+(:mod:`~sqla_jobs.bench.ceiling`, :mod:`~sqla_jobs.bench.drain`,
+:mod:`~sqla_jobs.bench.enqueue`, :mod:`~sqla_jobs.bench.latency`,
+:mod:`~sqla_jobs.bench.history`, :mod:`~sqla_jobs.bench.memory`,
+:mod:`~sqla_jobs.bench.bouncer`, :mod:`~sqla_jobs.bench.asynchronous` with
+:mod:`~sqla_jobs.bench.drivers`), :mod:`~sqla_jobs.bench.report` (targets, table, JSON) and
+:mod:`~sqla_jobs.bench.statements` (the SQL only the benchmark runs, the ceiling's
+included). Nothing of sqla_jobs' runtime imports it: the ``sqla-jobs bench`` command
+imports it when it runs.
 """
 
 from sqla_jobs.bench.runner import SECTIONS, main

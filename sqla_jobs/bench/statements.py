@@ -1,9 +1,16 @@
-"""The benchmark's own SQL: filling, watching and resetting its tables, and server facts.
+"""The benchmark's own SQL: the ceiling's plain queue, filling, watching and resetting its
+tables, and server facts.
 
 Builders in the manner of :mod:`sqla_jobs.statements`, which holds every statement the queue
-itself runs (the benchmark runs those too, bare, as its ceiling). These are the ones only the
-benchmark needs, kept here so that the queue's statement layer stays the queue's. Pure
-functions: no session, no I/O.
+itself runs. These are the ones only the benchmark needs, kept here so that the queue's
+statement layer stays the queue's. Pure functions: no session, no I/O.
+
+The ceiling (``seed_*``) is not the library's statements run bare: it is the simplest correct
+queue SQL, the one the articles that made ``SKIP LOCKED`` queues popular show (a CTE that
+selects ``FOR UPDATE SKIP LOCKED`` feeding an ``UPDATE ... RETURNING``), with the lease folded
+into the claim and each completion fenced by the attempt it completes. Written as SQL text on
+purpose: it is what a user would write by hand, and what the library has to be measured
+against.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from sqlalchemy import (
     Select,
     Table,
     Text,
+    TextClause,
     bindparam,
     delete,
     func,
@@ -26,6 +34,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    text,
 )
 
 from sqla_jobs.ddl import qualified_name, quote
@@ -40,6 +49,10 @@ __all__ = [
     "fill",
     "finished",
     "has_runnable",
+    "seed_claim",
+    "seed_complete",
+    "seed_lock",
+    "seed_lock_complete",
     "server_facts",
     "set_user_triggers",
     "stored_results",
@@ -48,7 +61,8 @@ __all__ = [
 ]
 
 _ONE: Final[ColumnElement[int]] = literal_column("1", Integer)
-_SUCCEEDED: Final[ColumnElement[str]] = literal_column(f"'{JobStatus.SUCCEEDED.value}'")
+_SUCCEEDED_VALUE: Final = JobStatus.SUCCEEDED.value
+_SUCCEEDED: Final[ColumnElement[str]] = literal_column(f"'{_SUCCEEDED_VALUE}'")
 
 
 def fill(table: Table, *, finished: bool = False) -> Insert:
@@ -67,6 +81,68 @@ def fill(table: Table, *, finished: bool = False) -> Insert:
         names += ["status", "attempts", "finished_at"]
     return insert(table).from_select(
         names, select(*values).select_from(series), include_defaults=False
+    )
+
+
+def _pending_in_order(table: Table, columns: str = "id") -> str:
+    # The literal status matches the pending index's predicate, so the index serves it, in
+    # its own order (queue, priority, run_at, id).
+    return (
+        f"SELECT {columns} FROM {qualified_name(table.name, table.schema)} "
+        f"WHERE status = '{JobStatus.PENDING.value}' AND queue = :queue AND run_at <= now() "
+        "ORDER BY priority, run_at, id"
+    )
+
+
+def seed_claim(table: Table) -> TextClause:
+    """The ceiling's lease-mode claim: up to ``:limit`` pending jobs of ``:queue``, locked
+    ``FOR UPDATE SKIP LOCKED`` and flipped to ``running`` with an attempt counted and a lease
+    of ``:lease_seconds``, in one statement. Returns ``id, attempts, task, args``."""
+    name = qualified_name(table.name, table.schema)
+    return text(
+        f"WITH next_jobs AS ({_pending_in_order(table)} FOR UPDATE SKIP LOCKED LIMIT :limit) "
+        f"UPDATE {name} AS job SET status = '{JobStatus.RUNNING.value}', "
+        "attempts = job.attempts + 1, "
+        "lease_expires_at = now() + make_interval(secs => :lease_seconds) "
+        "FROM next_jobs WHERE job.id = next_jobs.id "
+        "RETURNING job.id, job.attempts, job.task, job.args"
+    )
+
+
+def seed_complete(table: Table, *, many: bool) -> TextClause:
+    """The ceiling's lease-mode completion, fenced by attempt: ``:id``/``:attempt`` succeed
+    if that attempt still runs them; ``many``: the same for the arrays ``:ids``/``:attempts``
+    (``unnest`` pairs them)."""
+    name = qualified_name(table.name, table.schema)
+    done = f"SET status = '{_SUCCEEDED_VALUE}', finished_at = now()"
+    running = f"job.status = '{JobStatus.RUNNING.value}'"
+    if not many:
+        return text(
+            f"UPDATE {name} AS job {done} "
+            f"WHERE job.id = :id AND job.attempts = :attempt AND {running}"
+        )
+    return text(
+        f"UPDATE {name} AS job {done} "
+        "FROM unnest(CAST(:ids AS bigint[]), CAST(:attempts AS integer[])) AS f(id, attempt) "
+        f"WHERE job.id = f.id AND job.attempts = f.attempt AND {running}"
+    )
+
+
+def seed_lock(table: Table) -> TextClause:
+    """The ceiling's lock-held claim: up to ``:limit`` pending jobs of ``:queue`` locked
+    ``FOR UPDATE SKIP LOCKED``, held until the transaction ends. Returns ``id, task, args``."""
+    pending = _pending_in_order(table, "id, task, args")
+    return text(f"{pending} FOR UPDATE SKIP LOCKED LIMIT :limit")
+
+
+def seed_lock_complete(table: Table, *, many: bool) -> TextClause:
+    """The ceiling's lock-held completion, in the claim's transaction (the row lock is the
+    fence): job ``:id`` (``many``: every id of ``:ids``) succeeded, its attempt counted."""
+    name = qualified_name(table.name, table.schema)
+    where = "id = ANY(CAST(:ids AS bigint[]))" if many else "id = :id"
+    return text(
+        f"UPDATE {name} SET status = '{_SUCCEEDED_VALUE}', attempts = attempts + 1, "
+        f"finished_at = now() WHERE {where}"
     )
 
 

@@ -303,6 +303,10 @@ class Worker:
         if not self.queues:
             raise ConfigurationError("a worker needs at least one queue")
         self.concurrency = concurrency
+        # Default: as many as there are slots, so that a claim takes every free slot at once.
+        # Measured (issue 9, no-op drains of 20k jobs, interleaved): half the concurrency
+        # was no faster, and a larger concurrency (so a larger batch) was faster up to 400;
+        # see the README's Benchmarks.
         self.batch_size = batch_size or concurrency
         self.poll_interval = max(poll_interval, 0.01)
         self.grace = grace
