@@ -56,6 +56,8 @@ __all__ = [
     "JobStatus",
     "TableNames",
     "names",
+    "key_predicate",
+    "keyed_pending_predicate",
     "pending_predicate",
     "running_predicate",
 ]
@@ -96,12 +98,15 @@ class TableNames:
 
     ``pending_index`` and ``running_index`` are the claim's indexes (schema version 2);
     ``claim_index`` names the single claim index of schema version 1, which the version-2
-    upgrade drops.
+    upgrade drops. ``keyed_pending_index`` and ``key_index`` are the keyed claim's indexes
+    (schema version 3, :mod:`sqla_jobs` ordering keys).
     """
 
     table: str
     pending_index: str
     running_index: str
+    keyed_pending_index: str
+    key_index: str
     claim_index: str
     status_check: str
     priority_check: str
@@ -129,6 +134,8 @@ def names(table: str) -> TableNames:
         table=table,
         pending_index=_identifier(table, "pending_idx"),
         running_index=_identifier(table, "running_idx"),
+        keyed_pending_index=_identifier(table, "keyed_pending_idx"),
+        key_index=_identifier(table, "key_idx"),
         claim_index=_identifier(table, "claim_idx"),
         status_check=_identifier(table, "status_ck"),
         priority_check=_identifier(table, "priority_ck"),
@@ -140,12 +147,29 @@ def names(table: str) -> TableNames:
 
 
 def pending_predicate() -> str:
-    """The predicate of the pending index, as SQL text: ``status = 'pending'``.
+    """The predicate of the pending index, as SQL text: ``status = 'pending' AND
+    ordering_key IS NULL`` (jobs with an ordering key have an index of their own, so that
+    the plain claim never reads them: :func:`keyed_pending_predicate`).
 
     The claim statement repeats it with a literal value (never a bind parameter), so that
     the planner can prove the partial index applies even to a prepared, generic plan.
     """
-    return f"status = '{JobStatus.PENDING.value}'"
+    return f"status = '{JobStatus.PENDING.value}' AND ordering_key IS NULL"
+
+
+def keyed_pending_predicate() -> str:
+    """The predicate of the keyed pending index (schema version 3), as SQL text:
+    ``status = 'pending' AND ordering_key IS NOT NULL``."""
+    return f"status = '{JobStatus.PENDING.value}' AND ordering_key IS NOT NULL"
+
+
+def key_predicate() -> str:
+    """The predicate of the key index (schema version 3), as SQL text: the jobs of a key
+    that are pending or running."""
+    return (
+        f"ordering_key IS NOT NULL AND status IN ('{JobStatus.PENDING.value}', "
+        f"'{JobStatus.RUNNING.value}')"
+    )
 
 
 def running_predicate() -> str:
@@ -182,6 +206,11 @@ class JobMixin:
     ``delete_on_success``
         Delete the job row when it succeeds, keeping only its result row if one is stored
         (default ``False``: keep the row as ``succeeded`` until it is pruned).
+
+    Ordering keys (schema version 3): a job with an ``ordering_key`` runs only when fewer
+    than its ``key_limit`` (default 1: one at a time, in order) jobs of that key are in
+    progress, and after the key's jobs that sort before it; see
+    :func:`sqla_jobs.claim` (``keys=True``).
     """
 
     max_args_bytes: ClassVar[int] = validation.DEFAULT_MAX_ARGS_BYTES
@@ -217,6 +246,10 @@ class JobMixin:
     finished_at: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True), server_default=FetchedValue()
     )
+    # Schema version 3: per-key order and limits. Nullable, no default: adding them to a
+    # live table rewrites nothing, and a job without a key is in none of the keyed indexes.
+    ordering_key: Mapped[str | None] = mapped_column(String(validation.MAX_KEY_LENGTH))
+    key_limit: Mapped[int | None] = mapped_column(SmallInteger)
 
     @declared_attr.directive
     @classmethod
@@ -242,6 +275,28 @@ class JobMixin:
                 "queue",
                 "lease_expires_at",
                 postgresql_where=text(running_predicate()),
+            ),
+            # Schema version 3. Pending jobs with an ordering key, in claim order: where the
+            # keyed claim finds the keys worth looking at. Jobs without a key are never in it.
+            Index(
+                n.keyed_pending_index,
+                "queue",
+                "priority",
+                "run_at",
+                "id",
+                postgresql_where=text(keyed_pending_predicate()),
+            ),
+            # A key's jobs in progress: its running ones, its retries (attempts > 0) and its
+            # new ones in (priority, run_at, id) order, each one range of this index.
+            Index(
+                n.key_index,
+                "ordering_key",
+                "status",
+                "attempts",
+                "priority",
+                "run_at",
+                "id",
+                postgresql_where=text(key_predicate()),
             ),
             CheckConstraint(f"status IN ({_status_list(tuple(JobStatus))})", name=n.status_check),
             CheckConstraint(
