@@ -162,6 +162,7 @@ class Task(Generic[_R]):
         lease: timedelta,
         retry: RetryPolicy,
         priority: int,
+        key_limit: int | None = None,
     ) -> None:
         self.registry = registry
         self.function = function
@@ -172,6 +173,7 @@ class Task(Generic[_R]):
         self.lease = lease
         self.retry = retry
         self.priority = priority
+        self.key_limit = key_limit
 
     def __call__(self, ctx: JobContext) -> _R:
         return self.function(ctx)
@@ -189,9 +191,17 @@ class Task(Generic[_R]):
         run_at: datetime | None = None,
         priority: int | None = None,
         queue: str | None = None,
+        ordering_key: str | None = None,
         **columns: Any,
     ) -> JobMixin:
         """A new job row of the registry's model for this task, not yet added to a session.
+
+        ``ordering_key`` (``"customer:42"``) puts the job in line behind the key's other
+        jobs: they run one at a time (or up to the task's ``key_limit`` at once), in
+        ``(priority, run_at, id)`` order, across all workers. It needs a registry whose
+        workers claim keyed jobs (``Registry(..., ordering_keys=True)``, or a task with a
+        ``key_limit``), else :class:`~sqla_jobs.errors.ConfigurationError`: such a job would
+        never run.
 
         Carries the task's queue, priority and maximum attempts unless overridden;
         ``columns`` sets the model's own attributes, columns and relationships alike, as
@@ -209,6 +219,15 @@ class Task(Generic[_R]):
         }
         if run_at is not None:
             values["run_at"] = run_at
+        if ordering_key is not None:
+            if not self.registry.ordering_keys:
+                raise ConfigurationError(
+                    f"task {self.name!r} got an ordering key, but the workers of its registry "
+                    "do not claim keyed jobs: create it with Registry(..., ordering_keys=True)"
+                )
+            values["ordering_key"] = ordering_key
+            if self.key_limit is not None:
+                values.setdefault("key_limit", self.key_limit)
         return self.registry.model(**values)
 
     def enqueue(
@@ -248,6 +267,7 @@ class Registry:
         default_lease: timedelta | float = DEFAULT_LEASE,
         default_retry: RetryPolicy | None = None,
         default_mode: Mode = "lease",
+        ordering_keys: bool = False,
     ) -> None:
         if model is not None and not _is_job_model(model):
             raise ConfigurationError(f"{model!r} is not a model class that mixes in JobMixin")
@@ -260,7 +280,18 @@ class Registry:
         self.default_lease = _duration("default_lease", default_lease)
         self.default_retry = default_retry or RetryPolicy()
         self.default_mode: Mode = _check_mode(default_mode)
+        if not isinstance(ordering_keys, bool):
+            raise ConfigurationError(f"ordering_keys must be True or False, not {ordering_keys!r}")
+        self._ordering_keys = ordering_keys
         self._tasks: dict[str, Task[Any]] = {}
+
+    @property
+    def ordering_keys(self) -> bool:
+        """Whether this registry's workers claim jobs that have an ordering key
+        (:func:`sqla_jobs.claim` with ``keys=True``): asked for with ``ordering_keys=True``,
+        or implied by a task with a ``key_limit``. Off by default, because a keyed claim
+        costs one statement more per claim."""
+        return self._ordering_keys or any(t.key_limit is not None for t in self._tasks.values())
 
     @property
     def model(self) -> type[JobMixin]:
@@ -287,6 +318,7 @@ class Registry:
         lease: timedelta | float | None = None,
         retry: RetryPolicy | None = None,
         priority: int = 0,
+        key_limit: int | None = None,
     ) -> Callable[[Callable[[JobContext], _R]], Task[_R]]: ...
 
     def task(
@@ -301,11 +333,14 @@ class Registry:
         lease: timedelta | float | None = None,
         retry: RetryPolicy | None = None,
         priority: int = 0,
+        key_limit: int | None = None,
     ) -> Task[Any] | Callable[[Callable[[JobContext], Any]], Task[Any]]:
         """Register a function or coroutine function as a task (a decorator).
 
         ``@registry.task`` or ``@registry.task(queue=..., max_attempts=..., mode="lock",
-        lease=30, retry=RetryPolicy(...), name=...)``. The name defaults to the function's
+        lease=30, retry=RetryPolicy(...), name=..., key_limit=3)``. ``key_limit`` is how
+        many of the task's jobs with one ordering key may be in progress at once (stamped on
+        each job that has a key; without it, 1). The name defaults to the function's
         ``__name__``; a name registered twice raises
         :class:`~sqla_jobs.errors.ConfigurationError`.
         """
@@ -320,6 +355,7 @@ class Registry:
                 lease=lease,
                 retry=retry,
                 priority=priority,
+                key_limit=key_limit,
             )
 
         if function is not None:
@@ -337,6 +373,7 @@ class Registry:
         lease: timedelta | float | None = None,
         retry: RetryPolicy | None = None,
         priority: int = 0,
+        key_limit: int | None = None,
     ) -> Task[Any]:
         """Register ``function`` as a task without the decorator syntax; see :meth:`task`."""
         if not callable(function):
@@ -356,6 +393,7 @@ class Registry:
             lease=self.default_lease if lease is None else _duration("lease", lease),
             retry=retry or self.default_retry,
             priority=validation.check_priority("priority", priority),
+            key_limit=_key_limit(key_limit),
         )
         self._tasks[task_name] = task
         return task
@@ -394,6 +432,16 @@ class Registry:
 
 def _is_job_model(model: object) -> bool:
     return isinstance(model, type) and issubclass(model, JobMixin)
+
+
+def _key_limit(value: object) -> int | None:
+    if value is None:
+        return None
+    try:
+        return validation.check_key_limit("key_limit", value)
+    except InvalidJobError as exc:
+        # A task option is configuration: the same check, the registry's error.
+        raise ConfigurationError(f"key_limit {exc.reason}") from None
 
 
 def _check_mode(mode: object) -> Mode:

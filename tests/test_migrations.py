@@ -138,7 +138,10 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0002_claim_indexes", "sqla_jobs_0002"]
+        assert sorted(versions.scalars()) == [
+            "0003_ordering_keys",
+            "sqla_jobs_0003_ordering_keys",
+        ]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS
@@ -223,7 +226,7 @@ def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -
         recorded = connection.execute(
             sa.text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")
         )
-        assert recorded.scalars().all() == ["sqla_jobs_0002"]
+        assert recorded.scalars().all() == ["sqla_jobs_0003_ordering_keys"]
 
     migrations.downgrade(url_of(db_engine), "base")
     assert catalog(db_engine)["tables"] == []
@@ -235,6 +238,7 @@ def test_versions_path_is_the_installed_package_directory() -> None:
     assert sorted(p.name for p in path.glob("*.py")) == [
         "0001_default_tables.py",
         "0002_claim_indexes.py",
+        "0003_ordering_keys.py",
     ]
     assert (path.parent / "env.py").is_file()
     assert (path.parent / "script.py.mako").is_file()
@@ -271,9 +275,9 @@ def test_claim_indexes_can_be_rebuilt_concurrently(db_engine: sa.Engine) -> None
     with db_engine.connect() as connection:
         context = MigrationContext.configure(connection)
         with Operations.context(context), context.begin_transaction():
-            migrations.drop_claim_indexes("email_jobs", concurrently=True)
-            assert len(migrations.check_claim_indexes(connection, models.EmailJob)) == 2
-            migrations.create_claim_indexes("email_jobs", concurrently=True)
+            migrations.drop_claim_indexes("email_jobs", concurrently=True, version=3)
+            assert len(migrations.check_claim_indexes(connection, models.EmailJob)) == 4
+            migrations.create_claim_indexes("email_jobs", concurrently=True, version=3)
     with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
 
@@ -371,8 +375,8 @@ def test_a_table_autogenerate_made_is_reported_until_the_helper_adds_the_trigger
 def test_a_table_the_helpers_made_is_clean_and_notify_false_is_reported(
     db_engine: sa.Engine,
 ) -> None:
-    migrate(db_engine, lambda: migrations.create_job_table("report_jobs", version=2))
-    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False, version=2))
+    migrate(db_engine, lambda: migrations.create_job_table("report_jobs", version=3))
+    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False, version=3))
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, models.ReportJob) == []
         (problem,) = migrations.check_job_tables(connection, sqla_jobs.models.Job)
@@ -387,7 +391,7 @@ def test_the_trigger_is_found_by_quoted_names_in_another_schema(db_engine: sa.En
     made: list[sa.Table] = []
     migrate(
         db_engine,
-        lambda: made.append(migrations.create_job_table(name, schema=schema, version=2)),
+        lambda: made.append(migrations.create_job_table(name, schema=schema, version=3)),
     )
     migrate(db_engine, lambda: migrations.drop_notify_trigger(name, schema=schema))
     (table,) = made
@@ -579,8 +583,9 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
     before = rows_by_status(db_engine)
     with db_engine.connect() as connection:
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
-    # Each version-1 table: its two new indexes missing, its old one left over, with the fix.
-    assert len(problems) == 3 * len(JOB_MODELS)
+    # Each version-1 table: its four claim indexes of version 3 missing, its old one left
+    # over, with the fix.
+    assert len(problems) == 5 * len(JOB_MODELS)
     assert "upgrade_job_table_to_v2('email_jobs')" in "".join(problems)
 
     command.upgrade(config, "heads")
@@ -588,7 +593,12 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
     assert rows_by_status(db_engine) == before
     for table in JOB_TABLES:
         n = names(table)
-        assert set(index_definitions(db_engine, table)) == {n.pending_index, n.running_index}
+        assert set(index_definitions(db_engine, table)) == {
+            n.pending_index,
+            n.running_index,
+            n.keyed_pending_index,
+            n.key_index,
+        }
     assert schema_differences(db_engine, all_metadata()) == []
     command.check(config)  # `alembic check`: autogenerate finds nothing to do
     with db_engine.connect() as connection:
@@ -672,25 +682,35 @@ def test_the_upgrade_helper_can_run_again_after_an_interrupted_run(
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))  # idempotent
     with db_engine.connect() as connection:
+        problems = migrations.check_claim_indexes(connection, models.EmailJob)
+        # A version-2 table: the model's version-3 indexes need the ordering-key columns.
+        assert len(problems) == 3 and "add_ordering_keys" in problems[2]
+    migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))
+    with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+    migrate(db_engine, lambda: migrations.drop_ordering_keys("email_jobs"))
     migrate(db_engine, lambda: migrations.downgrade_job_table_to_v1("email_jobs"))
     assert set(index_definitions(db_engine, "email_jobs")) == {n.claim_index}
 
 
-def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
+def test_create_job_table_builds_version_3_on_request_and_version_1_by_default(
     db_engine: sa.Engine,
 ) -> None:
-    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=2))
+    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=3))
     migrate(db_engine, lambda: migrations.create_job_table("report_jobs"))
     email, report = names("email_jobs"), names("report_jobs")
     assert set(index_definitions(db_engine, "email_jobs")) == {
         email.pending_index,
         email.running_index,
+        email.keyed_pending_index,
+        email.key_index,
     }
     assert set(index_definitions(db_engine, "report_jobs")) == {report.claim_index}
     with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
         assert migrations.check_claim_indexes(connection, models.ReportJob) == [
+            f"index {report.key_index} on report_jobs: missing from the database",
+            f"index {report.keyed_pending_index} on report_jobs: missing from the database",
             f"index {report.pending_index} on report_jobs: missing from the database",
             f"index {report.running_index} on report_jobs: missing from the database",
             (
@@ -700,5 +720,39 @@ def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
             ),
         ]
     with pytest.raises(ValueError, match="schema version"):
-        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=3))
-    assert migrations.SCHEMA_VERSION == 2
+        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=4))
+    assert migrations.SCHEMA_VERSION == 3
+
+
+def test_a_version_2_table_is_reported_and_upgraded_in_place_with_its_keyed_jobs_apart(
+    db_engine: sa.Engine,
+) -> None:
+    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=2))
+    n = names("email_jobs")
+    with db_engine.connect() as connection:
+        problems = migrations.check_claim_indexes(connection, models.EmailJob)
+    assert problems[:2] == [
+        f"index {n.key_index} on email_jobs: missing from the database",
+        f"index {n.keyed_pending_index} on email_jobs: missing from the database",
+    ]
+    assert "the predicate is" in problems[2] and "ordering_key IS NULL" in problems[2]
+    with db_engine.begin() as connection:
+        connection.execute(sa.text("INSERT INTO email_jobs (task) VALUES ('old')"))
+    migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))
+    migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))  # re-runnable
+    with db_engine.connect() as connection:
+        assert migrations.check_claim_indexes(connection, models.EmailJob) == []
+    assert set(index_definitions(db_engine, "email_jobs")) == {
+        n.pending_index,
+        n.running_index,
+        n.keyed_pending_index,
+        n.key_index,
+    }
+    migrate(db_engine, lambda: migrations.drop_ordering_keys("email_jobs"))
+    assert set(index_definitions(db_engine, "email_jobs")) == {n.pending_index, n.running_index}
+    with db_engine.connect() as connection:
+        columns = {c["name"] for c in sa.inspect(connection).get_columns("email_jobs")}
+        assert "ordering_key" not in columns and "key_limit" not in columns
+        assert connection.execute(sa.text("SELECT task FROM email_jobs")).scalars().all() == [
+            "old"
+        ]

@@ -18,6 +18,15 @@ Schema versions:
    version-1 table is upgraded in place, on a live table, by
    :func:`upgrade_job_table_to_v2`.
 
+3. (Ordering keys.) Two nullable columns, ``ordering_key`` and ``key_limit`` (added without
+   rewriting the table), and the keyed claim's indexes: the keyed pending index ``(queue,
+   priority, run_at, id) WHERE status = 'pending' AND ordering_key IS NOT NULL`` and the key
+   index ``(ordering_key, status, attempts, priority, run_at, id) WHERE ordering_key IS NOT
+   NULL AND status IN ('pending', 'running')``; the pending index leaves keyed jobs out
+   (``... WHERE status = 'pending' AND ordering_key IS NULL``), so the plain claim never
+   reads them. :func:`create_job_table` builds it with ``version=3``; a version-2 table is
+   upgraded in place, on a live table, by :func:`add_ordering_keys`.
+
 The result table has not changed since version 1.
 """
 
@@ -32,7 +41,7 @@ from sqlalchemy.schema import SchemaItem
 
 from sqla_jobs import ddl
 from sqla_jobs.leasing.schema import lease_index_elements, lease_names
-from sqla_jobs.schema import names
+from sqla_jobs.schema import _identifier, names
 
 __all__ = [
     "CLAIM_INDEX_COLUMNS",
@@ -44,6 +53,7 @@ __all__ = [
     "RUNNING_INDEX_PREDICATE",
     "SCHEMA_VERSION",
     "add_lease_columns",
+    "add_ordering_keys",
     "create_claim_index",
     "create_claim_indexes",
     "create_job_table",
@@ -57,11 +67,12 @@ __all__ = [
     "drop_lease_columns",
     "drop_lease_index",
     "drop_notify_trigger",
+    "drop_ordering_keys",
     "drop_result_table",
     "upgrade_job_table_to_v2",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The latest version of the job and result tables: the one the mixins declare."""
 
 # Frozen copies of what the mixins declared in each version. tests/test_migrations.py proves
@@ -75,6 +86,14 @@ PENDING_INDEX_COLUMNS = ("queue", "priority", "run_at", "id")
 PENDING_INDEX_PREDICATE = "status = 'pending'"
 RUNNING_INDEX_COLUMNS = ("queue", "lease_expires_at")
 RUNNING_INDEX_PREDICATE = "status = 'running'"
+# Version 3 (ordering keys): two columns, the keyed pending index and the key index, and the
+# pending index without the keyed jobs.
+ORDERING_KEY_LENGTH = 200
+PENDING_INDEX_PREDICATE_V3 = "status = 'pending' AND ordering_key IS NULL"
+KEYED_PENDING_INDEX_COLUMNS = ("queue", "priority", "run_at", "id")
+KEYED_PENDING_INDEX_PREDICATE = "status = 'pending' AND ordering_key IS NOT NULL"
+KEY_INDEX_COLUMNS = ("ordering_key", "status", "attempts", "priority", "run_at", "id")
+KEY_INDEX_PREDICATE = "ordering_key IS NOT NULL AND status IN ('pending', 'running')"
 _NAME_LENGTH = 200
 _STATUSES = "'pending', 'running', 'succeeded', 'dead', 'cancelled'"
 
@@ -103,6 +122,13 @@ def _job_table_items(table_name: str) -> list[SchemaItem]:
         sa.CheckConstraint(f"status IN ({_STATUSES})", name=n.status_check),
         sa.CheckConstraint("priority BETWEEN -100 AND 100", name=n.priority_check),
         sa.CheckConstraint("attempts >= 0 AND max_attempts >= 1", name=n.attempts_check),
+    ]
+
+
+def _ordering_key_columns() -> list[sa.Column[Any]]:
+    return [
+        sa.Column("ordering_key", sa.String(ORDERING_KEY_LENGTH), nullable=True),
+        sa.Column("key_limit", sa.SmallInteger(), nullable=True),
     ]
 
 
@@ -170,7 +196,7 @@ def create_job_table(
     """Create a job table with its claim index(es), storage parameters and NOTIFY trigger.
 
     ``version`` is the schema version to build (see the module's docstring): a new revision
-    passes ``version=2``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
+    passes ``version=3``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
     it the table is version 1, as it was when the revisions already written called this
     helper; upgrade such a table with :func:`upgrade_job_table_to_v2`.
 
@@ -200,13 +226,16 @@ def create_job_table(
             jobs.drop_result_table("email_job_results")
             jobs.drop_job_table("email_jobs")
     """
-    if version not in (1, 2):
-        raise ValueError(f"schema version must be 1 or 2, not {version!r}")
-    table = op.create_table(table_name, *_job_table_items(table_name), *extra, schema=schema)
+    if version not in (1, 2, 3):
+        raise ValueError(f"schema version must be 1, 2 or 3, not {version!r}")
+    items = _job_table_items(table_name)
+    if version >= 3:
+        items += _ordering_key_columns()
+    table = op.create_table(table_name, *items, *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
     else:
-        create_claim_indexes(table_name, schema=schema)
+        create_claim_indexes(table_name, schema=schema, version=version)
     _execute(ddl.set_storage_parameters(table_name, schema))
     if notify:
         create_notify_trigger(table_name, schema=schema)
@@ -276,37 +305,54 @@ def drop_claim_index(
         )
 
 
-def create_claim_indexes(
-    table_name: str, *, schema: str | None = None, concurrently: bool = False
-) -> None:
-    """Create the two partial indexes the claim statement uses (schema version 2): the
-    pending index and the running index.
+def _claim_indexes(table_name: str, version: int) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    if version == 2:
+        return _v2_indexes(table_name)
+    if version == 3:
+        n = names(table_name)
+        return (
+            (n.pending_index, PENDING_INDEX_COLUMNS, PENDING_INDEX_PREDICATE_V3),
+            (n.running_index, RUNNING_INDEX_COLUMNS, RUNNING_INDEX_PREDICATE),
+            *_v3_indexes(table_name),
+        )
+    raise ValueError(f"the claim indexes are of schema version 2 or 3, not {version!r}")
 
-    :func:`create_job_table` with ``version=2`` and :func:`upgrade_job_table_to_v2` already
-    create them; call this to rebuild them after :func:`drop_claim_indexes`.
+
+def create_claim_indexes(
+    table_name: str, *, schema: str | None = None, concurrently: bool = False, version: int = 2
+) -> None:
+    """Create the partial indexes the claim statements use: with ``version=2`` (the default,
+    as when this helper was written) the pending index and the running index; with
+    ``version=3`` those (the pending index without keyed jobs) and the keyed pending index
+    and the key index.
+
+    :func:`create_job_table`, :func:`upgrade_job_table_to_v2` and :func:`add_ordering_keys`
+    already create them; call this to rebuild them after :func:`drop_claim_indexes`.
     ``concurrently=True`` builds them with ``CREATE INDEX CONCURRENTLY`` in Alembic's
     ``autocommit_block()``, as :func:`create_claim_index` describes.
     """
+    indexes = _claim_indexes(table_name, version)
     if not concurrently:
-        for name, columns, predicate in _v2_indexes(table_name):
+        for name, columns, predicate in indexes:
             _create_index(name, table_name, columns, predicate, schema=schema, concurrently=False)
         return
     with op.get_context().autocommit_block():
-        for name, columns, predicate in _v2_indexes(table_name):
+        for name, columns, predicate in indexes:
             _create_index(name, table_name, columns, predicate, schema=schema, concurrently=True)
 
 
 def drop_claim_indexes(
-    table_name: str, *, schema: str | None = None, concurrently: bool = False
+    table_name: str, *, schema: str | None = None, concurrently: bool = False, version: int = 2
 ) -> None:
-    """Drop the pending and running indexes of schema version 2 (``concurrently`` as for
-    :func:`create_claim_indexes`)."""
+    """Drop the claim indexes of schema version 2 or 3 (``concurrently`` and ``version`` as
+    for :func:`create_claim_indexes`)."""
+    indexes = _claim_indexes(table_name, version)
     if not concurrently:
-        for name, _, _ in _v2_indexes(table_name):
+        for name, _, _ in indexes:
             _drop_index(name, table_name, schema=schema, concurrently=False)
         return
     with op.get_context().autocommit_block():
-        for name, _, _ in _v2_indexes(table_name):
+        for name, _, _ in indexes:
             _drop_index(name, table_name, schema=schema, concurrently=True)
 
 
@@ -365,6 +411,89 @@ def downgrade_job_table_to_v1(table_name: str, *, schema: str | None = None) -> 
         )
         for name, _, _ in _v2_indexes(table_name):
             _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+
+
+def _v3_indexes(table_name: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    n = names(table_name)
+    return (
+        (n.keyed_pending_index, KEYED_PENDING_INDEX_COLUMNS, KEYED_PENDING_INDEX_PREDICATE),
+        (n.key_index, KEY_INDEX_COLUMNS, KEY_INDEX_PREDICATE),
+    )
+
+
+def _swap_pending_index(table_name: str, predicate: str, *, schema: str | None) -> None:
+    """Replace the pending index by one with ``predicate``, under the same name, in an
+    ``autocommit_block()``: the new one is built concurrently beside the old under a
+    temporary name, the two are renamed (each a brief catalog change), and the old one is
+    dropped concurrently, so the claim has a pending index all along. Re-runnable after an
+    interruption."""
+    n = names(table_name)
+    new = _identifier(table_name, "pending_new_idx")
+    old = _identifier(table_name, "pending_old_idx")
+    for name in (new, old):
+        _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+    _create_index(
+        new, table_name, PENDING_INDEX_COLUMNS, predicate, schema=schema, concurrently=True
+    )
+    _execute(
+        f"ALTER INDEX IF EXISTS {ddl.qualified_name(n.pending_index, schema)} "
+        f"RENAME TO {ddl.quote(old)}"
+    )
+    _execute(f"ALTER INDEX {ddl.qualified_name(new, schema)} RENAME TO {ddl.quote(n.pending_index)}")
+    _drop_index(old, table_name, schema=schema, concurrently=True, if_exists=True)
+
+
+
+
+def add_ordering_keys(table_name: str, *, schema: str | None = None) -> None:
+    """Upgrade a version-2 job table to ordering keys (schema version 3) in place, on a live
+    table.
+
+    Adds the nullable columns ``ordering_key`` and ``key_limit`` (``ADD COLUMN IF NOT
+    EXISTS``: no default, so nothing is rewritten; the table's ``ACCESS EXCLUSIVE`` lock is
+    held only for the catalog change, but it queues behind open transactions on the table:
+    set a ``lock_timeout`` in a revision for a busy table), then, in Alembic's
+    ``autocommit_block()`` (which first commits what the revision did before), builds the
+    keyed pending index and the key index ``CONCURRENTLY`` and replaces the pending index by
+    one that leaves keyed jobs out: built concurrently beside the old one, renamed, and the
+    old one dropped concurrently, so claims always have one. Enqueues, claims and outcomes go
+    on meanwhile. Re-runnable after a failure. Deploy the code that claims with keys after
+    the revision has run (the plain claim of the new code reads the new column)::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.add_ordering_keys("email_jobs")
+
+        def downgrade() -> None:
+            jobs.drop_ordering_keys("email_jobs")
+    """
+    table = ddl.qualified_name(table_name, schema)
+    _execute(
+        f"ALTER TABLE {table} "
+        f"ADD COLUMN IF NOT EXISTS ordering_key VARCHAR({ORDERING_KEY_LENGTH}), "
+        "ADD COLUMN IF NOT EXISTS key_limit SMALLINT"
+    )
+    with op.get_context().autocommit_block():
+        for name, columns, predicate in _v3_indexes(table_name):
+            _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+            _create_index(name, table_name, columns, predicate, schema=schema, concurrently=True)
+        _swap_pending_index(table_name, PENDING_INDEX_PREDICATE_V3, schema=schema)
+
+
+def drop_ordering_keys(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`add_ordering_keys`: the version-2 pending index back (concurrently, as
+    there), the keyed indexes dropped concurrently, then the two columns. Jobs that had an
+    ordering key lose it and become plain jobs."""
+    with op.get_context().autocommit_block():
+        _swap_pending_index(table_name, PENDING_INDEX_PREDICATE, schema=schema)
+        for name, _, _ in _v3_indexes(table_name):
+            _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+    table = ddl.qualified_name(table_name, schema)
+    _execute(
+        f"ALTER TABLE {table} DROP COLUMN IF EXISTS key_limit, "
+        "DROP COLUMN IF EXISTS ordering_key"
+    )
 
 
 def create_notify_trigger(table_name: str, *, schema: str | None = None) -> None:

@@ -120,6 +120,7 @@ class Fetcher:
             limit=limit,
             lease=self.claim_lease,
             worker=self.worker_name,
+            keys=self.registry.ordering_keys,
         )
         longer = [(job, self._lease(job)) for job in jobs]
         longer = [(job, lease) for job, lease in longer if lease > self.claim_lease]
