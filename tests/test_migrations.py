@@ -735,7 +735,7 @@ def test_a_version_2_table_is_reported_and_upgraded_in_place_with_its_keyed_jobs
         f"index {n.key_index} on email_jobs: missing from the database",
         f"index {n.keyed_pending_index} on email_jobs: missing from the database",
     ]
-    assert "the predicate is" in problems[2] and "ordering_key IS NULL" in problems[2]
+    assert "add_ordering_keys" in problems[2]
     with db_engine.begin() as connection:
         connection.execute(sa.text("INSERT INTO email_jobs (task) VALUES ('old')"))
     migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))
