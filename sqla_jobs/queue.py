@@ -559,6 +559,9 @@ def claim(
 #: keys that are busy are passed over, so it looks further than ``limit``.
 KEY_SCAN_FACTOR: Final = 4
 KEY_SCAN_MIN: Final = 16
+#: The most jobs of one key a keyed claim starts (a key whose ``key_limit`` is higher gets
+#: the rest in the next claims): each costs the claim a read of the job's row.
+KEY_CLAIM_MAX: Final = 4
 
 
 def _claim_rows(
@@ -583,6 +586,7 @@ def _claim_rows(
             "keys": [row[0] for row in locked],
             "queue_names": queue_names,
             "limit": limit,
+            "per_key": min(limit, KEY_CLAIM_MAX),
             "lease_seconds": params["lease_seconds"],
             "worker": params["worker"],
         }

@@ -405,12 +405,13 @@ def claim_keyed(table: Table) -> Update:
 
     Indexes: per key, three ranges of the key index ``(ordering_key, status, attempts,
     priority, run_at, id)``: running, pending with ``attempts > 0``, pending with ``attempts
-    = 0`` (read in order, at most ``:limit`` rows). Locks: expired attempts and the chosen
+    = 0`` (read in order, at most ``:per_key`` rows: a claim starts at most that many jobs of
+    one key, whatever its ``key_limit``). Locks: expired attempts and the chosen
     rows ``FOR UPDATE SKIP LOCKED`` (a chosen row that another transaction has changed since
     is re-checked, and dropped if no longer runnable).
 
-    Parameters: ``:keys`` and ``:queue_names`` (arrays), ``:limit``, ``:lease_seconds``,
-    ``:worker``.
+    Parameters: ``:keys`` and ``:queue_names`` (arrays), ``:limit``, ``:per_key``,
+    ``:lease_seconds``, ``:worker``.
     """
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
@@ -434,7 +435,7 @@ def claim_keyed(table: Table) -> Update:
         (SELECT {columns} FROM {t} AS j
          WHERE j.ordering_key = k.ordering_key AND j.status = '{pending}' AND j.attempts = 0
            AND j.run_at <= {now}
-         ORDER BY j.priority, j.run_at, j.id LIMIT :limit)
+         ORDER BY j.priority, j.run_at, j.id LIMIT :per_key)
     ) AS m
 ), free AS MATERIALIZED (
     SELECT j.id FROM {t} AS j
@@ -477,6 +478,7 @@ FOR UPDATE OF j SKIP LOCKED"""
             bindparam("keys", type_=ARRAY(Text)),
             bindparam("queue_names", type_=ARRAY(Text)),
             bindparam("limit", type_=Integer),
+            bindparam("per_key", type_=Integer),
         )
         .columns(column("id", BigInteger))
         .cte("claimable")
