@@ -59,6 +59,7 @@ SECTIONS: Final = (
     "memory",
     "pgbouncer",
     "async",
+    "keys",
 )
 
 _TABLE: Final[sa.Table] = Job.__table__  # type: ignore[assignment]
@@ -69,6 +70,9 @@ _Q_LATENCY: Final = "bench_latency"
 _Q_CLAIM: Final = "bench_claim"
 _Q_HISTORY: Final = "bench_history"
 _Q_ENQUEUE: Final = "bench_enqueue"
+_Q_KEYS: Final = "bench_keys"
+#: Distinct ordering keys of the ``keys`` section's keyed jobs.
+_KEYS: Final = 1_000
 _LEASE_SECONDS: Final = 300.0
 # Latency under load: a steady rate of slow jobs on a worker with a few slots.
 _LOAD_RATE: Final = 50.0  # jobs/s: 10 of the 16 slots busy on average
@@ -658,13 +662,17 @@ def _latencies(
     return sorted((started[i] - t) * 1000 for i, t in committed.items())
 
 
-def _claim_throughput(engine: sa.Engine, batch: int, count: int) -> float:
+def _claim_throughput(
+    engine: sa.Engine, batch: int, count: int, *, queue: str = _Q_CLAIM, keys: bool = False
+) -> float:
     """The library's batched claim + complete_many, in this process, until ``count`` done."""
     done = 0
     started = time.perf_counter()
     while True:
         with Session(engine) as session, session.begin():
-            jobs = claim(session, Job, queues=_Q_CLAIM, limit=batch, lease=_LEASE_SECONDS)
+            jobs = claim(
+                session, Job, queues=queue, limit=batch, lease=_LEASE_SECONDS, keys=keys
+            )
         if not jobs:
             break
         with Session(engine) as session, session.begin():
@@ -697,6 +705,46 @@ def run_history(cfg: Config, engine: sa.Engine, results: Results) -> None:
         )
         _progress(f"history {rows} rows")
     results.metrics["history.claim.10k"].ceiling = None
+
+
+def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
+    """One run of each ``keys`` figure, side by side: the library's batched claim +
+    complete_many of ``--jobs`` plain jobs (``keys.claim.plain``, the ceiling of the
+    others); of plain jobs with ``keys=True`` (the keyed statement finds nothing);
+    of keyed jobs over 1,000 keys one at a time (``key_limit`` 1), and with ``key_limit``
+    3."""
+    variants: tuple[tuple[str, int | None, bool], ...] = (
+        ("plain", None, False),
+        ("plain_keys_on", None, True),
+        ("keyed", 1, True),
+        ("keyed_limit3", 3, True),
+    )
+    for label, key_limit, keys in variants:
+        with engine.begin() as connection:
+            if key_limit is None:
+                connection.execute(
+                    bench_sql.fill(_TABLE),
+                    {"queue": _Q_KEYS, "task": "bench_noop", "count": cfg.jobs},
+                )
+            else:
+                connection.execute(
+                    bench_sql.fill_keyed(_TABLE),
+                    {
+                        "queue": _Q_KEYS,
+                        "task": "bench_noop",
+                        "count": cfg.jobs,
+                        "keys": _KEYS,
+                        "key_limit": key_limit,
+                    },
+                )
+        _vacuum(engine)
+        value = _claim_throughput(engine, cfg.batch, cfg.jobs, queue=_Q_KEYS, keys=keys)
+        ceiling = None if label == "plain" else "keys.claim.plain"
+        results.add(f"keys.claim.{label}", value, "jobs/s", ceiling)
+        with engine.begin() as connection:
+            connection.execute(bench_sql.delete_queue(_TABLE), {"queue": _Q_KEYS})
+        _vacuum(engine)
+    _progress("keys")
 
 
 def _bulk_memory_child(url: str, count: int, chunk: int, out: Any) -> None:
@@ -891,6 +939,18 @@ TARGETS: Final = [
         "history.claim.big", "claim at big history >= 90% of 10k", _ratio("history.claim.big"), 0.90
     ),
     Target(
+        "keys.claim.keyed",
+        "keyed claim >= 70% of plain claim",
+        _ratio("keys.claim.keyed"),
+        0.70,
+    ),
+    Target(
+        "keys.claim.keyed_limit3",
+        "keyed claim (key_limit 3) >= 70% of plain",
+        _ratio("keys.claim.keyed_limit3"),
+        0.70,
+    ),
+    Target(
         "memory.worker_rss_growth",
         "worker RSS growth <= 10%",
         _value("memory.worker_rss_growth"),
@@ -969,6 +1029,7 @@ def _order(name: str) -> tuple[int, str]:
         "memory": 5,
         "pgbouncer": 6,
         "async": 7,
+        "keys": 8,
     }
     if section == "async":  # per operation: its paths' rates, then their CPU per job
         operation, _, path = name.removeprefix("async.").rpartition(".")
@@ -1095,6 +1156,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_pgbouncer(cfg, engine, results)
             if "async" in cfg.sections:
                 run_async(cfg, engine, results)
+            if "keys" in cfg.sections:
+                run_keys(cfg, engine, results)
         if "history" in cfg.sections:
             run_history(cfg, engine, results)
         if "memory" in cfg.sections:
