@@ -68,7 +68,7 @@ from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin, JobStatus
 
 __all__ = [
     "DEFAULT_LEASE",
-    "KEY_SCAN_FACTOR",
+    "KEY_SCAN_EXTRA",
     "MAX_CLAIM_LIMIT",
     "VACUUM_DEAD_ROWS",
     "ClaimedJob",
@@ -555,13 +555,12 @@ def claim(
     return jobs
 
 
-#: How many keyed jobs per queue (and keys in all) a keyed claim of ``limit`` jobs looks at:
-#: keys that are busy are passed over, so it looks further than ``limit``.
-KEY_SCAN_FACTOR: Final = 4
-KEY_SCAN_MIN: Final = 16
+#: How many keyed jobs per queue (and keys in all) a keyed claim of ``limit`` jobs looks at,
+#: beyond ``limit``: keys that are busy are passed over, so it looks a little further.
+KEY_SCAN_EXTRA: Final = 16
 #: The most jobs of one key a keyed claim starts (a key whose ``key_limit`` is higher gets
 #: the rest in the next claims): each costs the claim a read of the job's row.
-KEY_CLAIM_MAX: Final = 4
+KEY_CLAIM_MAX: Final = 16
 
 
 def _claim_rows(
@@ -576,7 +575,7 @@ def _claim_rows(
     if not keys:
         return list(_rows(session, statements.claim, table, params, queue_count=queue_count))
     limit = params["limit"]
-    scan = max(KEY_SCAN_MIN, KEY_SCAN_FACTOR * limit)
+    scan = limit + KEY_SCAN_EXTRA
     locked = _rows(
         session, statements.lock_keys, table, {"queue_names": queue_names, "scan": scan}
     )
@@ -584,6 +583,7 @@ def _claim_rows(
     if locked:
         keyed = {
             "keys": [row[0] for row in locked],
+            "key_limits": [row[1] for row in locked],
             "queue_names": queue_names,
             "limit": limit,
             "per_key": min(limit, KEY_CLAIM_MAX),

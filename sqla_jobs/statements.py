@@ -338,7 +338,9 @@ def key_lock_space(table: Table) -> int:
 
 
 def lock_keys(table: Table) -> TextClause:
-    """Lock the ordering keys worth a keyed claim; returns the keys locked (``ordering_key``).
+    """Lock the ordering keys worth a keyed claim; returns the keys locked, each with the
+    largest ``key_limit`` of the jobs that brought it in (``ordering_key, key_limit``): how
+    many of its jobs :func:`claim_keyed` reads.
 
     The first statement of a keyed claim, and its only way to serialise claimers per key:
     for each served queue, the keys of its first ``:scan`` runnable keyed jobs in claim order
@@ -360,20 +362,21 @@ def lock_keys(table: Table) -> TextClause:
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
     return text(
-        f"""SELECT k.ordering_key FROM (
-    SELECT DISTINCT c.ordering_key
+        f"""SELECT k.ordering_key, k.key_limit FROM (
+    SELECT c.ordering_key, max(coalesce(c.key_limit, 1)) AS key_limit
     FROM unnest(CAST(:queue_names AS text[])) AS q (name)
     CROSS JOIN LATERAL (
-        (SELECT j.ordering_key FROM {t} AS j
+        (SELECT j.ordering_key, j.key_limit FROM {t} AS j
          WHERE j.status = '{pending}' AND j.ordering_key IS NOT NULL AND j.queue = q.name
            AND j.run_at <= statement_timestamp()
          ORDER BY j.priority, j.run_at, j.id LIMIT :scan)
         UNION ALL
-        (SELECT j.ordering_key FROM {t} AS j
+        (SELECT j.ordering_key, j.key_limit FROM {t} AS j
          WHERE j.status = '{running}' AND j.queue = q.name
            AND j.lease_expires_at <= statement_timestamp() AND j.ordering_key IS NOT NULL
          ORDER BY j.lease_expires_at LIMIT :scan)
     ) AS c
+    GROUP BY c.ordering_key
     LIMIT :scan
 ) AS k
 WHERE pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))"""
@@ -405,12 +408,14 @@ def claim_keyed(table: Table) -> Update:
 
     Indexes: per key, three ranges of the key index ``(ordering_key, status, attempts,
     priority, run_at, id)``: running, pending with ``attempts > 0``, pending with ``attempts
-    = 0`` (read in order, at most ``:per_key`` rows: a claim starts at most that many jobs of
-    one key, whatever its ``key_limit``). Locks: expired attempts and the chosen
+    = 0`` (read in order, as many rows as the key's entry in ``:key_limits`` says, the key
+    limit :func:`lock_keys` saw, but at most ``:per_key``: a claim starts at most that many
+    jobs of one key, whatever its ``key_limit``). Locks: expired attempts and the chosen
     rows ``FOR UPDATE SKIP LOCKED`` (a chosen row that another transaction has changed since
     is re-checked, and dropped if no longer runnable).
 
-    Parameters: ``:keys`` and ``:queue_names`` (arrays), ``:limit``, ``:per_key``,
+    Parameters: ``:keys``, ``:key_limits`` and ``:queue_names`` (arrays), ``:limit``,
+    ``:per_key``,
     ``:lease_seconds``, ``:worker``.
     """
     t = qualified_name(table.name, table.schema)
@@ -424,7 +429,7 @@ def claim_keyed(table: Table) -> Update:
         text(
             f"""WITH member AS MATERIALIZED (
     SELECT m.*
-    FROM unnest(CAST(:keys AS text[])) AS k (ordering_key)
+    FROM unnest(CAST(:keys AS text[]), CAST(:key_limits AS integer[])) AS k (ordering_key, reads)
     CROSS JOIN LATERAL (
         (SELECT {columns} FROM {t} AS j
          WHERE j.ordering_key = k.ordering_key AND j.status = '{running}')
@@ -435,7 +440,7 @@ def claim_keyed(table: Table) -> Update:
         (SELECT {columns} FROM {t} AS j
          WHERE j.ordering_key = k.ordering_key AND j.status = '{pending}' AND j.attempts = 0
            AND j.run_at <= {now}
-         ORDER BY j.priority, j.run_at, j.id LIMIT :per_key)
+         ORDER BY j.priority, j.run_at, j.id LIMIT least(k.reads, :per_key))
     ) AS m
 ), free AS MATERIALIZED (
     SELECT j.id FROM {t} AS j
@@ -476,6 +481,7 @@ FOR UPDATE OF j SKIP LOCKED"""
         )
         .bindparams(
             bindparam("keys", type_=ARRAY(Text)),
+            bindparam("key_limits", type_=ARRAY(Integer)),
             bindparam("queue_names", type_=ARRAY(Text)),
             bindparam("limit", type_=Integer),
             bindparam("per_key", type_=Integer),

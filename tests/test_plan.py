@@ -322,7 +322,7 @@ def keyed_claim_plans(
     first locked, in one transaction that is rolled back."""
     lock_sql = str(statements.lock_keys(TABLE).compile(dialect=engine.dialect))
     claim_sql = str(statements.claim_keyed(TABLE).compile(dialect=engine.dialect))
-    scan = max(sqla_jobs.queue.KEY_SCAN_MIN, sqla_jobs.queue.KEY_SCAN_FACTOR * LIMIT)
+    scan = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
     lock_params = {"queue_names": queues, "scan": scan}
     with engine.connect() as connection:
         transaction = connection.begin()
@@ -332,9 +332,11 @@ def keyed_claim_plans(
         lock_plan = explain(cursor, lock_sql, lock_params, generic=generic)
         # The locks are the transaction's: running it again returns the same keys.
         cursor.execute(lock_sql, lock_params, prepare=generic)
-        keys = [row[0] for row in cursor.fetchall()]
+        locked = cursor.fetchall()
+        keys = [row[0] for row in locked]
         params = {
             "keys": keys,
+            "key_limits": [row[1] for row in locked],
             "queue_names": queues,
             "limit": LIMIT,
             "per_key": sqla_jobs.queue.KEY_CLAIM_MAX,
@@ -373,7 +375,7 @@ def test_the_keyed_claim_reads_a_few_pages_per_key_whatever_the_backlog(
         reads = index_reads(lock_plan)
         assert {r["Index Name"] for r in reads} == {N.keyed_pending_index, N.running_index}
         assert sum(buffers(r) for r in reads) <= PAGES_PER_QUEUE * queue_count
-        scan = sqla_jobs.queue.KEY_SCAN_FACTOR * LIMIT
+        scan = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
         assert LIMIT <= keys <= scan  # the keys of the first ``scan`` jobs in claim order
         reads = index_reads(claim_plan_)
         assert N.key_index in {r["Index Name"] for r in reads}

@@ -670,9 +670,7 @@ def _claim_throughput(
     started = time.perf_counter()
     while True:
         with Session(engine) as session, session.begin():
-            jobs = claim(
-                session, Job, queues=queue, limit=batch, lease=_LEASE_SECONDS, keys=keys
-            )
+            jobs = claim(session, Job, queues=queue, limit=batch, lease=_LEASE_SECONDS, keys=keys)
         if not jobs:
             break
         with Session(engine) as session, session.begin():
@@ -712,14 +710,21 @@ def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
     complete_many of ``--jobs`` plain jobs (``keys.claim.plain``, the ceiling of the
     others); of plain jobs with ``keys=True`` (the keyed statement finds nothing);
     of keyed jobs over 1,000 keys one at a time (``key_limit`` 1), and with ``key_limit``
-    3."""
-    variants: tuple[tuple[str, int | None, bool], ...] = (
+    3. Each run starts with another of them (the order rotates), so that none is always
+    first after the previous run's clean-up."""
+    variants: list[tuple[str, int | None, bool]] = [
         ("plain", None, False),
         ("plain_keys_on", None, True),
         ("keyed", 1, True),
         ("keyed_limit3", 3, True),
+    ]
+    done = (
+        len(results.metrics["keys.claim.plain"].runs)
+        if "keys.claim.plain" in results.metrics
+        else 0
     )
-    for label, key_limit, keys in variants:
+    turn = done % len(variants)
+    for label, key_limit, keys in variants[turn:] + variants[:turn]:
         with engine.begin() as connection:
             if key_limit is None:
                 connection.execute(
