@@ -576,9 +576,7 @@ def _claim_rows(
         return list(_rows(session, statements.claim, table, params, queue_count=queue_count))
     limit = params["limit"]
     scan = limit + KEY_SCAN_EXTRA
-    locked = _rows(
-        session, statements.lock_keys, table, {"queue_names": queue_names, "scan": scan}
-    )
+    locked = _rows(session, statements.lock_keys, table, {"queue_names": queue_names, "scan": scan})
     rows: list[Any] = []
     if locked:
         keyed = {

@@ -55,9 +55,9 @@ __all__ = [
     "JobResultMixin",
     "JobStatus",
     "TableNames",
-    "names",
     "key_predicate",
     "keyed_pending_predicate",
+    "names",
     "pending_predicate",
     "running_predicate",
 ]

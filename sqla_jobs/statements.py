@@ -240,11 +240,12 @@ def claim(table: Table, *, queue_count: int) -> Update:
     key are not this claim's: :func:`claim_keyed` takes them.
 
     Indexes: each queue's pending jobs come from the pending index ``(queue, priority,
-    run_at, id) WHERE status = 'pending' AND ordering_key IS NULL``, read in its order, and its expired leases from the
-    running index ``(queue, lease_expires_at) WHERE status = 'running'``, read from the
-    oldest lease end up to now; each read stops after ``:limit`` rows. So a claim reads
-    neither the finished history, nor the jobs in flight on live leases, nor more than
-    ``:limit`` rows per queue, however many queues it serves: with several queues
+    run_at, id) WHERE status = 'pending' AND ordering_key IS NULL``, read in its order, and
+    its expired leases from the running index ``(queue, lease_expires_at) WHERE status =
+    'running'``, read from the oldest lease end up to now (keyed ones filtered out); each
+    read stops after ``:limit`` rows. So a claim reads neither the finished history, nor
+    the jobs in flight on live leases, nor more than ``:limit`` rows per queue, however
+    many queues it serves: with several queues
     (``queue_count`` > 1) the per-queue reads are a ``LATERAL`` join over the
     ``:queue_names`` array. The best ``:limit`` of these candidates by ``(priority, run_at,
     id)`` are claimed. (When more than ``:limit`` leases of one queue have expired, the
@@ -380,9 +381,7 @@ def lock_keys(table: Table) -> TextClause:
     LIMIT :scan
 ) AS k
 WHERE pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))"""
-    ).bindparams(
-        bindparam("queue_names", type_=ARRAY(Text)), bindparam("scan", type_=Integer)
-    )
+    ).bindparams(bindparam("queue_names", type_=ARRAY(Text)), bindparam("scan", type_=Integer))
 
 
 def claim_keyed(table: Table) -> Update:

@@ -37,9 +37,9 @@ __all__ = [
     "check_field",
     "check_json",
     "check_key_limit",
-    "check_ordering_key",
     "check_max_attempts",
     "check_name",
+    "check_ordering_key",
     "check_priority",
     "check_run_at",
 ]

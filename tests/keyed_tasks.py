@@ -14,9 +14,7 @@ from worker_tasks import WorkerJob, WorkerJobResult, _sleep_time, record
 
 from sqla_jobs.registry import JobContext, Registry
 
-registry = Registry(
-    WorkerJob, result_model=WorkerJobResult, default_lease=1.0, ordering_keys=True
-)
+registry = Registry(WorkerJob, result_model=WorkerJobResult, default_lease=1.0, ordering_keys=True)
 
 
 @registry.task(queue="work", key_limit=3)

@@ -139,5 +139,6 @@ def test_a_key_held_by_a_killed_worker_is_free_again_after_its_lease(
     wait_until(lambda: db.all_succeeded(3), timeout=30, message="all three succeed")
     assert (db.job(first).attempts, db.job(second).attempts) == (2, 1)
     ((_, first_end, _), (second_start, _, second_id)) = intervals(db)["k"]
-    assert second_id == second and first_end <= second_start
+    assert second_id == second
+    assert first_end <= second_start
     assert db.status(other) == "succeeded"

@@ -684,7 +684,8 @@ def test_the_upgrade_helper_can_run_again_after_an_interrupted_run(
     with db_engine.connect() as connection:
         problems = migrations.check_claim_indexes(connection, models.EmailJob)
         # A version-2 table: the model's version-3 indexes need the ordering-key columns.
-        assert len(problems) == 3 and "add_ordering_keys" in problems[2]
+        assert len(problems) == 3
+        assert "add_ordering_keys" in problems[2]
     migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))
     with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
@@ -752,7 +753,6 @@ def test_a_version_2_table_is_reported_and_upgraded_in_place_with_its_keyed_jobs
     assert set(index_definitions(db_engine, "email_jobs")) == {n.pending_index, n.running_index}
     with db_engine.connect() as connection:
         columns = {c["name"] for c in sa.inspect(connection).get_columns("email_jobs")}
-        assert "ordering_key" not in columns and "key_limit" not in columns
-        assert connection.execute(sa.text("SELECT task FROM email_jobs")).scalars().all() == [
-            "old"
-        ]
+        assert "ordering_key" not in columns
+        assert "key_limit" not in columns
+        assert connection.execute(sa.text("SELECT task FROM email_jobs")).scalars().all() == ["old"]

@@ -24,7 +24,9 @@ def enqueue(engine: sa.Engine, *jobs: EmailJob) -> list[int]:
         return [job.id for job in jobs]
 
 
-def claim(engine: sa.Engine, *, limit: int = 10, keys: bool = True, **options: Any) -> list[ClaimedJob]:
+def claim(
+    engine: sa.Engine, *, limit: int = 10, keys: bool = True, **options: Any
+) -> list[ClaimedJob]:
     with engine.begin() as connection:
         return sqla_jobs.claim(connection, EmailJob, limit=limit, keys=keys, **options)
 
@@ -190,9 +192,8 @@ def test_bad_keys_and_limits_are_refused_before_any_sql(
 
 
 def test_claim_refuses_a_keys_flag_that_is_not_a_bool(queue_engine: sa.Engine) -> None:
-    with queue_engine.begin() as connection:
-        with pytest.raises(InvalidJobError, match="keys"):
-            sqla_jobs.claim(connection, EmailJob, keys="yes")  # type: ignore[arg-type]
+    with queue_engine.begin() as connection, pytest.raises(InvalidJobError, match="keys"):
+        sqla_jobs.claim(connection, EmailJob, keys="yes")  # type: ignore[arg-type]
 
 
 def test_the_registry_stamps_key_limits_and_refuses_keys_its_workers_would_not_claim() -> None:
@@ -218,8 +219,9 @@ def test_the_registry_stamps_key_limits_and_refuses_keys_its_workers_would_not_c
     assert (job.ordering_key, job.key_limit) == ("customer:1", 3)
     assert sync.job({}).key_limit is None  # no key, no limit
     assert Registry(EmailJob, ordering_keys=True).ordering_keys
-    for bad in (0, -1, "3", 1.5):
+    bad_limits: list[object] = [0, -1, "3", 1.5]
+    for n, bad in enumerate(bad_limits):
         with pytest.raises(ConfigurationError, match="key_limit"):
-            keyed.add(lambda ctx: None, name=f"bad_{bad!s}".replace(".", "_").replace("-", "_"), key_limit=bad)  # type: ignore[arg-type]
+            keyed.add(send.function, name=f"bad_{n}", key_limit=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="ordering_keys"):
         Registry(EmailJob, ordering_keys="yes")  # type: ignore[arg-type]

@@ -80,7 +80,7 @@ def fill_keyed(table: Table) -> Insert:
         .table_valued("n")
         .render_derived(name="s")
     )
-    key = literal_column("'key:'") + func.cast(
+    key: ColumnElement[str] = literal_column("'key:'") + func.cast(
         series.c.n % bindparam("keys", type_=Integer), Text
     )
     values: list[ColumnElement[Any]] = [

@@ -110,8 +110,10 @@ def _problems(connection: sa.Connection, table: sa.Table, index: sa.Index) -> li
     expected = _expected_shape(connection, table, index)
     if expected is None:
         return [
-            f"{label}: the model's index needs columns the table does not have yet; "
-            "upgrade the table (sqla_jobs.migrations: add_ordering_keys for schema version 3)"
+            (
+                f"{label}: the model's index needs columns the table does not have yet; "
+                "upgrade the table (sqla_jobs.migrations: add_ordering_keys for schema version 3)"
+            )
         ]
     return [
         f"{label}: {what} is {got!r} in the database but {want!r} in the model"

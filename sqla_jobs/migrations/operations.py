@@ -439,10 +439,10 @@ def _swap_pending_index(table_name: str, predicate: str, *, schema: str | None) 
         f"ALTER INDEX IF EXISTS {ddl.qualified_name(n.pending_index, schema)} "
         f"RENAME TO {ddl.quote(old)}"
     )
-    _execute(f"ALTER INDEX {ddl.qualified_name(new, schema)} RENAME TO {ddl.quote(n.pending_index)}")
+    _execute(
+        f"ALTER INDEX {ddl.qualified_name(new, schema)} RENAME TO {ddl.quote(n.pending_index)}"
+    )
     _drop_index(old, table_name, schema=schema, concurrently=True, if_exists=True)
-
-
 
 
 def add_ordering_keys(table_name: str, *, schema: str | None = None) -> None:
@@ -491,8 +491,7 @@ def drop_ordering_keys(table_name: str, *, schema: str | None = None) -> None:
             _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
     table = ddl.qualified_name(table_name, schema)
     _execute(
-        f"ALTER TABLE {table} DROP COLUMN IF EXISTS key_limit, "
-        "DROP COLUMN IF EXISTS ordering_key"
+        f"ALTER TABLE {table} DROP COLUMN IF EXISTS key_limit, DROP COLUMN IF EXISTS ordering_key"
     )
 
 
