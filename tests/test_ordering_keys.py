@@ -225,3 +225,21 @@ def test_the_registry_stamps_key_limits_and_refuses_keys_its_workers_would_not_c
             keyed.add(send.function, name=f"bad_{n}", key_limit=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="ordering_keys"):
         Registry(EmailJob, ordering_keys="yes")  # type: ignore[arg-type]
+
+
+def test_a_keyed_claim_over_several_queues(queue_engine: sa.Engine) -> None:
+    enqueue(
+        queue_engine,
+        EmailJob(task="a1", queue="alpha", ordering_key="k1"),
+        EmailJob(task="a2", queue="alpha", ordering_key="k1"),
+        EmailJob(task="b1", queue="beta", ordering_key="k2"),
+        EmailJob(task="b-plain", queue="beta"),
+        EmailJob(task="c1", queue="gamma", ordering_key="k3"),
+    )
+    jobs = claim(queue_engine, queues=["alpha", "beta"])
+    assert sorted(job.task for job in jobs) == ["a1", "b-plain", "b1"]
+    with queue_engine.begin() as connection:
+        held = sqla_jobs.claim(
+            connection, EmailJob, queues=["alpha", "beta"], keys=True, hold=False
+        )
+    assert held == []
