@@ -248,8 +248,11 @@ class JobMixin:
     )
     # Schema version 3: per-key order and limits. Nullable, no default: adding them to a
     # live table rewrites nothing, and a job without a key is in none of the keyed indexes.
-    ordering_key: Mapped[str | None] = mapped_column(String(validation.MAX_KEY_LENGTH))
-    key_limit: Mapped[int | None] = mapped_column(SmallInteger)
+    # FetchedValue(), as above: an INSERT of a job without them does not send them.
+    ordering_key: Mapped[str | None] = mapped_column(
+        String(validation.MAX_KEY_LENGTH), server_default=FetchedValue()
+    )
+    key_limit: Mapped[int | None] = mapped_column(SmallInteger, server_default=FetchedValue())
 
     @declared_attr.directive
     @classmethod
