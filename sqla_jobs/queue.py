@@ -79,6 +79,7 @@ from sqla_jobs.schema import (
 
 __all__ = [
     "DEFAULT_LEASE",
+    "KEY_SCAN_EXTRA",
     "MAX_CLAIM_LIMIT",
     "VACUUM_DEAD_ROWS",
     "ClaimedJob",
@@ -747,6 +748,7 @@ def claim(
     lease: timedelta | float = DEFAULT_LEASE,
     worker: str | None = None,
     hold: bool = False,
+    keys: bool = False,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` runnable jobs and start an attempt on each.
 
@@ -778,6 +780,20 @@ def claim(
     long the handler runs. Claim data committed by others only: the separate connection
     does not see the caller's uncommitted rows.
 
+    **Ordering keys** (``keys=True``). Jobs with an ``ordering_key`` are claimed only with
+    ``keys=True`` (a plain claim never takes one, so it cannot break a key's order). Then
+    the claim first takes keyed jobs, key by key: a job starts only when fewer than its
+    ``key_limit`` (default 1) jobs of its key are in progress (running on a live lease or
+    held by a lock-held worker, or waiting for a retry), and only after the key's jobs that
+    come before it (expired attempts first, then due retries, then new jobs in ``(priority,
+    run_at, id)`` order; a job whose ``run_at`` is still ahead blocks nobody). Claimers are
+    serialised per key by transaction-scoped advisory try-locks
+    (:func:`sqla_jobs.statements.lock_keys`), taken in a statement before the claim's, so
+    that the claim sees whatever the key's previous claimer committed; a key another claim
+    is locking is skipped, not waited for. The keyed jobs' batch is filled up with plain
+    jobs. Three statements instead of one (two when no key is free), in the same
+    transaction, and the key locks last until it ends: keep it short.
+
     Returns the claimed jobs, possibly none. Raises :class:`InvalidJobError` for bad
     arguments, before any SQL runs.
     """
@@ -794,6 +810,8 @@ def claim(
     else:
         params["queue_names"] = queue_names
     queue_count = min(len(queue_names), 2)
+    if not isinstance(keys, bool):
+        raise InvalidJobError("keys", f"must be True or False, not {keys!r}")
     if hold:
         _check_holdable(session)
         if isinstance(session, Connection):
@@ -802,9 +820,9 @@ def claim(
             bind = session.get_bind()
             engine = bind.engine if isinstance(bind, Connection) else bind
         with engine.begin() as connection:
-            rows = _rows(connection, statements.claim, table, params, queue_count=queue_count)
+            rows = _claim_rows(connection, table, params, queue_names, queue_count, keys)
     else:
-        rows = _rows(session, statements.claim, table, params, queue_count=queue_count)
+        rows = _claim_rows(session, table, params, queue_names, queue_count, keys)
     running = JobStatus.RUNNING.value
     # Positional, in the order of the claim statement's RETURNING: the hot path.
     jobs = [
@@ -818,6 +836,46 @@ def claim(
     if hold and jobs:
         return lock(session, jobs)
     return jobs
+
+
+#: How many keyed jobs per queue (and keys in all) a keyed claim of ``limit`` jobs looks at,
+#: beyond ``limit``: keys that are busy are passed over, so it looks a little further.
+KEY_SCAN_EXTRA: Final = 16
+#: The most jobs of one key a keyed claim starts (a key whose ``key_limit`` is higher gets
+#: the rest in the next claims): each costs the claim a read of the job's row.
+KEY_CLAIM_MAX: Final = 16
+
+
+def _claim_rows(
+    session: Executor,
+    table: Table,
+    params: dict[str, Any],
+    queue_names: list[str],
+    queue_count: int,
+    keys: bool,
+) -> list[Any]:
+    """The rows of one claim: keyed jobs first (``keys``), then plain ones up to the limit."""
+    if not keys:
+        return list(_rows(session, statements.claim, table, params, queue_count=queue_count))
+    limit = params["limit"]
+    scan = limit + KEY_SCAN_EXTRA
+    locked = _rows(session, statements.lock_keys, table, {"queue_names": queue_names, "scan": scan})
+    rows: list[Any] = []
+    if locked:
+        keyed = {
+            "keys": [row[0] for row in locked],
+            "key_limits": [row[1] for row in locked],
+            "queue_names": queue_names,
+            "limit": limit,
+            "per_key": min(limit, KEY_CLAIM_MAX),
+            "lease_seconds": params["lease_seconds"],
+            "worker": params["worker"],
+        }
+        rows.extend(_rows(session, statements.claim_keyed, table, keyed))
+    if len(rows) < limit:
+        rest = params | {"limit": limit - len(rows)}
+        rows.extend(_rows(session, statements.claim, table, rest, queue_count=queue_count))
+    return rows
 
 
 def _check_holdable(session: Executor) -> None:

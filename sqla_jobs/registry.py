@@ -225,6 +225,7 @@ class Task(Generic[_R]):
         retry: RetryPolicy,
         priority: int,
         schedule: Schedule | None = None,
+        key_limit: int | None = None,
     ) -> None:
         self.registry = registry
         self.function = function
@@ -237,6 +238,7 @@ class Task(Generic[_R]):
         self.priority = priority
         #: When the task runs by itself (a periodic task), or None.
         self.schedule = schedule
+        self.key_limit = key_limit
 
     def __call__(self, ctx: JobContext) -> _R:
         return self.function(ctx)
@@ -254,9 +256,17 @@ class Task(Generic[_R]):
         run_at: datetime | None = None,
         priority: int | None = None,
         queue: str | None = None,
+        ordering_key: str | None = None,
         **columns: Any,
     ) -> JobMixin:
         """A new job row of the registry's model for this task, not yet added to a session.
+
+        ``ordering_key`` (``"customer:42"``) puts the job in line behind the key's other
+        jobs: they run one at a time (or up to the task's ``key_limit`` at once), in
+        ``(priority, run_at, id)`` order, across all workers. It needs a registry whose
+        workers claim keyed jobs (``Registry(..., ordering_keys=True)``, or a task with a
+        ``key_limit``), else :class:`~sqla_jobs.errors.ConfigurationError`: such a job would
+        never run.
 
         Carries the task's queue, priority and maximum attempts unless overridden;
         ``columns`` sets the model's own attributes, columns and relationships alike, as
@@ -274,6 +284,15 @@ class Task(Generic[_R]):
         }
         if run_at is not None:
             values["run_at"] = run_at
+        if ordering_key is not None:
+            if not self.registry.ordering_keys:
+                raise ConfigurationError(
+                    f"task {self.name!r} got an ordering key, but the workers of its registry "
+                    "do not claim keyed jobs: create it with Registry(..., ordering_keys=True)"
+                )
+            values["ordering_key"] = ordering_key
+            if self.key_limit is not None:
+                values.setdefault("key_limit", self.key_limit)
         return self.registry.model(**values)
 
     def enqueue(
@@ -339,6 +358,7 @@ class Registry:
         default_retry: RetryPolicy | None = None,
         default_mode: Mode = "lease",
         schedule_model: type[ScheduleMixin] | None = None,
+        ordering_keys: bool = False,
     ) -> None:
         if model is not None and not _is_job_model(model):
             raise ConfigurationError(f"{model!r} is not a model class that mixes in JobMixin")
@@ -357,6 +377,9 @@ class Registry:
         self.default_lease = _duration("default_lease", default_lease)
         self.default_retry = default_retry or RetryPolicy()
         self.default_mode: Mode = _check_mode(default_mode)
+        if not isinstance(ordering_keys, bool):
+            raise ConfigurationError(f"ordering_keys must be True or False, not {ordering_keys!r}")
+        self._ordering_keys = ordering_keys
         self._tasks: dict[str, Task[Any]] = {}
 
     @property
@@ -370,6 +393,14 @@ class Registry:
     @result_model.setter
     def result_model(self, value: type[JobResultMixin] | None) -> None:
         self._result_model = value
+
+    @property
+    def ordering_keys(self) -> bool:
+        """Whether this registry's workers claim jobs that have an ordering key
+        (:func:`sqla_jobs.claim` with ``keys=True``): asked for with ``ordering_keys=True``,
+        or implied by a task with a ``key_limit``. Off by default, because a keyed claim
+        costs one statement more per claim."""
+        return self._ordering_keys or any(t.key_limit is not None for t in self._tasks.values())
 
     @property
     def model(self) -> type[JobMixin]:
@@ -416,6 +447,7 @@ class Registry:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         schedule: Schedule | None = None,
+        key_limit: int | None = None,
     ) -> Callable[[Callable[[JobContext], _R]], Task[_R]]: ...
 
     def task(
@@ -431,11 +463,14 @@ class Registry:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         schedule: Schedule | None = None,
+        key_limit: int | None = None,
     ) -> Task[Any] | Callable[[Callable[[JobContext], Any]], Task[Any]]:
         """Register a function or coroutine function as a task (a decorator).
 
         ``@registry.task`` or ``@registry.task(queue=..., max_attempts=..., mode="lock",
-        lease=30, retry=RetryPolicy(...), name=...)``. The name defaults to the function's
+        lease=30, retry=RetryPolicy(...), name=..., key_limit=3)``. ``key_limit`` is how
+        many of the task's jobs with one ordering key may be in progress at once (stamped on
+        each job that has a key; without it, 1). The name defaults to the function's
         ``__name__``; a name registered twice raises
         :class:`~sqla_jobs.errors.ConfigurationError`. ``schedule=Schedule(cron=...)``
         (or ``every=...``) makes it a periodic task, which every worker of the registry
@@ -453,6 +488,7 @@ class Registry:
                 retry=retry,
                 priority=priority,
                 schedule=schedule,
+                key_limit=key_limit,
             )
 
         if function is not None:
@@ -471,6 +507,7 @@ class Registry:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         schedule: Schedule | None = None,
+        key_limit: int | None = None,
     ) -> Task[Any]:
         """Register ``function`` as a task without the decorator syntax; see :meth:`task`."""
         if not callable(function):
@@ -495,6 +532,7 @@ class Registry:
             retry=retry or self.default_retry,
             priority=validation.check_priority("priority", priority),
             schedule=schedule,
+            key_limit=_key_limit(key_limit),
         )
         self._tasks[task_name] = task
         return task
@@ -537,6 +575,16 @@ def _is_schedule_model(model: object) -> bool:
 
 def _is_job_model(model: object) -> bool:
     return isinstance(model, type) and issubclass(model, JobMixin)
+
+
+def _key_limit(value: object) -> int | None:
+    if value is None:
+        return None
+    try:
+        return validation.check_key_limit("key_limit", value)
+    except InvalidJobError as exc:
+        # A task option is configuration: the same check, the registry's error.
+        raise ConfigurationError(f"key_limit {exc.reason}") from None
 
 
 def _check_mode(mode: object) -> Mode:

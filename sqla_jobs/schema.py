@@ -58,6 +58,8 @@ __all__ = [
     "ScheduleMixin",
     "TableNames",
     "dead_predicate",
+    "key_predicate",
+    "keyed_pending_predicate",
     "names",
     "pending_predicate",
     "running_predicate",
@@ -108,7 +110,8 @@ class TableNames:
     ``pending_index`` and ``running_index`` are the claim's indexes (schema version 2);
     ``claim_index`` names the single claim index of schema version 1, which the version-2
     upgrade drops; ``dead_index`` indexes the dead jobs (schema version 3), so that health
-    checks count them without reading the history.
+    checks count them without reading the history. ``keyed_pending_index`` and
+    ``key_index`` are the keyed claim's indexes (schema version 3, ordering keys).
     """
 
     table: str
@@ -116,6 +119,8 @@ class TableNames:
     running_index: str
     dead_index: str
     unique_index: str
+    keyed_pending_index: str
+    key_index: str
     claim_index: str
     status_check: str
     priority_check: str
@@ -145,6 +150,8 @@ def names(table: str) -> TableNames:
         running_index=_identifier(table, "running_idx"),
         dead_index=_identifier(table, "dead_idx"),
         unique_index=_identifier(table, "unique_idx"),
+        keyed_pending_index=_identifier(table, "keyed_pending_idx"),
+        key_index=_identifier(table, "key_idx"),
         claim_index=_identifier(table, "claim_idx"),
         status_check=_identifier(table, "status_ck"),
         priority_check=_identifier(table, "priority_ck"),
@@ -156,12 +163,29 @@ def names(table: str) -> TableNames:
 
 
 def pending_predicate() -> str:
-    """The predicate of the pending index, as SQL text: ``status = 'pending'``.
+    """The predicate of the pending index, as SQL text: ``status = 'pending' AND
+    ordering_key IS NULL`` (jobs with an ordering key have an index of their own, so that
+    the plain claim never reads them: :func:`keyed_pending_predicate`).
 
     The claim statement repeats it with a literal value (never a bind parameter), so that
     the planner can prove the partial index applies even to a prepared, generic plan.
     """
-    return f"status = '{JobStatus.PENDING.value}'"
+    return f"status = '{JobStatus.PENDING.value}' AND ordering_key IS NULL"
+
+
+def keyed_pending_predicate() -> str:
+    """The predicate of the keyed pending index (schema version 3), as SQL text:
+    ``status = 'pending' AND ordering_key IS NOT NULL``."""
+    return f"status = '{JobStatus.PENDING.value}' AND ordering_key IS NOT NULL"
+
+
+def key_predicate() -> str:
+    """The predicate of the key index (schema version 3), as SQL text: the jobs of a key
+    that are pending or running."""
+    return (
+        f"ordering_key IS NOT NULL AND status IN ('{JobStatus.PENDING.value}', "
+        f"'{JobStatus.RUNNING.value}')"
+    )
 
 
 def running_predicate() -> str:
@@ -219,6 +243,11 @@ class JobMixin:
         The :class:`JobResultMixin` model that stores the values handlers return, declared
         once here instead of on every :func:`~sqla_jobs.complete` call or
         :class:`~sqla_jobs.Registry` (default ``None``: return values are not stored).
+
+    Ordering keys (schema version 3): a job with an ``ordering_key`` runs only when fewer
+    than its ``key_limit`` (default 1: one at a time, in order) jobs of that key are in
+    progress, and after the key's jobs that sort before it; see
+    :func:`sqla_jobs.claim` (``keys=True``).
     """
 
     max_args_bytes: ClassVar[int] = validation.DEFAULT_MAX_ARGS_BYTES
@@ -269,6 +298,13 @@ class JobMixin:
     cancel_requested_at: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True), server_default=FetchedValue()
     )
+    # Schema version 3: per-key order and limits. Nullable, no default: adding them to a
+    # live table rewrites nothing, and a job without a key is in none of the keyed indexes.
+    # FetchedValue(), as above: an INSERT of a job without them does not send them.
+    ordering_key: Mapped[str | None] = mapped_column(
+        String(validation.MAX_KEY_LENGTH), server_default=FetchedValue()
+    )
+    key_limit: Mapped[int | None] = mapped_column(SmallInteger, server_default=FetchedValue())
 
     @declared_attr.directive
     @classmethod
@@ -314,6 +350,28 @@ class JobMixin:
                 "unique_key",
                 unique=True,
                 postgresql_where=text(unique_predicate()),
+            ),
+            # Schema version 3. Pending jobs with an ordering key, in claim order: where the
+            # keyed claim finds the keys worth looking at. Jobs without a key are never in it.
+            Index(
+                n.keyed_pending_index,
+                "queue",
+                "priority",
+                "run_at",
+                "id",
+                postgresql_where=text(keyed_pending_predicate()),
+            ),
+            # A key's jobs in progress: its running ones, its retries (attempts > 0) and its
+            # new ones in (priority, run_at, id) order, each one range of this index.
+            Index(
+                n.key_index,
+                "ordering_key",
+                "status",
+                "attempts",
+                "priority",
+                "run_at",
+                "id",
+                postgresql_where=text(key_predicate()),
             ),
             CheckConstraint(f"status IN ({_status_list(tuple(JobStatus))})", name=n.status_check),
             CheckConstraint(

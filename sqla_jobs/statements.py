@@ -17,6 +17,7 @@ job) matches zero rows.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Final
 
 from sqlalchemy import (
@@ -63,6 +64,7 @@ __all__ = [
     "cancel_attempts",
     "cancel_requests",
     "claim",
+    "claim_keyed",
     "complete",
     "complete_and_delete",
     "database_now",
@@ -72,7 +74,9 @@ __all__ = [
     "enqueue_unique",
     "fail",
     "heartbeat",
+    "key_lock_space",
     "lock",
+    "lock_keys",
     "oldest_xmin",
     "own_columns",
     "prune",
@@ -361,19 +365,68 @@ def schedule_advance(schedule_table: Table) -> Update:
 # -- claim, outcomes and administration ----------------------------------------------------
 
 
+def _start_attempts(table: Table, claimable: Any) -> Update:
+    """The ``UPDATE`` that starts an attempt on each job of ``claimable`` (a CTE of ids), the
+    second half of every claim statement (:func:`claim`, :func:`claim_keyed`)."""
+    now = _now()
+    # An expired lease on the job's last attempt means that attempt died with its worker:
+    # the job is dead now rather than run again, or a job that kills its worker every time
+    # would loop forever. Such rows come back with status 'dead' and are not handed out.
+    expired = table.c.status == _lit(JobStatus.RUNNING)
+    # A cancel requested of an attempt whose worker died: the job ends cancelled, never
+    # runs again (and comes back with status 'cancelled', not handed out either).
+    cancelled = and_(expired, _cancel_requested(table))
+    exhausted = or_(cancelled, and_(expired, table.c.attempts >= table.c.max_attempts))
+    lost_lease: ColumnElement[str] = (
+        literal_column("'attempt '")
+        + func.cast(table.c.attempts, Text)
+        + literal_column("' lost its lease: its worker stopped or crashed mid-job'")
+    )
+    return (
+        update(table)
+        .where(table.c.id == claimable.c.id)
+        .values(
+            status=case(
+                (cancelled, _lit(JobStatus.CANCELLED)),
+                (exhausted, _lit(JobStatus.DEAD)),
+                else_=_lit(JobStatus.RUNNING),
+            ),
+            attempts=case((exhausted, table.c.attempts), else_=table.c.attempts + _ONE),
+            lease_expires_at=case((exhausted, null()), else_=now + _seconds("lease_seconds")),
+            leased_by=case((exhausted, null()), else_=bindparam("worker", type_=Text)),
+            finished_at=case((exhausted, now), else_=null()),
+            last_error=case((expired, lost_lease), else_=table.c.last_error),
+        )
+        .returning(
+            table.c.id,
+            table.c.status,
+            table.c.queue,
+            table.c.task,
+            table.c.args,
+            table.c.priority,
+            table.c.attempts,
+            table.c.max_attempts,
+            table.c.run_at,
+            table.c.lease_expires_at,
+        )
+    )
+
+
 def claim(table: Table, *, queue_count: int) -> Update:
     """Claim up to ``:limit`` runnable jobs and start an attempt on each.
 
     Runnable: pending with ``run_at`` reached, or running with an expired lease (a crashed or
     stalled attempt; folding the reaper into the claim means no separate process has to run
-    for crashed jobs to come back). Order: ``(priority, run_at, id)``.
+    for crashed jobs to come back). Order: ``(priority, run_at, id)``. Jobs with an ordering
+    key are not this claim's: :func:`claim_keyed` takes them.
 
     Indexes: each queue's pending jobs come from the pending index ``(queue, priority,
-    run_at, id) WHERE status = 'pending'``, read in its order, and its expired leases from the
-    running index ``(queue, lease_expires_at) WHERE status = 'running'``, read from the
-    oldest lease end up to now; each read stops after ``:limit`` rows. So a claim reads
-    neither the finished history, nor the jobs in flight on live leases, nor more than
-    ``:limit`` rows per queue, however many queues it serves: with several queues
+    run_at, id) WHERE status = 'pending' AND ordering_key IS NULL``, read in its order, and
+    its expired leases from the running index ``(queue, lease_expires_at) WHERE status =
+    'running'``, read from the oldest lease end up to now (keyed ones filtered out); each
+    read stops after ``:limit`` rows. So a claim reads neither the finished history, nor
+    the jobs in flight on live leases, nor more than ``:limit`` rows per queue, however
+    many queues it serves: with several queues
     (``queue_count`` > 1) the per-queue reads are a ``LATERAL`` join over the
     ``:queue_names`` array. The best ``:limit`` of these candidates by ``(priority, run_at,
     id)`` are claimed. (When more than ``:limit`` leases of one queue have expired, the
@@ -418,6 +471,7 @@ def claim(table: Table, *, queue_count: int) -> Update:
         select(*columns)
         .where(
             table.c.status == _lit(JobStatus.PENDING),
+            table.c.ordering_key.is_(None),
             table.c.queue == queue,
             table.c.run_at <= now,
         )
@@ -430,6 +484,7 @@ def claim(table: Table, *, queue_count: int) -> Update:
             table.c.queue == queue,
             table.c.lease_expires_at <= now,
             table.c.run_at <= now,
+            table.c.ordering_key.is_(None),
         )
         .order_by(table.c.lease_expires_at)
     )
@@ -452,47 +507,170 @@ def claim(table: Table, *, queue_count: int) -> Update:
         .limit(limit)
         .cte("claimable")
     )
-    # An expired lease on the job's last attempt means that attempt died with its worker:
-    # the job is dead now rather than run again, or a job that kills its worker every time
-    # would loop forever. Such rows come back with status 'dead' and are not handed out.
-    expired = table.c.status == _lit(JobStatus.RUNNING)
-    # A cancel requested of an attempt whose worker died: the job ends cancelled, never
-    # runs again (and comes back with status 'cancelled', not handed out either).
-    cancelled = and_(expired, _cancel_requested(table))
-    exhausted = or_(cancelled, and_(expired, table.c.attempts >= table.c.max_attempts))
-    lost_lease: ColumnElement[str] = (
-        literal_column("'attempt '")
-        + func.cast(table.c.attempts, Text)
-        + literal_column("' lost its lease: its worker stopped or crashed mid-job'")
+    return _start_attempts(table, claimable)
+
+
+# -- the keyed claim (ordering keys, schema version 3) -------------------------------------
+
+
+def key_lock_space(table: Table) -> int:
+    """The first half of every key lock's id for this table (a signed 32-bit number derived
+    from its qualified name), so that the same key in two job tables is two locks."""
+    digest = zlib.crc32(qualified_name(table.name, table.schema).encode())
+    return digest - (1 << 32) if digest >= 1 << 31 else digest
+
+
+def lock_keys(table: Table) -> TextClause:
+    """Lock the ordering keys worth a keyed claim; returns the keys locked, each with the
+    largest ``key_limit`` of the jobs that brought it in (``ordering_key, key_limit``): how
+    many of its jobs :func:`claim_keyed` reads.
+
+    The first statement of a keyed claim, and its only way to serialise claimers per key:
+    for each served queue, the keys of its first ``:scan`` runnable keyed jobs in claim order
+    (the keyed pending index ``(queue, priority, run_at, id) WHERE status = 'pending' AND
+    ordering_key IS NOT NULL``) and of its first ``:scan`` expired keyed leases (the running
+    index), at most ``:scan`` keys in all, each locked with
+    ``pg_try_advisory_xact_lock(<table's lock space>, hashtext(key))``. A key another claim
+    holds is skipped, never waited for. The locks are transaction-scoped: they go at commit
+    or rollback, also through PgBouncer in transaction mode; no session state is left.
+
+    The locks must be taken in a statement of their own, before :func:`claim_keyed`: under
+    READ COMMITTED each statement reads a snapshot taken when it starts, so only a statement
+    that starts after the lock is granted is sure to see the claim that the lock's previous
+    holder committed. (Two keys whose hashes collide share a lock: a claim may skip a key
+    that was free, never take one that was not.)
+
+    Parameters: ``:queue_names`` (an array), ``:scan``.
+    """
+    t = qualified_name(table.name, table.schema)
+    pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
+    return text(
+        f"""SELECT k.ordering_key, k.key_limit FROM (
+    SELECT c.ordering_key, max(coalesce(c.key_limit, 1)) AS key_limit
+    FROM unnest(CAST(:queue_names AS text[])) AS q (name)
+    CROSS JOIN LATERAL (
+        (SELECT j.ordering_key, j.key_limit FROM {t} AS j
+         WHERE j.status = '{pending}' AND j.ordering_key IS NOT NULL AND j.queue = q.name
+           AND j.run_at <= statement_timestamp()
+         ORDER BY j.priority, j.run_at, j.id LIMIT :scan)
+        UNION ALL
+        (SELECT j.ordering_key, j.key_limit FROM {t} AS j
+         WHERE j.status = '{running}' AND j.queue = q.name
+           AND j.lease_expires_at <= statement_timestamp() AND j.ordering_key IS NOT NULL
+         ORDER BY j.lease_expires_at LIMIT :scan)
+    ) AS c
+    GROUP BY c.ordering_key
+    LIMIT :scan
+) AS k
+WHERE pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))"""
+    ).bindparams(bindparam("queue_names", type_=ARRAY(Text)), bindparam("scan", type_=Integer))
+
+
+def claim_keyed(table: Table) -> Update:
+    """Claim up to ``:limit`` jobs of the ordering keys in ``:keys`` (which this transaction
+    has locked with :func:`lock_keys`) from the queues in ``:queue_names``, and start an
+    attempt on each, as :func:`claim` does.
+
+    The rule, per key: its jobs *in progress* are its running attempts on a live lease (or
+    whose row a lock-held worker holds) and its jobs waiting for a retry (pending with
+    ``attempts > 0`` and ``run_at`` not reached): they keep their place. Next in line come
+    its expired attempts that nobody holds (taken over first, so a crashed worker's key is
+    free again when its lease ends), then its retries that are due, then its new runnable
+    jobs (``attempts = 0``, ``run_at`` reached; a job scheduled later blocks nobody) in
+    ``(priority, run_at, id)`` order. A job in line at place ``p`` may start when ``in
+    progress + p <= its key_limit`` (NULL: 1, one at a time). A job in line that this claim
+    does not serve (another queue) or cannot lock keeps its place: no job behind it is
+    taken instead. The chosen jobs of all keys are claimed best first, ``:limit`` at most.
+
+    Why it is exact: a key's jobs change from pending to running only in a claim that holds
+    the key's lock, and this statement's snapshot was taken after the lock was granted, so it
+    sees every such change committed before. Other transitions (completion, failure,
+    cancelling) only ever free a place; read late, they make a claim take less, never more.
+
+    Indexes: per key, three ranges of the key index ``(ordering_key, status, attempts,
+    priority, run_at, id)``: running, pending with ``attempts > 0``, pending with ``attempts
+    = 0`` (read in order, as many rows as the key's entry in ``:key_limits`` says, the key
+    limit :func:`lock_keys` saw, but at most ``:per_key``: a claim starts at most that many
+    jobs of one key, whatever its ``key_limit``). Locks: expired attempts and the chosen
+    rows ``FOR UPDATE SKIP LOCKED`` (a chosen row that another transaction has changed since
+    is re-checked, and dropped if no longer runnable).
+
+    Parameters: ``:keys``, ``:key_limits`` and ``:queue_names`` (arrays), ``:limit``,
+    ``:per_key``,
+    ``:lease_seconds``, ``:worker``.
+    """
+    t = qualified_name(table.name, table.schema)
+    pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
+    columns = (
+        "j.id, j.ordering_key, j.queue, j.status, j.attempts, j.priority, j.run_at, "
+        "j.lease_expires_at, j.key_limit"
     )
-    return (
-        update(table)
-        .where(table.c.id == claimable.c.id)
-        .values(
-            status=case(
-                (cancelled, _lit(JobStatus.CANCELLED)),
-                (exhausted, _lit(JobStatus.DEAD)),
-                else_=_lit(JobStatus.RUNNING),
-            ),
-            attempts=case((exhausted, table.c.attempts), else_=table.c.attempts + _ONE),
-            lease_expires_at=case((exhausted, null()), else_=now + _seconds("lease_seconds")),
-            leased_by=case((exhausted, null()), else_=bindparam("worker", type_=Text)),
-            finished_at=case((exhausted, now), else_=null()),
-            last_error=case((expired, lost_lease), else_=table.c.last_error),
-        )
-        .returning(
-            table.c.id,
-            table.c.status,
-            table.c.queue,
-            table.c.task,
-            table.c.args,
-            table.c.priority,
-            table.c.attempts,
-            table.c.max_attempts,
-            table.c.run_at,
-            table.c.lease_expires_at,
-        )
+    now = "statement_timestamp()"
+    chosen = (
+        text(
+            f"""WITH member AS MATERIALIZED (
+    SELECT m.*
+    FROM unnest(CAST(:keys AS text[]), CAST(:key_limits AS integer[])) AS k (ordering_key, reads)
+    CROSS JOIN LATERAL (
+        (SELECT {columns} FROM {t} AS j
+         WHERE j.ordering_key = k.ordering_key AND j.status = '{running}')
+        UNION ALL
+        (SELECT {columns} FROM {t} AS j
+         WHERE j.ordering_key = k.ordering_key AND j.status = '{pending}' AND j.attempts > 0)
+        UNION ALL
+        (SELECT {columns} FROM {t} AS j
+         WHERE j.ordering_key = k.ordering_key AND j.status = '{pending}' AND j.attempts = 0
+           AND j.run_at <= {now}
+         ORDER BY j.priority, j.run_at, j.id LIMIT least(k.reads, :per_key))
+    ) AS m
+), free AS MATERIALIZED (
+    SELECT j.id FROM {t} AS j
+    WHERE j.id IN (
+        SELECT member.id FROM member
+        WHERE member.status = '{running}' AND member.lease_expires_at <= {now}
     )
+      AND j.status = '{running}' AND j.lease_expires_at <= {now}
+    FOR UPDATE OF j SKIP LOCKED
+), staged AS (
+    SELECT m.*, CASE
+        WHEN m.id IN (SELECT free.id FROM free) THEN 0
+        WHEN m.status = '{running}' THEN NULL
+        WHEN m.attempts > 0 AND m.run_at > {now} THEN NULL
+        WHEN m.attempts > 0 THEN 1
+        ELSE 2
+    END AS stage
+    FROM member AS m
+), ranked AS (
+    SELECT s.*,
+        count(*) FILTER (WHERE s.stage IS NULL) OVER (PARTITION BY s.ordering_key) AS held,
+        row_number() OVER (
+            PARTITION BY s.ordering_key ORDER BY s.stage, s.priority, s.run_at, s.id
+        ) AS place
+    FROM staged AS s
+), chosen AS (
+    SELECT r.id FROM ranked AS r
+    WHERE r.stage IS NOT NULL AND r.held + r.place <= coalesce(r.key_limit, 1)
+      AND r.queue = ANY (CAST(:queue_names AS text[]))
+    ORDER BY r.priority, r.run_at, r.id
+    LIMIT :limit
+)
+SELECT j.id FROM {t} AS j
+WHERE j.id IN (SELECT chosen.id FROM chosen)
+  AND (j.status = '{pending}' AND j.run_at <= {now}
+       OR j.status = '{running}' AND j.lease_expires_at <= {now})
+FOR UPDATE OF j SKIP LOCKED"""
+        )
+        .bindparams(
+            bindparam("keys", type_=ARRAY(Text)),
+            bindparam("key_limits", type_=ARRAY(Integer)),
+            bindparam("queue_names", type_=ARRAY(Text)),
+            bindparam("limit", type_=Integer),
+            bindparam("per_key", type_=Integer),
+        )
+        .columns(column("id", BigInteger))
+        .cte("claimable")
+    )
+    return _start_attempts(table, chosen)
 
 
 def lock(table: Table) -> Select[Any]:
@@ -927,22 +1105,29 @@ def queue_stats(table: Table) -> Any:
     zero = literal_column("0", BigInteger)
     total = func.count().label("total")
 
-    def part(status: JobStatus, *columns: ColumnElement[Any]) -> Select[Any]:
-        return (
-            select(table.c.queue, _lit(status).label("status"), total, *columns)
-            .where(table.c.status == _lit(status))
-            .group_by(table.c.queue)
+    def part(
+        status: JobStatus, *columns: ColumnElement[Any], where: ColumnElement[bool] | None = None
+    ) -> Select[Any]:
+        query = select(table.c.queue, _lit(status).label("status"), total, *columns).where(
+            table.c.status == _lit(status)
         )
+        return (query if where is None else query.where(where)).group_by(table.c.queue)
 
     no_age = cast(null(), Float)
-    pending = part(
-        JobStatus.PENDING,
-        func.count().filter(due).label("runnable"),
-        func.extract("epoch", now - func.min(table.c.run_at).filter(due)).label(
-            "oldest_runnable_seconds"
-        ),
-        zero.label("expired"),
-    )
+
+    def pending(keyed: ColumnElement[bool]) -> Select[Any]:
+        # Pending jobs without an ordering key are in the pending index, those with one in
+        # the keyed pending index: one read of each, so that each is an index-only scan.
+        return part(
+            JobStatus.PENDING,
+            func.count().filter(due).label("runnable"),
+            func.extract("epoch", now - func.min(table.c.run_at).filter(due)).label(
+                "oldest_runnable_seconds"
+            ),
+            zero.label("expired"),
+            where=keyed,
+        )
+
     running = part(
         JobStatus.RUNNING,
         zero.label("runnable"),
@@ -955,8 +1140,24 @@ def queue_stats(table: Table) -> Any:
         no_age.label("oldest_runnable_seconds"),
         zero.label("expired"),
     )
-    stats = union_all(pending, running, dead).subquery("stats")
-    return select(stats).order_by(stats.c.queue, stats.c.status)
+    parts = union_all(
+        pending(table.c.ordering_key.is_(None)),
+        pending(table.c.ordering_key.is_not(None)),
+        running,
+        dead,
+    ).subquery("parts")
+    return (
+        select(
+            parts.c.queue,
+            parts.c.status,
+            func.sum(parts.c.total).cast(BigInteger).label("total"),
+            func.sum(parts.c.runnable).cast(BigInteger).label("runnable"),
+            func.max(parts.c.oldest_runnable_seconds).label("oldest_runnable_seconds"),
+            func.sum(parts.c.expired).cast(BigInteger).label("expired"),
+        )
+        .group_by(parts.c.queue, parts.c.status)
+        .order_by(parts.c.queue, parts.c.status)
+    )
 
 
 def table_stats(table: Table) -> Select[Any]:

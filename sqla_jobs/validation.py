@@ -25,6 +25,8 @@ __all__ = [
     "JOB_FIELDS",
     "MAX_ATTEMPTS_LIMIT",
     "MAX_DURATION_SECONDS",
+    "MAX_KEY_LENGTH",
+    "MAX_KEY_LIMIT",
     "MAX_NAME_LENGTH",
     "NAME_RULE",
     "PRIORITY_MAX",
@@ -34,8 +36,10 @@ __all__ = [
     "check_duration",
     "check_field",
     "check_json",
+    "check_key_limit",
     "check_max_attempts",
     "check_name",
+    "check_ordering_key",
     "check_priority",
     "check_run_at",
     "checked_args",
@@ -45,6 +49,10 @@ DEFAULT_MAX_ARGS_BYTES = 256 * 1024
 DEFAULT_MAX_ATTEMPTS = 20
 MAX_ATTEMPTS_LIMIT = 1000
 MAX_NAME_LENGTH = 200
+#: The longest ordering key, in characters.
+MAX_KEY_LENGTH = 200
+#: The largest per-key limit (the column is a smallint).
+MAX_KEY_LIMIT = 10_000
 #: The longest duration a lease, delay or age may be: past it, a timestamp computed from it
 #: would overflow.
 MAX_DURATION_SECONDS = 100 * 365 * 86_400
@@ -321,7 +329,33 @@ def _plain_json(value: object) -> bool:
 
 #: The job fields an enqueuer sets, each with its check. The mixin's validators and
 #: ``enqueue_many`` both go through :func:`check_field`, so they cannot disagree.
-JOB_FIELDS: Final = frozenset({"queue", "task", "args", "priority", "max_attempts", "run_at"})
+JOB_FIELDS: Final = frozenset(
+    {"queue", "task", "args", "priority", "max_attempts", "run_at", "ordering_key", "key_limit"}
+)
+
+
+def check_ordering_key(field: str, value: object) -> str:
+    """An ordering key: any non-empty text up to :data:`MAX_KEY_LENGTH` characters without
+    NUL (``customer:42``; keys are compared as exact strings)."""
+    if not isinstance(value, str):
+        raise InvalidJobError(field, f"must be a string, not {type(value).__name__}")
+    if not value:
+        raise InvalidJobError(field, "must not be empty")
+    if len(value) > MAX_KEY_LENGTH:
+        raise InvalidJobError(field, f"is {len(value)} characters, the limit is {MAX_KEY_LENGTH}")
+    if "\x00" in value:
+        raise InvalidJobError(field, "must not contain NUL characters")
+    return value
+
+
+def check_key_limit(field: str, value: object) -> int:
+    """How many jobs of one ordering key may be in progress at once: an integer in
+    [1, :data:`MAX_KEY_LIMIT`]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidJobError(field, f"must be an integer, not {type(value).__name__}")
+    if not 1 <= value <= MAX_KEY_LIMIT:
+        raise InvalidJobError(field, f"must be in [1, {MAX_KEY_LIMIT}], got {value}")
+    return value
 
 
 def check_field(field: str, value: object, *, max_args_bytes: int) -> object:
@@ -338,4 +372,10 @@ def check_field(field: str, value: object, *, max_args_bytes: int) -> object:
         return check_max_attempts(field, value)
     if field == "run_at":
         return check_run_at(field, value)
+    if field in ("ordering_key", "key_limit"):
+        if value is None:  # no key; no limit of its own (1)
+            return None
+        if field == "ordering_key":
+            return check_ordering_key(field, value)
+        return check_key_limit(field, value)
     raise ValueError(f"{field!r} is not one of {sorted(JOB_FIELDS)}")

@@ -276,9 +276,9 @@ def test_claim_indexes_can_be_rebuilt_concurrently(db_engine: sa.Engine) -> None
     with db_engine.connect() as connection:
         context = MigrationContext.configure(connection)
         with Operations.context(context), context.begin_transaction():
-            migrations.drop_claim_indexes("email_jobs", concurrently=True)
-            assert len(migrations.check_claim_indexes(connection, models.EmailJob)) == 2
-            migrations.create_claim_indexes("email_jobs", concurrently=True)
+            migrations.drop_claim_indexes("email_jobs", concurrently=True, version=3)
+            assert len(migrations.check_claim_indexes(connection, models.EmailJob)) == 4
+            migrations.create_claim_indexes("email_jobs", concurrently=True, version=3)
     with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
 
@@ -392,7 +392,7 @@ def test_the_trigger_is_found_by_quoted_names_in_another_schema(db_engine: sa.En
     made: list[sa.Table] = []
     migrate(
         db_engine,
-        lambda: made.append(migrations.create_job_table(name, schema=schema, version=2)),
+        lambda: made.append(migrations.create_job_table(name, schema=schema, version=3)),
     )
     migrate(db_engine, lambda: migrations.drop_notify_trigger(name, schema=schema))
     (table,) = made
@@ -584,9 +584,9 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
     before = rows_by_status(db_engine)
     with db_engine.connect() as connection:
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
-    # Each version-1 table: its four new indexes missing (two claim indexes of version 2, the
-    # dead and unique indexes of version 3), its old one left over, with the fixes.
-    assert len(problems) == 5 * len(JOB_MODELS)
+    # Each version-1 table: its six new indexes missing (two claim indexes of version 2; the
+    # dead, unique, keyed pending and key indexes of version 3), its old one left over.
+    assert len(problems) == 7 * len(JOB_MODELS)
     assert "add_unique_keys('email_jobs')" in "".join(problems)
     assert "upgrade_job_table_to_v2('email_jobs')" in "".join(problems)
 
@@ -600,6 +600,8 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
             n.running_index,
             n.dead_index,
             n.unique_index,
+            n.keyed_pending_index,
+            n.key_index,
         }
     assert schema_differences(db_engine, all_metadata()) == []
     command.check(config)  # `alembic check`: autogenerate finds nothing to do
@@ -685,6 +687,12 @@ def test_the_upgrade_helper_can_run_again_after_an_interrupted_run(
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))  # idempotent
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v3("email_jobs"))  # and to v3
     with db_engine.connect() as connection:
+        problems = migrations.check_claim_indexes(connection, models.EmailJob)
+        # A version-2 table: the model's version-3 indexes need the ordering-key columns.
+        assert len(problems) == 3
+        assert "add_ordering_keys" in problems[2]
+    migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))
+    with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
     migrate(db_engine, lambda: migrations.downgrade_job_table_to_v2("email_jobs"))
     migrate(db_engine, lambda: migrations.downgrade_job_table_to_v1("email_jobs"))
@@ -702,12 +710,16 @@ def test_create_job_table_builds_version_3_on_request_and_version_1_by_default(
         email.running_index,
         email.dead_index,
         email.unique_index,
+        email.keyed_pending_index,
+        email.key_index,
     }
     assert set(index_definitions(db_engine, "report_jobs")) == {report.claim_index}
     with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
         assert migrations.check_claim_indexes(connection, models.ReportJob) == [
             f"index {report.dead_index} on report_jobs: missing from the database",
+            f"index {report.key_index} on report_jobs: missing from the database",
+            f"index {report.keyed_pending_index} on report_jobs: missing from the database",
             f"index {report.pending_index} on report_jobs: missing from the database",
             f"index {report.running_index} on report_jobs: missing from the database",
             (
@@ -804,3 +816,41 @@ def test_the_0003_revisions_upgrade_version_2_tables_in_place_without_a_rewrite(
     command.downgrade(config, "sqla_jobs_0002")
     assert catalog(db_engine) == version_2
     assert sum(count for _, count in rows_by_status(db_engine)["sqla_jobs"]) == 1000
+
+
+def test_a_version_2_table_is_reported_and_upgraded_in_place_with_its_keyed_jobs_apart(
+    db_engine: sa.Engine,
+) -> None:
+    migrate(db_engine, lambda: migrations.create_job_table("email_jobs", version=2))
+    n = names("email_jobs")
+
+    def key_problems() -> list[str]:
+        with db_engine.connect() as connection:
+            problems = migrations.check_claim_indexes(connection, models.EmailJob)
+        keyed = (n.key_index, n.keyed_pending_index, "add_ordering_keys")
+        return [p for p in problems if any(word in p for word in keyed)]
+
+    problems = key_problems()
+    assert problems[:2] == [
+        f"index {n.key_index} on email_jobs: missing from the database",
+        f"index {n.keyed_pending_index} on email_jobs: missing from the database",
+    ]
+    assert "add_ordering_keys" in problems[2]
+    with db_engine.begin() as connection:
+        connection.execute(sa.text("INSERT INTO email_jobs (task) VALUES ('old')"))
+    migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))
+    migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))  # re-runnable
+    assert key_problems() == []
+    assert set(index_definitions(db_engine, "email_jobs")) == {
+        n.pending_index,
+        n.running_index,
+        n.keyed_pending_index,
+        n.key_index,
+    }
+    migrate(db_engine, lambda: migrations.drop_ordering_keys("email_jobs"))
+    assert set(index_definitions(db_engine, "email_jobs")) == {n.pending_index, n.running_index}
+    with db_engine.connect() as connection:
+        columns = {c["name"] for c in sa.inspect(connection).get_columns("email_jobs")}
+        assert "ordering_key" not in columns
+        assert "key_limit" not in columns
+        assert connection.execute(sa.text("SELECT task FROM email_jobs")).scalars().all() == ["old"]

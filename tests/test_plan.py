@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from models import EmailJob
 
 import sqla_jobs
+import sqla_jobs.queue
 from sqla_jobs import names, statements
 
 PENDING = 200_000
@@ -273,3 +274,122 @@ def test_dead_rows_counts_what_the_claims_left(queue_engine: sa.Engine) -> None:
         assert dead >= 1_000
         missing = sa.table("no_such_table")
         assert connection.execute(statements.dead_rows(missing)).scalar_one() == 0  # type: ignore[arg-type]
+
+
+# -- ordering keys (schema version 3) ------------------------------------------------------
+
+KEYED_INDEXES = {N.keyed_pending_index, N.key_index}
+KEYS = 10_000
+
+
+def seed_keyed(engine: sa.Engine, queues: list[str], count: int, *, running: int) -> None:
+    """``count`` pending jobs over KEYS keys, and ``running`` running ones on live leases
+    (one per key), so that most keys are busy and the claim must look past them."""
+    seed(
+        engine,
+        "INSERT INTO email_jobs (queue, task, priority, run_at, ordering_key) "
+        "SELECT (CAST(:queues AS text[]))[1 + n % :queue_count], 'keyed', n % 3 - 1, "
+        "now() - (n % 1000) * interval '1 second', 'customer:' || (n % :keys) "
+        "FROM generate_series(1, :count) AS n",
+        queues=queues,
+        queue_count=len(queues),
+        count=count,
+        keys=KEYS,
+    )
+    seed(
+        engine,
+        "INSERT INTO email_jobs (queue, task, status, attempts, run_at, lease_expires_at, "
+        "leased_by, ordering_key) "
+        "SELECT (CAST(:queues AS text[]))[1 + n % :queue_count], 'busy', 'running', 1, "
+        "now() - interval '1 day', now() + interval '1 hour', 'elsewhere:1', "
+        "'customer:' || n FROM generate_series(0, :running - 1) AS n",
+        queues=queues,
+        queue_count=len(queues),
+        running=running,
+    )
+
+
+def explain(cursor: Any, sql: str, params: dict[str, Any], *, generic: bool) -> dict[str, Any]:
+    cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params, prepare=generic)
+    raw = cursor.fetchone()[0]
+    return (raw if isinstance(raw, list) else json.loads(raw))[0]  # type: ignore[no-any-return]
+
+
+def keyed_claim_plans(
+    engine: sa.Engine, queues: list[str], *, generic: bool
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The keyed claim's two statements' EXPLAIN (ANALYZE, BUFFERS) and how many keys the
+    first locked, in one transaction that is rolled back."""
+    lock_sql = str(statements.lock_keys(TABLE).compile(dialect=engine.dialect))
+    claim_sql = str(statements.claim_keyed(TABLE).compile(dialect=engine.dialect))
+    scan = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
+    lock_params = {"queue_names": queues, "scan": scan}
+    with engine.connect() as connection:
+        transaction = connection.begin()
+        cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        if generic:
+            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        lock_plan = explain(cursor, lock_sql, lock_params, generic=generic)
+        # The locks are the transaction's: running it again returns the same keys.
+        cursor.execute(lock_sql, lock_params, prepare=generic)
+        locked = cursor.fetchall()
+        keys = [row[0] for row in locked]
+        params = {
+            "keys": keys,
+            "key_limits": [row[1] for row in locked],
+            "queue_names": queues,
+            "limit": LIMIT,
+            "per_key": sqla_jobs.queue.KEY_CLAIM_MAX,
+            "lease_seconds": 30.0,
+            "worker": "w",
+        }
+        claim_plan_ = explain(cursor, claim_sql, params, generic=generic)
+        transaction.rollback()
+    return lock_plan, claim_plan_, len(keys)
+
+
+def index_reads(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    reads = [
+        n
+        for n in nodes(plan["Plan"])
+        if n.get("Relation Name") == "email_jobs" and n["Node Type"] != "ModifyTable"
+    ]
+    assert reads
+    allowed = CLAIM_INDEXES | KEYED_INDEXES | {f"{TABLE.name}_pkey"}
+    for read in reads:
+        assert read["Node Type"] in ("Index Scan", "Index Only Scan"), read["Node Type"]
+        assert read["Index Name"] in allowed, read["Index Name"]
+        assert read.get("Rows Removed by Filter", 0) == 0, read
+    return reads
+
+
+@pytest.mark.parametrize("queue_count", [1, 2])
+def test_the_keyed_claim_reads_a_few_pages_per_key_whatever_the_backlog(
+    queue_engine: sa.Engine, queue_count: int
+) -> None:
+    queues = [f"q{i}" for i in range(queue_count)]
+    seed_pending(queue_engine, queues, PENDING)  # plain jobs: never read by the keyed claim
+    seed_keyed(queue_engine, queues, PENDING, running=30)
+    for generic in (False, True):
+        lock_plan, claim_plan_, keys = keyed_claim_plans(queue_engine, queues, generic=generic)
+        reads = index_reads(lock_plan)
+        assert {r["Index Name"] for r in reads} == {N.keyed_pending_index, N.running_index}
+        assert sum(buffers(r) for r in reads) <= PAGES_PER_QUEUE * queue_count
+        scan = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
+        assert LIMIT <= keys <= scan  # the keys of the first ``scan`` jobs in claim order
+        reads = index_reads(claim_plan_)
+        assert N.key_index in {r["Index Name"] for r in reads}
+        # Three ranges of the key index per key (~3 pages each, and the rows of up to
+        # KEY_CLAIM_MAX new jobs), and two primary-key lookups per chosen job (locked, then
+        # updated): so many pages per key and per job, none per job of the backlog.
+        assert sum(buffers(r) for r in reads) <= 16 * keys + 9 * LIMIT, [
+            (r["Index Name"], r.get("Actual Loops"), r["Actual Rows"], buffers(r)) for r in reads
+        ]
+        assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
+
+
+def test_the_plain_claim_does_not_read_keyed_jobs(queue_engine: sa.Engine) -> None:
+    queues = ["q0", "q1"]
+    seed_keyed(queue_engine, queues, PENDING, running=0)  # they sort before every plain job
+    seed_pending(queue_engine, queues, 1_000)
+    check_flat(queue_engine, queues, claimed=LIMIT)

@@ -17,6 +17,7 @@ SECTIONS: Final = (
     "memory",
     "pgbouncer",
     "async",
+    "keys",
 )
 
 #: The batch sizes the ceiling's plain loops are measured at; the best is the ceiling.

@@ -23,6 +23,7 @@ from sqla_jobs.bench.bouncer import run_pgbouncer
 from sqla_jobs.bench.drain import run_drain
 from sqla_jobs.bench.enqueue import run_enqueue
 from sqla_jobs.bench.history import run_history
+from sqla_jobs.bench.keys import run_keys
 from sqla_jobs.bench.latency import run_latency
 from sqla_jobs.bench.memory import run_memory
 from sqla_jobs.bench.results import SECTIONS, Config, Results
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_pgbouncer(cfg, engine, results)
             if "async" in cfg.sections:
                 run_async(cfg, engine, results)
+            if "keys" in cfg.sections:
+                run_keys(cfg, engine, results)
         if "history" in cfg.sections:
             run_history(cfg, engine, results)
         if "memory" in cfg.sections:

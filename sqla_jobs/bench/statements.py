@@ -47,6 +47,7 @@ __all__ = [
     "delete_queue",
     "drop_database",
     "fill",
+    "fill_keyed",
     "finished",
     "has_runnable",
     "seed_claim",
@@ -148,20 +149,53 @@ def seed_lock_complete(table: Table, *, many: bool) -> TextClause:
 
 def has_runnable(table: Table) -> Select[Any]:
     """Whether queue ``:queue`` has a pending or running job (reads the first entry of the
-    pending index and of the running index, nothing else)."""
+    pending index, of the keyed pending index and of the running index, nothing else)."""
 
-    def any_in(status: JobStatus) -> Exists:
+    def any_in(status: JobStatus, *more: ColumnElement[bool]) -> Exists:
         # The status as a literal, so that the partial index is provably usable.
         return (
             select(_ONE)
             .where(
                 table.c.status == literal_column(f"'{status.value}'"),
                 table.c.queue == bindparam("queue", type_=Text),
+                *more,
             )
             .exists()
         )
 
-    return select(or_(any_in(JobStatus.PENDING), any_in(JobStatus.RUNNING)))
+    return select(
+        or_(
+            any_in(JobStatus.PENDING, table.c.ordering_key.is_(None)),
+            any_in(JobStatus.PENDING, table.c.ordering_key.is_not(None)),
+            any_in(JobStatus.RUNNING),
+        )
+    )
+
+
+def fill_keyed(table: Table) -> Insert:
+    """Insert ``:count`` no-op jobs of task ``:task`` in queue ``:queue``, job ``n`` with the
+    ordering key ``'key:' || n % :keys`` (so the first ``:keys`` jobs in claim order have
+    distinct keys) and the key limit ``:key_limit``, in one statement."""
+    series = (
+        func.generate_series(_ONE, bindparam("count", type_=Integer))
+        .table_valued("n")
+        .render_derived(name="s")
+    )
+    key: ColumnElement[str] = literal_column("'key:'") + func.cast(
+        series.c.n % bindparam("keys", type_=Integer), Text
+    )
+    values: list[ColumnElement[Any]] = [
+        bindparam("queue", type_=Text),
+        bindparam("task", type_=Text),
+        literal_column("'{}'::jsonb"),
+        key,
+        bindparam("key_limit", type_=Integer),
+    ]
+    return insert(table).from_select(
+        ["queue", "task", "args", "ordering_key", "key_limit"],
+        select(*values).select_from(series),
+        include_defaults=False,
+    )
 
 
 def finished(table: Table) -> Select[Any]:

@@ -28,6 +28,7 @@ Q_CLAIM: Final = "bench_claim"
 Q_HISTORY: Final = "bench_history"
 Q_ENQUEUE: Final = "bench_enqueue"
 Q_ASYNC: Final = "bench_async"
+Q_KEYS: Final = "bench_keys"
 LEASE_SECONDS: Final = 300.0
 SLOW_HANDLER_SECONDS: Final = 0.2
 

@@ -72,7 +72,7 @@ def _table_of(model: type[Any] | sa.Table) -> sa.Table:
     return table
 
 
-def _expected_shape(connection: sa.Connection, table: sa.Table, index: sa.Index) -> _Shape:
+def _expected_shape(connection: sa.Connection, table: sa.Table, index: sa.Index) -> _Shape | None:
     # PostgreSQL prints an index back in its own normal form ("((status)::text = ANY ..."),
     # so let it normalise the model's index too: build it on an empty temporary copy of the
     # table, inside a savepoint that is rolled back.
@@ -86,7 +86,12 @@ def _expected_shape(connection: sa.Connection, table: sa.Table, index: sa.Index)
                 f"(LIKE {ddl.qualified_name(table.name, table.schema)})"
             )
         )
-        scratch_index.create(connection)
+        try:
+            with connection.begin_nested():
+                scratch_index.create(connection)
+        except sa.exc.ProgrammingError:  # a column the index needs is not in the table yet
+            savepoint.rollback()
+            return None
         shape = _shape(
             connection,
             f"pg_temp.{ddl.quote(str(index.name))}",
@@ -113,6 +118,13 @@ def _problems(connection: sa.Connection, table: sa.Table, index: sa.Index) -> li
     if not actual.valid:
         return [f"{label}: invalid (a failed CREATE INDEX CONCURRENTLY?); drop and rebuild it"]
     expected = _expected_shape(connection, table, index)
+    if expected is None:
+        return [
+            (
+                f"{label}: the model's index needs columns the table does not have yet; "
+                "upgrade the table (sqla_jobs.migrations: add_ordering_keys for schema version 3)"
+            )
+        ]
     return [
         f"{label}: {what} is {got!r} in the database but {want!r} in the model"
         for what, got, want in (

@@ -26,7 +26,13 @@ Schema versions:
 
    Version 3 also has the dead index ``(queue, finished_at, id) WHERE status = 'dead'``,
    from which health checks and ``sqla-jobs status`` count and list dead jobs without
-   reading the finished history (alone: :func:`add_dead_index` / :func:`drop_dead_index`).
+   reading the finished history (alone: :func:`add_dead_index` / :func:`drop_dead_index`);
+   ordering keys: two nullable columns, ``ordering_key`` and ``key_limit``, and the keyed
+   claim's indexes: the keyed pending index ``(queue, priority, run_at, id) WHERE status =
+   'pending' AND ordering_key IS NOT NULL`` and the key index ``(ordering_key, status,
+   attempts, priority, run_at, id) WHERE ordering_key IS NOT NULL AND status IN ('pending',
+   'running')``; the pending index leaves keyed jobs out (``... WHERE status = 'pending' AND
+   ordering_key IS NULL``), so the plain claim never reads them (:func:`add_ordering_keys`).
    :func:`upgrade_job_table_to_v3` upgrades a live version-2 table with every version-3
    feature, each without a table rewrite and with indexes built concurrently;
    :func:`downgrade_job_table_to_v2` undoes it.
@@ -46,7 +52,7 @@ from sqlalchemy.schema import SchemaItem
 
 from sqla_jobs import ddl
 from sqla_jobs.leasing.schema import lease_index_elements, lease_names
-from sqla_jobs.schema import names
+from sqla_jobs.schema import _identifier, names
 
 __all__ = [
     "CLAIM_INDEX_COLUMNS",
@@ -64,6 +70,7 @@ __all__ = [
     "add_cancel",
     "add_dead_index",
     "add_lease_columns",
+    "add_ordering_keys",
     "add_unique_keys",
     "create_claim_index",
     "create_claim_indexes",
@@ -82,6 +89,7 @@ __all__ = [
     "drop_lease_columns",
     "drop_lease_index",
     "drop_notify_trigger",
+    "drop_ordering_keys",
     "drop_result_table",
     "drop_schedule_table",
     "drop_unique_keys",
@@ -112,6 +120,14 @@ UNIQUE_INDEX_PREDICATE = "unique_key IS NOT NULL AND status = ANY (unique_status
 _UNIQUE_KEY_LENGTH = 255
 # Version 3 (cancel): the cancel request column.
 CANCEL_REQUESTED_COLUMN = "cancel_requested_at"
+# Version 3 (ordering keys): two columns, the keyed pending index and the key index, and the
+# pending index without the keyed jobs.
+ORDERING_KEY_LENGTH = 200
+PENDING_INDEX_PREDICATE_V3 = "status = 'pending' AND ordering_key IS NULL"
+KEYED_PENDING_INDEX_COLUMNS = ("queue", "priority", "run_at", "id")
+KEYED_PENDING_INDEX_PREDICATE = "status = 'pending' AND ordering_key IS NOT NULL"
+KEY_INDEX_COLUMNS = ("ordering_key", "status", "attempts", "priority", "run_at", "id")
+KEY_INDEX_PREDICATE = "ordering_key IS NOT NULL AND status IN ('pending', 'running')"
 _NAME_LENGTH = 200
 _STATUSES = "'pending', 'running', 'succeeded', 'dead', 'cancelled'"
 
@@ -152,6 +168,13 @@ def _unique_columns() -> list[sa.Column[Any]]:
 
 def _cancel_column() -> sa.Column[Any]:
     return sa.Column(CANCEL_REQUESTED_COLUMN, sa.DateTime(timezone=True), nullable=True)
+
+
+def _ordering_key_columns() -> list[sa.Column[Any]]:
+    return [
+        sa.Column("ordering_key", sa.String(ORDERING_KEY_LENGTH), nullable=True),
+        sa.Column("key_limit", sa.SmallInteger(), nullable=True),
+    ]
 
 
 def _result_table_items() -> list[SchemaItem]:
@@ -255,11 +278,12 @@ def create_job_table(
     if version >= 3:
         items += _unique_columns()
         items.append(_cancel_column())
+        items += _ordering_key_columns()
     table = op.create_table(table_name, *items, *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
     else:
-        create_claim_indexes(table_name, schema=schema)
+        create_claim_indexes(table_name, schema=schema, version=version)
     if version >= 3:
         _create_index(
             names(table_name).dead_index,
@@ -339,37 +363,54 @@ def drop_claim_index(
         )
 
 
-def create_claim_indexes(
-    table_name: str, *, schema: str | None = None, concurrently: bool = False
-) -> None:
-    """Create the two partial indexes the claim statement uses (schema version 2): the
-    pending index and the running index.
+def _claim_indexes(table_name: str, version: int) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    if version == 2:
+        return _v2_indexes(table_name)
+    if version == 3:
+        n = names(table_name)
+        return (
+            (n.pending_index, PENDING_INDEX_COLUMNS, PENDING_INDEX_PREDICATE_V3),
+            (n.running_index, RUNNING_INDEX_COLUMNS, RUNNING_INDEX_PREDICATE),
+            *_v3_indexes(table_name),
+        )
+    raise ValueError(f"the claim indexes are of schema version 2 or 3, not {version!r}")
 
-    :func:`create_job_table` with ``version=2`` and :func:`upgrade_job_table_to_v2` already
-    create them; call this to rebuild them after :func:`drop_claim_indexes`.
+
+def create_claim_indexes(
+    table_name: str, *, schema: str | None = None, concurrently: bool = False, version: int = 2
+) -> None:
+    """Create the partial indexes the claim statements use: with ``version=2`` (the default,
+    as when this helper was written) the pending index and the running index; with
+    ``version=3`` those (the pending index without keyed jobs) and the keyed pending index
+    and the key index.
+
+    :func:`create_job_table`, :func:`upgrade_job_table_to_v2` and :func:`add_ordering_keys`
+    already create them; call this to rebuild them after :func:`drop_claim_indexes`.
     ``concurrently=True`` builds them with ``CREATE INDEX CONCURRENTLY`` in Alembic's
     ``autocommit_block()``, as :func:`create_claim_index` describes.
     """
+    indexes = _claim_indexes(table_name, version)
     if not concurrently:
-        for name, columns, predicate in _v2_indexes(table_name):
+        for name, columns, predicate in indexes:
             _create_index(name, table_name, columns, predicate, schema=schema, concurrently=False)
         return
     with op.get_context().autocommit_block():
-        for name, columns, predicate in _v2_indexes(table_name):
+        for name, columns, predicate in indexes:
             _create_index(name, table_name, columns, predicate, schema=schema, concurrently=True)
 
 
 def drop_claim_indexes(
-    table_name: str, *, schema: str | None = None, concurrently: bool = False
+    table_name: str, *, schema: str | None = None, concurrently: bool = False, version: int = 2
 ) -> None:
-    """Drop the pending and running indexes of schema version 2 (``concurrently`` as for
-    :func:`create_claim_indexes`)."""
+    """Drop the claim indexes of schema version 2 or 3 (``concurrently`` and ``version`` as
+    for :func:`create_claim_indexes`)."""
+    indexes = _claim_indexes(table_name, version)
     if not concurrently:
-        for name, _, _ in _v2_indexes(table_name):
+        for name, _, _ in indexes:
             _drop_index(name, table_name, schema=schema, concurrently=False)
         return
     with op.get_context().autocommit_block():
-        for name, _, _ in _v2_indexes(table_name):
+        for name, _, _ in indexes:
             _drop_index(name, table_name, schema=schema, concurrently=True)
 
 
@@ -450,10 +491,12 @@ def upgrade_job_table_to_v3(table_name: str, *, schema: str | None = None) -> No
     add_dead_index(table_name, schema=schema)
     add_unique_keys(table_name, schema=schema)
     add_cancel(table_name, schema=schema)
+    add_ordering_keys(table_name, schema=schema)
 
 
 def downgrade_job_table_to_v2(table_name: str, *, schema: str | None = None) -> None:
     """Undo :func:`upgrade_job_table_to_v3`, feature by feature, in reverse order."""
+    drop_ordering_keys(table_name, schema=schema)
     drop_cancel(table_name, schema=schema)
     drop_unique_keys(table_name, schema=schema)
     drop_dead_index(table_name, schema=schema)
@@ -609,6 +652,88 @@ def add_cancel(table_name: str, *, schema: str | None = None) -> None:
 def drop_cancel(table_name: str, *, schema: str | None = None) -> None:
     """Undo :func:`add_cancel`: drop the ``cancel_requested_at`` column."""
     op.drop_column(table_name, CANCEL_REQUESTED_COLUMN, schema=schema)
+
+
+def _v3_indexes(table_name: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    n = names(table_name)
+    return (
+        (n.keyed_pending_index, KEYED_PENDING_INDEX_COLUMNS, KEYED_PENDING_INDEX_PREDICATE),
+        (n.key_index, KEY_INDEX_COLUMNS, KEY_INDEX_PREDICATE),
+    )
+
+
+def _swap_pending_index(table_name: str, predicate: str, *, schema: str | None) -> None:
+    """Replace the pending index by one with ``predicate``, under the same name, in an
+    ``autocommit_block()``: the new one is built concurrently beside the old under a
+    temporary name, the two are renamed (each a brief catalog change), and the old one is
+    dropped concurrently, so the claim has a pending index all along. Re-runnable after an
+    interruption."""
+    n = names(table_name)
+    new = _identifier(table_name, "pending_new_idx")
+    old = _identifier(table_name, "pending_old_idx")
+    for name in (new, old):
+        _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+    _create_index(
+        new, table_name, PENDING_INDEX_COLUMNS, predicate, schema=schema, concurrently=True
+    )
+    _execute(
+        f"ALTER INDEX IF EXISTS {ddl.qualified_name(n.pending_index, schema)} "
+        f"RENAME TO {ddl.quote(old)}"
+    )
+    _execute(
+        f"ALTER INDEX {ddl.qualified_name(new, schema)} RENAME TO {ddl.quote(n.pending_index)}"
+    )
+    _drop_index(old, table_name, schema=schema, concurrently=True, if_exists=True)
+
+
+def add_ordering_keys(table_name: str, *, schema: str | None = None) -> None:
+    """Upgrade a version-2 job table to ordering keys (schema version 3) in place, on a live
+    table.
+
+    Adds the nullable columns ``ordering_key`` and ``key_limit`` (``ADD COLUMN IF NOT
+    EXISTS``: no default, so nothing is rewritten; the table's ``ACCESS EXCLUSIVE`` lock is
+    held only for the catalog change, but it queues behind open transactions on the table:
+    set a ``lock_timeout`` in a revision for a busy table), then, in Alembic's
+    ``autocommit_block()`` (which first commits what the revision did before), builds the
+    keyed pending index and the key index ``CONCURRENTLY`` and replaces the pending index by
+    one that leaves keyed jobs out: built concurrently beside the old one, renamed, and the
+    old one dropped concurrently, so claims always have one. Enqueues, claims and outcomes go
+    on meanwhile. Re-runnable after a failure. Deploy the code that claims with keys after
+    the revision has run (the plain claim of the new code reads the new column)::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.add_ordering_keys("email_jobs")
+
+        def downgrade() -> None:
+            jobs.drop_ordering_keys("email_jobs")
+    """
+    table = ddl.qualified_name(table_name, schema)
+    _execute(
+        f"ALTER TABLE {table} "
+        f"ADD COLUMN IF NOT EXISTS ordering_key VARCHAR({ORDERING_KEY_LENGTH}), "
+        "ADD COLUMN IF NOT EXISTS key_limit SMALLINT"
+    )
+    with op.get_context().autocommit_block():
+        for name, columns, predicate in _v3_indexes(table_name):
+            _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+            _create_index(name, table_name, columns, predicate, schema=schema, concurrently=True)
+        _swap_pending_index(table_name, PENDING_INDEX_PREDICATE_V3, schema=schema)
+
+
+def drop_ordering_keys(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`add_ordering_keys`: the version-2 pending index back (concurrently, as
+    there), the keyed indexes dropped concurrently, then the two columns. Jobs that had an
+    ordering key lose it and become plain jobs."""
+    with op.get_context().autocommit_block():
+        _swap_pending_index(table_name, PENDING_INDEX_PREDICATE, schema=schema)
+        for name, _, _ in _v3_indexes(table_name):
+            _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+    table = ddl.qualified_name(table_name, schema)
+    _execute(
+        f"ALTER TABLE {table} DROP COLUMN IF EXISTS key_limit, DROP COLUMN IF EXISTS ordering_key"
+    )
 
 
 def create_notify_trigger(table_name: str, *, schema: str | None = None) -> None:

@@ -65,6 +65,9 @@ class OutcomeWriter:
         self.finished = finished
         self.on_database_error = on_database_error
         self.on_database_ok = on_database_ok
+        # A finished job with an ordering key may free its key for the next job, which no
+        # NOTIFY announces: with keyed jobs, every written batch wakes the fetch loop.
+        self.wake_after_write = registry.ordering_keys
 
     def loop(self) -> None:
         """Until the worker has finished and nothing is left to write."""
@@ -106,6 +109,8 @@ class OutcomeWriter:
         # database made its completion or failure a cancel (a request the worker had not
         # heard of yet).
         self.state.written(batch)
+        if self.wake_after_write:
+            self.state.wake()
         self._log(batch, lost, statuses)
 
     def _statements(

@@ -1,0 +1,76 @@
+"""The ``keys`` section: ordering keys. The library's batched claim + complete_many of
+``--jobs`` plain jobs (``keys.claim.plain``), beside the same with ``keys=True`` on plain
+jobs, and on keyed jobs over 1,000 keys with ``key_limit`` 1 and 3 (ratios to the plain
+claim)."""
+
+from __future__ import annotations
+
+import time
+from typing import Final
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from sqla_jobs.bench import scratch
+from sqla_jobs.bench import statements as bench_sql
+from sqla_jobs.bench.results import Config, Results
+from sqla_jobs.bench.tasks import LEASE_SECONDS, Q_KEYS
+from sqla_jobs.models import Job
+from sqla_jobs.queue import claim, complete_many
+
+__all__ = ["run_keys"]
+
+#: Distinct ordering keys of the section's keyed jobs.
+_KEYS: Final = 1_000
+
+
+def _claim_throughput(engine: sa.Engine, batch: int, count: int, *, keys: bool) -> float:
+    """The library's batched claim + complete_many, in this process, until ``count`` done."""
+    done = 0
+    started = time.perf_counter()
+    while True:
+        with Session(engine) as session, session.begin():
+            jobs = claim(session, Job, queues=Q_KEYS, limit=batch, lease=LEASE_SECONDS, keys=keys)
+        if not jobs:
+            break
+        with Session(engine) as session, session.begin():
+            done += len(jobs) - len(complete_many(session, jobs))
+    if done != count:
+        raise RuntimeError(f"claimed and completed {done} of {count} jobs")
+    return done / (time.perf_counter() - started)
+
+
+def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
+    """One run of each figure, side by side; each run starts with another of them (the
+    order rotates), so that none is always first after the previous run's clean-up."""
+    variants: list[tuple[str, int | None, bool]] = [
+        ("plain", None, False),
+        ("plain_keys_on", None, True),
+        ("keyed", 1, True),
+        ("keyed_limit3", 3, True),
+    ]
+    plain = results.metrics.get("keys.claim.plain")
+    turn = (len(plain.runs) if plain is not None else 0) % len(variants)
+    for label, key_limit, keys in variants[turn:] + variants[:turn]:
+        if key_limit is None:
+            scratch.fill(engine, Q_KEYS, "bench_noop", cfg.jobs)
+        else:
+            with engine.begin() as connection:
+                connection.execute(
+                    bench_sql.fill_keyed(scratch.TABLE),
+                    {
+                        "queue": Q_KEYS,
+                        "task": "bench_noop",
+                        "count": cfg.jobs,
+                        "keys": _KEYS,
+                        "key_limit": key_limit,
+                    },
+                )
+        scratch.vacuum(engine)
+        value = _claim_throughput(engine, cfg.batch, cfg.jobs, keys=keys)
+        ceiling = None if label == "plain" else "keys.claim.plain"
+        results.add(f"keys.claim.{label}", value, "jobs/s", ceiling)
+        with engine.begin() as connection:
+            connection.execute(bench_sql.delete_queue(scratch.TABLE), {"queue": Q_KEYS})
+        scratch.vacuum(engine)
+    scratch.progress("keys")
