@@ -178,7 +178,6 @@ def test_an_action_the_state_forbids_changes_nothing(
     csrf = csrf_of(client, f"/jobs/{seeded.dead}")
     for job_id, action in (
         (seeded.running, "delete"),
-        (seeded.running, "cancel"),
         (seeded.succeeded, "retry"),
         (seeded.dead, "cancel"),
     ):
@@ -188,6 +187,22 @@ def test_an_action_the_state_forbids_changes_nothing(
     assert client.post("/jobs/999999/retry", data={"csrf": csrf}).status_code == 404
     assert client.post(f"/jobs/{seeded.dead}/explode", data={"csrf": csrf}).status_code == 404
     assert statuses(queue_engine) == before
+
+
+def test_cancel_of_a_running_job_asks_its_worker(
+    client: TestClient, seeded: Seeded, queue_engine: sa.Engine
+) -> None:
+    csrf = csrf_of(client, f"/jobs/{seeded.running}")
+    page = client.post(f"/jobs/{seeded.running}/cancel", data={"csrf": csrf})
+    assert page.status_code == 200  # after the redirect to the job's page
+    assert "its worker was asked to stop it" in page.text
+    with queue_engine.connect() as connection:
+        status, requested = connection.execute(
+            sa.text("SELECT status, cancel_requested_at FROM email_jobs WHERE id = :id"),
+            {"id": seeded.running},
+        ).one()
+    assert status == "running"
+    assert requested is not None
 
 
 def test_csrf_is_required(client: TestClient, seeded: Seeded, queue_engine: sa.Engine) -> None:

@@ -73,7 +73,12 @@ MIN_TOKEN_LENGTH: Final = 16
 CSRF_COOKIE: Final = "sqla_jobs_csrf"
 AUTH_COOKIE: Final = "sqla_jobs_auth"
 _TEMPLATES: Final = Path(__file__).resolve().parent / "templates"
-_DONE: Final = {"retried": "pending again", "cancelled": "cancelled", "deleted": "deleted"}
+_DONE: Final = {
+    "retried": "pending again",
+    "cancelled": "cancelled",
+    "cancel_requested": "running: its worker was asked to stop it",
+    "deleted": "deleted",
+}
 _ACTIONS: Final = {
     "retry": (queue.retry, "retried"),
     "cancel": (queue.cancel, "cancelled"),
@@ -496,17 +501,19 @@ class _Dashboard:
             raise PageError(403, "the form's CSRF token did not match: nothing was changed")
         operation, done = _ACTIONS[action]
 
-        def act(connection: Connection) -> None:
-            operation(connection, self.s.model, job_id)
+        def act(connection: Connection) -> object:
+            return operation(connection, self.s.model, job_id)
 
         try:
-            await self.run(act)
+            outcome = await self.run(act)
         except JobNotFoundError:
             raise PageError(404, f"no job {job_id} in {self.s.table.fullname}") from None
         except JobStateError as exc:
             raise PageError(409, f"{exc}: nothing was changed") from None
         except SqlaJobsError as exc:
             raise PageError(400, str(exc)) from None
+        if action == "cancel" and outcome is JobStatus.RUNNING:
+            done = "cancel_requested"  # a running job ends cancelled once its worker hears
         if action == "delete":
             target = request.url_for("jobs").path + "?done=deleted"
         else:
