@@ -182,10 +182,15 @@ class JobMixin:
     ``delete_on_success``
         Delete the job row when it succeeds, keeping only its result row if one is stored
         (default ``False``: keep the row as ``succeeded`` until it is pruned).
+    ``partitioned_history``
+        Move each finished job (succeeded, dead, cancelled), with its result, out of this
+        table into its history table, partitioned by day (:mod:`sqla_jobs.history`), so
+        that this table holds only the jobs still to run (default ``False``).
     """
 
     max_args_bytes: ClassVar[int] = validation.DEFAULT_MAX_ARGS_BYTES
     delete_on_success: ClassVar[bool] = False
+    partitioned_history: ClassVar[bool] = False
 
     # No Python-side defaults (``default=``), only server defaults, and FetchedValue() (no
     # DDL) on the nullable managed columns: the ORM's INSERT then sends only the columns the

@@ -27,6 +27,7 @@ from sqlalchemy import Connection
 
 from sqla_jobs.errors import LeaseLostError
 from sqla_jobs.events import describe
+from sqla_jobs.history.schema import has_history
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import ClaimedJob, complete_many, fail, release
 from sqla_jobs.registry import Registry
@@ -115,7 +116,11 @@ class OutcomeWriter:
         completed = by_kind.get(Kind.COMPLETE, [])
         result_model = self.registry.result_model
         results = [a.outcome.result if a.outcome is not None else None for a in completed]
-        if result_model is None or all(result is None for result in results):
+        history = bool(completed) and has_history(completed[0].job.model)
+        if history and any(result is not None for result in results):
+            # A model with history keeps results in its history rows, in one statement.
+            lost += complete_many(session, [a.job for a in completed], results=results)
+        elif result_model is None or all(result is None for result in results):
             lost += complete_many(session, [a.job for a in completed])
         else:
             pairs = list(zip(completed, results, strict=True))

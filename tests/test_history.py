@@ -1,0 +1,344 @@
+"""The partitioned history (issue 11, item 1): finished jobs leave the hot table.
+
+Moves are atomic and fenced, partitions are made ahead, retention drops only old partitions
+and two runs never collide, the full record stays readable by id, retry brings a job back.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import date, timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from models import ArchiveJob, ArchiveJobHistory, EmailJob
+from sqlalchemy.orm import Session
+
+import sqla_jobs
+from sqla_jobs import ClaimedJob, ConfigurationError, InvalidJobError, JobNotFoundError
+from sqla_jobs import JobStateError, LeaseLostError
+from sqla_jobs.ddl import executable
+from sqla_jobs.history import (
+    create_partitions,
+    drop_partitions,
+    history_names,
+    job_record,
+    list_partitions,
+    move_finished,
+)
+from sqla_jobs.history import statements as history_sql
+from sqla_jobs.history.schema import create_partition
+
+NAMES = history_names("archive_jobs")
+
+
+def enqueue(engine: sa.Engine, **values: Any) -> int:
+    with Session(engine) as session, session.begin():
+        job = ArchiveJob(task=values.pop("task", "t"), **values)
+        session.add(job)
+        session.flush()
+        return job.id
+
+
+def claim(engine: sa.Engine, **kwargs: Any) -> list[ClaimedJob]:
+    with Session(engine) as session, session.begin():
+        return sqla_jobs.claim(session, ArchiveJob, **kwargs)
+
+
+def where(engine: sa.Engine, job_id: int) -> tuple[int, int]:
+    """How many rows of the job the hot table and the history hold."""
+    with engine.connect() as connection:
+        hot = connection.scalar(sa.text("SELECT count(*) FROM archive_jobs WHERE id = :i"), {"i": job_id})
+        old = connection.scalar(
+            sa.text("SELECT count(*) FROM archive_jobs_history WHERE id = :i"), {"i": job_id}
+        )
+    return int(hot or 0), int(old or 0)
+
+
+def db_today(engine: sa.Engine) -> date:
+    with engine.connect() as connection:
+        return connection.scalar(sa.text("SELECT (statement_timestamp() AT TIME ZONE 'UTC')::date"))
+
+
+def test_complete_moves_the_job_and_its_result_into_the_history(queue_engine: sa.Engine) -> None:
+    job_id = enqueue(queue_engine, args={"to": "a@example.com"}, tenant="acme")
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete(session, job, result={"sent": True})
+    assert where(queue_engine, job_id) == (0, 1)
+    with Session(queue_engine) as session:
+        record = job_record(session, ArchiveJob, job_id)
+        assert record is not None and record.in_history
+        assert (record.status, record.args, record.attempts) == ("succeeded", {"to": "a@example.com"}, 1)
+        assert (record.tenant, record.result) == ("acme", {"sent": True})
+        assert record.finished_at is not None and record.lease_expires_at is None
+        # The user's own mapped class reads it by id too.
+        row = session.scalars(sa.select(ArchiveJobHistory).where(ArchiveJobHistory.id == job_id)).one()
+        assert (row.status, row.result, row.tenant) == ("succeeded", {"sent": True}, "acme")
+
+
+def test_complete_many_moves_a_batch_with_results_and_none(queue_engine: sa.Engine) -> None:
+    ids = [enqueue(queue_engine) for _ in range(3)]
+    jobs = claim(queue_engine, limit=3)
+    with Session(queue_engine) as session, session.begin():
+        lost = sqla_jobs.complete_many(session, jobs, results=[1, None, "three"])
+    assert lost == []
+    with Session(queue_engine) as session:
+        results = {i: job_record(session, ArchiveJob, i).result for i in ids}  # type: ignore[union-attr]
+    assert results == {jobs[0].id: 1, jobs[1].id: None, jobs[2].id: "three"}
+
+
+def test_a_stale_attempt_neither_completes_nor_moves(queue_engine: sa.Engine) -> None:
+    job_id = enqueue(queue_engine)
+    (stale,) = claim(queue_engine, lease=0.001)
+    with queue_engine.begin() as connection:  # its lease has run out for sure
+        connection.execute(
+            sa.text("UPDATE archive_jobs SET lease_expires_at = now() - interval '1 s'")
+        )
+    (current,) = claim(queue_engine)
+    assert (current.id, current.attempt) == (job_id, 2)
+    with Session(queue_engine) as session, session.begin():
+        with pytest.raises(LeaseLostError):
+            sqla_jobs.complete(session, stale, result="stale")
+    assert where(queue_engine, job_id) == (1, 0)
+    with Session(queue_engine) as session, session.begin():
+        with pytest.raises(LeaseLostError):
+            sqla_jobs.fail(session, stale, "stale", retry=False)
+    assert where(queue_engine, job_id) == (1, 0)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete(session, current, result="current")
+    assert where(queue_engine, job_id) == (0, 1)
+    with Session(queue_engine) as session:
+        record = job_record(session, ArchiveJob, job_id)
+        assert record is not None and (record.attempts, record.result) == (2, "current")
+
+
+def test_a_rolled_back_completion_leaves_the_job_where_it_was(queue_engine: sa.Engine) -> None:
+    job_id = enqueue(queue_engine)
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session:
+        with session.begin():
+            sqla_jobs.complete(session, job)
+            assert where(queue_engine, job_id) == (1, 0)  # not committed: others see it hot
+            session.rollback()
+    assert where(queue_engine, job_id) == (1, 0)
+
+
+def test_dead_jobs_move_and_retry_brings_them_back(queue_engine: sa.Engine) -> None:
+    job_id = enqueue(queue_engine, max_attempts=1)
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        outcome = sqla_jobs.fail(session, job, RuntimeError("boom"))
+    assert outcome.status is sqla_jobs.JobStatus.DEAD
+    assert where(queue_engine, job_id) == (0, 1)
+    with Session(queue_engine) as session:
+        record = job_record(session, ArchiveJob, job_id)
+        assert record is not None and record.status == "dead" and "boom" in record.last_error
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.retry(session, ArchiveJob, job_id)
+    assert where(queue_engine, job_id) == (1, 0)
+    with Session(queue_engine) as session:
+        record = job_record(session, ArchiveJob, job_id)
+        assert record is not None and not record.in_history
+        assert (record.status, record.attempts, record.max_attempts) == ("pending", 1, 2)
+        assert record.finished_at is None and "boom" in record.last_error
+    (again,) = claim(queue_engine)
+    assert (again.id, again.attempt) == (job_id, 2)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete(session, again)
+    assert where(queue_engine, job_id) == (0, 1)
+
+
+def test_cancel_moves_and_retry_errors(queue_engine: sa.Engine) -> None:
+    job_id = enqueue(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.cancel(session, ArchiveJob, job_id)
+    assert where(queue_engine, job_id) == (0, 1)
+    with Session(queue_engine) as session, session.begin():
+        with pytest.raises(JobStateError, match="cancelled"):
+            sqla_jobs.cancel(session, ArchiveJob, job_id)
+        with pytest.raises(JobNotFoundError):
+            sqla_jobs.retry(session, ArchiveJob, 10**12)
+    done = enqueue(queue_engine)
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete(session, job)
+    with Session(queue_engine) as session, session.begin():
+        with pytest.raises(JobStateError, match="succeeded"):
+            sqla_jobs.retry(session, ArchiveJob, done)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.retry(session, ArchiveJob, job_id)
+    assert where(queue_engine, job_id) == (1, 0)
+
+
+def test_the_mover_takes_finished_rows_left_in_the_hot_table(queue_engine: sa.Engine) -> None:
+    # A claim makes a job dead whose last attempt lost its lease: no move there. Rows of a
+    # table from before it had a history are the same case.
+    job_id = enqueue(queue_engine, max_attempts=1)
+    claim(queue_engine, lease=0.001)
+    with queue_engine.begin() as connection:
+        connection.execute(
+            sa.text("UPDATE archive_jobs SET lease_expires_at = now() - interval '1 s'")
+        )
+    assert claim(queue_engine) == []
+    pending = enqueue(queue_engine)
+    assert where(queue_engine, job_id) == (1, 0)
+    assert move_finished(queue_engine, ArchiveJob, scan=1) == 1
+    assert where(queue_engine, job_id) == (0, 1)
+    assert where(queue_engine, pending) == (1, 0)
+    assert move_finished(queue_engine, ArchiveJob) == 0
+
+
+def test_partitions_are_made_ahead_once(queue_engine: sa.Engine) -> None:
+    today = db_today(queue_engine)
+    report = create_partitions(queue_engine, ArchiveJob, days_ahead=3)
+    wanted = [NAMES.partition(today + timedelta(days=d)) for d in range(4)]
+    assert set(wanted) <= {p.name for p in list_partitions(queue_engine, ArchiveJob)}
+    assert report.skipped == []
+    again = create_partitions(queue_engine, ArchiveJob, days_ahead=3)
+    assert again.created == [] and again.skipped == []
+    # A job finished now lands in today's partition, not in the default one.
+    enqueue(queue_engine)
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete(session, job)
+    with queue_engine.connect() as connection:
+        where_ = connection.scalar(sa.text("SELECT tableoid::regclass::text FROM archive_jobs_history"))
+    assert where_ == NAMES.partition(today)
+
+
+def _old_partition(engine: sa.Engine, day: date, rows: int) -> str:
+    with engine.begin() as connection:
+        connection.execute(executable(create_partition("archive_jobs", day)))
+        connection.execute(
+            sa.text(
+                "INSERT INTO archive_jobs_history (id, queue, task, args, status, priority, "
+                "run_at, attempts, max_attempts, created_at, finished_at) "
+                "SELECT 1000000 + g + :base, 'default', 't', '{}', 'succeeded', 0, now(), 1, 1, "
+                "now(), CAST(:day AS timestamptz) + interval '1 hour' FROM generate_series(1, :n) AS g"
+            ),
+            {"day": day.isoformat() + " 00:00:00+00", "n": rows, "base": day.toordinal() * 10},
+        )
+    return NAMES.partition(day)
+
+
+def test_retention_drops_only_whole_old_partitions(queue_engine: sa.Engine) -> None:
+    today = db_today(queue_engine)
+    old = _old_partition(queue_engine, today - timedelta(days=10), 5)
+    recent = _old_partition(queue_engine, today - timedelta(days=6), 5)
+    create_partitions(queue_engine, ArchiveJob, days_ahead=1)
+    report = drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
+    assert report.dropped == [old] and report.skipped == []
+    names = {p.name for p in list_partitions(queue_engine, ArchiveJob)}
+    assert old not in names and recent in names and NAMES.partition(today) in names
+    with queue_engine.connect() as connection:
+        assert connection.scalar(sa.text("SELECT count(*) FROM archive_jobs_history")) == 5
+
+
+def test_retention_deletes_old_rows_of_the_default_partition(queue_engine: sa.Engine) -> None:
+    # No partition for that day: the row went to the default partition.
+    today = db_today(queue_engine)
+    with queue_engine.begin() as connection:
+        connection.execute(
+            sa.text(
+                "INSERT INTO archive_jobs_history (id, queue, task, args, status, priority, "
+                "run_at, attempts, max_attempts, created_at, finished_at) VALUES "
+                "(1, 'default', 't', '{}', 'dead', 0, now(), 1, 1, now(), now() - interval '30 days'),"
+                "(2, 'default', 't', '{}', 'dead', 0, now(), 1, 1, now(), now() - interval '1 day')"
+            )
+        )
+    report = drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7), batch_size=1)
+    assert report.default_rows_deleted == 1
+    with Session(queue_engine) as session:
+        assert job_record(session, ArchiveJob, 1) is None
+        assert job_record(session, ArchiveJob, 2) is not None
+    # And a partition whose day already has rows in the default one is left alone.
+    del today
+
+
+def test_a_second_run_skips_while_another_holds_the_lock(queue_engine: sa.Engine) -> None:
+    today = db_today(queue_engine)
+    old = _old_partition(queue_engine, today - timedelta(days=10), 1)
+    with queue_engine.connect() as other:
+        with other.begin():
+            held = other.execute(history_sql.try_lock(), {"lock_key": NAMES.lock_key}).scalar()
+            assert held is True
+            report = drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
+            assert report.dropped == [] and report.skipped == [f"drop {old}"]
+    report = drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
+    assert report.dropped == [old]
+
+
+def test_partition_ddl_gives_up_after_lock_timeout(queue_engine: sa.Engine) -> None:
+    today = db_today(queue_engine)
+    old = _old_partition(queue_engine, today - timedelta(days=10), 1)
+    # An open completion holds ROW EXCLUSIVE on the history, which a DROP must wait for.
+    enqueue(queue_engine)
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete(session, job)
+        report = drop_partitions(
+            queue_engine, ArchiveJob, older_than=timedelta(days=7), lock_timeout=0.05
+        )
+        assert report.dropped == [] and report.skipped == [f"drop {old}"]
+    assert drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7)).dropped == [old]
+
+
+def test_concurrent_retention_runs_never_collide(queue_engine: sa.Engine) -> None:
+    today = db_today(queue_engine)
+    olds = {_old_partition(queue_engine, today - timedelta(days=d), 2) for d in range(10, 16)}
+    reports: list[Any] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def run() -> None:
+        start.wait()
+        try:
+            for _ in range(20):
+                reports.append(
+                    drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
+                )
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    dropped = [name for report in reports for name in report.dropped]
+    # IF EXISTS makes a late second drop a no-op, so count the partitions gone instead.
+    assert olds <= set(dropped)
+    assert not olds & {p.name for p in list_partitions(queue_engine, ArchiveJob)}
+
+
+def test_bad_input_is_refused_before_any_sql(queue_engine: sa.Engine) -> None:
+    with pytest.raises(InvalidJobError, match="days_ahead"):
+        create_partitions(queue_engine, ArchiveJob, days_ahead=-1)
+    with pytest.raises(InvalidJobError, match="lock_timeout"):
+        drop_partitions(queue_engine, ArchiveJob, older_than=60, lock_timeout=0)
+    with pytest.raises(InvalidJobError, match="older_than"):
+        drop_partitions(queue_engine, ArchiveJob, older_than=-5)
+    with pytest.raises(ConfigurationError, match="partitioned_history"):
+        create_partitions(queue_engine, EmailJob)
+    with Session(queue_engine) as session:
+        with pytest.raises(InvalidJobError, match="job_id"):
+            job_record(session, ArchiveJob, "1")  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="partitioned history"):
+            sqla_jobs.prune(session, ArchiveJob, older_than=60)
+
+
+def test_a_model_with_history_and_delete_on_success_is_refused() -> None:
+    from sqlalchemy.orm import DeclarativeBase
+
+    class Base(DeclarativeBase):
+        pass
+
+    with pytest.raises(ConfigurationError, match="delete_on_success"):
+
+        class Both(sqla_jobs.JobMixin, Base):
+            __tablename__ = "both_jobs"
+            partitioned_history = True
+            delete_on_success = True
