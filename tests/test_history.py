@@ -13,11 +13,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from models import ArchiveJob, ArchiveJobHistory, EmailJob
-from sqlalchemy.orm import Session
+from alembic.migration import MigrationContext
+from alembic.operations import Operations
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.pool import NullPool
 
 import sqla_jobs
 from sqla_jobs import ClaimedJob, ConfigurationError, InvalidJobError, JobNotFoundError
-from sqla_jobs import JobStateError, LeaseLostError
+from sqla_jobs import JobResultMixin, JobStateError, LeaseLostError
+from sqla_jobs import migrations as jobs
 from sqla_jobs.ddl import executable
 from sqla_jobs.history import (
     create_partitions,
@@ -31,6 +35,16 @@ from sqla_jobs.history import statements as history_sql
 from sqla_jobs.history.schema import create_partition
 
 NAMES = history_names("archive_jobs")
+
+
+@pytest.fixture(autouse=True)
+def _no_day_partitions(queue_engine: sa.Engine) -> None:
+    """Each test starts with the history's DEFAULT partition only (queue_engine truncates
+    the tables but leaves partitions made by earlier tests)."""
+    for partition in list_partitions(queue_engine, ArchiveJob):
+        if partition.start is not None:
+            with queue_engine.begin() as connection:
+                connection.execute(sa.text(f'DROP TABLE "{partition.name}"'))
 
 
 def enqueue(engine: sa.Engine, **values: Any) -> int:
@@ -331,8 +345,6 @@ def test_bad_input_is_refused_before_any_sql(queue_engine: sa.Engine) -> None:
 
 
 def test_a_model_with_history_and_delete_on_success_is_refused() -> None:
-    from sqlalchemy.orm import DeclarativeBase
-
     class Base(DeclarativeBase):
         pass
 
@@ -342,3 +354,97 @@ def test_a_model_with_history_and_delete_on_success_is_refused() -> None:
             __tablename__ = "both_jobs"
             partitioned_history = True
             delete_on_success = True
+
+
+def test_rows_of_a_day_without_its_partition_move_into_it_when_it_is_made(
+    queue_engine: sa.Engine,
+) -> None:
+    today = db_today(queue_engine)
+    ids = [enqueue(queue_engine) for _ in range(3)]
+    jobs = claim(queue_engine, limit=3)
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete_many(session, jobs, results=["a", "b", "c"])
+    with queue_engine.connect() as connection:
+        where_ = connection.scalars(sa.text("SELECT tableoid::regclass::text FROM archive_jobs_history"))
+        assert set(where_) == {NAMES.default_partition}
+    report = create_partitions(queue_engine, ArchiveJob, days_ahead=0)
+    assert report.created == [NAMES.partition(today)] and report.moved_from_default == 3
+    with queue_engine.connect() as connection:
+        where_ = connection.scalars(sa.text("SELECT tableoid::regclass::text FROM archive_jobs_history"))
+        assert set(where_) == {NAMES.partition(today)}
+    with Session(queue_engine) as session:
+        assert [job_record(session, ArchiveJob, i).result for i in ids] == ["a", "b", "c"]  # type: ignore[union-attr]
+
+
+def test_a_live_version_2_table_gets_its_history_without_a_lock_and_moves_in_batches(
+    fresh_database: Any,
+) -> None:
+
+    class Base(DeclarativeBase):
+        pass
+
+    class LiveJob(sqla_jobs.JobMixin, Base):
+        __tablename__ = "live_jobs"
+        partitioned_history = True
+        tenant: Mapped[str | None] = mapped_column(sa.String(50))
+
+    class LiveResult(JobResultMixin, Base):
+        __tablename__ = "live_job_results"
+
+    engine = sa.create_engine(fresh_database("sqla_jobs_history"), poolclass=NullPool)
+
+    def migrate(step: Any) -> None:
+        with engine.connect() as connection:
+            connection.execute(sa.text("SET lock_timeout = '1s'"))
+            context = MigrationContext.configure(connection)
+            with Operations.context(context), context.begin_transaction():
+                step()
+            connection.commit()
+
+    tenant = sa.Column("tenant", sa.String(50), nullable=True)
+    try:
+        migrate(lambda: jobs.create_job_table("live_jobs", tenant, version=2))
+        migrate(lambda: jobs.create_result_table("live_job_results"))
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text(
+                    "INSERT INTO live_jobs (task, status, tenant, attempts, finished_at) "
+                    "SELECT 't', s, 'acme', 1, CASE WHEN s = 'pending' THEN NULL ELSE now() END "
+                    "FROM unnest(ARRAY['succeeded', 'pending', 'dead', 'cancelled', 'pending']) "
+                    "WITH ORDINALITY AS u(s, n) ORDER BY n"
+                )
+            )
+            connection.execute(
+                sa.text("INSERT INTO live_job_results (job_id, task, value) VALUES (1, 't', '42')")
+            )
+        # A live claim holds row locks and ROW EXCLUSIVE on the job table meanwhile: the
+        # upgrade takes no lock of the job table, so it does not wait (lock_timeout 1 s).
+        with engine.connect() as live, live.begin():
+            live.execute(sa.text("SELECT id FROM live_jobs WHERE id = 2 FOR UPDATE"))
+            live.execute(sa.text("UPDATE live_jobs SET priority = 1 WHERE id = 5"))
+            migrate(lambda: jobs.add_history("live_jobs", tenant))
+        assert move_finished(engine, LiveJob, result_model=LiveResult, scan=2) == 3
+        with Session(engine) as session:
+            statuses = session.scalars(sa.select(LiveJob.status).order_by(LiveJob.id)).all()
+            assert statuses == ["pending", "pending"]
+            first = job_record(session, LiveJob, 1)
+            assert first is not None and first.in_history
+            assert (first.status, first.result, first.tenant) == ("succeeded", 42, "acme")
+            assert session.get(LiveResult, 1) is None  # moved with its job, not orphaned
+            assert [job_record(session, LiveJob, i).status for i in (3, 4)] == ["dead", "cancelled"]  # type: ignore[union-attr]
+        # The upgraded table works as a history table.
+        with Session(engine) as session, session.begin():
+            jobs_ = sqla_jobs.claim(session, LiveJob, limit=2)
+        with Session(engine) as session, session.begin():
+            sqla_jobs.complete_many(session, jobs_)
+        create_partitions(engine, LiveJob, days_ahead=1)
+        with Session(engine) as session:
+            assert session.scalars(sa.select(LiveJob.id)).all() == []
+            assert {job_record(session, LiveJob, i).status for i in (2, 5)} == {"succeeded"}  # type: ignore[union-attr]
+        with engine.connect() as connection:
+            assert jobs.check_job_tables(connection, LiveJob) == []
+        migrate(lambda: jobs.drop_history("live_jobs"))
+        with engine.connect() as connection:
+            assert not sa.inspect(connection).has_table("live_jobs_history")
+    finally:
+        engine.dispose()

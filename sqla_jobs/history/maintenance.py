@@ -42,6 +42,8 @@ from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.history import statements
 from sqla_jobs.history.schema import (
     RESULT_COLUMN,
+    attach_partition,
+    create_detached_partition,
     create_partition,
     day_bounds,
     drop_partition,
@@ -96,8 +98,8 @@ class MaintenanceReport:
     dropped: list[str] = field(default_factory=list)
     moved: int = 0
     default_rows_deleted: int = 0
+    moved_from_default: int = 0
     skipped: list[str] = field(default_factory=list)
-    partitions_left_in_default: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -207,9 +209,9 @@ def create_partitions(
     report: MaintenanceReport | None = None,
 ) -> MaintenanceReport:
     """Create the missing day partitions from today (the database's clock, UTC) to
-    ``days_ahead`` days ahead; one transaction each. A day whose rows already sit in the
-    ``DEFAULT`` partition is left there (named in ``partitions_left_in_default``): its rows
-    leave with :func:`drop_partitions` once they are old enough."""
+    ``days_ahead`` days ahead; one transaction each. Rows of a day that finished before its
+    partition existed (in the ``DEFAULT`` partition) move into it as it is made
+    (``moved_from_default``)."""
     table = _history_model(model)
     days = _check_days("days_ahead", days_ahead)
     timeout = _check_timeout(lock_timeout)
@@ -224,21 +226,28 @@ def create_partitions(
         if name in existing:
             continue
 
-        def make(connection: Connection, day: date = day, name: str = name) -> bool:
-            start, end = day_bounds(day)
+        def make(connection: Connection, day: date = day, name: str = name) -> int:
+            bounds = dict(zip(("start", "end"), day_bounds(day), strict=True))
             crowded = statements.default_rows_between(table)
-            if connection.execute(crowded, {"start": start, "end": end}).scalar_one():
-                return False
-            connection.execute(executable(create_partition(table.name, day, table.schema)))
-            return True
+            if not connection.execute(crowded, bounds).scalar_one():
+                connection.execute(executable(create_partition(table.name, day, table.schema)))
+                return 0
+            # Jobs of that day finished before its partition existed: PostgreSQL refuses a
+            # partition whose rows sit in the DEFAULT one, so build it beside the history,
+            # move them in, then attach it; all in this transaction.
+            schema = table.schema
+            connection.execute(executable(create_detached_partition(table.name, day, schema)))
+            moved = connection.execute(statements.move_out_of_default(table, name), bounds)
+            count = len(moved.all())
+            connection.execute(executable(attach_partition(table.name, day, schema)))
+            return count
 
-        done, made = _locked(engine, table, timeout, make)
+        done, moved = _locked(engine, table, timeout, make)
         if not done:
             report.skipped.append(f"create {name}")
-        elif made:
-            report.created.append(name)
         else:
-            report.partitions_left_in_default.append(name)
+            report.created.append(name)
+            report.moved_from_default += moved or 0
     if report.created:
         logger.info(
             "created history partitions %s",

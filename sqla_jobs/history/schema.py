@@ -41,6 +41,8 @@ __all__ = [
     "PARTITION_KEY",
     "RESULT_COLUMN",
     "HistoryNames",
+    "attach_partition",
+    "create_detached_partition",
     "create_default_partition",
     "create_partition",
     "day_bounds",
@@ -182,6 +184,29 @@ def create_partition(job_table: str, day: date, schema: str | None = None) -> st
     return (
         f"CREATE TABLE IF NOT EXISTS {qualified_name(n.partition(day), schema)} "
         f"PARTITION OF {qualified_name(n.table, schema)} "
+        f"FOR VALUES FROM ('{start.isoformat()}') TO ('{end.isoformat()}')"
+    )
+
+
+def create_detached_partition(job_table: str, day: date, schema: str | None = None) -> str:
+    """``CREATE TABLE <partition of day> (LIKE <history>)``: a table of the history's
+    columns, not yet a partition (see :func:`attach_partition`)."""
+    n = history_names(job_table, schema)
+    return (
+        f"CREATE TABLE {qualified_name(n.partition(day), schema)} "
+        f"(LIKE {qualified_name(n.table, schema)})"
+    )
+
+
+def attach_partition(job_table: str, day: date, schema: str | None = None) -> str:
+    """``ALTER TABLE <history> ATTACH PARTITION <partition of day> FOR VALUES ...``.
+    Takes a ``SHARE UPDATE EXCLUSIVE`` lock on the history table and an ``ACCESS
+    EXCLUSIVE`` one on its ``DEFAULT`` partition, which it scans."""
+    n = history_names(job_table, schema)
+    start, end = day_bounds(day)
+    return (
+        f"ALTER TABLE {qualified_name(n.table, schema)} "
+        f"ATTACH PARTITION {qualified_name(n.partition(day), schema)} "
         f"FOR VALUES FROM ('{start.isoformat()}') TO ('{end.isoformat()}')"
     )
 

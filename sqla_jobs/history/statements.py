@@ -45,6 +45,7 @@ __all__ = [
     "default_rows_between",
     "delete_default_before",
     "move_finished",
+    "move_out_of_default",
     "partitions",
     "database_now",
     "record",
@@ -298,6 +299,19 @@ def default_rows_between(table: Table) -> TextClause:
     return text(
         f"SELECT EXISTS (SELECT 1 FROM {qualified_name(n.default_partition, table.schema)} "
         f"WHERE {PARTITION_KEY} >= :start AND {PARTITION_KEY} < :end)"
+    )
+
+
+def move_out_of_default(table: Table, day_partition: str) -> TextClause:
+    """Move the ``DEFAULT`` partition's rows finished in ``[:start, :end)`` into the table
+    ``day_partition`` (a detached partition-to-be, same columns in the same order), in one
+    statement. Returns their ids."""
+    n = history_names(table.name, table.schema)
+    default = qualified_name(n.default_partition, table.schema)
+    return text(
+        f"WITH moved AS (DELETE FROM {default} WHERE {PARTITION_KEY} >= :start "
+        f"AND {PARTITION_KEY} < :end RETURNING *) "
+        f"INSERT INTO {qualified_name(day_partition, table.schema)} SELECT * FROM moved RETURNING id"
     )
 
 

@@ -75,7 +75,7 @@ tables from :func:`upgrade`, which runs the library's standalone environment
 
 from __future__ import annotations
 
-from sqla_jobs.migrations.check import check_claim_indexes, check_job_tables
+from sqla_jobs.migrations.check import check_claim_indexes, check_job_tables, include_name
 from sqla_jobs.migrations.commands import (
     SCRIPT_LOCATION,
     VERSION_LOCATION,
@@ -87,6 +87,7 @@ from sqla_jobs.migrations.commands import (
 from sqla_jobs.migrations.operations import (
     LEASE_SCHEMA_VERSION,
     SCHEMA_VERSION,
+    add_history,
     add_lease_columns,
     create_claim_index,
     create_claim_indexes,
@@ -97,6 +98,7 @@ from sqla_jobs.migrations.operations import (
     downgrade_job_table_to_v1,
     drop_claim_index,
     drop_claim_indexes,
+    drop_history,
     drop_job_table,
     drop_lease_columns,
     drop_lease_index,
@@ -111,6 +113,7 @@ __all__ = [
     "SCRIPT_LOCATION",
     "VERSION_LOCATION",
     "VERSION_TABLE",
+    "add_history",
     "add_lease_columns",
     "check_claim_indexes",
     "check_job_tables",
@@ -124,11 +127,13 @@ __all__ = [
     "downgrade_job_table_to_v1",
     "drop_claim_index",
     "drop_claim_indexes",
+    "drop_history",
     "drop_job_table",
     "drop_lease_columns",
     "drop_lease_index",
     "drop_notify_trigger",
     "drop_result_table",
+    "include_name",
     "upgrade",
     "upgrade_job_table_to_v2",
     "versions_path",

@@ -14,9 +14,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from sqla_jobs import ddl, statements
+from sqla_jobs.history.schema import is_history_partition
 from sqla_jobs.schema import names
 
-__all__ = ["check_claim_indexes", "check_job_tables"]
+__all__ = ["check_claim_indexes", "check_job_tables", "include_name"]
 
 # Key columns, predicate, uniqueness and access method, as PostgreSQL prints them back.
 _INDEX_SHAPE = sa.text(
@@ -213,3 +214,14 @@ def check_job_tables(
         if notify and _is_job_table(table):
             problems.extend(_wakeup_problems(connection, table))
     return problems
+
+
+def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+    """An ``include_name`` hook for Alembic's ``context.configure``: leaves out the
+    partitions of history tables (``<job table>_history_p20260131``, ``..._pdefault``),
+    which are tables in the database that no model declares, made and dropped by the
+    maintenance rather than by revisions. Everything else is included::
+
+        context.configure(..., include_name=sqla_jobs.migrations.include_name)
+    """
+    return not (type_ == "table" and name is not None and is_history_partition(name))

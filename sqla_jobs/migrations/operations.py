@@ -18,6 +18,12 @@ Schema versions:
    version-1 table is upgraded in place, on a live table, by
    :func:`upgrade_job_table_to_v2`.
 
+3. (Partitioned history, opt-in per model: ``partitioned_history = True``.) The job table
+   is unchanged; a model that opts in has a history table beside it
+   (:mod:`sqla_jobs.history`): :func:`add_history` creates it, on a new table
+   (``create_job_table(..., version=3, history=True)``) or beside a live version-2 table
+   without touching it, and :func:`drop_history` drops it.
+
 The result table has not changed since version 1.
 """
 
@@ -31,6 +37,8 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.schema import SchemaItem
 
 from sqla_jobs import ddl
+from sqla_jobs.history.schema import PARTITION_KEY, RESULT_COLUMN, create_default_partition
+from sqla_jobs.history.schema import history_names
 from sqla_jobs.leasing.schema import lease_index_elements, lease_names
 from sqla_jobs.schema import names
 
@@ -43,6 +51,7 @@ __all__ = [
     "RUNNING_INDEX_COLUMNS",
     "RUNNING_INDEX_PREDICATE",
     "SCHEMA_VERSION",
+    "add_history",
     "add_lease_columns",
     "create_claim_index",
     "create_claim_indexes",
@@ -52,6 +61,7 @@ __all__ = [
     "create_result_table",
     "downgrade_job_table_to_v1",
     "drop_claim_index",
+    "drop_history",
     "drop_claim_indexes",
     "drop_job_table",
     "drop_lease_columns",
@@ -61,7 +71,7 @@ __all__ = [
     "upgrade_job_table_to_v2",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The latest version of the job and result tables: the one the mixins declare."""
 
 # Frozen copies of what the mixins declared in each version. tests/test_migrations.py proves
@@ -166,6 +176,7 @@ def create_job_table(
     schema: str | None = None,
     notify: bool = True,
     version: int = 1,
+    history: bool = False,
 ) -> sa.Table:
     """Create a job table with its claim index(es), storage parameters and NOTIFY trigger.
 
@@ -200,8 +211,10 @@ def create_job_table(
             jobs.drop_result_table("email_job_results")
             jobs.drop_job_table("email_jobs")
     """
-    if version not in (1, 2):
-        raise ValueError(f"schema version must be 1 or 2, not {version!r}")
+    if version not in (1, 2, 3):
+        raise ValueError(f"schema version must be 1, 2 or 3, not {version!r}")
+    if history and version < 3:
+        raise ValueError("history=True needs version=3 (the partitioned history)")
     table = op.create_table(table_name, *_job_table_items(table_name), *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
@@ -210,13 +223,72 @@ def create_job_table(
     _execute(ddl.set_storage_parameters(table_name, schema))
     if notify:
         create_notify_trigger(table_name, schema=schema)
+    if history:
+        add_history(table_name, *extra, schema=schema)
     return table
 
 
 def drop_job_table(table_name: str, *, schema: str | None = None) -> None:
-    """Drop a job table with its trigger and trigger function (whether or not it had them)."""
+    """Drop a job table with its trigger and trigger function (whether or not it had them).
+    Its history table, if it has one, is dropped with :func:`drop_history`."""
     drop_notify_trigger(table_name, schema=schema)
     op.drop_table(table_name, schema=schema)
+
+
+def _history_items(table_name: str, extra: tuple[SchemaItem, ...]) -> list[SchemaItem]:
+    # Frozen copy of what sqla_jobs.history.history_table derives from a job model (schema
+    # version 3): every job column, nullable as in the job table but id and finished_at,
+    # without defaults, identity or foreign keys; then the result; the key (id, finished_at).
+    columns: list[SchemaItem] = []
+    for item in (*_job_table_items(table_name), *extra):
+        if isinstance(item, sa.Column):
+            nullable = False if item.name in ("id", PARTITION_KEY) else item.nullable
+            columns.append(sa.Column(item.name, item.type, nullable=bool(nullable)))
+    columns.append(sa.Column(RESULT_COLUMN, JSONB, nullable=True))
+    columns.append(
+        sa.PrimaryKeyConstraint(
+            "id", PARTITION_KEY, name=history_names(table_name).primary_key
+        )
+    )
+    return columns
+
+
+def add_history(table_name: str, *extra: SchemaItem, schema: str | None = None) -> sa.Table:
+    """Create the partitioned history table of job table ``table_name`` (schema version 3),
+    with its ``DEFAULT`` partition, for a model with ``partitioned_history = True``.
+
+    ``extra`` are the same columns of yours that the job table has (as given to
+    :func:`create_job_table`; constraints and indexes among them are left out, and foreign
+    keys dropped from the copies). It creates a new table and touches nothing else: on a
+    live version-2 table it takes no lock of the job table. The job table's finished rows
+    stay where they are until the maintenance moves them in batches
+    (:func:`sqla_jobs.history.move_finished`: the worker's ``history`` role, or ``sqla-jobs
+    history maintain``); the day partitions are made by the maintenance too, and until they
+    exist finished jobs land in the ``DEFAULT`` partition (the maintenance moves them into
+    their day's partition when it creates it).
+
+    A revision of yours, for a table created by an earlier revision::
+
+        def upgrade() -> None:
+            jobs.add_history("email_jobs", sa.Column("order_id", sa.Integer))
+
+        def downgrade() -> None:
+            jobs.drop_history("email_jobs")
+    """
+    n = history_names(table_name, schema)
+    table = op.create_table(
+        n.table,
+        *_history_items(table_name, extra),
+        schema=schema,
+        postgresql_partition_by=f"RANGE ({PARTITION_KEY})",
+    )
+    _execute(create_default_partition(table_name, schema))
+    return table
+
+
+def drop_history(table_name: str, *, schema: str | None = None) -> None:
+    """Drop the history table of ``table_name`` with all its partitions (and their rows)."""
+    op.drop_table(history_names(table_name, schema).table, schema=schema)
 
 
 def create_result_table(table_name: str, *extra: SchemaItem, schema: str | None = None) -> sa.Table:
