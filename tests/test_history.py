@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from models import ArchiveJob, ArchiveJobHistory, EmailJob
+from worker_harness import wait_until
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import NullPool
 
 import sqla_jobs
-from sqla_jobs import ClaimedJob, ConfigurationError, InvalidJobError, JobNotFoundError
+from sqla_jobs import ClaimedJob, ConfigurationError, InvalidJobError, JobContext
+from sqla_jobs import JobNotFoundError, Registry, Worker
 from sqla_jobs import JobResultMixin, JobStateError, LeaseLostError
 from sqla_jobs import migrations as jobs
 from sqla_jobs.ddl import executable
@@ -448,3 +450,64 @@ def test_a_live_version_2_table_gets_its_history_without_a_lock_and_moves_in_bat
             assert not sa.inspect(connection).has_table("live_jobs_history")
     finally:
         engine.dispose()
+
+
+def test_the_worker_keeps_the_history(queue_engine: sa.Engine) -> None:
+    today = db_today(queue_engine)
+    old = _old_partition(queue_engine, today - timedelta(days=40), 3)
+    registry = Registry(ArchiveJob)
+
+    @registry.task(queue="archive")
+    def double(ctx: JobContext) -> int:
+        return 2 * int(ctx.args["n"])
+
+    @registry.task(queue="archive", mode="lock")
+    def locked(ctx: JobContext) -> str:
+        return "locked"
+
+    @registry.task(queue="archive")
+    def explode(ctx: JobContext) -> None:
+        raise RuntimeError("no")
+
+    # A finished job from before the table had a history: the role moves it.
+    left = enqueue(queue_engine, task="double", queue="archive", args={"n": 0})
+    with queue_engine.begin() as connection:
+        connection.execute(
+            sa.text("UPDATE archive_jobs SET status = 'succeeded', finished_at = now()")
+        )
+    worker = Worker(
+        registry,
+        queue_engine,
+        poll_interval=0.1,
+        history_retention=timedelta(days=30),
+        history_every=0.2,
+    )
+    with worker:
+        ids = [
+            enqueue(queue_engine, task="double", queue="archive", args={"n": n}) for n in range(5)
+        ]
+        boom = enqueue(queue_engine, task="explode", queue="archive", max_attempts=1)
+        held = enqueue(queue_engine, task="locked", queue="archive")
+
+        def settled() -> bool:
+            with queue_engine.connect() as connection:
+                hot = connection.scalar(sa.text("SELECT count(*) FROM archive_jobs"))
+            return hot == 0 and worker.history_keeper is not None and worker.history_keeper.runs >= 2
+
+        wait_until(settled, timeout=30, message="every job is in the history")
+    with Session(queue_engine) as session:
+        assert [job_record(session, ArchiveJob, i).result for i in ids] == [0, 2, 4, 6, 8]  # type: ignore[union-attr]
+        dead = job_record(session, ArchiveJob, boom)
+        assert dead is not None and dead.status == "dead" and "no" in dead.last_error
+        assert job_record(session, ArchiveJob, left).in_history  # type: ignore[union-attr]
+        assert job_record(session, ArchiveJob, held).result == "locked"  # type: ignore[union-attr]
+    names = {p.name for p in list_partitions(queue_engine, ArchiveJob)}
+    assert {NAMES.partition(today + timedelta(days=d)) for d in range(8)} <= names
+    assert old not in names
+
+
+def test_worker_history_options_are_checked(queue_engine: sa.Engine) -> None:
+    with pytest.raises(ConfigurationError, match="history_retention"):
+        Worker(Registry(ArchiveJob), queue_engine, history_retention=-1)
+    with pytest.raises(ConfigurationError, match="history_every"):
+        Worker(Registry(ArchiveJob), queue_engine, history_every=0)

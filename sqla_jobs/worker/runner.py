@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session
 from sqla_jobs import statements, validation
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
+from sqla_jobs.history.schema import has_history
 from sqla_jobs.queue import complete_many, lock_one
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.worker.link import as_session
@@ -277,7 +278,8 @@ class Runner:
 
     def _storable(self, result: Any) -> Any:
         # A result jsonb cannot store fails its own job here, not the batch it is written in.
-        if self.registry.result_model is not None and result is not None:
+        stores = self.registry.result_model is not None or has_history(self.registry.model)
+        if stores and result is not None:
             try:
                 validation.check_json("result", result)
             except RecursionError as exc:
@@ -367,6 +369,9 @@ class Runner:
     def _complete(self, session: Session, attempt: Attempt, result: Any) -> bool:
         """Complete ``attempt`` in ``session``'s transaction; whether it was fenced out."""
         result_model = self.registry.result_model
+        if has_history(attempt.job.model) and result is not None:
+            # The result goes into the history row, with the job.
+            return bool(complete_many(session, [attempt.job], results=[result]))
         if result_model is None or result is None:
             return bool(complete_many(session, [attempt.job]))
         return bool(
