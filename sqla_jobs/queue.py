@@ -56,8 +56,6 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from sqla_jobs import statements, validation
-from sqla_jobs.history import statements as history_statements
-from sqla_jobs.history.schema import has_history
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -65,6 +63,8 @@ from sqla_jobs.errors import (
     JobStateError,
     LeaseLostError,
 )
+from sqla_jobs.history import statements as history_statements
+from sqla_jobs.history.schema import has_history
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.schema import DEFAULT_QUEUE, JobMixin, JobResultMixin, JobStatus
 
@@ -813,10 +813,13 @@ def _admin(
         if history:  # a cancelled job moves into the history at once
             session.execute(_statement(history_statements.move_finished, table), params)
         return
-    if history and builder is statements.retry:
-        # A finished job of a model with history is there: it moves back, pending.
-        if session.execute(_statement(history_statements.retry, table), params).first():
-            return
+    # A finished job of a model with history is there: a retry moves it back, pending.
+    if (
+        history
+        and builder is statements.retry
+        and session.execute(_statement(history_statements.retry, table), params).first()
+    ):
+        return
     status = session.execute(_statement(statements.status_of, table), params).scalar()
     if status is None and history:
         status = session.execute(_statement(history_statements.status_of, table), params).scalar()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import ForeignKey, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -52,6 +54,12 @@ class ArchiveJob(JobMixin, Base):
 
 
 class ArchiveJobHistory(Base):
-    """The history of ArchiveJob, mapped to query it."""
+    """The history of ArchiveJob, mapped to query it (the annotations are for typing only:
+    the columns come from the table)."""
 
     __table__ = history_table(ArchiveJob)
+
+    id: Mapped[int]
+    status: Mapped[str]
+    tenant: Mapped[str | None]
+    result: Mapped[Any]

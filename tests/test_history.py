@@ -6,23 +6,34 @@ and two runs never collide, the full record stays readable by id, retry brings a
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Iterator
 from datetime import date, timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from models import ArchiveJob, ArchiveJobHistory, EmailJob
-from worker_harness import wait_until
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
+from models import ArchiveJob, ArchiveJobHistory, EmailJob
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import NullPool
+from worker_harness import wait_until
 
 import sqla_jobs
-from sqla_jobs import ClaimedJob, ConfigurationError, InvalidJobError, JobContext
-from sqla_jobs import JobNotFoundError, Registry, Worker
-from sqla_jobs import JobResultMixin, JobStateError, LeaseLostError
+from sqla_jobs import (
+    ClaimedJob,
+    ConfigurationError,
+    InvalidJobError,
+    JobContext,
+    JobNotFoundError,
+    JobResultMixin,
+    JobStateError,
+    LeaseLostError,
+    Registry,
+    Worker,
+)
 from sqla_jobs import migrations as jobs
 from sqla_jobs.ddl import executable
 from sqla_jobs.history import (
@@ -37,6 +48,18 @@ from sqla_jobs.history import statements as history_sql
 from sqla_jobs.history.schema import create_partition
 
 NAMES = history_names("archive_jobs")
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """The command configures the root logger; put it back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +88,9 @@ def claim(engine: sa.Engine, **kwargs: Any) -> list[ClaimedJob]:
 def where(engine: sa.Engine, job_id: int) -> tuple[int, int]:
     """How many rows of the job the hot table and the history hold."""
     with engine.connect() as connection:
-        hot = connection.scalar(sa.text("SELECT count(*) FROM archive_jobs WHERE id = :i"), {"i": job_id})
+        hot = connection.scalar(
+            sa.text("SELECT count(*) FROM archive_jobs WHERE id = :i"), {"i": job_id}
+        )
         old = connection.scalar(
             sa.text("SELECT count(*) FROM archive_jobs_history WHERE id = :i"), {"i": job_id}
         )
@@ -74,7 +99,10 @@ def where(engine: sa.Engine, job_id: int) -> tuple[int, int]:
 
 def db_today(engine: sa.Engine) -> date:
     with engine.connect() as connection:
-        return connection.scalar(sa.text("SELECT (statement_timestamp() AT TIME ZONE 'UTC')::date"))
+        today: date = connection.scalar(
+            sa.text("SELECT (statement_timestamp() AT TIME ZONE 'UTC')::date")
+        )
+    return today
 
 
 def test_complete_moves_the_job_and_its_result_into_the_history(queue_engine: sa.Engine) -> None:
@@ -85,12 +113,20 @@ def test_complete_moves_the_job_and_its_result_into_the_history(queue_engine: sa
     assert where(queue_engine, job_id) == (0, 1)
     with Session(queue_engine) as session:
         record = job_record(session, ArchiveJob, job_id)
-        assert record is not None and record.in_history
-        assert (record.status, record.args, record.attempts) == ("succeeded", {"to": "a@example.com"}, 1)
+        assert record is not None
+        assert record.in_history
+        assert (record.status, record.args, record.attempts) == (
+            "succeeded",
+            {"to": "a@example.com"},
+            1,
+        )
         assert (record.tenant, record.result) == ("acme", {"sent": True})
-        assert record.finished_at is not None and record.lease_expires_at is None
+        assert record.finished_at is not None
+        assert record.lease_expires_at is None
         # The user's own mapped class reads it by id too.
-        row = session.scalars(sa.select(ArchiveJobHistory).where(ArchiveJobHistory.id == job_id)).one()
+        row = session.scalars(
+            sa.select(ArchiveJobHistory).where(ArchiveJobHistory.id == job_id)
+        ).one()
         assert (row.status, row.result, row.tenant) == ("succeeded", {"sent": True}, "acme")
 
 
@@ -114,30 +150,28 @@ def test_a_stale_attempt_neither_completes_nor_moves(queue_engine: sa.Engine) ->
         )
     (current,) = claim(queue_engine)
     assert (current.id, current.attempt) == (job_id, 2)
-    with Session(queue_engine) as session, session.begin():
-        with pytest.raises(LeaseLostError):
-            sqla_jobs.complete(session, stale, result="stale")
+    with Session(queue_engine) as session, session.begin(), pytest.raises(LeaseLostError):
+        sqla_jobs.complete(session, stale, result="stale")
     assert where(queue_engine, job_id) == (1, 0)
-    with Session(queue_engine) as session, session.begin():
-        with pytest.raises(LeaseLostError):
-            sqla_jobs.fail(session, stale, "stale", retry=False)
+    with Session(queue_engine) as session, session.begin(), pytest.raises(LeaseLostError):
+        sqla_jobs.fail(session, stale, "stale", retry=False)
     assert where(queue_engine, job_id) == (1, 0)
     with Session(queue_engine) as session, session.begin():
         sqla_jobs.complete(session, current, result="current")
     assert where(queue_engine, job_id) == (0, 1)
     with Session(queue_engine) as session:
         record = job_record(session, ArchiveJob, job_id)
-        assert record is not None and (record.attempts, record.result) == (2, "current")
+        assert record is not None
+        assert (record.attempts, record.result) == (2, "current")
 
 
 def test_a_rolled_back_completion_leaves_the_job_where_it_was(queue_engine: sa.Engine) -> None:
     job_id = enqueue(queue_engine)
     (job,) = claim(queue_engine)
-    with Session(queue_engine) as session:
-        with session.begin():
-            sqla_jobs.complete(session, job)
-            assert where(queue_engine, job_id) == (1, 0)  # not committed: others see it hot
-            session.rollback()
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete(session, job)
+        assert where(queue_engine, job_id) == (1, 0)  # not committed: others see it hot
+        session.rollback()
     assert where(queue_engine, job_id) == (1, 0)
 
 
@@ -150,15 +184,19 @@ def test_dead_jobs_move_and_retry_brings_them_back(queue_engine: sa.Engine) -> N
     assert where(queue_engine, job_id) == (0, 1)
     with Session(queue_engine) as session:
         record = job_record(session, ArchiveJob, job_id)
-        assert record is not None and record.status == "dead" and "boom" in record.last_error
+        assert record is not None
+        assert record.status == "dead"
+        assert "boom" in record.last_error
     with Session(queue_engine) as session, session.begin():
         sqla_jobs.retry(session, ArchiveJob, job_id)
     assert where(queue_engine, job_id) == (1, 0)
     with Session(queue_engine) as session:
         record = job_record(session, ArchiveJob, job_id)
-        assert record is not None and not record.in_history
+        assert record is not None
+        assert not record.in_history
         assert (record.status, record.attempts, record.max_attempts) == ("pending", 1, 2)
-        assert record.finished_at is None and "boom" in record.last_error
+        assert record.finished_at is None
+        assert "boom" in record.last_error
     (again,) = claim(queue_engine)
     assert (again.id, again.attempt) == (job_id, 2)
     with Session(queue_engine) as session, session.begin():
@@ -180,9 +218,8 @@ def test_cancel_moves_and_retry_errors(queue_engine: sa.Engine) -> None:
     (job,) = claim(queue_engine)
     with Session(queue_engine) as session, session.begin():
         sqla_jobs.complete(session, job)
-    with Session(queue_engine) as session, session.begin():
-        with pytest.raises(JobStateError, match="succeeded"):
-            sqla_jobs.retry(session, ArchiveJob, done)
+    with Session(queue_engine) as session, session.begin(), pytest.raises(JobStateError):
+        sqla_jobs.retry(session, ArchiveJob, done)
     with Session(queue_engine) as session, session.begin():
         sqla_jobs.retry(session, ArchiveJob, job_id)
     assert where(queue_engine, job_id) == (1, 0)
@@ -213,14 +250,17 @@ def test_partitions_are_made_ahead_once(queue_engine: sa.Engine) -> None:
     assert set(wanted) <= {p.name for p in list_partitions(queue_engine, ArchiveJob)}
     assert report.skipped == []
     again = create_partitions(queue_engine, ArchiveJob, days_ahead=3)
-    assert again.created == [] and again.skipped == []
+    assert again.created == []
+    assert again.skipped == []
     # A job finished now lands in today's partition, not in the default one.
     enqueue(queue_engine)
     (job,) = claim(queue_engine)
     with Session(queue_engine) as session, session.begin():
         sqla_jobs.complete(session, job)
     with queue_engine.connect() as connection:
-        where_ = connection.scalar(sa.text("SELECT tableoid::regclass::text FROM archive_jobs_history"))
+        where_ = connection.scalar(
+            sa.text("SELECT tableoid::regclass::text FROM archive_jobs_history")
+        )
     assert where_ == NAMES.partition(today)
 
 
@@ -231,8 +271,9 @@ def _old_partition(engine: sa.Engine, day: date, rows: int) -> str:
             sa.text(
                 "INSERT INTO archive_jobs_history (id, queue, task, args, status, priority, "
                 "run_at, attempts, max_attempts, created_at, finished_at) "
-                "SELECT 1000000 + g + :base, 'default', 't', '{}', 'succeeded', 0, now(), 1, 1, "
-                "now(), CAST(:day AS timestamptz) + interval '1 hour' FROM generate_series(1, :n) AS g"
+                "SELECT 1000000 + g + :base, 'default', 't', '{}', 'succeeded', 0, now(), 1, "
+                "1, now(), CAST(:day AS timestamptz) + interval '1 hour' "
+                "FROM generate_series(1, :n) AS g"
             ),
             {"day": day.isoformat() + " 00:00:00+00", "n": rows, "base": day.toordinal() * 10},
         )
@@ -245,9 +286,12 @@ def test_retention_drops_only_whole_old_partitions(queue_engine: sa.Engine) -> N
     recent = _old_partition(queue_engine, today - timedelta(days=6), 5)
     create_partitions(queue_engine, ArchiveJob, days_ahead=1)
     report = drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
-    assert report.dropped == [old] and report.skipped == []
+    assert report.dropped == [old]
+    assert report.skipped == []
     names = {p.name for p in list_partitions(queue_engine, ArchiveJob)}
-    assert old not in names and recent in names and NAMES.partition(today) in names
+    assert old not in names
+    assert recent in names
+    assert NAMES.partition(today) in names
     with queue_engine.connect() as connection:
         assert connection.scalar(sa.text("SELECT count(*) FROM archive_jobs_history")) == 5
 
@@ -260,7 +304,8 @@ def test_retention_deletes_old_rows_of_the_default_partition(queue_engine: sa.En
             sa.text(
                 "INSERT INTO archive_jobs_history (id, queue, task, args, status, priority, "
                 "run_at, attempts, max_attempts, created_at, finished_at) VALUES "
-                "(1, 'default', 't', '{}', 'dead', 0, now(), 1, 1, now(), now() - interval '30 days'),"
+                "(1, 'default', 't', '{}', 'dead', 0, now(), 1, 1, now(), "
+                "now() - interval '30 days'),"
                 "(2, 'default', 't', '{}', 'dead', 0, now(), 1, 1, now(), now() - interval '1 day')"
             )
         )
@@ -276,12 +321,12 @@ def test_retention_deletes_old_rows_of_the_default_partition(queue_engine: sa.En
 def test_a_second_run_skips_while_another_holds_the_lock(queue_engine: sa.Engine) -> None:
     today = db_today(queue_engine)
     old = _old_partition(queue_engine, today - timedelta(days=10), 1)
-    with queue_engine.connect() as other:
-        with other.begin():
-            held = other.execute(history_sql.try_lock(), {"lock_key": NAMES.lock_key}).scalar()
-            assert held is True
-            report = drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
-            assert report.dropped == [] and report.skipped == [f"drop {old}"]
+    with queue_engine.connect() as other, other.begin():
+        held = other.execute(history_sql.try_lock(), {"lock_key": NAMES.lock_key}).scalar()
+        assert held is True
+        report = drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
+        assert report.dropped == []
+        assert report.skipped == [f"drop {old}"]
     report = drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
     assert report.dropped == [old]
 
@@ -297,7 +342,8 @@ def test_partition_ddl_gives_up_after_lock_timeout(queue_engine: sa.Engine) -> N
         report = drop_partitions(
             queue_engine, ArchiveJob, older_than=timedelta(days=7), lock_timeout=0.05
         )
-        assert report.dropped == [] and report.skipped == [f"drop {old}"]
+        assert report.dropped == []
+        assert report.skipped == [f"drop {old}"]
     assert drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7)).dropped == [old]
 
 
@@ -311,10 +357,10 @@ def test_concurrent_retention_runs_never_collide(queue_engine: sa.Engine) -> Non
     def run() -> None:
         start.wait()
         try:
-            for _ in range(20):
-                reports.append(
-                    drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
-                )
+            reports.extend(
+                drop_partitions(queue_engine, ArchiveJob, older_than=timedelta(days=7))
+                for _ in range(20)
+            )
         except BaseException as exc:
             errors.append(exc)
 
@@ -367,12 +413,17 @@ def test_rows_of_a_day_without_its_partition_move_into_it_when_it_is_made(
     with Session(queue_engine) as session, session.begin():
         sqla_jobs.complete_many(session, jobs, results=["a", "b", "c"])
     with queue_engine.connect() as connection:
-        where_ = connection.scalars(sa.text("SELECT tableoid::regclass::text FROM archive_jobs_history"))
+        where_ = connection.scalars(
+            sa.text("SELECT tableoid::regclass::text FROM archive_jobs_history")
+        )
         assert set(where_) == {NAMES.default_partition}
     report = create_partitions(queue_engine, ArchiveJob, days_ahead=0)
-    assert report.created == [NAMES.partition(today)] and report.moved_from_default == 3
+    assert report.created == [NAMES.partition(today)]
+    assert report.moved_from_default == 3
     with queue_engine.connect() as connection:
-        where_ = connection.scalars(sa.text("SELECT tableoid::regclass::text FROM archive_jobs_history"))
+        where_ = connection.scalars(
+            sa.text("SELECT tableoid::regclass::text FROM archive_jobs_history")
+        )
         assert set(where_) == {NAMES.partition(today)}
     with Session(queue_engine) as session:
         assert [job_record(session, ArchiveJob, i).result for i in ids] == ["a", "b", "c"]  # type: ignore[union-attr]
@@ -430,7 +481,8 @@ def test_a_live_version_2_table_gets_its_history_without_a_lock_and_moves_in_bat
             statuses = session.scalars(sa.select(LiveJob.status).order_by(LiveJob.id)).all()
             assert statuses == ["pending", "pending"]
             first = job_record(session, LiveJob, 1)
-            assert first is not None and first.in_history
+            assert first is not None
+            assert first.in_history
             assert (first.status, first.result, first.tenant) == ("succeeded", 42, "acme")
             assert session.get(LiveResult, 1) is None  # moved with its job, not orphaned
             assert [job_record(session, LiveJob, i).status for i in (3, 4)] == ["dead", "cancelled"]  # type: ignore[union-attr]
@@ -492,13 +544,17 @@ def test_the_worker_keeps_the_history(queue_engine: sa.Engine) -> None:
         def settled() -> bool:
             with queue_engine.connect() as connection:
                 hot = connection.scalar(sa.text("SELECT count(*) FROM archive_jobs"))
-            return hot == 0 and worker.history_keeper is not None and worker.history_keeper.runs >= 2
+            return (
+                hot == 0 and worker.history_keeper is not None and worker.history_keeper.runs >= 2
+            )
 
         wait_until(settled, timeout=30, message="every job is in the history")
     with Session(queue_engine) as session:
         assert [job_record(session, ArchiveJob, i).result for i in ids] == [0, 2, 4, 6, 8]  # type: ignore[union-attr]
         dead = job_record(session, ArchiveJob, boom)
-        assert dead is not None and dead.status == "dead" and "no" in dead.last_error
+        assert dead is not None
+        assert dead.status == "dead"
+        assert "no" in dead.last_error
         assert job_record(session, ArchiveJob, left).in_history  # type: ignore[union-attr]
         assert job_record(session, ArchiveJob, held).result == "locked"  # type: ignore[union-attr]
     names = {p.name for p in list_partitions(queue_engine, ArchiveJob)}
@@ -511,3 +567,42 @@ def test_worker_history_options_are_checked(queue_engine: sa.Engine) -> None:
         Worker(Registry(ArchiveJob), queue_engine, history_retention=-1)
     with pytest.raises(ConfigurationError, match="history_every"):
         Worker(Registry(ArchiveJob), queue_engine, history_every=0)
+
+
+def cli(capsys: pytest.CaptureFixture[str], engine: sa.Engine, *args: str) -> tuple[int, str, str]:
+    from sqla_jobs import cli as command
+
+    url = engine.url.render_as_string(hide_password=False)
+    status = command.main([*args, "--database-url", url, "--model", "models:ArchiveJob"])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_the_commands_make_list_and_prune_partitions(
+    capsys: pytest.CaptureFixture[str], queue_engine: sa.Engine
+) -> None:
+    today = db_today(queue_engine)
+    old = _old_partition(queue_engine, today - timedelta(days=40), 2)
+    status, out, _ = cli(capsys, queue_engine, "history", "--days-ahead", "2")
+    assert status == 0
+    made = [NAMES.partition(today + timedelta(days=d)) for d in range(3)]
+    assert out == f"created 3 partitions: {', '.join(made)}\n"
+    status, out, _ = cli(capsys, queue_engine, "history", "--list")
+    start = f"{today:%Y-%m-%d} 00:00 .. {today + timedelta(days=1):%Y-%m-%d} 00:00 UTC"
+    assert status == 0
+    assert f"{NAMES.partition(today)}  {start}\n" in out
+    assert f"{NAMES.default_partition}  DEFAULT" in out
+    assert old in out
+    status, out, _ = cli(capsys, queue_engine, "prune", "--older-than", "30d")
+    assert status == 0
+    assert out == (
+        f"dropped 1 partitions: {old}\n"
+        "pruned the history of ArchiveJob: 1 partitions older than 30.0d dropped\n"
+    )
+    status, out, _ = cli(capsys, queue_engine, "history", "--days-ahead", "2", "--retention", "30d")
+    assert (status, out) == (0, "the history is up to date\n")
+    status, _, err = cli(capsys, queue_engine, "history", "--days-ahead", "-1")
+    assert status == 1
+    assert "days_ahead" in err
+    assert len(err.splitlines()) == 1

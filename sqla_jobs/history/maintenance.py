@@ -281,8 +281,12 @@ def drop_partitions(
     for partition in found:
         if partition.end is None or partition.end > cutoff:
             continue
-        sql = executable(drop_partition(partition.name, table.schema))
-        done, _ = _locked(engine, table, timeout, lambda c, sql=sql: c.execute(sql))
+        sql = drop_partition(partition.name, table.schema)
+
+        def drop(connection: Connection, sql: str = sql) -> None:
+            connection.execute(executable(sql))
+
+        done, _ = _locked(engine, table, timeout, drop)
         if done:
             report.dropped.append(partition.name)
         else:
@@ -356,9 +360,7 @@ def maintain(
 ) -> MaintenanceReport:
     """One maintenance run: :func:`create_partitions`, :func:`move_finished`, then, with a
     ``retention``, :func:`drop_partitions` older than it."""
-    report = create_partitions(
-        engine, model, days_ahead=days_ahead, lock_timeout=lock_timeout
-    )
+    report = create_partitions(engine, model, days_ahead=days_ahead, lock_timeout=lock_timeout)
     report.moved = move_finished(engine, model, result_model=result_model)
     if retention is not None:
         drop_partitions(
@@ -367,7 +369,9 @@ def maintain(
     return report
 
 
-def job_record(session: Session | Connection, model: type[JobMixin], job_id: int) -> JobRecord | None:
+def job_record(
+    session: Session | Connection, model: type[JobMixin], job_id: int
+) -> JobRecord | None:
     """Job ``job_id``'s full record (args, attempts, last error, result, your columns),
     whether it is still in the job table or in the history; None when it is in neither.
     Reads in the caller's transaction."""
@@ -379,4 +383,3 @@ def job_record(session: Session | Connection, model: type[JobMixin], job_id: int
         return None
     values = {c.name: row[c.name] for c in table.columns}
     return JobRecord(values=values, result=row[RESULT_COLUMN], in_history=bool(row["in_history"]))
-

@@ -42,8 +42,8 @@ __all__ = [
     "RESULT_COLUMN",
     "HistoryNames",
     "attach_partition",
-    "create_detached_partition",
     "create_default_partition",
+    "create_detached_partition",
     "create_partition",
     "day_bounds",
     "drop_partition",
@@ -108,13 +108,11 @@ def day_bounds(day: date) -> tuple[datetime, datetime]:
     return start, start + timedelta(days=1)
 
 
-def _job_table(model: type[Any] | Table) -> Table:
+def _job_table(model: object) -> Table:
     if isinstance(model, Table):
         return model
     table = getattr(model, "__table__", None)
-    if not (isinstance(model, type) and issubclass(model, JobMixin)) or not isinstance(
-        table, Table
-    ):
+    if not (isinstance(model, type) and issubclass(model, JobMixin) and isinstance(table, Table)):
         raise ConfigurationError(f"{model!r} is not a mapped class that mixes in JobMixin")
     return table
 

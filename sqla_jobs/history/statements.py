@@ -42,15 +42,15 @@ from sqla_jobs.statements import _fences, _lit, _now
 
 __all__ = [
     "complete",
+    "database_now",
     "default_rows_between",
     "delete_default_before",
     "move_finished",
     "move_out_of_default",
     "partitions",
-    "database_now",
     "record",
-    "set_lock_timeout",
     "retry",
+    "set_lock_timeout",
     "status_of",
     "sweep",
     "sweep_window",
@@ -160,12 +160,7 @@ def sweep(table: Table, result_table: Table | None = None) -> Insert:
         .with_for_update(skip_locked=True)
         .cte("doomed")
     )
-    moved = (
-        delete(table)
-        .where(table.c.id == doomed.c.id)
-        .returning(*table.columns)
-        .cte("moved")
-    )
+    moved = delete(table).where(table.c.id == doomed.c.id).returning(*table.columns).cte("moved")
     result: ColumnElement[Any] = null()
     joined = None
     if result_table is not None:
@@ -263,7 +258,9 @@ def try_lock() -> Select[Any]:
 def set_lock_timeout() -> Select[Any]:
     """``set_config('lock_timeout', :value, true)``: for the rest of the transaction."""
     return select(
-        func.set_config(literal_column("'lock_timeout'"), bindparam("value", type_=Text), literal_column("true"))
+        func.set_config(
+            literal_column("'lock_timeout'"), bindparam("value", type_=Text), literal_column("true")
+        )
     )
 
 
@@ -276,7 +273,9 @@ def utc() -> Select[Any]:
     """``set_config('TimeZone', 'UTC', true)``: partition bounds print in UTC for the rest
     of the transaction."""
     return select(
-        func.set_config(literal_column("'TimeZone'"), literal_column("'UTC'"), literal_column("true"))
+        func.set_config(
+            literal_column("'TimeZone'"), literal_column("'UTC'"), literal_column("true")
+        )
     )
 
 
@@ -311,7 +310,8 @@ def move_out_of_default(table: Table, day_partition: str) -> TextClause:
     return text(
         f"WITH moved AS (DELETE FROM {default} WHERE {PARTITION_KEY} >= :start "
         f"AND {PARTITION_KEY} < :end RETURNING *) "
-        f"INSERT INTO {qualified_name(day_partition, table.schema)} SELECT * FROM moved RETURNING id"
+        f"INSERT INTO {qualified_name(day_partition, table.schema)} "
+        "SELECT * FROM moved RETURNING id"
     )
 
 

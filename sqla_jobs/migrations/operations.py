@@ -37,8 +37,12 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.schema import SchemaItem
 
 from sqla_jobs import ddl
-from sqla_jobs.history.schema import PARTITION_KEY, RESULT_COLUMN, create_default_partition
-from sqla_jobs.history.schema import history_names
+from sqla_jobs.history.schema import (
+    PARTITION_KEY,
+    RESULT_COLUMN,
+    create_default_partition,
+    history_names,
+)
 from sqla_jobs.leasing.schema import lease_index_elements, lease_names
 from sqla_jobs.schema import names
 
@@ -61,8 +65,8 @@ __all__ = [
     "create_result_table",
     "downgrade_job_table_to_v1",
     "drop_claim_index",
-    "drop_history",
     "drop_claim_indexes",
+    "drop_history",
     "drop_job_table",
     "drop_lease_columns",
     "drop_lease_index",
@@ -246,9 +250,7 @@ def _history_items(table_name: str, extra: tuple[SchemaItem, ...]) -> list[Schem
             columns.append(sa.Column(item.name, item.type, nullable=bool(nullable)))
     columns.append(sa.Column(RESULT_COLUMN, JSONB, nullable=True))
     columns.append(
-        sa.PrimaryKeyConstraint(
-            "id", PARTITION_KEY, name=history_names(table_name).primary_key
-        )
+        sa.PrimaryKeyConstraint("id", PARTITION_KEY, name=history_names(table_name).primary_key)
     )
     return columns
 

@@ -53,8 +53,8 @@ from sqla_jobs.registry import Registry
 from sqla_jobs.worker.fetcher import Fetcher
 from sqla_jobs.worker.heartbeat import Heartbeat
 from sqla_jobs.worker.link import Link, is_transient
-from sqla_jobs.worker.maintenance import HistoryKeeper
 from sqla_jobs.worker.listener import Notifier
+from sqla_jobs.worker.maintenance import HistoryKeeper
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.state import Attempt, State
 from sqla_jobs.worker.writer import OutcomeWriter
