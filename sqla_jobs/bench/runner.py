@@ -36,6 +36,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import NullPool
 
 from sqla_jobs import statements
+from sqla_jobs.bench import history as history_bench
 from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.models import Job, JobResult, metadata
@@ -57,6 +58,7 @@ SECTIONS: Final = (
     "latency",
     "history",
     "memory",
+    "hot",
     "pgbouncer",
     "async",
 )
@@ -345,7 +347,10 @@ def _worker_process(
     """A worker on ``url``; with ``listen_url``, ``url`` goes through PgBouncer: no prepared
     statements there, and LISTEN on ``listen_url``, a direct connection."""
     registry_ = latency_registry if which == "latency" else registry
-    queue = {"lease": _Q_LEASE, "lock": _Q_LOCK, "latency": _Q_LATENCY}[which]
+    if which in history_bench.REGISTRIES:  # the partitioned history's drains
+        registry_, queue = history_bench.REGISTRIES[which]
+    else:
+        queue = {"lease": _Q_LEASE, "lock": _Q_LOCK, "latency": _Q_LATENCY}[which]
     pooled = {"connect_args": {"prepare_threshold": None}} if listen_url else {}
     engine = _engine(url, pool_size=concurrency + 5, max_overflow=10, **pooled)
     listen_engine = _engine(listen_url, poolclass=NullPool) if listen_url else None
@@ -495,6 +500,17 @@ def run_drain(cfg: Config, engine: sa.Engine, results: Results) -> None:
                 name = _drain_name("drain", mode, batch_kind, procs) + ".async_commit"
                 results.add(name, value, "jobs/s", ceiling)
         _progress(f"{mode} {batch_kind} {procs}p")
+    if "drain" in cfg.sections:
+        # The partitioned history: moves in the completion statement, or by a mover.
+        history_bench.run_drains(cfg, engine, results, _history_workers(cfg))
+        _progress("history drains")
+
+
+def _history_workers(cfg: Config) -> history_bench.Workers:
+    def workers(which: str, concurrency: int, batch: int) -> Any:
+        return _workers(cfg, which, 1, concurrency, batch)
+
+    return workers
 
 
 _PGBOUNCER_DRAINS: Final = (("batched", 1), ("batched", 2), ("single", 1))
@@ -697,6 +713,7 @@ def run_history(cfg: Config, engine: sa.Engine, results: Results) -> None:
         )
         _progress(f"history {rows} rows")
     results.metrics["history.claim.10k"].ceiling = None
+    history_bench.run_partitioned_history(cfg, engine, results, _progress)
 
 
 def _bulk_memory_child(url: str, count: int, chunk: int, out: Any) -> None:
@@ -891,6 +908,12 @@ TARGETS: Final = [
         "history.claim.big", "claim at big history >= 90% of 10k", _ratio("history.claim.big"), 0.90
     ),
     Target(
+        "history.partitioned.big",
+        "partitioned: claim at big history >= 90% of 10k",
+        _ratio("history.partitioned.big"),
+        0.90,
+    ),
+    Target(
         "memory.worker_rss_growth",
         "worker RSS growth <= 10%",
         _value("memory.worker_rss_growth"),
@@ -967,6 +990,7 @@ def _order(name: str) -> tuple[int, str]:
         "latency": 3,
         "history": 4,
         "memory": 5,
+        "hot": 5,
         "pgbouncer": 6,
         "async": 7,
     }
@@ -1081,6 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(engine.dispose)
         metadata.create_all(engine)
         _PlainBase.metadata.create_all(engine)
+        history_bench.metadata.create_all(engine)
         results = Results()
         machine = _machine(engine, cfg, server)
         _progress(f"bench on {machine['version'].split(',')[0]}, sections {','.join(cfg.sections)}")
@@ -1099,6 +1124,15 @@ def main(argv: list[str] | None = None) -> int:
             run_history(cfg, engine, results)
         if "memory" in cfg.sections:
             run_memory(cfg, engine, results)
+        if "hot" in cfg.sections:
+            history_bench.run_hot(
+                cfg,
+                engine,
+                results,
+                _history_workers(cfg),
+                (_TABLE, "lease", _Q_LEASE),
+                _progress,
+            )
         print(render(results, machine))
         if args.json:
             _write_json(args.json, cfg, machine, results)
