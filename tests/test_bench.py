@@ -39,7 +39,7 @@ def test_quick_bench_writes_every_section(
         assert metric["runs"], name
         for value in metric["runs"]:
             assert math.isfinite(value), name
-            if metric["unit"] != "fraction":
+            if metric["unit"] not in ("fraction", "rows"):  # rows: hot.*, may be none
                 assert value > 0, name
         if metric["ceiling"] is not None:
             assert metric["ceiling_median"] > 0, name
@@ -69,8 +69,15 @@ def test_quick_bench_writes_every_section(
         "enqueue.add_all",
         "latency.p50",
         "history.claim.big",
+        "history.partitioned.big",
         "memory.worker_rss_growth",
     }
+    for which in ("history", "mover"):  # the partitioned history, beside the plain drain
+        drain = metrics[f"drain.lease.batched.1p.{which}"]
+        assert drain["ceiling"] == "drain.lease.batched.1p"
+    for label in ("history", "plain"):
+        assert metrics[f"hot.{label}.total_mib"]["unit"] == "MiB"
+    assert metrics["hot.history.live_rows"]["median"] == 0  # everything moved out
     assert all(row["met"] in (True, False) for row in document["targets"])
 
 

@@ -23,7 +23,12 @@ side do not drift with them. Sections (``--only``):
              database's clock.
 ``latency``  enqueue commit -> handler start on an idle worker (LISTEN/NOTIFY), p50/p99.
 ``history``  claim throughput (library claim + complete_many, batched) with 10k and with
-             ``--history-rows`` finished rows in the table.
+             ``--history-rows`` finished rows in the table; and the same on a model with
+             ``partitioned_history``, with the rows in its history table
+             (:mod:`~sqla_jobs.bench.history`). The ``drain`` section adds the batched drain
+             of that model, and of the mover alternative, beside the plain one.
+``hot``      a steady flow of ``--memory-jobs`` jobs (10k at a time) through a worker, on
+             the history model and on the plain one: the job table's size and dead rows.
 ``memory``   worker RSS across a drain of ``--memory-jobs`` jobs, and the peak RSS of a
              process that bulk-enqueues ``--memory-jobs`` jobs from a generator (against
              one that enqueues a tenth of them).
@@ -45,6 +50,7 @@ or on the server of ``--database-url``, where it creates a scratch database
 ``sqla_jobs_bench_<hex>`` and drops it afterwards (the role needs CREATEDB).
 
 The package: :mod:`~sqla_jobs.bench.runner` runs the sections and prints the report;
+:mod:`~sqla_jobs.bench.history` measures the partitioned history;
 :mod:`~sqla_jobs.bench.statements` holds the SQL that only the benchmark needs;
 :mod:`~sqla_jobs.bench.drivers` measures the ``async`` section's paths. Nothing of
 sqla_jobs' runtime imports it: the ``sqla-jobs bench`` command imports it when it runs.
