@@ -75,6 +75,9 @@ def test_quick_bench_writes_every_section(
     for which in ("history", "mover"):  # the partitioned history, beside the plain drain
         drain = metrics[f"drain.lease.batched.1p.{which}"]
         assert drain["ceiling"] == "drain.lease.batched.1p"
+    for which in ("history", "mover"):  # WAL per job, against the drain without a history
+        wal = metrics[f"drain.wal_per_job.{which}"]
+        assert (wal["unit"], wal["ceiling"]) == ("bytes", "drain.wal_per_job.nohist")
     for label in ("history", "plain"):
         assert metrics[f"hot.{label}.total_mib"]["unit"] == "MiB"
     assert metrics["hot.history.live_rows"]["median"] == 0  # everything moved out

@@ -7,6 +7,9 @@
   update the jobs to ``succeeded`` as without a history, and a mover beside the worker
   moves finished rows into a history table in batches, continuously
   (:func:`sqla_jobs.history.statements.sweep`).
+* ``drain.wal_per_job.nohist`` / ``.history`` / ``.mover``: the WAL bytes per job of the same
+  drain without a history, moved in the completion, and moved by the mover (its work
+  included): what each costs the server, which a shared machine's drift does not blur.
 * ``history.partitioned.10k`` / ``.big`` (``history`` section): claim + complete throughput
   on the history model with 10k and with ``--history-rows`` rows already in its history
   (spread over ten day partitions).
@@ -72,14 +75,23 @@ class MoverJob(JobMixin, _Base):
     __tablename__ = "sqla_jobs_bench_mover"
 
 
+class PlainJob(JobMixin, _Base):
+    """The same drain without a history, for the WAL figure."""
+
+    __tablename__ = "sqla_jobs_bench_nohist"
+
+
 metadata = _Base.metadata
 _HOT: Final[sa.Table] = HistoryJob.__table__  # type: ignore[assignment]
 _MOVER: Final[sa.Table] = MoverJob.__table__  # type: ignore[assignment]
+_PLAIN: Final[sa.Table] = PlainJob.__table__  # type: ignore[assignment]
+_Q_PLAIN: Final = "bench_nohist"
 _HOT_HISTORY: Final = history_table(HistoryJob)
 _MOVER_HISTORY: Final = history_table(_MOVER)
 
 history_registry = Registry(HistoryJob, default_lease=_LEASE_SECONDS)
 mover_registry = Registry(MoverJob, default_lease=_LEASE_SECONDS)
+plain_registry = Registry(PlainJob, default_lease=_LEASE_SECONDS)
 
 
 @history_registry.task(queue=_Q_HIST)
@@ -92,10 +104,16 @@ def bench_noop_mover(ctx: JobContext) -> None:
     """A no-op job of the mover model."""
 
 
+@plain_registry.task(queue=_Q_PLAIN, name="bench_noop")
+def bench_noop_plain(ctx: JobContext) -> None:
+    """A no-op job of the model without a history."""
+
+
 #: ``which`` -> (registry, queue), for the runner's worker processes.
 REGISTRIES: Final[dict[str, tuple[Registry, str]]] = {
     "history": (history_registry, _Q_HIST),
     "mover": (mover_registry, _Q_MOVER),
+    "nohist": (plain_registry, _Q_PLAIN),
 }
 
 #: The runner's worker processes: (which, concurrency, batch) -> context of their pids.
@@ -104,7 +122,7 @@ Workers = Callable[[str, int, int], AbstractContextManager[list[int]]]
 
 def _reset(engine: sa.Engine) -> None:
     with engine.begin() as connection:
-        tables = (_HOT, _HOT_HISTORY, _MOVER, _MOVER_HISTORY)
+        tables = (_HOT, _HOT_HISTORY, _MOVER, _MOVER_HISTORY, _PLAIN)
         connection.execute(sa.text(bench_sql.truncate(*tables)))
     create_partitions(engine, HistoryJob, days_ahead=1)
     with engine.begin() as connection:
@@ -148,15 +166,24 @@ def _sweep_until(engine: sa.Engine, stop: threading.Event, moved: list[int]) -> 
         after = upto
 
 
+def _wal(connection: sa.Connection) -> int:
+    position = connection.execute(bench_sql.wal_position()).scalar_one()
+    connection.commit()
+    return int(position)
+
+
 def _drain(
     engine: sa.Engine, workers: Workers, which: str, batch: int, count: int
-) -> tuple[float, int]:
+) -> tuple[float, float]:
     """Jobs/s of one batched lease-mode drain of ``count`` jobs by one worker process (and
-    the mover, for ``which="mover"``); and how many finished jobs were still in the job
-    table at the end."""
-    table, tables = (
-        (_HOT, (_HOT_HISTORY,)) if which == "history" else (_MOVER, (_MOVER, _MOVER_HISTORY))
-    )
+    the mover, for ``which="mover"``, whose moves the rate does not wait for), and the WAL
+    bytes per job of the drain (the mover's included, once it has moved every job; the
+    enqueue's not)."""
+    table, tables = {
+        "history": (_HOT, (_HOT_HISTORY,)),
+        "mover": (_MOVER, (_MOVER, _MOVER_HISTORY)),
+        "nohist": (_PLAIN, (_PLAIN,)),
+    }[which]
     queue = REGISTRIES[which][1]
     _reset(engine)
     stop = threading.Event()
@@ -169,6 +196,7 @@ def _drain(
             )
         committed: datetime = connection.execute(bench_sql.database_clock()).scalar_one()
         connection.commit()
+        wal = _wal(connection)
         if which == "mover":
             mover.start()
         deadline = time.monotonic() + max(600.0, count / 100)
@@ -176,26 +204,33 @@ def _drain(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {which} drain did not finish")
             time.sleep(0.02)
+        if which == "mover":  # until the mover has moved them all
+            while _finished(connection, (_MOVER,), queue)[0]:
+                connection.commit()
+                time.sleep(0.02)
         stop.set()
         if mover.is_alive():
             mover.join(60)
+        wal = _wal(connection) - wal
         done, last = _finished(connection, tables, queue)
-        left = 0
-        if which == "mover":
-            left, _ = _finished(connection, (_MOVER,), queue)
     if done != count or last is None:
         raise RuntimeError(f"the {which} drain finished {done} of {count} jobs")
-    return done / (last - committed).total_seconds(), left
+    return done / (last - committed).total_seconds(), wal / count
 
 
 def run_drains(cfg: Any, engine: sa.Engine, results: Any, workers: Workers) -> None:
-    """``drain.lease.batched.1p.history`` and ``.mover`` (see the module docstring)."""
-    for which in ("history", "mover"):
-        rate, left = _drain(engine, workers, which, cfg.batch, cfg.jobs)
-        name = f"drain.lease.batched.1p.{which}"
-        results.add(name, rate, "jobs/s", "drain.lease.batched.1p")
-        if which == "mover":
-            results.metrics[name].extra.setdefault("left_in_job_table", []).append(left)
+    """``drain.lease.batched.1p.history`` and ``.mover`` (see the module docstring), and
+    ``drain.wal_per_job.*``: the WAL bytes each job cost, without a history (``nohist``),
+    moved in the completion (``history``) and moved by the mover (``mover``, its work
+    included), each as a ratio to ``nohist``."""
+    for which in ("nohist", "history", "mover"):
+        rate, wal = _drain(engine, workers, which, cfg.batch, cfg.jobs)
+        if which != "nohist":
+            name = f"drain.lease.batched.1p.{which}"
+            results.add(name, rate, "jobs/s", "drain.lease.batched.1p")
+        ceiling = None if which == "nohist" else "drain.wal_per_job.nohist"
+        results.add(f"drain.wal_per_job.{which}", wal, "bytes", ceiling)
+        results.metrics[f"drain.wal_per_job.{which}"].higher_is_better = False
 
 
 def _claim_throughput(engine: sa.Engine, batch: int, count: int) -> float:

@@ -47,6 +47,7 @@ __all__ = [
     "table_size",
     "truncate",
     "vacuum_analyze",
+    "wal_position",
 ]
 
 _ONE: Final[ColumnElement[int]] = literal_column("1", Integer)
@@ -209,3 +210,8 @@ def table_size(table: Table) -> Select[Any]:
         select(func.count()).select_from(table).scalar_subquery().label("live_rows"),
         func.pg_stat_get_dead_tuples(relation).label("dead_rows"),
     )
+
+
+def wal_position() -> Select[Any]:
+    """``pg_current_wal_insert_lsn() - '0/0'``: the WAL written so far, in bytes."""
+    return select(func.pg_current_wal_insert_lsn() - literal_column("'0/0'::pg_lsn"))
