@@ -458,6 +458,13 @@ def test_a_live_version_2_table_gets_its_history_without_a_lock_and_moves_in_bat
     try:
         migrate(lambda: jobs.create_job_table("live_jobs", tenant, version=2))
         migrate(lambda: jobs.create_result_table("live_job_results"))
+        with engine.connect() as connection:
+            missing = (
+                "history table live_jobs_history of live_jobs: missing from the database; "
+                "create it from a revision with sqla_jobs.migrations.add_history('live_jobs') "
+                "(with your own columns)"
+            )
+            assert jobs.check_job_tables(connection, LiveJob) == [missing]
         with engine.begin() as connection:
             connection.execute(
                 sa.text(

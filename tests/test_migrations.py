@@ -580,8 +580,9 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
     before = rows_by_status(db_engine)
     with db_engine.connect() as connection:
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
-    # Each version-1 table: its two new indexes missing, its old one left over, with the fix.
-    assert len(problems) == 3 * len(JOB_MODELS)
+    # Each version-1 table: its two new indexes missing, its old one left over, with the fix
+    # (archive_jobs, of 0003, is missing: its indexes, trigger and history table).
+    assert len(problems) == 3 * len(JOB_MODELS) + 1
     assert "upgrade_job_table_to_v2('email_jobs')" in "".join(problems)
 
     command.upgrade(config, "heads")
