@@ -10,6 +10,7 @@ from alembic import context
 from sqlalchemy import create_engine, pool
 
 import sqla_jobs.models
+from sqla_jobs.migrations import include_name
 
 config = context.config
 
@@ -32,7 +33,10 @@ else:
     engine = create_engine(url, poolclass=pool.NullPool)
     try:
         with engine.connect() as connection:
-            context.configure(connection=connection, target_metadata=target_metadata)
+            # include_name: history partitions are made by the maintenance, not declared.
+            context.configure(
+                connection=connection, target_metadata=target_metadata, include_name=include_name
+            )
             with context.begin_transaction():
                 context.run_migrations()
     finally:

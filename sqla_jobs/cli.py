@@ -10,6 +10,7 @@
     sqla-jobs cancel 43
     sqla-jobs prune --older-than 7d --batch-size 10000
     sqla-jobs dashboard --port 8400                  # the web dashboard (extra: dashboard)
+    sqla-jobs history --retention 30d --model myapp.models:EmailJob   # partitioned history
 
 The database URL comes from ``--database-url`` or the ``SQLA_JOBS_DATABASE_URL``
 environment variable. Through PgBouncer in transaction mode it needs nothing more: the
@@ -44,7 +45,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from sqla_jobs import health, queue, statements
+from sqla_jobs import health, history, queue, statements
 from sqla_jobs.errors import SqlaJobsError
 from sqla_jobs.events import describe
 from sqla_jobs.pooler import POOLER_MODES, unprepared_behind_pooler
@@ -322,6 +323,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             pooler=args.pooler,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            history_retention=args.history_retention,
         )
         return worker.run()
     finally:
@@ -572,8 +574,82 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _history_report(report: history.MaintenanceReport) -> None:
+    for label, names in (("created", report.created), ("dropped", report.dropped)):
+        if names:
+            sys.stdout.write(f"{label} {len(names)} partitions: {', '.join(names)}\n")
+    if report.moved:
+        sys.stdout.write(f"moved {report.moved} finished jobs into the history\n")
+    if report.moved_from_default:
+        sys.stdout.write(
+            f"moved {report.moved_from_default} rows from the default partition into "
+            "their day's partition\n"
+        )
+    if report.default_rows_deleted:
+        sys.stdout.write(
+            f"deleted {report.default_rows_deleted} old rows of the default partition\n"
+        )
+    if report.skipped:
+        sys.stdout.write(
+            f"left for a later run ({len(report.skipped)}; another run held the lock or a "
+            f"lock wait timed out): {', '.join(report.skipped)}\n"
+        )
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    model = load_model(args)
+    if not history.has_history(model):
+        raise CommandError(
+            f"{model.__name__} has no partitioned history (set partitioned_history = True)"
+        )
+    result_model = load_registry(args.registry).result_model if args.registry else None
+    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
+    try:
+        if args.list:
+            for partition in history.list_partitions(engine, model):
+                span = (
+                    "DEFAULT"
+                    if partition.start is None or partition.end is None
+                    else f"{partition.start:%Y-%m-%d %H:%M} .. {partition.end:%Y-%m-%d %H:%M} UTC"
+                )
+                sys.stdout.write(f"{partition.name}  {span}\n")
+            return 0
+        report = history.maintain(
+            engine,
+            model,
+            retention=args.retention,
+            days_ahead=args.days_ahead,
+            result_model=result_model,
+            lock_timeout=args.lock_timeout,
+        )
+    finally:
+        engine.dispose()
+    _history_report(report)
+    if not (report.created or report.dropped or report.moved or report.skipped):
+        sys.stdout.write("the history is up to date\n")
+    return 0
+
+
+def _prune_history(args: argparse.Namespace, model: type[JobMixin]) -> int:
+    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
+    try:
+        report = history.drop_partitions(
+            engine, model, older_than=args.older_than, batch_size=args.batch_size
+        )
+    finally:
+        engine.dispose()
+    _history_report(report)
+    sys.stdout.write(
+        f"pruned the history of {model.__name__}: {len(report.dropped)} partitions older than "
+        f"{_age(args.older_than.total_seconds())} dropped\n"
+    )
+    return 0
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     model = load_model(args)
+    if history.has_history(model):
+        return _prune_history(args, model)
     engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
     total = 0
     started = time.monotonic()
@@ -729,6 +805,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST",
         help="address the metrics are served on (127.0.0.1; 0.0.0.0 for every interface)",
     )
+    worker.add_argument(
+        "--history-retention",
+        type=parse_duration,
+        help="for a model with partitioned_history: drop history partitions older, e.g. 30d",
+    )
     worker.set_defaults(handler=cmd_worker)
 
     status = commands.add_parser(
@@ -840,6 +921,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--result-model", metavar="MODULE:CLASS", help="show results stored in this model"
     )
     dashboard.set_defaults(handler=cmd_dashboard)
+    keep = commands.add_parser(
+        "history",
+        parents=[db, which],
+        help="keep a partitioned history: partitions ahead, moves, retention",
+        description=(
+            "For a model with partitioned_history: create the day partitions from today to "
+            "--days-ahead days ahead, move finished jobs still in the job table into the "
+            "history (with their results, given --registry with a result model), and with "
+            "--retention drop the partitions older than it. Safe to run beside workers and "
+            "other runs (they skip each other); what could not get its lock is left for the "
+            "next run. --list shows the partitions instead."
+        ),
+    )
+    keep.add_argument("--retention", type=parse_duration, help="drop partitions older, e.g. 30d")
+    keep.add_argument(
+        "--days-ahead",
+        type=int,
+        metavar="N",
+        default=history.DEFAULT_DAYS_AHEAD,
+        help=f"day partitions made ahead of today ({history.DEFAULT_DAYS_AHEAD})",
+    )
+    keep.add_argument(
+        "--lock-timeout",
+        type=_seconds,
+        default=history.DEFAULT_LOCK_TIMEOUT,
+        help="how long partition DDL waits for its lock before leaving it for the next run "
+        f"({history.DEFAULT_LOCK_TIMEOUT:g}s)",
+    )
+    keep.add_argument("--list", action="store_true", help="list the partitions and stop")
+    keep.set_defaults(handler=cmd_history)
 
     demo = commands.add_parser(
         "demo",

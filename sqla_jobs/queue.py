@@ -67,6 +67,8 @@ from sqla_jobs.errors import (
     SqlaJobsError,
     UniqueJobError,
 )
+from sqla_jobs.history import statements as history_statements
+from sqla_jobs.history.schema import has_history
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.schema import (
     DEFAULT_QUEUE,
@@ -1037,6 +1039,8 @@ def complete_attempts(
         return [], []
     model = _one_model(jobs)
     table = _job_table(model)
+    if has_history(model):
+        return _complete_into_history(session, table, jobs, results)
     result_table = None
     if results is not None:
         result_model = result_model or model.result_model
@@ -1071,6 +1075,28 @@ def complete_attempts(
         session.execute(_statement(statements.store_results, result_table), {"results": payload})
     if not cancelled:
         return _lost(jobs, done), []
+    ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
+    return _lost(jobs, done | cancelled), ended_cancelled
+
+
+def _complete_into_history(
+    session: Executor, table: Table, jobs: Sequence[ClaimedJob], results: Sequence[Any] | None
+) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+    # The job moves into its history table, succeeded, with its result, in one statement
+    # (sqla_jobs.history.statements.complete): no result table is involved.
+    values: dict[str, Any] = {}
+    if results is not None:
+        if len(results) != len(jobs):
+            raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
+        for job, value in zip(jobs, results, strict=True):
+            validation.check_json("result", value)
+            if value is not None:  # None: no result (SQL null), as a worker stores none
+                values[f"{job.id}:{job.attempt}"] = value
+    params = _fence_params(jobs) | {"results": _encode(values) if values else "{}"}
+    done: set[tuple[int, int]] = set()
+    cancelled: set[tuple[int, int]] = set()
+    for row in _rows(session, history_statements.complete, table, params):
+        (cancelled if row[3] == JobStatus.CANCELLED.value else done).add((row[0], row[1]))
     ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
     return _lost(jobs, done | cancelled), ended_cancelled
 
@@ -1138,6 +1164,9 @@ def fail(
         raise LeaseLostError(
             f"job {job.id} attempt {job.attempt} no longer owns the job; nothing was changed"
         )
+    if row.status == JobStatus.DEAD.value and has_history(job.model):
+        # Dead: into the history, in the same transaction as the failure.
+        session.execute(_statement(history_statements.move_finished, table), {"job_id": job.id})
     return FailOutcome(job_id=row.id, status=JobStatus(row.status), run_at=row.run_at)
 
 
@@ -1197,9 +1226,22 @@ def _admin(
     if isinstance(job_id, bool) or not isinstance(job_id, int):
         raise InvalidJobError("job_id", f"must be an integer, not {type(job_id).__name__}")
     table = _job_table(model)
-    if session.execute(_statement(builder, table), {"job_id": job_id}).first() is not None:
+    params = {"job_id": job_id}
+    history = has_history(model)
+    if session.execute(_statement(builder, table), params).first() is not None:
+        if history:  # a cancelled job moves into the history at once
+            session.execute(_statement(history_statements.move_finished, table), params)
         return
-    status = session.execute(_statement(statements.status_of, table), {"job_id": job_id}).scalar()
+    # A finished job of a model with history is there: a retry moves it back, pending.
+    if (
+        history
+        and builder is statements.retry
+        and session.execute(_statement(history_statements.retry, table), params).first()
+    ):
+        return
+    status = session.execute(_statement(statements.status_of, table), params).scalar()
+    if status is None and history:
+        status = session.execute(_statement(history_statements.status_of, table), params).scalar()
     if status is None:
         raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
     raise JobStateError(f"job {job_id} is {status}; only {expected} jobs can be changed so")
@@ -1209,7 +1251,10 @@ def retry(session: Executor, model: type[JobMixin], job_id: int) -> None:
     """Make a dead or cancelled job pending again, runnable now, with at least one more
     attempt. Raises :class:`JobNotFoundError` or :class:`JobStateError`, the latter also
     when the job is a unique job whose key another pending or running job holds now (the
-    caller's transaction stays usable: the attempt runs under a savepoint)."""
+    caller's transaction stays usable: the attempt runs under a savepoint).
+
+    For a model with ``partitioned_history``, a dead or cancelled job found in the history
+    moves back into the job table (same id, ``attempts`` kept), in one statement."""
     try:
         with session.begin_nested():
             _admin(session, model, job_id, statements.retry, "dead or cancelled")
@@ -1301,8 +1346,18 @@ def prune(
     One call deletes one batch, in the caller's transaction. To delete them all, call it
     again, each time in a new transaction (so that no transaction holds a long delete),
     until it returns less than ``limit``. ``sqla-jobs prune --batch-size N`` is that loop:
-    one batch of ``N`` per transaction until a batch comes back short."""
+    one batch of ``N`` per transaction until a batch comes back short.
+
+    A model with ``partitioned_history`` keeps no finished job here to delete: its history
+    is pruned by dropping whole partitions, which :func:`sqla_jobs.history.drop_partitions`
+    and ``sqla-jobs prune`` do; this raises :class:`ConfigurationError` for it."""
     table = _job_table(model)
+    if has_history(model):
+        raise ConfigurationError(
+            f"{model.__name__} keeps its finished jobs in a partitioned history: prune it "
+            "with sqla_jobs.history.drop_partitions(engine, model, older_than=...) or "
+            "sqla-jobs prune, which drop whole partitions"
+        )
     _check_count("limit", limit, MAX_CLAIM_LIMIT * 100)
     params = {"older_than_seconds": _seconds("older_than", older_than), "limit": limit}
     result = cast(CursorResult[Any], session.execute(_statement(statements.prune, table), params))

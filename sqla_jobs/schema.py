@@ -248,11 +248,16 @@ class JobMixin:
     than its ``key_limit`` (default 1: one at a time, in order) jobs of that key are in
     progress, and after the key's jobs that sort before it; see
     :func:`sqla_jobs.claim` (``keys=True``).
+    ``partitioned_history``
+        Move each finished job (succeeded, dead, cancelled), with its result, out of this
+        table into its history table, partitioned by day (:mod:`sqla_jobs.history`), so
+        that this table holds only the jobs still to run (default ``False``).
     """
 
     max_args_bytes: ClassVar[int] = validation.DEFAULT_MAX_ARGS_BYTES
     delete_on_success: ClassVar[bool] = False
     result_model: ClassVar[type[JobResultMixin] | None] = None
+    partitioned_history: ClassVar[bool] = False
 
     # No Python-side defaults (``default=``), only server defaults, and FetchedValue() (no
     # DDL) on the nullable managed columns: the ORM's INSERT then sends only the columns the

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import ForeignKey, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from sqla_jobs import JobMixin, JobResultMixin, ScheduleMixin
+from sqla_jobs.history import history_table
 
 
 class Base(DeclarativeBase):
@@ -45,3 +48,24 @@ class ReportJob(JobMixin, Base):
 
 class ReportJobResult(JobResultMixin, Base):
     __tablename__ = "report_job_results"
+
+
+class ArchiveJob(JobMixin, Base):
+    """Moves its finished jobs into a history table partitioned by day (issue 11)."""
+
+    __tablename__ = "archive_jobs"
+    partitioned_history = True
+
+    tenant: Mapped[str | None] = mapped_column(String(50))
+
+
+class ArchiveJobHistory(Base):
+    """The history of ArchiveJob, mapped to query it (the annotations are for typing only:
+    the columns come from the table)."""
+
+    __table__ = history_table(ArchiveJob)
+
+    id: Mapped[int]
+    status: Mapped[str]
+    tenant: Mapped[str | None]
+    result: Mapped[Any]

@@ -39,7 +39,7 @@ def test_quick_bench_writes_every_section(
         assert metric["runs"], name
         for value in metric["runs"]:
             assert math.isfinite(value), name
-            if metric["unit"] != "fraction":
+            if metric["unit"] not in ("fraction", "rows"):  # rows: hot.*, may be none
                 assert value > 0, name
         if metric["ceiling"] is not None:
             assert metric["ceiling_median"] > 0, name
@@ -79,10 +79,20 @@ def test_quick_bench_writes_every_section(
         "enqueue.add_all",
         "latency.p50",
         "history.claim.big",
+        "history.partitioned.big",
         "memory.worker_rss_growth",
         "memory.drain_rate",
         "drain.lock.batched.2p",
     }
+    for which in ("history", "mover"):  # the partitioned history, beside the plain drain
+        drain = metrics[f"drain.lease.batched.1p.{which}"]
+        assert drain["ceiling"] == "drain.lease.batched.1p"
+    for which in ("history", "mover"):  # WAL per job, against the drain without a history
+        wal = metrics[f"drain.wal_per_job.{which}"]
+        assert (wal["unit"], wal["ceiling"]) == ("bytes", "drain.wal_per_job.nohist")
+    for label in ("history", "plain"):
+        assert metrics[f"hot.{label}.total_mib"]["unit"] == "MiB"
+    assert metrics["hot.history.live_rows"]["median"] == 0  # everything moved out
     assert all(row["met"] in (True, False) for row in document["targets"])
 
 

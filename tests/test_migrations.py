@@ -38,7 +38,7 @@ from sqla_jobs import ddl, migrations, names, statements
 from sqla_jobs.urls import libpq_url
 
 EXAMPLE_ENV = Path(__file__).resolve().parents[1] / "alembic"
-JOB_MODELS = (models.EmailJob, models.ReportJob, sqla_jobs.models.Job)
+JOB_MODELS = (models.EmailJob, models.ReportJob, models.ArchiveJob, sqla_jobs.models.Job)
 VERSION_TABLES = ("alembic_version", migrations.VERSION_TABLE)
 
 
@@ -82,8 +82,9 @@ def schema_differences(engine: sa.Engine, metadata: sa.MetaData) -> list[Any]:
             opts={
                 "compare_type": True,
                 "compare_server_default": True,
-                "include_name": lambda name, type_, _parent: (
-                    type_ != "table" or name not in VERSION_TABLES
+                "include_name": lambda name, type_, parent: (
+                    (type_ != "table" or name not in VERSION_TABLES)
+                    and migrations.include_name(name, type_, parent)
                 ),
             },
         )
@@ -138,7 +139,7 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0003_schema_v3", "sqla_jobs_0003"]
+        assert sorted(versions.scalars()) == ["0004_history", "sqla_jobs_0003"]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS

@@ -27,7 +27,12 @@ Shared machines drift; ratios measured side by side do not drift with them. Sect
 ``latency``  enqueue commit -> handler start on an idle worker (LISTEN/NOTIFY), p50/p99, and
              under load (a steady rate of 200 ms jobs on 16 slots).
 ``history``  claim throughput (library claim + complete_many, batched) with 10k and with
-             ``--history-rows`` finished rows in the table.
+             ``--history-rows`` finished rows in the table; and the same on a model with
+             ``partitioned_history``, with the rows in its history table
+             (:mod:`~sqla_jobs.bench.partitioned`). The ``drain`` section adds the batched
+             drain of that model, and of the mover alternative, beside the plain one.
+``hot``      a steady flow of ``--memory-jobs`` jobs (10k at a time) through a worker, on
+             the history model and on the plain one: the job table's size and dead rows.
 ``memory``   a worker's RSS and rate over a drain of ``--memory-jobs`` jobs, against the rate
              of a ``--memory-base-jobs`` drain through the same worker; the peak RSS of a
              process that bulk-enqueues ``--memory-jobs`` jobs from a generator (against one
@@ -58,7 +63,8 @@ The package, one module per concern: :mod:`~sqla_jobs.bench.runner` (the command
 :mod:`~sqla_jobs.bench.workers` (the jobs and the worker processes), one module per section
 (:mod:`~sqla_jobs.bench.ceiling`, :mod:`~sqla_jobs.bench.drain`,
 :mod:`~sqla_jobs.bench.enqueue`, :mod:`~sqla_jobs.bench.latency`,
-:mod:`~sqla_jobs.bench.history`, :mod:`~sqla_jobs.bench.memory`,
+:mod:`~sqla_jobs.bench.history` with :mod:`~sqla_jobs.bench.partitioned`,
+:mod:`~sqla_jobs.bench.memory`,
 :mod:`~sqla_jobs.bench.bouncer`, :mod:`~sqla_jobs.bench.asynchronous` with
 :mod:`~sqla_jobs.bench.drivers`), :mod:`~sqla_jobs.bench.report` (targets, table, JSON) and
 :mod:`~sqla_jobs.bench.statements` (the SQL only the benchmark runs, the ceiling's

@@ -14,6 +14,7 @@ SECTIONS: Final = (
     "drain",
     "latency",
     "history",
+    "hot",
     "memory",
     "pgbouncer",
     "async",

@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any, Final
 
-from sqla_jobs.bench import report, scratch
+from sqla_jobs.bench import partitioned, report, scratch, workers
 from sqla_jobs.bench.asynchronous import run_async
 from sqla_jobs.bench.bouncer import run_pgbouncer
 from sqla_jobs.bench.drain import run_drain
@@ -27,6 +27,7 @@ from sqla_jobs.bench.keys import run_keys
 from sqla_jobs.bench.latency import run_latency
 from sqla_jobs.bench.memory import run_memory
 from sqla_jobs.bench.results import SECTIONS, Config, Results
+from sqla_jobs.bench.tasks import Q_LEASE
 from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.models import metadata
 from sqla_jobs.urls import psycopg_url
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = scratch.engine(url, pool_size=10)
         stack.callback(engine.dispose)
         metadata.create_all(engine)
+        partitioned.metadata.create_all(engine)
         results = Results()
         machine = report.machine(engine, cfg, server)
         scratch.progress(
@@ -154,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(cfg.repeat):
             if {"ceiling", "drain"} & set(cfg.sections):
                 run_drain(cfg, engine, results)
+            if "drain" in cfg.sections:
+                # The partitioned history: moves in the completion statement, or by a mover.
+                partitioned.run_drains(cfg, engine, results, _history_workers(cfg))
+                scratch.progress("history drains")
             if {"ceiling", "enqueue"} & set(cfg.sections):
                 run_enqueue(cfg, engine, results)
             if "latency" in cfg.sections:
@@ -166,12 +172,29 @@ def main(argv: list[str] | None = None) -> int:
                 run_keys(cfg, engine, results)
         if "history" in cfg.sections:
             run_history(cfg, engine, results)
+            partitioned.run_partitioned_history(cfg, engine, results, scratch.progress)
+        if "hot" in cfg.sections:
+            partitioned.run_hot(
+                cfg,
+                engine,
+                results,
+                _history_workers(cfg),
+                (scratch.TABLE, "lease", Q_LEASE),
+                scratch.progress,
+            )
         if "memory" in cfg.sections:
             run_memory(cfg, engine, results)
         print(report.render(results, machine))
         if args.json:
             report.write_json(args.json, cfg, machine, results)
     return 0
+
+
+def _history_workers(cfg: Config) -> partitioned.Workers:
+    def history_workers(which: str, concurrency: int, batch: int) -> Any:
+        return workers.workers(cfg, which, 1, concurrency, batch)
+
+    return history_workers
 
 
 def _usage(message: str) -> SystemExit:

@@ -47,6 +47,7 @@ __all__ = [
     "delete_queue",
     "drop_database",
     "fill",
+    "fill_history",
     "fill_keyed",
     "finished",
     "has_runnable",
@@ -57,8 +58,10 @@ __all__ = [
     "server_facts",
     "set_user_triggers",
     "stored_results",
+    "table_size",
     "truncate",
     "vacuum_analyze",
+    "wal_position",
 ]
 
 _ONE: Final[ColumnElement[int]] = literal_column("1", Integer)
@@ -270,3 +273,55 @@ def drop_database(name: str) -> str:
     """``DROP DATABASE IF EXISTS ... WITH (FORCE)``, as SQL text (PostgreSQL 13+): the
     scratch database goes even if a worker process left a connection behind."""
     return f"DROP DATABASE IF EXISTS {quote(name)} WITH (FORCE)"
+
+
+def fill_history(history: Table) -> Insert:
+    """Insert finished jobs ``:first`` .. ``:last`` (their ids plus 10^12, apart from the
+    job table's) of queue ``:queue`` straight into a history table, their finish times
+    spread over the ``:days`` days before now (one partition each)."""
+    series = (
+        func.generate_series(bindparam("first", type_=Integer), bindparam("last", type_=Integer))
+        .table_valued("n")
+        .render_derived(name="s")
+    )
+    now = func.statement_timestamp()
+    day: ColumnElement[Any] = literal_column("interval '1 day'")
+    spread = now - (series.c.n % bindparam("days", type_=Integer)) * day
+    values: list[ColumnElement[Any]] = [
+        series.c.n + literal_column("1000000000000"),
+        bindparam("queue", type_=Text),
+        literal_column("'bench_noop'"),
+        literal_column("'{}'::jsonb"),
+        _SUCCEEDED,
+        literal_column("0"),
+        now,
+        _ONE,
+        _ONE,
+        now,
+        spread,
+    ]
+    names = [
+        "id", "queue", "task", "args", "status", "priority", "run_at", "attempts",
+        "max_attempts", "created_at", "finished_at",
+    ]  # fmt: skip
+    return insert(history).from_select(names, select(*values).select_from(series))
+
+
+def table_size(table: Table) -> Select[Any]:
+    """``pg_relation_size`` (heap) and ``pg_total_relation_size`` (heap, indexes, TOAST)
+    of ``table`` in bytes, its rows (``count(*)``: reads the table) and its dead row
+    versions (from the statistics)."""
+    relation = func.to_regclass(
+        bindparam("size_table", qualified_name(table.name, table.schema), type_=Text)
+    )
+    return select(
+        func.pg_relation_size(relation).label("heap_bytes"),
+        func.pg_total_relation_size(relation).label("total_bytes"),
+        select(func.count()).select_from(table).scalar_subquery().label("live_rows"),
+        func.pg_stat_get_dead_tuples(relation).label("dead_rows"),
+    )
+
+
+def wal_position() -> Select[Any]:
+    """``pg_current_wal_insert_lsn() - '0/0'``: the WAL written so far, in bytes."""
+    return select(func.pg_current_wal_insert_lsn() - literal_column("'0/0'::pg_lsn"))

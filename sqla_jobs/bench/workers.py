@@ -17,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from sqla_jobs.bench import scratch
+from sqla_jobs.bench import partitioned, scratch
 from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.bench.results import Config
 from sqla_jobs.bench.tasks import Q_LATENCY, Q_LEASE, Q_LOCK, latency_registry, registry
@@ -40,7 +40,10 @@ def worker_process(
     ``listen_url``, ``url`` goes through PgBouncer: no prepared statements there, and LISTEN
     on ``listen_url``, a direct connection."""
     registry_ = latency_registry if which == "latency" else registry
-    queue = {"lease": Q_LEASE, "lock": Q_LOCK, "latency": Q_LATENCY}[which]
+    if which in partitioned.REGISTRIES:  # the partitioned history's drains
+        registry_, queue = partitioned.REGISTRIES[which]
+    else:
+        queue = {"lease": Q_LEASE, "lock": Q_LOCK, "latency": Q_LATENCY}[which]
     pooled = {"connect_args": {"prepare_threshold": None}} if listen_url else {}
     engine = scratch.engine(url, pool_size=concurrency + 5, max_overflow=10, **pooled)
     listen_engine = scratch.engine(listen_url, poolclass=NullPool) if listen_url else None

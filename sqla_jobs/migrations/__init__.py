@@ -75,7 +75,7 @@ tables from :func:`upgrade`, which runs the library's standalone environment
 
 from __future__ import annotations
 
-from sqla_jobs.migrations.check import check_claim_indexes, check_job_tables
+from sqla_jobs.migrations.check import check_claim_indexes, check_job_tables, include_name
 from sqla_jobs.migrations.commands import (
     SCRIPT_LOCATION,
     VERSION_LOCATION,
@@ -89,6 +89,7 @@ from sqla_jobs.migrations.operations import (
     SCHEMA_VERSION,
     add_cancel,
     add_dead_index,
+    add_history,
     add_lease_columns,
     add_ordering_keys,
     add_unique_keys,
@@ -105,6 +106,7 @@ from sqla_jobs.migrations.operations import (
     drop_claim_index,
     drop_claim_indexes,
     drop_dead_index,
+    drop_history,
     drop_job_table,
     drop_lease_columns,
     drop_lease_index,
@@ -125,6 +127,7 @@ __all__ = [
     "VERSION_TABLE",
     "add_cancel",
     "add_dead_index",
+    "add_history",
     "add_lease_columns",
     "add_ordering_keys",
     "add_unique_keys",
@@ -144,6 +147,7 @@ __all__ = [
     "drop_claim_index",
     "drop_claim_indexes",
     "drop_dead_index",
+    "drop_history",
     "drop_job_table",
     "drop_lease_columns",
     "drop_lease_index",
@@ -152,6 +156,7 @@ __all__ = [
     "drop_result_table",
     "drop_schedule_table",
     "drop_unique_keys",
+    "include_name",
     "upgrade",
     "upgrade_job_table_to_v2",
     "upgrade_job_table_to_v3",

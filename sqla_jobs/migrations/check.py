@@ -14,9 +14,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from sqla_jobs import ddl, statements
+from sqla_jobs.history.schema import PARTITION_KEY, history_names, is_history_partition
 from sqla_jobs.schema import names
 
-__all__ = ["check_claim_indexes", "check_job_tables"]
+__all__ = ["check_claim_indexes", "check_job_tables", "include_name"]
 
 # Key columns, predicate, uniqueness and access method, as PostgreSQL prints them back.
 _INDEX_SHAPE = sa.text(
@@ -35,6 +36,20 @@ _INDEX_SHAPE = sa.text(
     JOIN pg_am AS am ON am.oid = c.relam
     WHERE i.indexrelid = to_regclass(:index_name)
       AND i.indrelid = to_regclass(:table_name)
+    """
+)
+# A history table's shape: partitioned, by what, and whether it has a DEFAULT partition.
+_HISTORY_SHAPE = sa.text(
+    """
+    SELECT
+        c.relkind = 'p' AS partitioned,
+        CASE WHEN c.relkind = 'p' THEN pg_get_partkeydef(c.oid) END AS partition_key,
+        EXISTS (
+            SELECT 1 FROM pg_inherits AS i JOIN pg_class AS p ON p.oid = i.inhrelid
+            WHERE i.inhparent = c.oid AND pg_get_expr(p.relpartbound, p.oid) = 'DEFAULT'
+        ) AS has_default
+    FROM pg_class AS c
+    WHERE c.oid = to_regclass(:history)
     """
 )
 _SCRATCH_TABLE = "sqla_jobs_index_check"
@@ -185,6 +200,27 @@ def _wakeup_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
     return [problem]
 
 
+def _history_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
+    # A model with partitioned_history has its history table in the same MetaData.
+    n = history_names(table.name, table.schema)
+    key = n.table if table.schema is None else f"{table.schema}.{n.table}"
+    declared = table.metadata.tables.get(key)
+    if declared is None or declared.info.get("sqla_jobs_history_of") != table.name:
+        return []
+    label = f"history table {n.table} of {table.fullname}"
+    fix = f"sqla_jobs.migrations.add_history{_arguments(table)} (with your own columns)"
+    row = connection.execute(
+        _HISTORY_SHAPE, {"history": ddl.qualified_name(n.table, table.schema)}
+    ).one_or_none()
+    if row is None:
+        return [f"{label}: missing from the database; create it from a revision with {fix}"]
+    if not row.partitioned or row.partition_key != f"RANGE ({PARTITION_KEY})":
+        return [f"{label}: not partitioned by RANGE ({PARTITION_KEY}); recreate it with {fix}"]
+    if not row.has_default:
+        return [f"{label}: has no DEFAULT partition; recreate it with {fix}"]
+    return []
+
+
 def check_claim_indexes(connection: sa.Connection, *models: type[Any] | sa.Table) -> list[str]:
     """Compare each partial index of the models with the database; return the differences.
 
@@ -234,4 +270,16 @@ def check_job_tables(
         problems.extend(_index_problems(connection, table))
         if notify and _is_job_table(table):
             problems.extend(_wakeup_problems(connection, table))
+        problems.extend(_history_problems(connection, table))
     return problems
+
+
+def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+    """An ``include_name`` hook for Alembic's ``context.configure``: leaves out the
+    partitions of history tables (``<job table>_history_p20260131``, ``..._pdefault``),
+    which are tables in the database that no model declares, made and dropped by the
+    maintenance rather than by revisions. Everything else is included::
+
+        context.configure(..., include_name=sqla_jobs.migrations.include_name)
+    """
+    return not (type_ == "table" and name is not None and is_history_partition(name))

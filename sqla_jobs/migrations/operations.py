@@ -35,7 +35,11 @@ Schema versions:
    ordering_key IS NULL``), so the plain claim never reads them (:func:`add_ordering_keys`).
    :func:`upgrade_job_table_to_v3` upgrades a live version-2 table with every version-3
    feature, each without a table rewrite and with indexes built concurrently;
-   :func:`downgrade_job_table_to_v2` undoes it.
+   :func:`downgrade_job_table_to_v2` undoes it. A model that opts in to partitioned history
+   (``partitioned_history = True``) also has a history table beside it
+   (:mod:`sqla_jobs.history`): :func:`add_history` creates it, on a new table
+   (``create_job_table(..., version=3, history=True)``) or beside a live version-2 or 3
+   table without touching it, and :func:`drop_history` drops it.
 
 The result table has not changed since version 1. The schedule table of periodic jobs
 (:class:`~sqla_jobs.schema.ScheduleMixin`) is made by :func:`create_schedule_table`.
@@ -51,6 +55,12 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.schema import SchemaItem
 
 from sqla_jobs import ddl
+from sqla_jobs.history.schema import (
+    PARTITION_KEY,
+    RESULT_COLUMN,
+    create_default_partition,
+    history_names,
+)
 from sqla_jobs.leasing.schema import lease_index_elements, lease_names
 from sqla_jobs.schema import _identifier, names
 
@@ -69,6 +79,7 @@ __all__ = [
     "UNIQUE_INDEX_PREDICATE",
     "add_cancel",
     "add_dead_index",
+    "add_history",
     "add_lease_columns",
     "add_ordering_keys",
     "add_unique_keys",
@@ -85,6 +96,7 @@ __all__ = [
     "drop_claim_index",
     "drop_claim_indexes",
     "drop_dead_index",
+    "drop_history",
     "drop_job_table",
     "drop_lease_columns",
     "drop_lease_index",
@@ -237,6 +249,7 @@ def create_job_table(
     schema: str | None = None,
     notify: bool = True,
     version: int = 1,
+    history: bool = False,
 ) -> sa.Table:
     """Create a job table with its claim index(es), storage parameters and NOTIFY trigger.
 
@@ -274,6 +287,8 @@ def create_job_table(
     """
     if version not in (1, 2, 3):
         raise ValueError(f"schema version must be 1, 2 or 3, not {version!r}")
+    if history and version < 3:
+        raise ValueError("history=True needs version=3 (the partitioned history)")
     items = _job_table_items(table_name)
     if version >= 3:
         items += _unique_columns()
@@ -297,13 +312,71 @@ def create_job_table(
     _execute(ddl.set_storage_parameters(table_name, schema))
     if notify:
         create_notify_trigger(table_name, schema=schema)
+    if history:
+        add_history(table_name, *extra, schema=schema)
     return table
 
 
 def drop_job_table(table_name: str, *, schema: str | None = None) -> None:
-    """Drop a job table with its trigger and trigger function (whether or not it had them)."""
+    """Drop a job table with its trigger and trigger function (whether or not it had them).
+    Its history table, if it has one, is dropped with :func:`drop_history`."""
     drop_notify_trigger(table_name, schema=schema)
     op.drop_table(table_name, schema=schema)
+
+
+def _history_items(table_name: str, extra: tuple[SchemaItem, ...]) -> list[SchemaItem]:
+    # Frozen copy of what sqla_jobs.history.history_table derives from a job model (schema
+    # version 3): every job column, nullable as in the job table but id and finished_at,
+    # without defaults, identity or foreign keys; then the result; the key (id, finished_at).
+    columns: list[SchemaItem] = []
+    v3_columns = [*_unique_columns(), _cancel_column(), *_ordering_key_columns()]
+    for item in (*_job_table_items(table_name), *v3_columns, *extra):
+        if isinstance(item, sa.Column):
+            nullable = False if item.name in ("id", PARTITION_KEY) else item.nullable
+            columns.append(sa.Column(item.name, item.type, nullable=bool(nullable)))
+    columns.append(sa.Column(RESULT_COLUMN, JSONB, nullable=True))
+    columns.append(
+        sa.PrimaryKeyConstraint("id", PARTITION_KEY, name=history_names(table_name).primary_key)
+    )
+    return columns
+
+
+def add_history(table_name: str, *extra: SchemaItem, schema: str | None = None) -> sa.Table:
+    """Create the partitioned history table of job table ``table_name`` (schema version 3),
+    with its ``DEFAULT`` partition, for a model with ``partitioned_history = True``.
+
+    ``extra`` are the same columns of yours that the job table has (as given to
+    :func:`create_job_table`; constraints and indexes among them are left out, and foreign
+    keys dropped from the copies). It creates a new table and touches nothing else: on a
+    live version-2 table it takes no lock of the job table. The job table's finished rows
+    stay where they are until the maintenance moves them in batches
+    (:func:`sqla_jobs.history.move_finished`: the worker's ``history`` role, or ``sqla-jobs
+    history maintain``); the day partitions are made by the maintenance too, and until they
+    exist finished jobs land in the ``DEFAULT`` partition (the maintenance moves them into
+    their day's partition when it creates it).
+
+    A revision of yours, for a table created by an earlier revision::
+
+        def upgrade() -> None:
+            jobs.add_history("email_jobs", sa.Column("order_id", sa.Integer))
+
+        def downgrade() -> None:
+            jobs.drop_history("email_jobs")
+    """
+    n = history_names(table_name, schema)
+    table = op.create_table(
+        n.table,
+        *_history_items(table_name, extra),
+        schema=schema,
+        postgresql_partition_by=f"RANGE ({PARTITION_KEY})",
+    )
+    _execute(create_default_partition(table_name, schema))
+    return table
+
+
+def drop_history(table_name: str, *, schema: str | None = None) -> None:
+    """Drop the history table of ``table_name`` with all its partitions (and their rows)."""
+    op.drop_table(history_names(table_name, schema).table, schema=schema)
 
 
 def create_result_table(table_name: str, *extra: SchemaItem, schema: str | None = None) -> sa.Table:

@@ -11,6 +11,9 @@ The roles it starts, each a named thread (``sqla-jobs-<worker name>-<role>``):
                 table: a claim reads the pending index from its head, where claimed jobs
                 leave dead entries until a vacuum, and autovacuum is too slow (or off) to
                 keep a long drain as fast as a short one
+``history``     for a model with ``partitioned_history``: its partitions, the move of
+                finished jobs left in the job table, and retention
+                (:mod:`~sqla_jobs.worker.maintenance`), at start and every minute
 ``notifier``    LISTENs for new jobs (:mod:`~sqla_jobs.worker.listener`)
 ``schedule``    enqueues the due slots of the registry's periodic tasks, when it has any
                 (:mod:`~sqla_jobs.worker.scheduler`); every worker runs one, no leader
@@ -33,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
@@ -43,8 +47,9 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import statements, validation
 from sqla_jobs.backoff import Backoff
-from sqla_jobs.errors import ConfigurationError
+from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.events import describe
+from sqla_jobs.history.schema import has_history
 from sqla_jobs.pooler import POOLER_MODES, behind_pooler
 from sqla_jobs.queue import MAX_CLAIM_LIMIT, default_worker_name, vacuum
 from sqla_jobs.registry import Registry
@@ -52,6 +57,7 @@ from sqla_jobs.worker.fetcher import Fetcher
 from sqla_jobs.worker.heartbeat import Heartbeat
 from sqla_jobs.worker.link import Link, is_transient
 from sqla_jobs.worker.listener import Notifier
+from sqla_jobs.worker.maintenance import HistoryKeeper
 from sqla_jobs.worker.observer import NO_OBSERVER, Observer
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.scheduler import Scheduler
@@ -71,6 +77,8 @@ _SUPERVISE_EVERY: Final = 0.1
 _HEALTH_FILE_EVERY: Final = 1.0
 _STUCK_LOG_EVERY: Final = 10.0
 _DRAIN_TIMEOUT: Final = 5.0
+#: Seconds between two runs of the history role (partitions, mover, retention).
+HISTORY_EVERY: Final = 60.0
 # A connection refused by the server for good (not while it starts or stops): a wrong
 # database, role or password. The server sends no SQLSTATE the driver exposes at connect.
 _REFUSED_FOR_GOOD: Final = re.compile(
@@ -201,6 +209,12 @@ class Worker:
     :class:`~sqlalchemy.ext.asyncio.AsyncSession` for lock-mode coroutine functions
     (``ctx.async_session``).
 
+    For a model with ``partitioned_history``, the worker keeps its history
+    (:mod:`sqla_jobs.history`): at start and every ``history_every`` seconds it makes the
+    day partitions a week ahead and moves finished jobs left in the job table into the
+    history, and with ``history_retention`` (a duration) drops the partitions older than
+    it. Every worker does it; runs of several never collide.
+
     ``synchronous_commit=False`` lets the worker's own claim, outcome and heartbeat
     transactions commit without waiting for the WAL flush (PostgreSQL's
     ``synchronous_commit = off``): after a server crash the last few of them may be lost,
@@ -259,6 +273,8 @@ class Worker:
         metrics_host: str = "127.0.0.1",
         metrics_max_age: float = 5.0,
         scheduler: bool = True,
+        history_retention: timedelta | float | None = None,
+        history_every: float = HISTORY_EVERY,
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -290,6 +306,18 @@ class Worker:
         self.metrics_max_age = metrics_max_age
         self._metrics_server: MetricsServer | None = None
         self._observer: Observer = NO_OBSERVER
+        self.history_retention = None
+        if history_retention is not None:
+            try:
+                self.history_retention = validation.check_duration(
+                    "history_retention", history_retention
+                )
+            except InvalidJobError as exc:
+                raise ConfigurationError(str(exc)) from exc
+        self.history_keeper: HistoryKeeper | None = None
+        if not history_every > 0:
+            raise ConfigurationError(f"history_every must be positive, not {history_every!r}")
+        self.history_every = history_every
         self.registry = registry
         self.engine = engine
         self.listen_engine = listen_engine
@@ -635,6 +663,20 @@ class Worker:
                 on_database_ok=schedule_ok,
             )
             self._roles["schedule"] = _Role("schedule", self._prefix, scheduler.loop)
+        if has_history(self.model):
+            history_failed, history_ok = self._database.role("history")
+            self.history_keeper = HistoryKeeper(
+                self.engine,
+                self.model,
+                result_model=self.registry.result_model,
+                retention=self.history_retention,
+                every=self.history_every,
+                finished=self._finished,
+                stopping=self._stopping,
+                on_database_error=history_failed,
+                on_database_ok=history_ok,
+            )
+            self._roles["history"] = _Role("history", self._prefix, self.history_keeper.loop)
         self._runner.start(self.concurrency)
         for role in self._roles.values():
             role.start()
@@ -836,7 +878,7 @@ class Worker:
         while self._state.snapshot() and time.monotonic() < drain_until:
             time.sleep(0.02)
         self._finished.set()
-        for name in ("outcomes", "heartbeat", "vacuum", "schedule"):
+        for name in ("outcomes", "heartbeat", "vacuum", "schedule", "history"):
             if name in self._roles:
                 self._roles[name].join(_DRAIN_TIMEOUT)
         self._runner.close(0.5)  # handlers still running are daemon threads

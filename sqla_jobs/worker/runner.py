@@ -40,6 +40,7 @@ from sqlalchemy.orm import Session
 from sqla_jobs import statements, validation
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
+from sqla_jobs.history.schema import has_history
 from sqla_jobs.queue import ClaimedJob, complete_attempts, job_columns, lock_one
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.worker.link import as_session
@@ -318,7 +319,8 @@ class Runner:
 
     def _storable(self, result: Any) -> Any:
         # A result jsonb cannot store fails its own job here, not the batch it is written in.
-        if result is not None and self.registry.result_model is not None:
+        stores = self.registry.result_model is not None or has_history(self.registry.model)
+        if stores and result is not None:
             try:
                 validation.check_json("result", result)
             except RecursionError as exc:
@@ -424,7 +426,10 @@ class Runner:
         fenced out, ``cancel`` when its cancel was requested (the completion made it
         cancelled: rolled back with the handler's writes, the outcome writer cancels it)."""
         result_model = self.registry.result_model
-        if result_model is None or result is None:
+        if has_history(attempt.job.model) and result is not None:
+            # The result goes into the history row, with the job.
+            lost, cancelled = complete_attempts(session, [attempt.job], results=[result])
+        elif result_model is None or result is None:
             lost, cancelled = complete_attempts(session, [attempt.job])
         else:
             lost, cancelled = complete_attempts(

@@ -27,6 +27,7 @@ from sqlalchemy import Connection
 
 from sqla_jobs.errors import LeaseLostError
 from sqla_jobs.events import describe
+from sqla_jobs.history.schema import has_history
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import ClaimedJob, cancel_attempts, complete_attempts, fail, release
 from sqla_jobs.registry import Registry
@@ -128,7 +129,10 @@ class OutcomeWriter:
         results = [a.outcome.result if a.outcome is not None else None for a in completed]
         cancelled: list[ClaimedJob] = []
         batches: list[tuple[list[ClaimedJob], list[Any] | None]]
-        if result_model is None or all(result is None for result in results):
+        if bool(completed) and has_history(completed[0].job.model):
+            # A model with history keeps results in its history rows, in one statement.
+            batches = [([a.job for a in completed], results)]
+        elif result_model is None or all(result is None for result in results):
             batches = [([a.job for a in completed], None)]
         else:
             pairs = list(zip(completed, results, strict=True))
