@@ -171,6 +171,11 @@ MANAGED_COLUMNS: Final = frozenset(
 UNIQUE_COLUMNS: Final = frozenset({"unique_key", "unique_statuses"})
 
 
+#: The columns of ordering keys (schema version 3): an enqueuer sets them like its own
+#: columns, but they are the library's, not the model's.
+ORDERING_COLUMNS: Final = frozenset({"ordering_key", "key_limit"})
+
+
 def enqueue_columns(table: Table) -> tuple[str, ...]:
     """The columns :func:`enqueue_many` inserts: :data:`ENQUEUE_COLUMNS`, then the model's own
     columns (neither the mixin's inputs nor :data:`MANAGED_COLUMNS` nor
@@ -1014,7 +1019,11 @@ def cancel_requests(table: Table) -> Select[Any]:
 def own_columns(table: Table) -> Select[Any]:
     """The model's own columns (:func:`enqueue_columns` past :data:`ENQUEUE_COLUMNS`) of
     job ``:job_id``, by primary key; no lock. What a handler's ``ctx.columns`` reads."""
-    own = enqueue_columns(table)[len(ENQUEUE_COLUMNS) :]
+    own = [
+        name
+        for name in enqueue_columns(table)[len(ENQUEUE_COLUMNS) :]
+        if name not in ORDERING_COLUMNS
+    ]
     return select(*(table.c[name] for name in own)).where(
         table.c.id == bindparam("job_id", type_=BigInteger)
     )

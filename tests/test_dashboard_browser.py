@@ -168,9 +168,11 @@ def test_click_through_retry_cancel_and_delete(
     assert seeded.succeeded not in statuses(queue_engine)
     assert not browser.find_elements(By.CSS_SELECTOR, f'tr[data-job-id="{seeded.succeeded}"]')
 
-    # A running job offers no action; an unknown one gets the 404 page.
+    # A running job offers only Cancel (a request to its worker); an unknown one gets the
+    # 404 page.
     open_job_from_list(browser, dashboard_url, "status=running", seeded.running)
-    assert not browser.find_elements(By.CSS_SELECTOR, "#retry, #cancel, #delete")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#retry, #delete")
+    assert browser.find_elements(By.CSS_SELECTOR, "#cancel")
     browser.get(f"{dashboard_url}/jobs/999999")
     wait_for(browser, "#error-message")
     assert "no job 999999" in browser.find_element(By.ID, "error-message").text

@@ -261,6 +261,7 @@ def test_status_reads_index_only_whatever_the_history(history: sa.Engine, generi
                 scans = {(n["Node Type"], n["Index Name"]) for n in on_table}
                 assert scans == {
                     ("Index Only Scan", N.pending_index),
+                    ("Index Only Scan", N.keyed_pending_index),
                     ("Index Only Scan", N.running_index),
                     ("Index Only Scan", N.dead_index),
                 }, json.dumps(plan)

@@ -687,12 +687,7 @@ def test_the_upgrade_helper_can_run_again_after_an_interrupted_run(
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v2("email_jobs"))  # idempotent
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v3("email_jobs"))  # and to v3
-    with db_engine.connect() as connection:
-        problems = migrations.check_claim_indexes(connection, models.EmailJob)
-        # A version-2 table: the model's version-3 indexes need the ordering-key columns.
-        assert len(problems) == 3
-        assert "add_ordering_keys" in problems[2]
-    migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))
+    migrate(db_engine, lambda: migrations.upgrade_job_table_to_v3("email_jobs"))  # again
     with db_engine.connect() as connection:
         assert migrations.check_claim_indexes(connection, models.EmailJob) == []
     migrate(db_engine, lambda: migrations.downgrade_job_table_to_v2("email_jobs"))
@@ -761,6 +756,7 @@ def test_the_dead_index_is_added_to_a_live_version_2_table_and_dropped(
         )
     migrate(db_engine, lambda: migrations.add_dead_index("email_jobs"))
     migrate(db_engine, lambda: migrations.add_dead_index("email_jobs"))  # re-runnable
+    migrate(db_engine, lambda: migrations.add_ordering_keys("email_jobs"))  # queue_stats reads it
     with db_engine.connect() as connection:
         problems = migrations.check_job_tables(connection, models.EmailJob)
         assert [p for p in problems if n.dead_index in p] == []
@@ -795,7 +791,9 @@ def test_the_0003_revisions_upgrade_version_2_tables_in_place_without_a_rewrite(
     before, files = rows_by_status(db_engine), relfilenodes(db_engine)
     with db_engine.connect() as connection:
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
-    assert len(problems) == 2 * len(JOB_MODELS)  # the dead and unique indexes
+    # Each table: the dead, unique, keyed pending and key indexes missing, and its pending
+    # index of version 2 (without keyed jobs left out).
+    assert len(problems) == 5 * len(JOB_MODELS)
     assert "add_unique_keys('email_jobs')" in "".join(problems)
 
     command.upgrade(config, "heads")

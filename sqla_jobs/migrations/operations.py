@@ -548,8 +548,8 @@ def upgrade_job_table_to_v3(table_name: str, *, schema: str | None = None) -> No
     """Upgrade a live version-2 job table to version 3, feature by feature, without a table
     rewrite (nullable columns without defaults) and without blocking its users (indexes
     ``CONCURRENTLY``, in Alembic's ``autocommit_block()``, which commits what the revision
-    did before). An index build that was interrupted is dropped and built again when the
-    upgrade runs again.
+    did before). Each step can run again after an interrupted one (columns ``ADD COLUMN IF
+    NOT EXISTS``; an index left invalid is dropped and built again).
 
     A revision of yours::
 
@@ -651,8 +651,11 @@ def add_unique_keys(table_name: str, *, schema: str | None = None) -> None:
         def downgrade() -> None:
             jobs.drop_unique_keys("email_jobs")
     """
-    for column in _unique_columns():
-        op.add_column(table_name, column, schema=schema)
+    _execute(
+        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
+        f"ADD COLUMN IF NOT EXISTS unique_key VARCHAR({_UNIQUE_KEY_LENGTH}), "
+        "ADD COLUMN IF NOT EXISTS unique_statuses VARCHAR(16)[]"
+    )
     with op.get_context().autocommit_block():
         _drop_index(
             names(table_name).unique_index,
@@ -675,8 +678,10 @@ def drop_unique_keys(table_name: str, *, schema: str | None = None) -> None:
             concurrently=True,
             if_exists=True,
         )
-    for column in reversed(_unique_columns()):
-        op.drop_column(table_name, column.name, schema=schema)
+    _execute(
+        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
+        "DROP COLUMN IF EXISTS unique_statuses, DROP COLUMN IF EXISTS unique_key"
+    )
 
 
 def create_schedule_table(
@@ -719,12 +724,18 @@ def add_cancel(table_name: str, *, schema: str | None = None) -> None:
         def downgrade() -> None:
             jobs.drop_cancel("email_jobs")
     """
-    op.add_column(table_name, _cancel_column(), schema=schema)
+    _execute(
+        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
+        f"ADD COLUMN IF NOT EXISTS {CANCEL_REQUESTED_COLUMN} TIMESTAMP WITH TIME ZONE"
+    )
 
 
 def drop_cancel(table_name: str, *, schema: str | None = None) -> None:
     """Undo :func:`add_cancel`: drop the ``cancel_requested_at`` column."""
-    op.drop_column(table_name, CANCEL_REQUESTED_COLUMN, schema=schema)
+    _execute(
+        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
+        f"DROP COLUMN IF EXISTS {CANCEL_REQUESTED_COLUMN}"
+    )
 
 
 def _v3_indexes(table_name: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
