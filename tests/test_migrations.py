@@ -138,7 +138,10 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0002_claim_indexes", "sqla_jobs_0002"]
+        assert sorted(versions.scalars()) == [
+            "0003_trace_context",
+            "sqla_jobs_0003_trace_context",
+        ]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS
@@ -223,7 +226,7 @@ def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -
         recorded = connection.execute(
             sa.text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")
         )
-        assert recorded.scalars().all() == ["sqla_jobs_0002"]
+        assert recorded.scalars().all() == ["sqla_jobs_0003_trace_context"]
 
     migrations.downgrade(url_of(db_engine), "base")
     assert catalog(db_engine)["tables"] == []
@@ -235,6 +238,7 @@ def test_versions_path_is_the_installed_package_directory() -> None:
     assert sorted(p.name for p in path.glob("*.py")) == [
         "0001_default_tables.py",
         "0002_claim_indexes.py",
+        "0003_trace_context.py",
     ]
     assert (path.parent / "env.py").is_file()
     assert (path.parent / "script.py.mako").is_file()
@@ -700,5 +704,5 @@ def test_create_job_table_builds_version_2_on_request_and_version_1_by_default(
             ),
         ]
     with pytest.raises(ValueError, match="schema version"):
-        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=3))
-    assert migrations.SCHEMA_VERSION == 2
+        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=4))
+    assert migrations.SCHEMA_VERSION == 3

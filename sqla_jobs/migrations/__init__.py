@@ -22,7 +22,7 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
         jobs.create_job_table(
             "email_jobs",
             sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id")),
-            version=2,
+            version=3,
         )
         jobs.create_result_table("email_job_results")
 
@@ -31,7 +31,7 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
         jobs.drop_result_table("email_job_results")
         jobs.drop_job_table("email_jobs")
 
-``version=2`` is the schema version to build: the one the mixins declare today. A table an
+``version=3`` is the schema version to build: the one the mixins declare today. A table an
 earlier revision built without it is version 1; a new revision upgrades it in place, with
 indexes built concurrently on the live table::
 
@@ -41,6 +41,9 @@ indexes built concurrently on the live table::
 
     def downgrade() -> None:
         jobs.downgrade_job_table_to_v1("email_jobs")
+
+A version-2 table becomes version 3 with each feature's in-place helper (the trace context:
+:func:`add_trace_context` / :func:`drop_trace_context`).
 
 **Lease columns** (:class:`~sqla_jobs.LeaseMixin`) on a table of yours that already exists:
 :func:`add_lease_columns` / :func:`drop_lease_columns` from your revision. For a new table,
@@ -88,6 +91,7 @@ from sqla_jobs.migrations.operations import (
     LEASE_SCHEMA_VERSION,
     SCHEMA_VERSION,
     add_lease_columns,
+    add_trace_context,
     create_claim_index,
     create_claim_indexes,
     create_job_table,
@@ -102,6 +106,7 @@ from sqla_jobs.migrations.operations import (
     drop_lease_index,
     drop_notify_trigger,
     drop_result_table,
+    drop_trace_context,
     upgrade_job_table_to_v2,
 )
 
@@ -112,6 +117,7 @@ __all__ = [
     "VERSION_LOCATION",
     "VERSION_TABLE",
     "add_lease_columns",
+    "add_trace_context",
     "check_claim_indexes",
     "check_job_tables",
     "create_claim_index",
@@ -129,6 +135,7 @@ __all__ = [
     "drop_lease_index",
     "drop_notify_trigger",
     "drop_result_table",
+    "drop_trace_context",
     "upgrade",
     "upgrade_job_table_to_v2",
     "versions_path",

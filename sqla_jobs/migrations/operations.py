@@ -10,13 +10,17 @@ Schema versions:
 
 1. The job columns, constraints, NOTIFY trigger, storage parameters, and one partial claim
    index ``(queue, priority, run_at, id) WHERE status IN ('pending', 'running')``.
-2. (What :class:`~sqla_jobs.schema.JobMixin` declares today.) The same table with two
+2. The same table with two
    claim indexes instead of one: the pending index ``(queue, priority, run_at, id) WHERE
    status = 'pending'`` and the running index ``(queue, lease_expires_at) WHERE status =
    'running'``, so that a claim's cost grows neither with the number of queues it serves nor
    with the jobs in flight. :func:`create_job_table` builds it with ``version=2``; a
    version-1 table is upgraded in place, on a live table, by
    :func:`upgrade_job_table_to_v2`.
+3. (What :class:`~sqla_jobs.schema.JobMixin` declares today.) Version 2 plus the nullable
+   ``trace_context`` JSONB column (the enqueuer's trace context, :mod:`sqla_jobs.tracing`).
+   :func:`create_job_table` builds it with ``version=3``; :func:`add_trace_context` adds
+   the column to a live version-2 table (no table rewrite).
 
 The result table has not changed since version 1.
 """
@@ -43,7 +47,9 @@ __all__ = [
     "RUNNING_INDEX_COLUMNS",
     "RUNNING_INDEX_PREDICATE",
     "SCHEMA_VERSION",
+    "TRACE_CONTEXT_COLUMN",
     "add_lease_columns",
+    "add_trace_context",
     "create_claim_index",
     "create_claim_indexes",
     "create_job_table",
@@ -58,10 +64,11 @@ __all__ = [
     "drop_lease_index",
     "drop_notify_trigger",
     "drop_result_table",
+    "drop_trace_context",
     "upgrade_job_table_to_v2",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The latest version of the job and result tables: the one the mixins declare."""
 
 # Frozen copies of what the mixins declared in each version. tests/test_migrations.py proves
@@ -76,6 +83,8 @@ PENDING_INDEX_PREDICATE = "status = 'pending'"
 RUNNING_INDEX_COLUMNS = ("queue", "lease_expires_at")
 RUNNING_INDEX_PREDICATE = "status = 'running'"
 _NAME_LENGTH = 200
+# Version 3 (trace context): one nullable column.
+TRACE_CONTEXT_COLUMN = "trace_context"
 _STATUSES = "'pending', 'running', 'succeeded', 'dead', 'cancelled'"
 
 
@@ -104,6 +113,10 @@ def _job_table_items(table_name: str) -> list[SchemaItem]:
         sa.CheckConstraint("priority BETWEEN -100 AND 100", name=n.priority_check),
         sa.CheckConstraint("attempts >= 0 AND max_attempts >= 1", name=n.attempts_check),
     ]
+
+
+def _trace_context_column() -> sa.Column[Any]:
+    return sa.Column(TRACE_CONTEXT_COLUMN, JSONB, nullable=True)
 
 
 def _result_table_items() -> list[SchemaItem]:
@@ -170,9 +183,10 @@ def create_job_table(
     """Create a job table with its claim index(es), storage parameters and NOTIFY trigger.
 
     ``version`` is the schema version to build (see the module's docstring): a new revision
-    passes ``version=2``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
+    passes ``version=3``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
     it the table is version 1, as it was when the revisions already written called this
-    helper; upgrade such a table with :func:`upgrade_job_table_to_v2`.
+    helper; upgrade such a table with :func:`upgrade_job_table_to_v2`, then
+    :func:`add_trace_context`.
 
     ``extra`` are your model's own columns and constraints (``sa.Column``,
     ``sa.ForeignKeyConstraint``, ``sa.Index``, ...), added after the job columns.
@@ -192,7 +206,7 @@ def create_job_table(
             jobs.create_job_table(
                 "email_jobs",
                 sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id")),
-                version=2,
+                version=3,
             )
             jobs.create_result_table("email_job_results")
 
@@ -200,9 +214,12 @@ def create_job_table(
             jobs.drop_result_table("email_job_results")
             jobs.drop_job_table("email_jobs")
     """
-    if version not in (1, 2):
-        raise ValueError(f"schema version must be 1 or 2, not {version!r}")
-    table = op.create_table(table_name, *_job_table_items(table_name), *extra, schema=schema)
+    if version not in (1, 2, 3):
+        raise ValueError(f"schema version must be 1, 2 or 3, not {version!r}")
+    items = _job_table_items(table_name)
+    if version >= 3:
+        items.append(_trace_context_column())
+    table = op.create_table(table_name, *items, *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
     else:
@@ -365,6 +382,33 @@ def downgrade_job_table_to_v1(table_name: str, *, schema: str | None = None) -> 
         )
         for name, _, _ in _v2_indexes(table_name):
             _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+
+
+def add_trace_context(table_name: str, *, schema: str | None = None) -> None:
+    """Upgrade a version-2 job table to version 3 in place: add the ``trace_context`` column.
+
+    A nullable column without a default: PostgreSQL adds it without rewriting the table or
+    reading a row, under a brief ``ACCESS EXCLUSIVE`` lock (set a ``lock_timeout`` in the
+    revision on a busy table). Existing jobs have no trace context. Deploy the revision
+    before the code that declares the column: the claim returns it.
+
+    A revision of yours::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.add_trace_context("email_jobs")
+
+        def downgrade() -> None:
+            jobs.drop_trace_context("email_jobs")
+    """
+    op.add_column(table_name, _trace_context_column(), schema=schema)
+
+
+def drop_trace_context(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`add_trace_context`: drop the ``trace_context`` column (and the jobs'
+    trace contexts with it)."""
+    op.drop_column(table_name, TRACE_CONTEXT_COLUMN, schema=schema)
 
 
 def create_notify_trigger(table_name: str, *, schema: str | None = None) -> None:
