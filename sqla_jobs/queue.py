@@ -205,10 +205,15 @@ def _rows(
     more CPU than the statement itself. Every parameter here is a plain ``str``, ``int``,
     ``float`` or list of ``str``, which psycopg adapts as SQLAlchemy would. Anything else
     (an ORM ``Session``, another driver, ``paramstyle`` changed, a
-    ``schema_translate_map``, no transaction begun) goes through ``execute``.
+    ``schema_translate_map``, no transaction begun) goes through ``execute``, and so does
+    every statement on an engine with ``before_cursor_execute`` or ``after_cursor_execute``
+    listeners (OpenTelemetry's SQLAlchemy instrumentation, a statement logger, ...): they
+    see the SQL the hot path sends, at the price of the fast path.
     """
     if (
         type(session) is Connection
+        and not session.dispatch.before_cursor_execute
+        and not session.dispatch.after_cursor_execute
         and session.in_transaction()
         and session.dialect.driver == "psycopg"
         and session.dialect.paramstyle == "pyformat"

@@ -166,6 +166,27 @@ def test_without_opentelemetry_loaded_the_hooks_do_nothing(tmp_path: Path) -> No
     assert result.stdout.strip() == "[]"
 
 
+def test_cursor_execute_listeners_see_the_hot_path_sql(queue_engine: sa.Engine) -> None:
+    # OpenTelemetry's SQLAlchemy instrumentation listens to these events: with a listener
+    # on the engine, claim, heartbeat and complete on a Core connection (the worker's kept
+    # connections) go through execute() instead of the driver's fast path.
+    engine = sa.create_engine(queue_engine.url, poolclass=NullPool)
+    seen: list[str] = []
+    sa.event.listen(engine, "before_cursor_execute", lambda *args: seen.append(args[2]))
+    with Session(engine) as session, session.begin():
+        session.add(models.EmailJob(task="t"))
+    with engine.begin() as connection:
+        (job,) = sqla_jobs.claim(connection, models.EmailJob)
+    with engine.begin() as connection:
+        assert sqla_jobs.heartbeat(connection, [job]) == []  # none lost
+        sqla_jobs.complete(connection, job)
+    engine.dispose()
+
+    first_words = [" ".join(statement.split()[:2]) for statement in seen]
+    assert first_words == ["INSERT INTO", "WITH claimable", "WITH held", "UPDATE email_jobs"]
+    assert "SET status='succeeded'" in seen[-1]
+
+
 # -- a real worker process -----------------------------------------------------------------
 
 

@@ -47,7 +47,6 @@ __all__ = [
     "RUNNING_INDEX_COLUMNS",
     "RUNNING_INDEX_PREDICATE",
     "SCHEMA_VERSION",
-    "TRACE_CONTEXT_COLUMN",
     "add_lease_columns",
     "add_trace_context",
     "create_claim_index",
