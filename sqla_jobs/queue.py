@@ -55,7 +55,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from sqla_jobs import statements, validation
+from sqla_jobs import statements, tracing, validation
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -400,8 +400,10 @@ def _next_chunk(
 
 def _insert_chunk(session: Session, table: Table, chunk: tuple[str, int]) -> int:
     # INSERT ... SELECT from the document inserts every row of it or raises (the driver
-    # reports no row count for it when the statement is prepared).
-    session.execute(_statement(statements.enqueue_many, table), {"rows": chunk[0]})
+    # reports no row count for it when the statement is prepared). The trace context is
+    # the span current at this statement (sqla_jobs.tracing), for every row of it.
+    params = {"rows": chunk[0], "trace_context": tracing.enqueue_context()}
+    session.execute(_statement(statements.enqueue_many, table), params)
     return chunk[1]
 
 
@@ -561,7 +563,7 @@ def _check_holdable(session: Executor) -> None:
 def _log_exhausted(rows: Sequence[Any], running: str) -> None:
     # Jobs the claim made dead: their last attempt's lease ran out (its worker died). Logged
     # here, by whoever claimed, so that alerting on errors hears of a crash-looping job.
-    for job_id, status, queue, task, _args, _priority, attempt, maximum, _run_at, _lease in rows:
+    for job_id, status, queue, task, _args, _priority, attempt, maximum, *_ in rows:
         if status == running:
             continue
         logger.error(

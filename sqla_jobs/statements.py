@@ -137,8 +137,8 @@ MANAGED_COLUMNS: Final = frozenset(
     }
 )
 
-#: The columns filled in from the enqueuer's context by their Python-side default, never by
-#: the enqueuer's values (schema version 3: the trace context, see sqla_jobs.tracing).
+#: The columns filled in from the enqueuer's context, never from the enqueuer's values
+#: (schema version 3: the trace context, see sqla_jobs.tracing).
 CONTEXT_COLUMNS: Final = frozenset({"trace_context"})
 
 
@@ -168,10 +168,9 @@ def enqueue_many(table: Table) -> Insert:
     The keys are :func:`enqueue_columns`; a missing key or a JSON null takes the column's
     server default (``coalesce``), so a row lands exactly as an ORM insert without that
     value would, and the columns not inserted (``id``, ``status``, ``attempts``,
-    ``created_at``, ...) take their defaults as usual, and the :data:`CONTEXT_COLUMNS`
-    their Python-side defaults, evaluated once per execution (the same trace context for
-    every row of the statement). Locks: only the new rows. The statement-level NOTIFY
-    trigger runs once per statement.
+    ``created_at``, ...) take their defaults as usual. ``:trace_context`` (a JSON object, or
+    NULL) is every row's ``trace_context``. Locks: only the new rows. The statement-level
+    NOTIFY trigger runs once per statement.
     """
     columns = [table.c[name] for name in enqueue_columns(table)]
     rows = (
@@ -188,12 +187,12 @@ def enqueue_many(table: Table) -> Insert:
         elif default_arg is not None:
             value = func.coalesce(value, default_arg)
         values.append(value)
+    trace_context = table.c.trace_context
+    values.append(bindparam("trace_context", type_=trace_context.type))
     return insert(table).from_select(
-        # include_defaults: the Python-side defaults of the columns not inserted from the
-        # rows (the CONTEXT_COLUMNS) are added, computed once per execution.
-        [c.name for c in columns],
+        [*(c.name for c in columns), trace_context.name],
         select(*values).select_from(rows),
-        include_defaults=True,
+        include_defaults=False,
     )
 
 

@@ -29,7 +29,7 @@ from sqlalchemy.pool import NullPool
 from worker_harness import Workers, wait_until
 
 import sqla_jobs
-from sqla_jobs import InvalidJobError, JobMixin, Registry, aio, tracing
+from sqla_jobs import InvalidJobError, JobMixin, Registry, aio
 
 tracer = TracerProvider().get_tracer("tests")
 

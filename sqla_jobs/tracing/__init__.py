@@ -6,12 +6,12 @@ imports the API to configure it or to start a span, and one that does not has no
 record or export. Only then is :mod:`sqla_jobs.tracing.otel` imported, which builds on the
 official ``opentelemetry-api`` package (the ``otel`` extra).
 
-* :func:`enqueue_context` is :attr:`JobMixin.trace_context <sqla_jobs.JobMixin>`'s column
-  default, so every enqueue path runs it: ``session.add(job)`` and ``Task.enqueue`` (the
-  ORM's flush, once per row), :func:`sqla_jobs.enqueue_many` (once per statement), and the
-  same through :mod:`sqla_jobs.aio`. It returns the current span's context as the
-  configured propagator writes it (``{"traceparent": ..., "tracestate": ...}``), or None
-  when no span is recording one.
+* :func:`enqueue_context` decides what every enqueue path stores in
+  :attr:`JobMixin.trace_context <sqla_jobs.JobMixin>`: the mapper's ``before_insert`` hook
+  calls it for ``session.add(job)`` and ``Task.enqueue`` (at the flush, once per row), and
+  :func:`sqla_jobs.enqueue_many` once per statement; :mod:`sqla_jobs.aio` runs the same
+  code. It returns the current span's context as the configured propagator writes it
+  (``{"traceparent": ..., "tracestate": ...}``), or None when no span is recording one.
 * :func:`attempt_span` is the context manager the worker runs each attempt in: a CONSUMER
   span that continues the job's trace (:mod:`sqla_jobs.tracing.otel` says how).
 """
@@ -72,7 +72,7 @@ _NO_SPAN: Final = _NoSpan()
 
 
 def enqueue_context() -> dict[str, str] | None:
-    """The trace context to store with a job enqueued now, or None (the column default)."""
+    """The trace context to store with a job enqueued now, or None."""
     if _API_MODULE not in sys.modules:
         return None
     from sqla_jobs.tracing import otel
