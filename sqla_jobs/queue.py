@@ -56,7 +56,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from sqla_jobs import statements, validation
+from sqla_jobs import statements, tracing, validation
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -157,6 +157,8 @@ class ClaimedJob(NamedTuple):
     max_attempts: int
     run_at: datetime
     lease_expires_at: datetime
+    #: The enqueuer's trace context (schema version 3), or None: see :mod:`sqla_jobs.tracing`.
+    trace_context: dict[str, str] | None = None
 
     @property
     def is_last_attempt(self) -> bool:
@@ -235,10 +237,15 @@ def _rows(
     more CPU than the statement itself. Every parameter here is a plain ``str``, ``int``,
     ``float`` or list of ``str``, which psycopg adapts as SQLAlchemy would. Anything else
     (an ORM ``Session``, another driver, ``paramstyle`` changed, a
-    ``schema_translate_map``, no transaction begun) goes through ``execute``.
+    ``schema_translate_map``, no transaction begun) goes through ``execute``, and so does
+    every statement on an engine with ``before_cursor_execute`` or ``after_cursor_execute``
+    listeners (OpenTelemetry's SQLAlchemy instrumentation, a statement logger, ...): they
+    see the SQL the hot path sends, at the price of the fast path.
     """
     if (
         type(session) is Connection
+        and not session.dispatch.before_cursor_execute
+        and not session.dispatch.after_cursor_execute
         and session.in_transaction()
         and session.dialect.driver == "psycopg"
         and session.dialect.paramstyle == "pyformat"
@@ -405,7 +412,7 @@ def _job_row(
                 "(a mapping's own 'unique_key' too), which skips a duplicate; enqueue_many() "
                 "would abort your transaction on one",
             )
-        elif key in statements.MANAGED_COLUMNS:
+        elif key in statements.MANAGED_COLUMNS or key in statements.CONTEXT_COLUMNS:
             raise InvalidJobError(key, "is set by the queue, not by the enqueuer")
         elif key not in own:
             raise InvalidJobError(key, f"is not a column of {model.__name__}")
@@ -432,8 +439,10 @@ def _next_chunk(
 
 def _insert_chunk(session: Session, table: Table, chunk: tuple[str, int]) -> int:
     # INSERT ... SELECT from the document inserts every row of it or raises (the driver
-    # reports no row count for it when the statement is prepared).
-    session.execute(_statement(statements.enqueue_many, table), {"rows": chunk[0]})
+    # reports no row count for it when the statement is prepared). The trace context is
+    # the span current at this statement (sqla_jobs.tracing), for every row of it.
+    params = {"rows": chunk[0], "trace_context": tracing.enqueue_context()}
+    session.execute(_statement(statements.enqueue_many, table), params)
     return chunk[1]
 
 
@@ -828,8 +837,8 @@ def claim(
     running = JobStatus.RUNNING.value
     # Positional, in the order of the claim statement's RETURNING: the hot path.
     jobs = [
-        ClaimedJob(model, job_id, queue, task, args, priority, attempt, maximum, run_at, lease)
-        for job_id, status, queue, task, args, priority, attempt, maximum, run_at, lease in rows
+        ClaimedJob(model, job_id, queue, task, args, prio, attempt, maximum, run_at, lease, trace)
+        for job_id, status, queue, task, args, prio, attempt, maximum, run_at, lease, trace in rows
         if status == running
     ]
     if len(jobs) < len(rows):
@@ -897,7 +906,7 @@ def _check_holdable(session: Executor) -> None:
 def _log_exhausted(rows: Sequence[Any], running: str) -> None:
     # Jobs the claim made dead: their last attempt's lease ran out (its worker died). Logged
     # here, by whoever claimed, so that alerting on errors hears of a crash-looping job.
-    for job_id, status, queue, task, _args, _priority, attempt, maximum, _run_at, _lease in rows:
+    for job_id, status, queue, task, _args, _priority, attempt, maximum, *_ in rows:
         if status == running:
             continue
         if status == JobStatus.CANCELLED.value:

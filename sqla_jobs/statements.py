@@ -166,6 +166,10 @@ MANAGED_COLUMNS: Final = frozenset(
     }
 )
 
+#: The columns filled in from the enqueuer's context, never from the enqueuer's values
+#: (schema version 3: the trace context, see sqla_jobs.tracing).
+CONTEXT_COLUMNS: Final = frozenset({"trace_context"})
+
 
 #: The unique-job columns (schema version 3), written only by :func:`enqueue_unique`.
 UNIQUE_COLUMNS: Final = frozenset({"unique_key", "unique_statuses"})
@@ -178,14 +182,15 @@ ORDERING_COLUMNS: Final = frozenset({"ordering_key", "key_limit"})
 
 def enqueue_columns(table: Table) -> tuple[str, ...]:
     """The columns :func:`enqueue_many` inserts: :data:`ENQUEUE_COLUMNS`, then the model's own
-    columns (neither the mixin's inputs nor :data:`MANAGED_COLUMNS` nor
-    :data:`UNIQUE_COLUMNS`) in table order."""
+    columns (neither the mixin's inputs, nor :data:`MANAGED_COLUMNS`, nor
+    :data:`UNIQUE_COLUMNS`, nor :data:`CONTEXT_COLUMNS`) in table order."""
     own = tuple(
         c.name
         for c in table.columns
         if c.name not in MANAGED_COLUMNS
         and c.name not in ENQUEUE_COLUMNS
         and c.name not in UNIQUE_COLUMNS
+        and c.name not in CONTEXT_COLUMNS
     )
     return ENQUEUE_COLUMNS + own
 
@@ -223,12 +228,17 @@ def enqueue_many(table: Table) -> Insert:
     The keys are :func:`enqueue_columns`; a missing key or a JSON null takes the column's
     server default (``coalesce``), so a row lands exactly as an ORM insert without that
     value would, and the columns not inserted (``id``, ``status``, ``attempts``,
-    ``created_at``, ...) take their defaults as usual. Locks: only the new rows. The
-    statement-level NOTIFY trigger runs once per statement.
+    ``created_at``, ...) take their defaults as usual. ``:trace_context`` (a JSON object, or
+    NULL) is every row's ``trace_context``. Locks: only the new rows. The statement-level
+    NOTIFY trigger runs once per statement.
     """
     columns, rows, values = _recordset_values(table)
+    trace_context = table.c.trace_context
+    values.append(bindparam("trace_context", type_=trace_context.type))
     return insert(table).from_select(
-        [c.name for c in columns], select(*values).select_from(rows), include_defaults=False
+        [*(c.name for c in columns), trace_context.name],
+        select(*values).select_from(rows),
+        include_defaults=False,
     )
 
 
@@ -413,6 +423,8 @@ def _start_attempts(table: Table, claimable: Any) -> Update:
             table.c.max_attempts,
             table.c.run_at,
             table.c.lease_expires_at,
+            # NULL unless the job was enqueued under a span: free on the wire and to decode.
+            table.c.trace_context,
         )
     )
 
@@ -455,8 +467,9 @@ def claim(table: Table, *, queue_count: int) -> Update:
     requested is made ``cancelled`` (:func:`_cancel_requested`): callers must hand out only
     the rows whose status is ``running``.
 
-    Parameters: ``:queue_name`` (one queue) or ``:queue_names`` (an array), ``:limit``,
-    ``:lease_seconds``, ``:worker``.
+    Returns the job's columns (``trace_context`` last, NULL unless the job was enqueued
+    under a trace). Parameters: ``:queue_name`` (one queue) or ``:queue_names`` (an array),
+    ``:limit``, ``:lease_seconds``, ``:worker``.
     """
     now = _now()
     limit = bindparam("limit", type_=Integer)

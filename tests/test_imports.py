@@ -1,5 +1,5 @@
 """What importing the runtime pulls in: never the benchmark, the demo, the embedded server
-or the dashboard (nor Starlette, Jinja2, uvicorn).
+or the dashboard (nor Starlette, Jinja2, uvicorn), or OpenTelemetry.
 
 They sit on top of the runtime (``sqla-jobs bench`` and ``sqla-jobs demo`` import them when
 they run), so a worker process loads none of their code, and none of Alembic's.
@@ -21,6 +21,8 @@ ON_TOP = (
     "sqla_jobs.migrations",
     "sqla_jobs.metrics",
     "sqla_jobs.dashboard",
+    # Imported only once the application has loaded OpenTelemetry (sqla_jobs.tracing).
+    "sqla_jobs.tracing.otel",
 )
 THIRD_PARTY_ON_TOP = (
     "alembic",
@@ -32,6 +34,7 @@ THIRD_PARTY_ON_TOP = (
     "multipart",
     "python_multipart",
     "selenium",
+    "opentelemetry",
 )
 
 

@@ -853,3 +853,43 @@ def test_a_version_2_table_is_reported_and_upgraded_in_place_with_its_keyed_jobs
         assert "ordering_key" not in columns
         assert "key_limit" not in columns
         assert connection.execute(sa.text("SELECT task FROM email_jobs")).scalars().all() == ["old"]
+
+
+def test_the_0003_revisions_add_the_trace_context_column_in_place(db_engine: sa.Engine) -> None:
+    config = example_config(url_of(db_engine))
+    for revision in ("0002_claim_indexes", "sqla_jobs_0002"):
+        command.upgrade(config, revision)
+    add_jobs_in_every_state(db_engine)
+    before = rows_by_status(db_engine)
+    version_2 = catalog(db_engine)
+
+    command.upgrade(config, "heads")
+
+    assert rows_by_status(db_engine) == before
+    assert schema_differences(db_engine, all_metadata()) == []
+    command.check(config)
+    columns = {(row[0], row[1]): row[2:] for row in catalog(db_engine)["columns"]}
+    for table in JOB_TABLES:
+        # jsonb, nullable, no default: added without rewriting the table.
+        assert columns[(table, "trace_context")] == (
+            "jsonb",
+            None,
+            "YES",
+            None,
+            "NO",
+            None,
+        )
+    with db_engine.begin() as connection:
+        (job,) = sqla_jobs.claim(connection, models.EmailJob, queues=["q0"], limit=1)
+        # The jobs that were there before have no trace context.
+        assert job.trace_context is None
+        assert (
+            connection.execute(
+                sa.text("SELECT count(*) FROM email_jobs WHERE trace_context IS NOT NULL")
+            ).scalar_one()
+            == 0
+        )
+
+    command.downgrade(config, "0002_claim_indexes")
+    command.downgrade(config, "sqla_jobs_0002")
+    assert catalog(db_engine) == version_2

@@ -143,6 +143,7 @@ def bare_insert(cfg: Config, count: int) -> float:
                     {"queue": Q_ENQUEUE, "task": "bench_noop", "args": {"n": n}}
                     for n in range(first, min(first + cfg.chunk, count))
                 ]
-                connection.execute(insert_sql, {"rows": encode(rows)}, prepare=True)
+                params = {"rows": encode(rows), "trace_context": None}  # no span: NULL
+                connection.execute(insert_sql, params, prepare=True)
         elapsed = time.perf_counter() - started
     return count / elapsed

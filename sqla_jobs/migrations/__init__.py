@@ -42,6 +42,9 @@ indexes built concurrently on the live table::
     def downgrade() -> None:
         jobs.downgrade_job_table_to_v1("email_jobs")
 
+A version-2 table becomes version 3 with each feature's in-place helper (the trace context:
+:func:`add_trace_context` / :func:`drop_trace_context`).
+
 **Lease columns** (:class:`~sqla_jobs.LeaseMixin`) on a table of yours that already exists:
 :func:`add_lease_columns` / :func:`drop_lease_columns` from your revision. For a new table,
 autogenerate writes them itself (the lease index is a plain one, which it compares).
@@ -93,6 +96,7 @@ from sqla_jobs.migrations.operations import (
     add_lease_columns,
     add_ordering_keys,
     add_unique_keys,
+    add_trace_context,
     create_claim_index,
     create_claim_indexes,
     create_job_table,
@@ -115,6 +119,7 @@ from sqla_jobs.migrations.operations import (
     drop_result_table,
     drop_schedule_table,
     drop_unique_keys,
+    drop_trace_context,
     upgrade_job_table_to_v2,
     upgrade_job_table_to_v3,
 )
@@ -131,6 +136,7 @@ __all__ = [
     "add_lease_columns",
     "add_ordering_keys",
     "add_unique_keys",
+    "add_trace_context",
     "check_claim_indexes",
     "check_job_tables",
     "create_claim_index",
@@ -157,6 +163,7 @@ __all__ = [
     "drop_schedule_table",
     "drop_unique_keys",
     "include_name",
+    "drop_trace_context",
     "upgrade",
     "upgrade_job_table_to_v2",
     "upgrade_job_table_to_v3",

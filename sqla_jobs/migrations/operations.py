@@ -21,7 +21,9 @@ Schema versions:
    the nullable columns ``unique_key`` and ``unique_statuses`` and the partial unique index
    ``(unique_key) WHERE unique_key IS NOT NULL AND status = ANY (unique_statuses)``
    (:func:`add_unique_keys`); cancel: a nullable ``cancel_requested_at`` column (when
-   :func:`sqla_jobs.cancel` asked a running job's worker to stop it; :func:`add_cancel`).
+   :func:`sqla_jobs.cancel` asked a running job's worker to stop it; :func:`add_cancel`);
+   traces: the nullable ``trace_context`` JSONB column (the enqueuer's trace context,
+   :mod:`sqla_jobs.tracing`; :func:`add_trace_context`).
    :func:`create_job_table` builds it with ``version=3``.
 
    Version 3 also has the dead index ``(queue, finished_at, id) WHERE status = 'dead'``,
@@ -83,6 +85,7 @@ __all__ = [
     "add_lease_columns",
     "add_ordering_keys",
     "add_unique_keys",
+    "add_trace_context",
     "create_claim_index",
     "create_claim_indexes",
     "create_job_table",
@@ -105,6 +108,7 @@ __all__ = [
     "drop_result_table",
     "drop_schedule_table",
     "drop_unique_keys",
+    "drop_trace_context",
     "upgrade_job_table_to_v2",
     "upgrade_job_table_to_v3",
 ]
@@ -141,6 +145,8 @@ KEYED_PENDING_INDEX_PREDICATE = "status = 'pending' AND ordering_key IS NOT NULL
 KEY_INDEX_COLUMNS = ("ordering_key", "status", "attempts", "priority", "run_at", "id")
 KEY_INDEX_PREDICATE = "ordering_key IS NOT NULL AND status IN ('pending', 'running')"
 _NAME_LENGTH = 200
+# Version 3 (trace context): one nullable column.
+TRACE_CONTEXT_COLUMN = "trace_context"
 _STATUSES = "'pending', 'running', 'succeeded', 'dead', 'cancelled'"
 
 
@@ -187,6 +193,10 @@ def _ordering_key_columns() -> list[sa.Column[Any]]:
         sa.Column("ordering_key", sa.String(ORDERING_KEY_LENGTH), nullable=True),
         sa.Column("key_limit", sa.SmallInteger(), nullable=True),
     ]
+
+
+def _trace_context_column() -> sa.Column[Any]:
+    return sa.Column(TRACE_CONTEXT_COLUMN, JSONB, nullable=True)
 
 
 def _result_table_items() -> list[SchemaItem]:
@@ -277,7 +287,7 @@ def create_job_table(
             jobs.create_job_table(
                 "email_jobs",
                 sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id")),
-                version=2,
+                version=3,
             )
             jobs.create_result_table("email_job_results")
 
@@ -294,6 +304,7 @@ def create_job_table(
         items += _unique_columns()
         items.append(_cancel_column())
         items += _ordering_key_columns()
+        items.append(_trace_context_column())
     table = op.create_table(table_name, *items, *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
@@ -329,7 +340,12 @@ def _history_items(table_name: str, extra: tuple[SchemaItem, ...]) -> list[Schem
     # version 3): every job column, nullable as in the job table but id and finished_at,
     # without defaults, identity or foreign keys; then the result; the key (id, finished_at).
     columns: list[SchemaItem] = []
-    v3_columns = [*_unique_columns(), _cancel_column(), *_ordering_key_columns()]
+    v3_columns = [
+        *_unique_columns(),
+        _cancel_column(),
+        *_ordering_key_columns(),
+        _trace_context_column(),
+    ]
     for item in (*_job_table_items(table_name), *v3_columns, *extra):
         if isinstance(item, sa.Column):
             nullable = False if item.name in ("id", PARTITION_KEY) else item.nullable
@@ -565,10 +581,12 @@ def upgrade_job_table_to_v3(table_name: str, *, schema: str | None = None) -> No
     add_unique_keys(table_name, schema=schema)
     add_cancel(table_name, schema=schema)
     add_ordering_keys(table_name, schema=schema)
+    add_trace_context(table_name, schema=schema)
 
 
 def downgrade_job_table_to_v2(table_name: str, *, schema: str | None = None) -> None:
     """Undo :func:`upgrade_job_table_to_v3`, feature by feature, in reverse order."""
+    drop_trace_context(table_name, schema=schema)
     drop_ordering_keys(table_name, schema=schema)
     drop_cancel(table_name, schema=schema)
     drop_unique_keys(table_name, schema=schema)
@@ -817,6 +835,39 @@ def drop_ordering_keys(table_name: str, *, schema: str | None = None) -> None:
     table = ddl.qualified_name(table_name, schema)
     _execute(
         f"ALTER TABLE {table} DROP COLUMN IF EXISTS key_limit, DROP COLUMN IF EXISTS ordering_key"
+    )
+
+
+def add_trace_context(table_name: str, *, schema: str | None = None) -> None:
+    """Upgrade a version-2 job table to version 3 in place: add the ``trace_context`` column.
+
+    A nullable column without a default: PostgreSQL adds it without rewriting the table or
+    reading a row, under a brief ``ACCESS EXCLUSIVE`` lock (set a ``lock_timeout`` in the
+    revision on a busy table). Existing jobs have no trace context. Deploy the revision
+    before the code that declares the column: the claim returns it.
+
+    A revision of yours::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.add_trace_context("email_jobs")
+
+        def downgrade() -> None:
+            jobs.drop_trace_context("email_jobs")
+    """
+    _execute(
+        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
+        f"ADD COLUMN IF NOT EXISTS {TRACE_CONTEXT_COLUMN} JSONB"
+    )
+
+
+def drop_trace_context(table_name: str, *, schema: str | None = None) -> None:
+    """Undo :func:`add_trace_context`: drop the ``trace_context`` column (and the jobs'
+    trace contexts with it)."""
+    _execute(
+        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
+        f"DROP COLUMN IF EXISTS {TRACE_CONTEXT_COLUMN}"
     )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextvars
 import inspect
 import logging
 import threading
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from sqlalchemy.orm import Session
 
-from sqla_jobs import statements, validation
+from sqla_jobs import statements, tracing, validation
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.history.schema import has_history
@@ -74,7 +75,13 @@ def job_extra(attempt: Attempt, action: str, **more: Any) -> dict[str, Any]:
     }
 
 
-async def _awaited(awaitable: Awaitable[_T], attempt: Attempt) -> _T:
+async def _awaited(
+    awaitable: Awaitable[_T], attempt: Attempt, context: contextvars.Context
+) -> _T:
+    # The handler thread's context variables (the attempt's trace span among them), in the
+    # event loop task's own copy of its context: the coroutine runs as if called there.
+    for variable, value in context.items():
+        variable.set(value)
     task = asyncio.current_task()
     attempt.aio_task = task
     if attempt.cancel_requested and task is not None:
@@ -252,7 +259,11 @@ class Runner:
         """Run one attempt to exactly one outcome (see the module docstring)."""
         outcome = Outcome(Kind.RELEASE, why="its handler thread ended unexpectedly")
         try:
-            outcome = self._execute(attempt)
+            # The attempt's trace span (a no-op unless OpenTelemetry is loaded): it records
+            # an error that escapes, and is told the outcome of one that does not.
+            with tracing.attempt_span(attempt.job) as span:
+                outcome = self._execute(attempt)
+                span.settled(outcome.kind.value, outcome.error)
         except BaseException as exc:  # the handler's error, whatever it is, fails the job
             outcome = Outcome(Kind.FAIL, error=exc)
         finally:
@@ -310,7 +321,9 @@ class Runner:
 
     def _await(self, attempt: Attempt, awaitable: Awaitable[_T]) -> _T:
         """Await on the event loop, from this handler thread."""
-        future = asyncio.run_coroutine_threadsafe(_awaited(awaitable, attempt), self._event_loop())
+        future = asyncio.run_coroutine_threadsafe(
+            _awaited(awaitable, attempt, contextvars.copy_context()), self._event_loop()
+        )
         attempt.future = future
         try:
             return future.result()
