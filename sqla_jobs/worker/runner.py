@@ -75,9 +75,7 @@ def job_extra(attempt: Attempt, action: str, **more: Any) -> dict[str, Any]:
     }
 
 
-async def _awaited(
-    awaitable: Awaitable[_T], attempt: Attempt, context: contextvars.Context
-) -> _T:
+async def _awaited(awaitable: Awaitable[_T], attempt: Attempt, context: contextvars.Context) -> _T:
     # The handler thread's context variables (the attempt's trace span among them), in the
     # event loop task's own copy of its context: the coroutine runs as if called there.
     for variable, value in context.items():
