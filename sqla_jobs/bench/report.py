@@ -68,9 +68,7 @@ TARGETS: Final = [
     ),
     _at_least("history.claim.big", "claim at big history >= 0.9 of 10k", 0.90),
     _at_least("memory.drain_rate", "long drain >= 0.85 of the 50k drain's rate", 0.85),
-    _at_least(
-        "history.partitioned.big", "partitioned: claim at big history >= 0.9 of 10k", 0.90
-    ),
+    _at_least("history.partitioned.big", "partitioned: claim at big history >= 0.9 of 10k", 0.90),
     _at_least("keys.claim.keyed", "keyed claim >= 0.7 of the plain claim", 0.70),
     _at_least("keys.claim.keyed_limit3", "keyed claim (key_limit 3) >= 0.7 of plain", 0.70),
     Target(

@@ -107,9 +107,7 @@ def complete(table: Table) -> Insert:
         moved,
         result=case((requested, null()), else_=results.op("->")(key)),
         overrides={
-            "status": case(
-                (requested, _lit(JobStatus.CANCELLED)), else_=_lit(JobStatus.SUCCEEDED)
-            ),
+            "status": case((requested, _lit(JobStatus.CANCELLED)), else_=_lit(JobStatus.SUCCEEDED)),
             PARTITION_KEY: _now(),
             "lease_expires_at": null(),
         },
