@@ -1299,11 +1299,16 @@ def cancel(session: Executor, model: type[JobMixin], job_id: int) -> JobStatus:
         raise InvalidJobError("job_id", f"must be an integer, not {type(job_id).__name__}")
     table = _job_table(model)
     params = {"job_id": job_id}
+    history = has_history(model)
     if session.execute(_statement(statements.cancel, table), params).first() is not None:
+        if history:  # a cancelled job moves into the history at once
+            session.execute(_statement(history_statements.move_finished, table), params)
         return JobStatus.CANCELLED
     if session.execute(_statement(statements.request_cancel, table), params).first() is not None:
         return JobStatus.RUNNING
     status = session.execute(_statement(statements.status_of, table), params).scalar()
+    if status is None and history:
+        status = session.execute(_statement(history_statements.status_of, table), params).scalar()
     if status is None:
         raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
     if status == JobStatus.CANCELLED.value:

@@ -587,7 +587,8 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
     # Each version-1 table: its six new indexes missing (two claim indexes of version 2; the
     # dead, unique, keyed pending and key indexes of version 3), its old one left over.
-    assert len(problems) == 7 * len(JOB_MODELS)
+    # (archive_jobs comes with 0004: missing altogether here.)
+    assert len([p for p in problems if "archive_jobs" not in p]) == 7 * (len(JOB_MODELS) - 1)
     assert "add_unique_keys('email_jobs')" in "".join(problems)
     assert "upgrade_job_table_to_v2('email_jobs')" in "".join(problems)
 
@@ -793,7 +794,8 @@ def test_the_0003_revisions_upgrade_version_2_tables_in_place_without_a_rewrite(
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
     # Each table: the dead, unique, keyed pending and key indexes missing, and its pending
     # index of version 2 (without keyed jobs left out).
-    assert len(problems) == 5 * len(JOB_MODELS)
+    # (archive_jobs comes with 0004: missing altogether here.)
+    assert len([p for p in problems if "archive_jobs" not in p]) == 5 * (len(JOB_MODELS) - 1)
     assert "add_unique_keys('email_jobs')" in "".join(problems)
 
     command.upgrade(config, "heads")
