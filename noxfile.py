@@ -79,7 +79,11 @@ def tests(session: nox.Session) -> None:
 
 # Long-running proofs of the library's own logic that the embedded ``tests`` session runs in
 # full; the other sessions leave them out by default.
-_HEAVY_PROOFS = ["--ignore=tests/test_bench.py", "--ignore=tests/test_lease_proof.py"]
+_HEAVY_PROOFS = [
+    "--ignore=tests/test_bench.py",
+    "--ignore=tests/test_lease_proof.py",
+    "--ignore=tests/test_unique_concurrency.py",
+]
 
 
 @nox.session

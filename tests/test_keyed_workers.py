@@ -105,12 +105,14 @@ def test_same_key_jobs_run_one_at_a_time_in_order_across_workers(
     db: JobDatabase, workers: Workers, task: str
 ) -> None:
     keys = ["a", "b", "c"]
+    # Every worker runs before the jobs exist, so that more than one takes part (a worker
+    # that started first on a busy machine could otherwise drain them all alone).
+    for worker in [workers.start(target=TARGET, concurrency=4) for _ in range(3)]:
+        worker.wait_log("action=worker_started", timeout=60)
     enqueued: dict[str, list[int]] = {key: [] for key in keys}
     for n in range(12):
         for key in keys:
             enqueued[key].append(enqueue(db, task, key, sleep=0.02 * (n % 3)))
-    for _ in range(3):
-        workers.start(target=TARGET, concurrency=4)
     total = 12 * len(keys)
     wait_until(lambda: db.all_succeeded(total), timeout=120, message="every job succeeds")
     spans = intervals(db)
