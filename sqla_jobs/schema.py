@@ -313,7 +313,9 @@ class JobMixin:
     # Schema version 3: the enqueuer's trace context (W3C ``traceparent``/``tracestate`` as
     # the OpenTelemetry propagator writes them), or NULL; set at insert (sqla_jobs.tracing).
     trace_context: Mapped[dict[str, str] | None] = mapped_column(
-        JSONB(none_as_null=True), server_default=FetchedValue()
+        # (JSONB's constructor is untyped in SQLAlchemy 2.0.30, the lowest version.)
+        JSONB(none_as_null=True),  # type: ignore[no-untyped-call, unused-ignore]
+        server_default=FetchedValue(),
     )
 
     @declared_attr.directive

@@ -76,4 +76,4 @@ def seed(engine: sa.Engine) -> Seeded:
 def statuses(engine: sa.Engine) -> dict[int, str]:
     with engine.connect() as connection:
         rows = connection.execute(sa.select(EmailJob.id, EmailJob.status)).all()
-    return dict(rows)
+    return {row[0]: row[1] for row in rows}

@@ -348,7 +348,7 @@ def keyed_claim_plans(
     return lock_plan, claim_plan_, len(keys)
 
 
-def index_reads(plan: dict[str, Any]) -> list[dict[str, Any]]:
+def index_reads(plan: dict[str, Any], max_filtered: int = 0) -> list[dict[str, Any]]:
     reads = [
         n
         for n in nodes(plan["Plan"])
@@ -359,7 +359,7 @@ def index_reads(plan: dict[str, Any]) -> list[dict[str, Any]]:
     for read in reads:
         assert read["Node Type"] in ("Index Scan", "Index Only Scan"), read["Node Type"]
         assert read["Index Name"] in allowed, read["Index Name"]
-        assert read.get("Rows Removed by Filter", 0) == 0, read
+        assert read.get("Rows Removed by Filter", 0) <= max_filtered, read
     return reads
 
 
@@ -369,7 +369,8 @@ def test_the_keyed_claim_reads_a_few_pages_per_key_whatever_the_backlog(
 ) -> None:
     queues = [f"q{i}" for i in range(queue_count)]
     seed_pending(queue_engine, queues, PENDING)  # plain jobs: never read by the keyed claim
-    seed_keyed(queue_engine, queues, PENDING, running=30)
+    running = 30
+    seed_keyed(queue_engine, queues, PENDING, running=running)
     for generic in (False, True):
         lock_plan, claim_plan_, keys = keyed_claim_plans(queue_engine, queues, generic=generic)
         reads = index_reads(lock_plan)
@@ -377,7 +378,10 @@ def test_the_keyed_claim_reads_a_few_pages_per_key_whatever_the_backlog(
         assert sum(buffers(r) for r in reads) <= PAGES_PER_QUEUE * queue_count
         scan = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
         assert LIMIT <= keys <= scan  # the keys of the first ``scan`` jobs in claim order
-        reads = index_reads(claim_plan_)
+        # PostgreSQL 15 may filter the locked keys' jobs in progress out of a key-index range
+        # instead of bounding the range with them: rows of the keys in progress, never of
+        # the backlog (PostgreSQL 18 filters none).
+        reads = index_reads(claim_plan_, max_filtered=running * queue_count)
         assert N.key_index in {r["Index Name"] for r in reads}
         # Three ranges of the key index per key (~3 pages each, and the rows of up to
         # KEY_CLAIM_MAX new jobs), and two primary-key lookups per chosen job (locked, then

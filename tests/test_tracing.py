@@ -263,7 +263,8 @@ def test_a_worker_process_continues_the_trace_of_each_enqueue(
 
     def statuses() -> dict[str, str]:
         with Session(traced_db) as session:
-            return dict(session.execute(sa.select(TracedJob.task, TracedJob.status)).all())
+            rows = session.execute(sa.select(TracedJob.task, TracedJob.status)).all()
+            return {row[0]: row[1] for row in rows}
 
     final = {
         "succeeds": "succeeded",

@@ -29,7 +29,7 @@ def _keys(engine: sa.Engine) -> list[tuple[int, str | None, str]]:
         rows = connection.execute(
             sa.select(EmailJob.id, EmailJob.unique_key, EmailJob.status).order_by(EmailJob.id)
         )
-        return [tuple(row) for row in rows]  # type: ignore[misc]
+        return [tuple(row) for row in rows]  # type: ignore[misc, unused-ignore]
 
 
 class _NoSql:

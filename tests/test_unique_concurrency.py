@@ -40,7 +40,7 @@ def test_eight_processes_enqueue_each_key_once_through_random_rollbacks(
         rows = connection.execute(
             sa.select(EmailJob.unique_key, EmailJob.id).order_by(EmailJob.id)
         ).all()
-    jobs = dict(rows)
+    jobs: dict[str | None, int] = {row[0]: row[1] for row in rows}
     assert len(jobs) == len(rows)  # exactly one job per key
     committed_keys = {key for told in committed for key in told}
     assert set(jobs) == committed_keys  # none lost, none from a rolled-back transaction
