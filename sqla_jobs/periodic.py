@@ -44,7 +44,7 @@ __all__ = ["Schedule", "enqueue_due", "slot_key"]
 logger = logging.getLogger(__name__)
 
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_MICROSECOND: Final = timedelta(microseconds=1)
+_AHEAD: Final = timedelta(minutes=1)
 #: The shortest interval: a slot per second.
 MIN_INTERVAL: Final = timedelta(seconds=1)
 
@@ -115,11 +115,15 @@ class Schedule:
             every = cast(timedelta, self.every)
             return _EPOCH + ((now - _EPOCH) // every) * every
         zone: ZoneInfo = self.__dict__["_zone"]
-        # CronSim's reverse iteration starts strictly before its start: one microsecond on,
-        # so that a slot exactly at now counts.
-        local = (now + _MICROSECOND).astimezone(zone)
-        slot: datetime = next(CronSim(cast(str, self.cron), local, reverse=True))
-        return slot.astimezone(timezone.utc)
+        # Reverse iteration from a minute on, so that a slot exactly at now counts: CronSim
+        # releases differ in how they round the start of a reverse iteration and whether
+        # they return it (2.6 and 2.8 do not agree), so the first slot not after now is the
+        # answer, whichever way.
+        local = (now + _AHEAD).astimezone(zone)
+        for slot in CronSim(cast(str, self.cron), local, reverse=True):
+            if slot <= now:
+                return slot.astimezone(timezone.utc)
+        raise ScheduleError(f"{self!r} has no slot before {now.isoformat()}")
 
     def next_slot(self, now: datetime) -> datetime:
         """The first slot after ``now`` (an aware datetime), in UTC."""
