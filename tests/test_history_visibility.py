@@ -252,6 +252,16 @@ def test_the_dashboard_lists_and_shows_history_jobs(
     pending = enqueue(queue_engine)
     assert where(queue_engine, succeeded) == (0, 1)
 
+    overview = client.get("/")
+    assert overview.status_code == 200
+    row = re.search(r'<tr data-queue="default">(.*?)</tr>', overview.text, re.S)
+    assert row is not None
+    cells = re.findall(r'<td class="num">(?:<a [^>]*>)?(?:<span [^>]*>)?([^<]+)<', row.group(1))
+    # pending running dead (the history's dead job), oldest pending, succeeded 5 min / 1 h,
+    # dead 1 h: the throughput counts the history's finished jobs
+    assert cells[:3] == ["1", "0", "1"]
+    assert cells[4:] == ["1", "1", "1"]
+
     listed = client.get("/jobs")
     assert listed.status_code == 200
     assert ids_on(listed.text) == [pending, dead, succeeded]

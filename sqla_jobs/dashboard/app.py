@@ -401,15 +401,20 @@ class _Dashboard:
     async def overview(self, request: Request, csrf: str) -> Response:
         if request.query_params:
             raise PageError(400, "this page takes no parameters")
-        table, scan = self.s.table, self.s.scan
+        scan = self.s.scan
 
         def read(connection: Connection) -> tuple[list[Any], list[Any]]:
             stats = queue.queue_stats(connection, self.s.model)
-            recent = connection.execute(
-                built(statements.recent_throughput, table, scan=scan),
-                {"before": statements.MAX_ID},
-            ).all()
-            return stats, list(recent)
+            # Each source's newest window (a model with history: its finished jobs are there).
+            recent = [
+                row
+                for source in self.sources
+                for row in connection.execute(
+                    built(statements.recent_throughput, source.table, scan=scan),
+                    {"before": statements.MAX_ID},
+                )
+            ]
+            return stats, recent
 
         stats, recent = await self.run(read)
         queues: dict[str, dict[str, Any]] = {}
@@ -421,8 +426,9 @@ class _Dashboard:
         scanned = 0
         for item in recent:
             scanned += item.scanned
-            queues.setdefault(item.queue, {"counts": {}, "oldest": None, "recent": None})
-            queues[item.queue]["recent"] = item
+            row = queues.setdefault(item.queue, {"counts": {}, "oldest": None, "recent": None})
+            sums = row["recent"] or {"succeeded_5m": 0, "succeeded_1h": 0, "dead_1h": 0}
+            row["recent"] = {key: sums[key] + getattr(item, key) for key in sums}
         totals = {s: sum(q["counts"].get(s, 0) for q in queues.values()) for s in self.counted}
         return self.render(
             request,
