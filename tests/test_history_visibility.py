@@ -22,6 +22,7 @@ from starlette.testclient import TestClient
 
 import sqla_jobs
 from sqla_jobs import cli, statements
+from sqla_jobs import migrations as jobs
 from sqla_jobs.dashboard import create_app
 from sqla_jobs.history import create_partitions, history_names, history_table, list_partitions
 
@@ -305,3 +306,13 @@ def test_the_dashboard_retries_a_history_job_and_refuses_to_delete_one(
     assert deleted.status_code == 200
     assert where(queue_engine, dead) == (0, 0)
     assert client.post(f"/jobs/{dead}/retry", data={"csrf": csrf}).status_code == 404
+
+
+def test_check_job_tables_wants_the_history_dead_index(queue_engine: sa.Engine) -> None:
+    with queue_engine.connect() as connection:
+        assert jobs.check_job_tables(connection, ArchiveJob) == []
+        connection.execute(sa.text(f'DROP INDEX "{NAMES.dead_index}"'))
+        (problem,) = jobs.check_job_tables(connection, ArchiveJob)
+        assert f"has no dead index {NAMES.dead_index}" in problem
+        connection.rollback()  # the index comes back
+        assert jobs.check_job_tables(connection, ArchiveJob) == []
