@@ -210,6 +210,14 @@ def test_the_history_is_read_through_its_dead_index(
             assert indexes, (name, plan)
             history_indexes = {i for i in indexes if i.startswith(NAMES.table)}
             assert history_indexes == partitions, (name, plan)
+            if name == "queue_stats":  # counted from the index alone
+                assert {n["Node Type"] for n in on_history} == {"Index Only Scan"}, plan
+            if name == "dead_jobs":
+                # The newest first, backwards along each partition's index: it stops at
+                # the limit instead of reading every dead job of the history.
+                assert {(n["Node Type"], n.get("Scan Direction")) for n in on_history} == {
+                    ("Index Scan", "Backward")
+                }, json.dumps(plan)
             # A few pages, not the history's hundreds.
             blocks = plan["Plan"]["Shared Hit Blocks"] + plan["Plan"].get("Shared Read Blocks", 0)
             assert blocks < 100, (name, plan["Plan"])

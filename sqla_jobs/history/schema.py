@@ -15,7 +15,7 @@ a lookup by id reads one index entry per partition. The table is ``PARTITION BY 
 (finished_at)``, one partition per UTC day (``email_jobs_history_p20260131``) and a
 ``DEFAULT`` partition that catches a row no day partition takes (maintenance did not run),
 so that a completion never fails for want of a partition. A partial index of the dead
-jobs, ``(queue, finished_at, id) WHERE status = 'dead'`` (``email_jobs_history_dead_idx``,
+jobs, ``(finished_at, id, queue) WHERE status = 'dead'`` (``email_jobs_history_dead_idx``,
 one on each partition), lets health count and list them without reading the rest of the
 history.
 
@@ -158,8 +158,10 @@ def history_table(model: type[Any] | Table) -> Table:
         *columns,
         PrimaryKeyConstraint("id", PARTITION_KEY, name=n.primary_key),
         # The dead jobs (a partitioned index: one partial index on each partition), so
-        # that health counts and lists them without reading the rest of the history.
-        Index(n.dead_index, "queue", PARTITION_KEY, "id", postgresql_where=text(dead_predicate())),
+        # that health counts and lists them without reading the rest of the history:
+        # finish time first, so that dead_jobs reads the newest backwards and stops at its
+        # limit; queue last, so that queue_stats counts them from the index alone.
+        Index(n.dead_index, PARTITION_KEY, "id", "queue", postgresql_where=text(dead_predicate())),
         schema=job.schema,
         postgresql_partition_by=f"RANGE ({PARTITION_KEY})",
         info={"sqla_jobs_history_of": job.name},

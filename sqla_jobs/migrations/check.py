@@ -232,7 +232,7 @@ def _history_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
             f"{label}: has no dead index {n.dead_index}, from which health counts and lists "
             "its dead jobs; create it from a revision with CREATE INDEX "
             f"{n.dead_index} ON {ddl.qualified_name(n.table, table.schema)} "
-            "(queue, finished_at, id) WHERE status = 'dead' (or recreate the table with "
+            "(finished_at, id, queue) WHERE status = 'dead' (or recreate the table with "
             f"{fix})"
         )
         return [problem]

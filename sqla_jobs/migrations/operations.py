@@ -391,7 +391,7 @@ def add_history(table_name: str, *extra: SchemaItem, schema: str | None = None) 
     op.create_index(
         n.dead_index,
         n.table,
-        ["queue", PARTITION_KEY, "id"],
+        [PARTITION_KEY, "id", "queue"],
         schema=schema,
         postgresql_where=sa.text(DEAD_INDEX_PREDICATE),
     )
