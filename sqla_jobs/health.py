@@ -3,7 +3,8 @@
 :func:`read_gauges` answers "is the queue keeping up, and will the table stay fast" in a few
 index reads: job counts by queue and live status, the oldest runnable job's age, the expired
 leases and the dead jobs (from the claim's partial indexes and the dead index, never from
-the finished history), the oldest snapshot on the server that holds back vacuum, and the job
+the finished history; for a model with ``partitioned_history``, also from its history
+table's dead index), the oldest snapshot on the server that holds back vacuum, and the job
 table's dead tuples and sizes (from PostgreSQL's statistics). Every age is measured by the
 database's clock. ``sqla-jobs status`` prints them, ``sqla-jobs health`` checks them against
 :class:`Thresholds`, the worker's metrics endpoint exports them, and a dashboard can reuse
@@ -151,7 +152,8 @@ def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
     """Read every health gauge of ``model``'s job table, in the caller's transaction.
 
     Four statements, none of which reads the finished history: :func:`~sqla_jobs.queue_stats`
-    (the pending, running and dead partial indexes), :func:`sqla_jobs.statements.table_stats`
+    (the pending, running and dead partial indexes, and the history's dead index for a model
+    with ``partitioned_history``), :func:`sqla_jobs.statements.table_stats`
     (statistics and catalog), :func:`sqla_jobs.statements.oldest_xmin` (``pg_stat_activity``,
     ``pg_prepared_xacts``, ``pg_replication_slots``) and the database's clock. Takes no lock.
     """

@@ -68,7 +68,7 @@ from sqla_jobs.errors import (
     UniqueJobError,
 )
 from sqla_jobs.history import statements as history_statements
-from sqla_jobs.history.schema import has_history
+from sqla_jobs.history.schema import has_history, history_table
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.schema import (
     DEFAULT_QUEUE,
@@ -1435,7 +1435,9 @@ def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
     Cheap at any size of history: it reads only the pending, running and dead partial
     indexes (:func:`sqla_jobs.statements.queue_stats`), so its cost grows with the jobs
     waiting, running and dead, never with the succeeded and cancelled rows, which it does
-    not count. Ages are the database's clock. Takes no lock; runs in the caller's
+    not count. For a model with ``partitioned_history`` the dead count includes the dead
+    jobs in its history table (read from the history's dead index, not from the history).
+    Ages are the database's clock. Takes no lock; runs in the caller's
     transaction. For the server-wide gauges (vacuum, table size) see
     :func:`sqla_jobs.health.read_gauges`.
     """
@@ -1451,8 +1453,16 @@ def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
             runnable=int(row.runnable),
             expired_leases=int(row.expired),
         )
-        for row in session.execute(_statement(statements.queue_stats, table))
+        for row in session.execute(
+            _statement(statements.queue_stats, table, history=_dead_history(model, table))
+        )
     ]
+
+
+def _dead_history(model: type[JobMixin], table: Table) -> Table | None:
+    # A model with partitioned_history keeps its dead jobs in its history table: health
+    # reads them there too (from the history's dead index), other models pay nothing.
+    return history_table(table) if has_history(model) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1468,10 +1478,14 @@ class DeadJob:
 
 
 def dead_jobs(session: Executor, model: type[JobMixin], *, limit: int = 20) -> list[DeadJob]:
-    """The ``limit`` most recently finished dead jobs, newest first, with their last error."""
+    """The ``limit`` most recently finished dead jobs, newest first, with their last error
+    (for a model with ``partitioned_history``, those in its history table too)."""
     table = _job_table(model)
     _check_count("limit", limit, MAX_CLAIM_LIMIT)
-    rows = session.execute(_statement(statements.dead_jobs, table), {"limit": limit})
+    rows = session.execute(
+        _statement(statements.dead_jobs, table, history=_dead_history(model, table)),
+        {"limit": limit},
+    )
     return [
         DeadJob(
             id=row.id,

@@ -1108,7 +1108,7 @@ def vacuum(table: Table) -> DDL:
     )
 
 
-def queue_stats(table: Table) -> Any:
+def queue_stats(table: Table, *, history: Table | None = None) -> Any:
     """Live job counts by queue: ``queue, status, total, runnable, oldest_runnable_seconds,
     expired``, one row per queue and status among ``pending``, ``running`` and ``dead``.
 
@@ -1120,6 +1120,10 @@ def queue_stats(table: Table) -> Any:
     column read), so the cost grows with the jobs waiting, running and dead, and not with
     the succeeded or cancelled rows. ``succeeded`` and ``cancelled`` are not counted: they
     are history (:func:`table_stats` estimates the table's row count). Takes no lock.
+
+    With ``history`` (the partitioned history table of a model with ``partitioned_history``)
+    its dead jobs count too: read from the history's dead index (one partial index on each
+    partition), never from its succeeded or cancelled rows.
     """
     now = _now()
     due = table.c.run_at <= now
@@ -1162,12 +1166,26 @@ def queue_stats(table: Table) -> Any:
         no_age.label("oldest_runnable_seconds"),
         zero.label("expired"),
     )
-    parts = union_all(
+    selects = [
         pending(table.c.ordering_key.is_(None)),
         pending(table.c.ordering_key.is_not(None)),
         running,
         dead,
-    ).subquery("parts")
+    ]
+    if history is not None:
+        selects.append(
+            select(
+                history.c.queue,
+                _lit(JobStatus.DEAD).label("status"),
+                func.count().label("total"),
+                zero.label("runnable"),
+                no_age.label("oldest_runnable_seconds"),
+                zero.label("expired"),
+            )
+            .where(history.c.status == _lit(JobStatus.DEAD))
+            .group_by(history.c.queue)
+        )
+    parts = union_all(*selects).subquery("parts")
     return (
         select(
             parts.c.queue,
@@ -1432,20 +1450,36 @@ def backend_transaction() -> Select[Any]:
     return select(func.pg_backend_pid(), func.extract("epoch", func.transaction_timestamp()))
 
 
-def dead_jobs(table: Table) -> Select[Any]:
+def dead_jobs(table: Table, *, history: Table | None = None) -> Select[Any]:
     """The ``:limit`` most recently finished dead jobs: ``id, queue, task, attempts,
     finished_at, last_error``. Reads the dead index (schema version 3) and the heap rows
-    it points to, never the finished history."""
-    return (
-        select(
-            table.c.id,
-            table.c.queue,
-            table.c.task,
-            table.c.attempts,
-            table.c.finished_at,
-            table.c.last_error,
+    it points to, never the finished history.
+
+    With ``history`` (the partitioned history table of a model with ``partitioned_history``)
+    the dead jobs there are listed too: read through the history's dead index (one partial
+    index on each partition) and the rows it points to, never its other rows.
+    """
+
+    def newest(source: Table) -> Select[Any]:
+        return (
+            select(
+                source.c.id,
+                source.c.queue,
+                source.c.task,
+                source.c.attempts,
+                source.c.finished_at,
+                source.c.last_error,
+            )
+            .where(source.c.status == _lit(JobStatus.DEAD))
+            .order_by(source.c.finished_at.desc(), source.c.id.desc())
+            .limit(bindparam("limit", type_=Integer))
         )
-        .where(table.c.status == _lit(JobStatus.DEAD))
-        .order_by(table.c.finished_at.desc(), table.c.id.desc())
+
+    if history is None:
+        return newest(table)
+    both = union_all(newest(table), newest(history)).subquery("dead")
+    return (
+        select(*both.c)
+        .order_by(both.c.finished_at.desc(), both.c.id.desc())
         .limit(bindparam("limit", type_=Integer))
     )

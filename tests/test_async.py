@@ -18,7 +18,15 @@ import pytest
 import sqlalchemy as sa
 import worker_tasks
 from conftest import FreshDatabase, async_url
-from models import EmailJob, EmailJobResult, EmailJobSchedule, Order, ReportJob, ReportJobResult
+from models import (
+    ArchiveJob,
+    EmailJob,
+    EmailJobResult,
+    EmailJobSchedule,
+    Order,
+    ReportJob,
+    ReportJobResult,
+)
 from sqlalchemy.dialects.postgresql import asyncpg as postgresql_asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -36,6 +44,7 @@ from sqla_jobs import (
     queue,
     statements,
 )
+from sqla_jobs.history import history_table
 from sqla_jobs.registry import Registry
 from sqla_jobs.testing import assert_enqueued
 
@@ -129,7 +138,9 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
             variants = [{"local": True}, {"local": False}]
         elif "name" in parameters:  # reset_setting(name): one of the worker's settings
             variants = [{"name": setting} for setting in sorted(statements.WORKER_SETTINGS)]
-        known = set(tables) | {"queue_count", "local", "name"}
+        elif "history" in parameters:  # a model with partitioned_history reads it too
+            variants = [{}, {"history": history_table(ArchiveJob)}]
+        known = set(tables) | {"queue_count", "local", "name", "history"}
         assert set(parameters) <= known, f"{name}: teach this test its parameters"
         for options in variants:
             built = builder(*args, **options)

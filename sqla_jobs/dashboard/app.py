@@ -62,6 +62,7 @@ from sqla_jobs.errors import (
     JobStateError,
     SqlaJobsError,
 )
+from sqla_jobs.history.schema import RESULT_COLUMN, has_history, history_table
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
 
 __all__ = ["DEFAULT_PAGE_SIZE", "DEFAULT_SCAN", "MIN_TOKEN_LENGTH", "create_app"]
@@ -79,6 +80,7 @@ _DONE: Final = {
     "cancel_requested": "running: its worker was asked to stop it",
     "deleted": "deleted",
 }
+_IN_HISTORY: Final = object()  # a delete refused: the job is in the partitioned history
 _ACTIONS: Final = {
     "retry": (queue.retry, "retried"),
     "cancel": (queue.cancel, "cancelled"),
@@ -259,8 +261,14 @@ Handler = Callable[[Request, str], Awaitable[Response]]
 class _Dashboard:
     def __init__(self, settings: _Settings) -> None:
         self.s = settings
-        # The job table; a history table of finished jobs would be a second source.
+        # The job table; for a model with partitioned_history, its history table of
+        # finished jobs is a second source (the list merges both by id).
+        self.history: TableSource | None = None
+        if has_history(settings.model):
+            self.history = TableSource(history_table(settings.table), settings.scan)
         self.sources = [TableSource(settings.table, settings.scan)]
+        if self.history is not None:
+            self.sources.append(self.history)
         self.env = Environment(
             loader=FileSystemLoader(_TEMPLATES),
             autoescape=select_autoescape(default=True, default_for_string=True),
@@ -393,15 +401,20 @@ class _Dashboard:
     async def overview(self, request: Request, csrf: str) -> Response:
         if request.query_params:
             raise PageError(400, "this page takes no parameters")
-        table, scan = self.s.table, self.s.scan
+        scan = self.s.scan
 
         def read(connection: Connection) -> tuple[list[Any], list[Any]]:
             stats = queue.queue_stats(connection, self.s.model)
-            recent = connection.execute(
-                built(statements.recent_throughput, table, scan=scan),
-                {"before": statements.MAX_ID},
-            ).all()
-            return stats, list(recent)
+            # Each source's newest window (a model with history: its finished jobs are there).
+            recent = [
+                row
+                for source in self.sources
+                for row in connection.execute(
+                    built(statements.recent_throughput, source.table, scan=scan),
+                    {"before": statements.MAX_ID},
+                )
+            ]
+            return stats, recent
 
         stats, recent = await self.run(read)
         queues: dict[str, dict[str, Any]] = {}
@@ -413,8 +426,9 @@ class _Dashboard:
         scanned = 0
         for item in recent:
             scanned += item.scanned
-            queues.setdefault(item.queue, {"counts": {}, "oldest": None, "recent": None})
-            queues[item.queue]["recent"] = item
+            row = queues.setdefault(item.queue, {"counts": {}, "oldest": None, "recent": None})
+            sums = row["recent"] or {"succeeded_5m": 0, "succeeded_1h": 0, "dead_1h": 0}
+            row["recent"] = {key: sums[key] + getattr(item, key) for key in sums}
         totals = {s: sum(q["counts"].get(s, 0) for q in queues.values()) for s in self.counted}
         return self.render(
             request,
@@ -469,12 +483,18 @@ class _Dashboard:
         row, stored = await self.run(read)
         if row is None:
             raise PageError(404, f"no job {job_id} in {table.fullname}")
+        # A job found in the history table: its result is the row's own result column.
+        in_history = self.history is not None and RESULT_COLUMN in row
+        if in_history and row[RESULT_COLUMN] is not None:
+            stored = {"value": row[RESULT_COLUMN], "finished_at": row["finished_at"]}
         shown = set(statements.LIST_COLUMNS) | {
             "args",
             "last_error",
             "leased_by",
             "lease_expires_at",
         }
+        if in_history:
+            shown.add(RESULT_COLUMN)
         extra = [(key, value) for key, value in row.items() if key not in shown]
         return self.render(
             request,
@@ -483,7 +503,8 @@ class _Dashboard:
             job=row,
             extra=extra,
             result=stored,
-            has_results=result_table is not None,
+            has_results=result_table is not None or in_history,
+            in_history=in_history,
             done=_DONE.get(request.query_params.get("done", "")),
         )
 
@@ -501,7 +522,13 @@ class _Dashboard:
             raise PageError(403, "the form's CSRF token did not match: nothing was changed")
         operation, done = _ACTIONS[action]
 
+        history = self.history
+
         def act(connection: Connection) -> object:
+            if action == "delete" and history is not None and history.job(connection, job_id):
+                # A finished job in the partitioned history is pruned with its partition
+                # (sqla-jobs prune, sqla_jobs.history.drop_partitions), never row by row.
+                return _IN_HISTORY
             return operation(connection, self.s.model, job_id)
 
         try:
@@ -512,6 +539,13 @@ class _Dashboard:
             raise PageError(409, f"{exc}: nothing was changed") from None
         except SqlaJobsError as exc:
             raise PageError(400, str(exc)) from None
+        if outcome is _IN_HISTORY:
+            raise PageError(
+                409,
+                f"job {job_id} is in the history table {history_table(self.s.table).fullname}, "
+                "which is pruned by whole partitions (sqla-jobs prune), not job by job: "
+                "nothing was changed",
+            )
         if action == "cancel" and outcome is JobStatus.RUNNING:
             done = "cancel_requested"  # a running job ends cancelled once its worker hears
         if action == "delete":

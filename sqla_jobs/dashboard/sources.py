@@ -1,9 +1,9 @@
 """Where the dashboard reads jobs from, and the job list's pages over one or more sources.
 
 A :class:`TableSource` is a table with the job columns whose ids grow with time: the job
-table today. Finished jobs may later live in a history table of their own; it becomes a
-second source, and :func:`read_page` merges the sources' windows by id, newest first, so
-the list and its cursor stay the same.
+table, and for a model with ``partitioned_history`` its history table of finished jobs as a
+second source. :func:`read_page` merges the sources' windows by id, newest first, so the
+list and its cursor stay the same.
 """
 
 from __future__ import annotations

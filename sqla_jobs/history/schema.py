@@ -14,7 +14,10 @@ pointed at), plus ``result`` (jsonb, the handler's return value). The primary ke
 a lookup by id reads one index entry per partition. The table is ``PARTITION BY RANGE
 (finished_at)``, one partition per UTC day (``email_jobs_history_p20260131``) and a
 ``DEFAULT`` partition that catches a row no day partition takes (maintenance did not run),
-so that a completion never fails for want of a partition.
+so that a completion never fails for want of a partition. A partial index of the dead
+jobs, ``(finished_at, id, queue) WHERE status = 'dead'`` (``email_jobs_history_dead_idx``,
+one on each partition), lets health count and list them without reading the rest of the
+history.
 
 Map a class of your own onto it to query it::
 
@@ -29,13 +32,13 @@ from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta, timezone
 from typing import Any, Final
 
-from sqlalchemy import Column, PrimaryKeyConstraint, Table, event
+from sqlalchemy import Column, Index, PrimaryKeyConstraint, Table, event, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapper
 
 from sqla_jobs.ddl import executable, qualified_name
 from sqla_jobs.errors import ConfigurationError
-from sqla_jobs.schema import JobMixin, _identifier
+from sqla_jobs.schema import JobMixin, _identifier, dead_predicate
 
 __all__ = [
     "PARTITION_KEY",
@@ -69,6 +72,7 @@ class HistoryNames:
     job_table: str
     table: str
     primary_key: str
+    dead_index: str
     default_partition: str
     lock_key: str
 
@@ -84,6 +88,7 @@ def history_names(job_table: str, schema: str | None = None) -> HistoryNames:
         job_table=job_table,
         table=table,
         primary_key=_identifier(table, "pkey"),
+        dead_index=_identifier(table, "dead_idx"),
         default_partition=_identifier(table, "pdefault"),
         # The advisory lock that keeps two maintenance runs of one history apart.
         lock_key=f"sqla_jobs.history:{qualified_name(table, schema)}",
@@ -152,6 +157,11 @@ def history_table(model: type[Any] | Table) -> Table:
         job.metadata,
         *columns,
         PrimaryKeyConstraint("id", PARTITION_KEY, name=n.primary_key),
+        # The dead jobs (a partitioned index: one partial index on each partition), so
+        # that health counts and lists them without reading the rest of the history:
+        # finish time first, so that dead_jobs reads the newest backwards and stops at its
+        # limit; queue last, so that queue_stats counts them from the index alone.
+        Index(n.dead_index, PARTITION_KEY, "id", "queue", postgresql_where=text(dead_predicate())),
         schema=job.schema,
         postgresql_partition_by=f"RANGE ({PARTITION_KEY})",
         info={"sqla_jobs_history_of": job.name},

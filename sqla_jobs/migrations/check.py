@@ -38,7 +38,8 @@ _INDEX_SHAPE = sa.text(
       AND i.indrelid = to_regclass(:table_name)
     """
 )
-# A history table's shape: partitioned, by what, and whether it has a DEFAULT partition.
+# A history table's shape: partitioned, by what, whether it has a DEFAULT partition and
+# its dead index (health reads the history's dead jobs from it).
 _HISTORY_SHAPE = sa.text(
     """
     SELECT
@@ -47,7 +48,11 @@ _HISTORY_SHAPE = sa.text(
         EXISTS (
             SELECT 1 FROM pg_inherits AS i JOIN pg_class AS p ON p.oid = i.inhrelid
             WHERE i.inhparent = c.oid AND pg_get_expr(p.relpartbound, p.oid) = 'DEFAULT'
-        ) AS has_default
+        ) AS has_default,
+        EXISTS (
+            SELECT 1 FROM pg_index AS x
+            WHERE x.indexrelid = to_regclass(:dead_index) AND x.indrelid = c.oid
+        ) AS has_dead_index
     FROM pg_class AS c
     WHERE c.oid = to_regclass(:history)
     """
@@ -210,7 +215,11 @@ def _history_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
     label = f"history table {n.table} of {table.fullname}"
     fix = f"sqla_jobs.migrations.add_history{_arguments(table)} (with your own columns)"
     row = connection.execute(
-        _HISTORY_SHAPE, {"history": ddl.qualified_name(n.table, table.schema)}
+        _HISTORY_SHAPE,
+        {
+            "history": ddl.qualified_name(n.table, table.schema),
+            "dead_index": ddl.qualified_name(n.dead_index, table.schema),
+        },
     ).one_or_none()
     if row is None:
         return [f"{label}: missing from the database; create it from a revision with {fix}"]
@@ -218,6 +227,15 @@ def _history_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
         return [f"{label}: not partitioned by RANGE ({PARTITION_KEY}); recreate it with {fix}"]
     if not row.has_default:
         return [f"{label}: has no DEFAULT partition; recreate it with {fix}"]
+    if not row.has_dead_index:
+        problem = (
+            f"{label}: has no dead index {n.dead_index}, from which health counts and lists "
+            "its dead jobs; create it from a revision with CREATE INDEX "
+            f"{n.dead_index} ON {ddl.qualified_name(n.table, table.schema)} "
+            "(finished_at, id, queue) WHERE status = 'dead' (or recreate the table with "
+            f"{fix})"
+        )
+        return [problem]
     return []
 
 

@@ -386,6 +386,15 @@ def add_history(table_name: str, *extra: SchemaItem, schema: str | None = None) 
         schema=schema,
         postgresql_partition_by=f"RANGE ({PARTITION_KEY})",
     )
+    # The dead jobs' partial index (on the still empty parent: a partitioned index that each
+    # partition gets its own copy of), read by health (queue_stats, dead_jobs).
+    op.create_index(
+        n.dead_index,
+        n.table,
+        [PARTITION_KEY, "id", "queue"],
+        schema=schema,
+        postgresql_where=sa.text(DEAD_INDEX_PREDICATE),
+    )
     _execute(create_default_partition(table_name, schema))
     return table
 
