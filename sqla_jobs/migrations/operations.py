@@ -214,6 +214,18 @@ def _execute(sql: str) -> None:
     op.execute(ddl.executable(sql))
 
 
+def _add_columns(table_name: str, schema: str | None, *definitions: str) -> None:
+    # One ALTER TABLE of nullable columns without defaults (no rewrite); IF NOT EXISTS, so
+    # that an upgrade interrupted after it can run again.
+    adds = ", ".join(f"ADD COLUMN IF NOT EXISTS {definition}" for definition in definitions)
+    _execute(f"ALTER TABLE {ddl.qualified_name(table_name, schema)} {adds}")
+
+
+def _drop_columns(table_name: str, schema: str | None, *columns: str) -> None:
+    drops = ", ".join(f"DROP COLUMN IF EXISTS {column}" for column in columns)
+    _execute(f"ALTER TABLE {ddl.qualified_name(table_name, schema)} {drops}")
+
+
 def _v2_indexes(table_name: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
     n = names(table_name)
     return (
@@ -678,10 +690,11 @@ def add_unique_keys(table_name: str, *, schema: str | None = None) -> None:
         def downgrade() -> None:
             jobs.drop_unique_keys("email_jobs")
     """
-    _execute(
-        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
-        f"ADD COLUMN IF NOT EXISTS unique_key VARCHAR({_UNIQUE_KEY_LENGTH}), "
-        "ADD COLUMN IF NOT EXISTS unique_statuses VARCHAR(16)[]"
+    _add_columns(
+        table_name,
+        schema,
+        f"unique_key VARCHAR({_UNIQUE_KEY_LENGTH})",
+        "unique_statuses VARCHAR(16)[]",
     )
     with op.get_context().autocommit_block():
         _drop_index(
@@ -705,10 +718,7 @@ def drop_unique_keys(table_name: str, *, schema: str | None = None) -> None:
             concurrently=True,
             if_exists=True,
         )
-    _execute(
-        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
-        "DROP COLUMN IF EXISTS unique_statuses, DROP COLUMN IF EXISTS unique_key"
-    )
+    _drop_columns(table_name, schema, "unique_statuses", "unique_key")
 
 
 def create_schedule_table(
@@ -751,18 +761,12 @@ def add_cancel(table_name: str, *, schema: str | None = None) -> None:
         def downgrade() -> None:
             jobs.drop_cancel("email_jobs")
     """
-    _execute(
-        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
-        f"ADD COLUMN IF NOT EXISTS {CANCEL_REQUESTED_COLUMN} TIMESTAMP WITH TIME ZONE"
-    )
+    _add_columns(table_name, schema, f"{CANCEL_REQUESTED_COLUMN} TIMESTAMP WITH TIME ZONE")
 
 
 def drop_cancel(table_name: str, *, schema: str | None = None) -> None:
     """Undo :func:`add_cancel`: drop the ``cancel_requested_at`` column."""
-    _execute(
-        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
-        f"DROP COLUMN IF EXISTS {CANCEL_REQUESTED_COLUMN}"
-    )
+    _drop_columns(table_name, schema, CANCEL_REQUESTED_COLUMN)
 
 
 def _v3_indexes(table_name: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
@@ -820,11 +824,8 @@ def add_ordering_keys(table_name: str, *, schema: str | None = None) -> None:
         def downgrade() -> None:
             jobs.drop_ordering_keys("email_jobs")
     """
-    table = ddl.qualified_name(table_name, schema)
-    _execute(
-        f"ALTER TABLE {table} "
-        f"ADD COLUMN IF NOT EXISTS ordering_key VARCHAR({ORDERING_KEY_LENGTH}), "
-        "ADD COLUMN IF NOT EXISTS key_limit SMALLINT"
+    _add_columns(
+        table_name, schema, f"ordering_key VARCHAR({ORDERING_KEY_LENGTH})", "key_limit SMALLINT"
     )
     with op.get_context().autocommit_block():
         for name, columns, predicate in _v3_indexes(table_name):
@@ -841,10 +842,7 @@ def drop_ordering_keys(table_name: str, *, schema: str | None = None) -> None:
         _swap_pending_index(table_name, PENDING_INDEX_PREDICATE, schema=schema)
         for name, _, _ in _v3_indexes(table_name):
             _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
-    table = ddl.qualified_name(table_name, schema)
-    _execute(
-        f"ALTER TABLE {table} DROP COLUMN IF EXISTS key_limit, DROP COLUMN IF EXISTS ordering_key"
-    )
+    _drop_columns(table_name, schema, "key_limit", "ordering_key")
 
 
 def add_trace_context(table_name: str, *, schema: str | None = None) -> None:
@@ -865,19 +863,13 @@ def add_trace_context(table_name: str, *, schema: str | None = None) -> None:
         def downgrade() -> None:
             jobs.drop_trace_context("email_jobs")
     """
-    _execute(
-        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
-        f"ADD COLUMN IF NOT EXISTS {TRACE_CONTEXT_COLUMN} JSONB"
-    )
+    _add_columns(table_name, schema, f"{TRACE_CONTEXT_COLUMN} JSONB")
 
 
 def drop_trace_context(table_name: str, *, schema: str | None = None) -> None:
     """Undo :func:`add_trace_context`: drop the ``trace_context`` column (and the jobs'
     trace contexts with it)."""
-    _execute(
-        f"ALTER TABLE {ddl.qualified_name(table_name, schema)} "
-        f"DROP COLUMN IF EXISTS {TRACE_CONTEXT_COLUMN}"
-    )
+    _drop_columns(table_name, schema, TRACE_CONTEXT_COLUMN)
 
 
 def create_notify_trigger(table_name: str, *, schema: str | None = None) -> None:
