@@ -685,6 +685,7 @@ def _insert_unique(session: Session, table: Table, rows: list[dict[str, Any]]) -
     results: list[Enqueued | None] = [None] * len(rows)
     todo = list(range(len(rows)))
     statement = _statement(statements.enqueue_unique, table)
+    trace_context = tracing.enqueue_context()  # as in _insert_chunk
     for _ in range(_MAX_UNIQUE_ROUNDS):
         batch = [rows[i] | {"n": position} for position, i in enumerate(todo)]
         try:
@@ -693,7 +694,8 @@ def _insert_unique(session: Session, table: Table, rows: list[dict[str, Any]]) -
             raise InvalidJobError("jobs", str(exc)) from exc
         seen: set[str] = set()
         unresolved: list[int] = []
-        for n, key, inserted_id, holder_id in session.execute(statement, {"rows": document}):
+        params = {"rows": document, "trace_context": trace_context}
+        for n, key, inserted_id, holder_id in session.execute(statement, params):
             index = todo[n]
             if inserted_id is not None:
                 results[index] = Enqueued(inserted_id, key not in seen, key)

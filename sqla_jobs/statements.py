@@ -249,10 +249,10 @@ def enqueue_unique(table: Table) -> Select[Any]:
     ``:rows`` is :func:`enqueue_many`'s JSON document, each object with three more keys:
     ``unique_key`` (the key, or its base when there is a period), ``unique_period`` (the
     period in seconds, or null), ``unique_statuses`` (the statuses in which the job holds
-    its key) and ``n`` (the row's position). With a period, the stored key is
-    ``<base>@<bucket>``, the bucket being ``floor(epoch(run_at) / period)``: the period is
-    the one the job's ``run_at`` falls in, and ``run_at`` defaults to the database's
-    ``now()``, the transaction's start.
+    its key) and ``n`` (the row's position); ``:trace_context`` as for :func:`enqueue_many`.
+    With a period, the stored key is ``<base>@<bucket>``, the bucket being
+    ``floor(epoch(run_at) / period)``: the period is the one the job's ``run_at`` falls in,
+    and ``run_at`` defaults to the database's ``now()``, the transaction's start.
 
     ``INSERT ... ON CONFLICT (unique_key) WHERE <unique predicate> DO NOTHING``, arbitrated by
     the unique index: a duplicate is skipped, never an error, so the caller's transaction
@@ -286,9 +286,11 @@ def enqueue_unique(table: Table) -> Select[Any]:
         (rows.c.unique_period.is_(None), base),
         else_=base + literal_column("'@'") + cast(bucket, Text),
     )
+    trace_context = table.c.trace_context
     source = (
         select(
             *(value.label(name) for name, value in zip(names_, values, strict=True)),
+            bindparam("trace_context", type_=trace_context.type).label(trace_context.name),
             key.label("unique_key"),
             cast(rows.c.unique_statuses, table.c.unique_statuses.type).label("unique_statuses"),
             rows.c.n,
@@ -297,7 +299,7 @@ def enqueue_unique(table: Table) -> Select[Any]:
         .select_from(rows)
         .cte("source")
     )
-    inserted_columns = [*names_, "unique_key", "unique_statuses"]
+    inserted_columns = [*names_, trace_context.name, "unique_key", "unique_statuses"]
     # In key order: two transactions inserting the same keys take them in the same order,
     # so their waits on each other's uncommitted keys cannot deadlock.
     first = (

@@ -347,3 +347,16 @@ def test_a_worker_process_continues_the_trace_of_each_enqueue(
     assert untraced["parent_id"] is None
     assert untraced["links"] == []
     assert untraced["context"]["trace_id"] != trace_id
+
+
+def test_enqueue_unique_stores_it_for_the_jobs_it_inserts(db_session: Session) -> None:
+    with tracer.start_as_current_span("signup") as span:
+        first = sqla_jobs.enqueue_unique(db_session, models.EmailJob(task="welcome"))
+        again = sqla_jobs.enqueue_unique(db_session, models.EmailJob(task="welcome"))
+    sqla_jobs.enqueue_unique_many(db_session, models.EmailJob, [{"task": "untraced"}])
+
+    assert first.inserted
+    assert not again.inserted
+    assert again.id == first.id
+    expected = {"traceparent": traceparent(span.get_span_context())}
+    assert stored(db_session, models.EmailJob) == [("welcome", expected), ("untraced", None)]
