@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import sqla_jobs
 from sqla_jobs import bench
 
 
@@ -31,8 +32,9 @@ def test_quick_bench_writes_every_section(
     assert machine["server_version"]
     metrics = document["metrics"]
     sections = {name.split(".")[0] for name in metrics}
-    # Every section ran, but the one whose PgBouncer is not installed, which says why.
-    assert set(document["skipped"]) <= {"pgbouncer"}
+    # Every section ran, but the one whose PgBouncer is not installed and the one that needs
+    # --baseline, which say why.
+    assert set(document["skipped"]) <= {"pgbouncer", "baseline"}
     assert sections | set(document["skipped"]) == set(bench.SECTIONS)
     assert not sections & set(document["skipped"])
     for name, metric in metrics.items():
@@ -103,3 +105,34 @@ def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> No
     assert "unknown sections" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--jobs", "0"])
+
+
+@pytest.mark.slow
+def test_the_baseline_section_runs_each_version_in_its_own_process(
+    server_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # This version against itself: the mechanism, not a comparison.
+    checkout = Path(sqla_jobs.__file__).resolve().parent.parent
+    out = tmp_path / "bench.json"
+    argv = ["--database-url", server_url, "--quick", "--only", "baseline", "--json", str(out)]
+    assert bench.main([*argv, "--baseline", str(checkout)]) == 0
+
+    metrics = json.loads(out.read_text())["metrics"]
+    for operation in ("claim", "enqueue_many", "add_all"):
+        current, before = metrics[f"baseline.{operation}"], metrics[f"baseline.{operation}.before"]
+        assert current["ceiling"] == f"baseline.{operation}.before"
+        assert current["median"] > 0
+        assert before["median"] > 0
+        client = metrics[f"baseline.{operation}.client_us"]
+        assert client["ceiling"] == f"baseline.{operation}.client_us.before"
+        assert not client["higher_is_better"]
+    assert "claim >= 0.95 of --baseline's" in capsys.readouterr().out
+
+
+def test_a_baseline_without_sqla_jobs_is_refused_before_any_server_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as raised:
+        bench.main(["--only", "baseline", "--baseline", str(tmp_path)])
+    assert raised.value.code == 2
+    assert "no sqla_jobs package there" in capsys.readouterr().err

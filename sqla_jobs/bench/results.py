@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 __all__ = ["SECTIONS", "SWEEP", "Config", "Metric", "Results"]
@@ -19,6 +20,7 @@ SECTIONS: Final = (
     "pgbouncer",
     "async",
     "keys",
+    "baseline",
 )
 
 #: The batch sizes the ceiling's plain loops are measured at; the best is the ceiling.
@@ -42,6 +44,8 @@ class Config:
     chunk: int = 1_000
     latency_samples: int = 200
     sections: tuple[str, ...] = SECTIONS
+    #: The checkout the ``baseline`` section compares this version with.
+    baseline: Path | None = None
 
 
 @dataclass

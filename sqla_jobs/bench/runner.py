@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from sqla_jobs.bench import partitioned, report, scratch, workers
 from sqla_jobs.bench.asynchronous import run_async
+from sqla_jobs.bench.baseline import check_baseline, run_baseline
 from sqla_jobs.bench.bouncer import run_pgbouncer
 from sqla_jobs.bench.drain import run_drain
 from sqla_jobs.bench.enqueue import run_enqueue
@@ -64,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-samples", type=int, help="wake-ups measured (200)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (for tests)")
     parser.add_argument("--only", help=f"comma-separated sections of: {','.join(SECTIONS)}")
+    parser.add_argument(
+        "--baseline",
+        metavar="PATH",
+        help="a checkout of another commit (the directory holding its sqla_jobs package): "
+        "the baseline section measures this version against it",
+    )
     return parser
 
 
@@ -118,6 +125,11 @@ def _config(args: argparse.Namespace, url: str) -> Config:
         if unknown:
             raise _usage(f"unknown sections {sorted(unknown)}; of {SECTIONS}")
         cfg.sections = chosen
+    if args.baseline is not None:
+        try:
+            cfg.baseline = check_baseline(args.baseline)
+        except ValueError as exc:
+            raise _usage(str(exc)) from None
     return cfg
 
 
@@ -170,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_async(cfg, engine, results)
             if "keys" in cfg.sections:
                 run_keys(cfg, engine, results)
+            if "baseline" in cfg.sections:
+                run_baseline(cfg, results)
         if "history" in cfg.sections:
             run_history(cfg, engine, results)
             partitioned.run_partitioned_history(cfg, engine, results, scratch.progress)
