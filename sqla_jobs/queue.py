@@ -859,6 +859,16 @@ KEY_SCAN_EXTRA: Final = 16
 KEY_CLAIM_MAX: Final = 16
 
 
+def key_lock_params(queue_names: list[str], limit: int) -> dict[str, Any]:
+    """:func:`statements.lock_keys`'s parameters for a keyed claim of ``limit`` jobs."""
+    return {
+        "queue_names": queue_names,
+        "scan": limit + KEY_SCAN_EXTRA,
+        "want": limit + KEY_SCAN_EXTRA,
+        "per_key": min(limit, KEY_CLAIM_MAX),
+    }
+
+
 def _claim_rows(
     session: Executor,
     table: Table,
@@ -871,8 +881,7 @@ def _claim_rows(
     if not keys:
         return list(_rows(session, statements.claim, table, params, queue_count=queue_count))
     limit = params["limit"]
-    scan = limit + KEY_SCAN_EXTRA
-    locked = _rows(session, statements.lock_keys, table, {"queue_names": queue_names, "scan": scan})
+    locked = _rows(session, statements.lock_keys, table, key_lock_params(queue_names, limit))
     rows: list[Any] = []
     if locked:
         keyed = {

@@ -322,8 +322,7 @@ def keyed_claim_plans(
     first locked, in one transaction that is rolled back."""
     lock_sql = str(statements.lock_keys(TABLE).compile(dialect=engine.dialect))
     claim_sql = str(statements.claim_keyed(TABLE).compile(dialect=engine.dialect))
-    scan = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
-    lock_params = {"queue_names": queues, "scan": scan}
+    lock_params = sqla_jobs.queue.key_lock_params(queues, LIMIT)
     with engine.connect() as connection:
         transaction = connection.begin()
         cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
@@ -390,6 +389,25 @@ def test_the_keyed_claim_reads_a_few_pages_per_key_whatever_the_backlog(
             (r["Index Name"], r.get("Actual Loops"), r["Actual Rows"], buffers(r)) for r in reads
         ]
         assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
+
+
+@pytest.mark.parametrize("key_limit", [1, 3])
+def test_the_keyed_claim_locks_the_keys_it_needs_for_its_batch(
+    queue_engine: sa.Engine, key_limit: int
+) -> None:
+    # Keys whose limit is 3 can each start 3 jobs: a third as many keys fill the batch, and
+    # the claim reads a third as many keys' rows; which jobs it takes is the same.
+    seed(
+        queue_engine,
+        "INSERT INTO email_jobs (queue, task, run_at, ordering_key, key_limit) "
+        "SELECT 'q0', 'keyed', now() - interval '1 hour' + n * interval '1 ms', "
+        "'customer:' || (n % 500), :key_limit FROM generate_series(1, 5000) AS n",
+        key_limit=key_limit,
+    )
+    _, claim_plan_, keys = keyed_claim_plans(queue_engine, ["q0"], generic=False)
+    wanted = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
+    assert keys == -(-wanted // key_limit)  # the keys whose capacity reaches ``wanted``
+    assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
 
 
 def test_the_plain_claim_does_not_read_keyed_jobs(queue_engine: sa.Engine) -> None:
