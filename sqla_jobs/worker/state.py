@@ -58,6 +58,9 @@ class Kind(enum.Enum):
     COMMITTED = "committed"  # a lock-mode handler's transaction completed it: nothing to write
 
 
+_WRITES = frozenset((Kind.COMPLETE, Kind.FAIL, Kind.CANCEL, Kind.RELEASE))
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     kind: Kind
@@ -71,7 +74,7 @@ class Outcome:
 
     @property
     def writes(self) -> bool:
-        return self.kind in (Kind.COMPLETE, Kind.FAIL, Kind.CANCEL, Kind.RELEASE)
+        return self.kind in _WRITES
 
 
 @dataclass(eq=False, slots=True)
@@ -278,9 +281,12 @@ class State:
     def written(self, attempts: Iterable[Attempt]) -> None:
         """These attempts' outcomes are committed (or given up): no longer held."""
         with self.lock:
+            held = self.held
             for attempt in attempts:
-                if self.held.get(attempt.key) is attempt:
-                    del self.held[attempt.key]
+                job = attempt.job
+                key = (job.id, job.attempt)
+                if held.get(key) is attempt:
+                    del held[key]
 
     # -- the heartbeat's and the supervisor's side --------------------------------------
 
