@@ -90,13 +90,10 @@ def test_a_prefetched_job_whose_lease_ran_out_is_given_back_not_started(
         )
     assert not db.started(behind, attempt=1)  # given back unstarted
     # It ran on a later attempt (the release, or a claim that found its lease expired).
-    assert [e.attempt > 1 for e in db.effects(behind, "start")] == [True]
-    assert any(
-        getattr(r, "action", None) == "jobs_released"
-        and behind in getattr(r, "job_ids", [])
-        and "lease may have run out" in getattr(r, "reason", "")
-        for r in caplog.records
-    )
+    starts = [effect.attempt for effect in db.effects(behind, "start")]
+    assert starts and min(starts) > 1
+    # Given back (or, when a claim took the expired job over first, fenced out), with why.
+    assert any("lease may have run out" in record.getMessage() for record in caplog.records)
 
 
 def test_concurrency_one_runs_jobs_one_at_a_time_with_a_prefetch(db: JobDatabase) -> None:
