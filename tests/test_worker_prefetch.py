@@ -91,7 +91,8 @@ def test_a_prefetched_job_whose_lease_ran_out_is_given_back_not_started(
     assert not db.started(behind, attempt=1)  # given back unstarted
     # It ran on a later attempt (the release, or a claim that found its lease expired).
     starts = [effect.attempt for effect in db.effects(behind, "start")]
-    assert starts and min(starts) > 1
+    assert starts
+    assert min(starts) > 1
     # Given back (or, when a claim took the expired job over first, fenced out), with why.
     assert any("lease may have run out" in record.getMessage() for record in caplog.records)
 
