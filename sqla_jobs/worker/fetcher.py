@@ -1,8 +1,8 @@
 """The fetch loop: claims jobs for free slots and hands them to the handler threads.
 
 One claim per round, in a short transaction of its own that commits (the attempt is
-counted, the lease starts): up to as many jobs as there are free slots, at most
-``batch_size``. When a claim comes back short, the loop waits for a NOTIFY from an
+counted, the lease starts): up to as many jobs as there are free slots plus the prefetch,
+at most ``batch_size``. When a claim comes back short, the loop waits for a NOTIFY from an
 enqueuer's commit (:mod:`sqla_jobs.worker.listener`), for the listener to reconnect, or for
 the poll interval, whichever comes first: polling is the source of truth. After a database
 error it waits out a backoff, cut short when the listener reconnects (the server is back).
@@ -10,6 +10,18 @@ error it waits out a backoff, cut short when the listener reconnects (the server
 The claim's lease is the shortest of the tasks its queues serve; jobs of tasks with a longer
 lease get theirs extended in the same transaction, so every attempt starts with its own
 task's lease.
+
+Prefetch. With a backlog, the loop claims ahead of its free slots: the jobs beyond them wait
+in the runner's queue for a handler thread, so that the next claim is in flight while the
+handlers run the last one's jobs, and neither the database nor the handlers wait for the
+other. By default the prefetch follows the handlers' rate: about ``PREFETCH_COVER`` claim
+round trips' worth of jobs at the rate they settled over the last ``RATE_WINDOW``, at most
+one batch (``batch_size``). Quick jobs never wait for a claim; slow ones are not hoarded
+(a handler rate of 80 jobs/s and a 5 ms claim make a prefetch of 0). ``prefetch=N`` fixes
+it instead (0: claim for free slots only). A prefetched job's lease runs while it waits: the
+heartbeat extends it like any held attempt's, and the runner gives it back unstarted if it
+ran out all the same (:data:`sqla_jobs.worker.runner.LEASE_MARGIN`). Shutdown gives back
+prefetched jobs as it does every attempt not started (released, not charged).
 """
 
 from __future__ import annotations
@@ -39,6 +51,12 @@ logger = logging.getLogger("sqla_jobs.worker")
 GATHER: Final = 0.002
 #: Jobs claimed between two looks at the table's dead rows (:func:`sqla_jobs.vacuum`).
 VACUUM_EVERY: Final = 5_000
+#: The default prefetch holds the jobs the handlers settle in this many claim round trips.
+PREFETCH_COVER: Final = 2.0
+#: How long the handlers' rate is measured over (seconds).
+RATE_WINDOW: Final = 0.05
+#: How much of a new claim round trip goes into the smoothed one.
+SMOOTHING: Final = 0.2
 
 
 class Fetcher:
@@ -58,6 +76,7 @@ class Fetcher:
         on_database_error: Callable[[str, Exception], float],
         on_database_ok: Callable[[], None],
         observer: Observer = NO_OBSERVER,
+        prefetch: int | None = None,
     ) -> None:
         self.state = state
         self.runner = runner
@@ -76,6 +95,13 @@ class Fetcher:
         self.claim_lease = min(leases or [registry.default_lease.total_seconds()])
         self.keys = registry.ordering_keys  # claim keyed jobs too
         self.min_claim = max(1, min(batch_size, state.concurrency) // 2)
+        # The prefetch: fixed (``prefetch``), or following the handlers' rate up to a batch.
+        self.prefetch_fixed = prefetch
+        self.rate = 0.0  # attempts settled per second over the last window
+        self.rate_mark = (time.monotonic(), 0)  # the window's start: when, settled then
+        self.claim_seconds = 0.0  # a claim's round trip, smoothed
+        # Each task's lease in seconds, looked up once per task, not once per job.
+        self.leases: dict[str, float] = {}
         self.beat = time.monotonic()  # when the loop last went round (for health)
         # Jobs claimed since the vacuum role was last woken (see lifecycle's "vacuum").
         self.claimed_since_vacuum = 0
@@ -90,7 +116,8 @@ class Fetcher:
                 # costs less than one per slot: wait a moment for a few to free. Without
                 # one, claim at once: a job just enqueued should not wait.
                 at_least = self.min_claim if backlog else 1
-                free = self.state.wait_for_slots(at_least, GATHER, self.poll_interval)
+                capacity = self.state.concurrency + self.prefetch()
+                free = self.state.wait_for_room(capacity, at_least, GATHER, self.poll_interval)
                 if free <= 0 or self.stopping.is_set():
                     continue
                 limit = min(free, self.batch_size)
@@ -102,8 +129,10 @@ class Fetcher:
                     self.state.wait_for_wakeup(delay)
                     continue
                 self.on_database_ok()
-                self.observer.claimed(jobs, time.monotonic() - sent)
+                took = time.monotonic() - sent
+                self.observer.claimed(jobs, took)
                 if jobs:
+                    self.claim_seconds += SMOOTHING * (took - self.claim_seconds)
                     self._hand_out(jobs, sent)
                     self.claimed_since_vacuum += len(jobs)
                     if self.claimed_since_vacuum >= VACUUM_EVERY:
@@ -116,6 +145,18 @@ class Fetcher:
             self.link.close()
             self.beat = time.monotonic()
 
+    def prefetch(self) -> int:
+        """How many jobs this round may claim beyond the free slots (module docstring)."""
+        if self.prefetch_fixed is not None:
+            return self.prefetch_fixed
+        now = time.monotonic()
+        start, settled_then = self.rate_mark
+        if now - start >= RATE_WINDOW:
+            settled = self.state.settled()
+            self.rate = (settled - settled_then) / (now - start)
+            self.rate_mark = (now, settled)
+        return min(self.batch_size, int(self.rate * self.claim_seconds * PREFETCH_COVER))
+
     def _claim(self, connection: Connection, limit: int) -> list[ClaimedJob]:
         session = as_session(connection)
         jobs = claim(
@@ -127,8 +168,8 @@ class Fetcher:
             worker=self.worker_name,
             keys=self.keys,
         )
-        longer = [(job, self._lease(job)) for job in jobs]
-        longer = [(job, lease) for job, lease in longer if lease > self.claim_lease]
+        lease_of = self._lease
+        longer = [(job, lease) for job in jobs if (lease := lease_of(job.task)) > self.claim_lease]
         if longer:
             heartbeat(session, [job for job, _ in longer], lease=[lease for _, lease in longer])
         if jobs and logger.isEnabledFor(logging.DEBUG):
@@ -143,17 +184,17 @@ class Fetcher:
             )
         return jobs
 
-    def _lease(self, job: ClaimedJob) -> float:
-        task = self.registry.get(job.task)
-        return task.lease.total_seconds() if task is not None else self.claim_lease
+    def _lease(self, name: str) -> float:
+        lease = self.leases.get(name)
+        if lease is None:
+            task = self.registry.get(name)
+            lease = task.lease.total_seconds() if task is not None else self.claim_lease
+            self.leases[name] = lease
+        return lease
 
     def _hand_out(self, jobs: list[ClaimedJob], sent: float) -> None:
-        get = self.registry.get
-        attempts = []
-        for job in jobs:
-            task = get(job.task)
-            lease = task.lease.total_seconds() if task is not None else self.claim_lease
-            attempts.append(Attempt(job, task, claimed_at=sent, lease_deadline=sent + lease))
+        get, lease_of = self.registry.get, self._lease
+        attempts = [Attempt(job, get(job.task), sent, sent + lease_of(job.task)) for job in jobs]
         if self.state.admit(attempts):
             self.runner.submit(attempts)
             return

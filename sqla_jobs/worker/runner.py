@@ -125,6 +125,8 @@ class Runner:
         self._loop_lock = threading.Lock()
         self._own_loop = True
         self._columns_loader = self._load_columns  # one bound method, not one per job
+        # Whether results are stored (checked then): once, not per job.
+        self._stores = registry.result_model is not None or has_history(registry.model)
 
     def request_cancel(self, key: tuple[int, int]) -> None:
         """The cancel of attempt ``key`` (job id, attempt) was requested (a notification,
@@ -302,7 +304,7 @@ class Runner:
             return self._run_locked(attempt, task)
         ctx = JobContext(job, self.worker_name, _cancel=attempt, _loader=self._columns_loader)
         result = self._call(attempt, task, ctx)
-        return Outcome(Kind.COMPLETE, result=self._storable(result))
+        return _COMPLETED if result is None else Outcome(Kind.COMPLETE, self._storable(result))
 
     def _load_columns(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]:
         # ctx.columns: through the claim's session in lock mode, else a session of its own.
@@ -330,8 +332,7 @@ class Runner:
 
     def _storable(self, result: Any) -> Any:
         # A result jsonb cannot store fails its own job here, not the batch it is written in.
-        stores = self.registry.result_model is not None or has_history(self.registry.model)
-        if stores and result is not None:
+        if self._stores and result is not None:
             try:
                 validation.check_json("result", result)
             except RecursionError as exc:
@@ -452,6 +453,9 @@ class Runner:
             return Outcome(Kind.LOST, why="its completion was fenced out")
         return None
 
+
+#: The outcome of every handler that returned None (one object, not one per job).
+_COMPLETED: Final = Outcome(Kind.COMPLETE)
 
 _ENDED_TRANSACTION: Final = (
     "the handler ended the claim's transaction (commit, rollback or close); a lock-mode "

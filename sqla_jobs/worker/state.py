@@ -15,7 +15,7 @@ an attempt whose handler has not started yet is settled as ``cancel`` at once.
 
 An attempt's life here::
 
-    admit()  ->  held, busy (a slot taken)
+    admit()  ->  held, busy (a slot taken, or a place in the fetch loop's prefetch)
     start()  ->  its handler may start (refused once its outcome is fixed)
     settle() ->  outcome fixed, slot free, queued for the outcome writer
     written()->  no longer held (its outcome is committed, or given up): no more heartbeats
@@ -58,6 +58,9 @@ class Kind(enum.Enum):
     COMMITTED = "committed"  # a lock-mode handler's transaction completed it: nothing to write
 
 
+_WRITES = frozenset((Kind.COMPLETE, Kind.FAIL, Kind.CANCEL, Kind.RELEASE))
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     kind: Kind
@@ -71,7 +74,7 @@ class Outcome:
 
     @property
     def writes(self) -> bool:
-        return self.kind in (Kind.COMPLETE, Kind.FAIL, Kind.CANCEL, Kind.RELEASE)
+        return self.kind in _WRITES
 
 
 @dataclass(eq=False, slots=True)
@@ -122,14 +125,18 @@ class State:
     concurrency: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     held: dict[tuple[int, int], Attempt] = field(default_factory=dict)
-    busy: int = 0  # admitted attempts not yet settled: the slots taken
+    # Admitted attempts not yet settled: running, or waiting for a handler thread (a
+    # prefetched attempt, claimed ahead of a free slot: see the fetch loop).
+    busy: int = 0
+    settled_count: int = 0  # attempts settled so far (the fetch loop's measure of the rate)
     outcomes: list[Attempt] = field(default_factory=list)  # settled, not yet taken to write
     woken: bool = False  # a notification (or the listener's reconnection) since the last claim
     accepting: bool = True  # False once shutdown took over the unsettled attempts
     # What the waiting threads wait for, so that settle() wakes them only when it happened
-    # (a wake-up per job costs more than a quick job): the free slots the fetch loop waits
-    # for (0: it is not waiting for slots), and whether the writer waits for a first outcome.
-    slots_wanted: int = 0
+    # (a wake-up per job costs more than a quick job): the count of busy attempts the fetch
+    # loop waits to fall to (-1: it is not waiting for room), and whether the writer waits
+    # for a first outcome.
+    busy_wanted: int = -1
     writer_waiting: bool = False
 
     def __post_init__(self) -> None:
@@ -139,8 +146,8 @@ class State:
     # -- the fetch loop's side ----------------------------------------------------------
 
     def admit(self, attempts: list[Attempt]) -> bool:
-        """Hold newly claimed attempts, taking a slot each. False (and nothing held) once
-        shutdown has begun giving attempts back: the caller releases them itself."""
+        """Hold newly claimed attempts, each busy until settled. False (and nothing held)
+        once shutdown has begun giving attempts back: the caller releases them itself."""
         with self.lock:
             if not self.accepting:
                 return False
@@ -153,23 +160,30 @@ class State:
         with self.lock:
             return self.concurrency - self.busy
 
-    def wait_for_slots(self, at_least: int, gather: float, timeout: float) -> int:
-        """Wait until a slot is free (``timeout`` at most), then up to ``gather`` seconds
-        more while fewer than ``at_least`` are free and handlers are running: one claim
-        for many slots costs less than one claim each. Returns the free slots."""
+    def wait_for_room(self, capacity: int, at_least: int, gather: float, timeout: float) -> int:
+        """Wait until fewer than ``capacity`` attempts are busy (``timeout`` at most), then
+        up to ``gather`` seconds more while fewer than ``at_least`` places are free and
+        handlers are running: one claim for many jobs costs less than one claim each.
+        Returns the free places (``capacity`` less the busy attempts). ``capacity`` is the
+        concurrency plus the prefetch the fetch loop allows itself."""
         with self.lock:
             try:
-                if self.busy >= self.concurrency:
-                    self.slots_wanted = 1
-                    self.changed.wait_for(lambda: self.busy < self.concurrency, timeout)
-                free = self.concurrency - self.busy
+                if self.busy >= capacity:
+                    self.busy_wanted = capacity - 1
+                    self.changed.wait_for(lambda: self.busy < capacity, timeout)
+                free = capacity - self.busy
                 if 0 < free < at_least and self.busy:
-                    self.slots_wanted = at_least
-                    self.changed.wait_for(lambda: self.concurrency - self.busy >= at_least, gather)
-                    free = self.concurrency - self.busy
+                    self.busy_wanted = capacity - at_least
+                    self.changed.wait_for(lambda: capacity - self.busy >= at_least, gather)
+                    free = capacity - self.busy
                 return free
             finally:
-                self.slots_wanted = 0
+                self.busy_wanted = -1
+
+    def settled(self) -> int:
+        """How many attempts were settled so far."""
+        with self.lock:
+            return self.settled_count
 
     def wait_for_wakeup(self, timeout: float) -> None:
         """Wait for a notification, a stop or ``timeout``; forget the notification."""
@@ -203,10 +217,11 @@ class State:
             attempt.outcome = outcome
             attempt.settled_at = time.monotonic()
             self.busy -= 1
+            self.settled_count += 1
             self.outcomes.append(attempt)
             if self.writer_waiting:
                 self.outcomes_ready.notify()
-            if self.slots_wanted and self.concurrency - self.busy >= self.slots_wanted:
+            if self.busy == self.busy_wanted:  # once, as it falls to what the loop waits for
                 self.changed.notify_all()
             return True
 
@@ -266,9 +281,12 @@ class State:
     def written(self, attempts: Iterable[Attempt]) -> None:
         """These attempts' outcomes are committed (or given up): no longer held."""
         with self.lock:
+            held = self.held
             for attempt in attempts:
-                if self.held.get(attempt.key) is attempt:
-                    del self.held[attempt.key]
+                job = attempt.job
+                key = (job.id, job.attempt)
+                if held.get(key) is attempt:
+                    del held[key]
 
     # -- the heartbeat's and the supervisor's side --------------------------------------
 

@@ -225,12 +225,19 @@ class OutcomeWriter:
         statuses: dict[tuple[int, int], JobStatus],
     ) -> None:
         debug = logger.isEnabledFor(logging.DEBUG)
+        report = self.observer is not NO_OBSERVER
         released: dict[str, list[int]] = {}
         for attempt in batch:
             outcome = attempt.outcome
             assert outcome is not None
             kind = outcome.kind
             how: Finish
+            if kind is Kind.COMPLETE and not lost and not statuses:  # the common case
+                if debug:
+                    logger.debug("job succeeded", extra=job_extra(attempt, "job_succeeded"))
+                if report:
+                    self._report(attempt, "succeeded")
+                continue
             if attempt.key in lost or kind is Kind.LOST:
                 _log_lost(attempt, outcome.why or f"its {kind.value} was fenced out")
                 how = "lost"
