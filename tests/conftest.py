@@ -36,6 +36,7 @@ Import helper modules of this folder by their bare name (``import models``).
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import re
@@ -391,3 +392,23 @@ def db_session(queue_engine: sa.Engine) -> Iterator[Session]:
         session.close()
         outer.rollback()
         connection.close()
+
+
+@pytest.fixture
+def restore_root_logging() -> Iterator[None]:
+    """The CLI's commands configure the root logger (handlers and level); put it back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+@pytest.fixture
+def history_default_partition_only(queue_engine: sa.Engine) -> None:
+    """The history tests start with ArchiveJob's DEFAULT history partition only."""
+    from history_jobs import drop_day_partitions
+
+    drop_day_partitions(queue_engine)

@@ -25,6 +25,7 @@ from typing import Any, cast
 import models
 import psycopg.sql
 import sqlalchemy as sa
+from plans import plan_nodes
 from sqlalchemy.dialects.postgresql import asyncpg as asyncpg_dialect
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
@@ -112,12 +113,6 @@ def reads(table: sa.Table, rows: int, *, scan: int, page: int) -> Iterator[Read]
     )
     yield Read("recent throughput", statements.recent_throughput(table, scan=scan), {"before": top})
     yield Read("a job's record", statements.job(table), {"job_id": middle})
-
-
-def plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from plan_nodes(child)
 
 
 def explain(connection: sa.Connection, read: Read, *, generic: bool) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,17 +30,6 @@ def run_cli(
         env=env,
         check=False,
     )
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +68,7 @@ def test_python_dash_m_help(tmp_path: Path) -> None:
         assert command in result.stdout
 
 
-@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.usefixtures("restore_root_logging")
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -134,7 +122,7 @@ def test_bad_command_lines_exit_2_with_one_line(tmp_path: Path, args: list[str])
     assert "error:" in result.stderr
 
 
-@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.usefixtures("restore_root_logging")
 def test_status_retry_cancel(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -212,7 +200,7 @@ def test_status_retry_cancel(
     assert (status, err) == (1, "sqla-jobs: error: Job has no job 999999\n")
 
 
-@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.usefixtures("restore_root_logging")
 def test_prune_in_batches_with_progress(
     capsys: pytest.CaptureFixture[str], jobs_url: str, jobs_engine: sa.Engine
 ) -> None:

@@ -21,6 +21,7 @@ from typing import cast
 import pytest
 import sqlalchemy as sa
 from dashboard_data import Seeded, seed, statuses
+from dashboard_pages import csrf_of, ids_on
 from models import EmailJob, EmailJobResult, ReportJob
 from starlette.applications import Starlette
 from starlette.routing import Mount
@@ -48,18 +49,6 @@ def client(queue_engine: sa.Engine) -> Iterator[TestClient]:
     app = create_app(queue_engine, EmailJob, result_model=EmailJobResult)
     with TestClient(app) as client:
         yield client
-
-
-def csrf_of(client: TestClient, path: str) -> str:
-    page = client.get(path)
-    assert page.status_code == 200
-    match = re.search(r'name="csrf" value="([^"]+)"', page.text)
-    assert match is not None, "the page has no action form"
-    return match.group(1)
-
-
-def ids_on(html: str) -> list[int]:
-    return [int(job_id) for job_id in re.findall(r'data-job-id="(\d+)"', html)]
 
 
 # -- pages --------------------------------------------------------------------------------

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from models import EmailJob
+from plans import explain_statement, plan_nodes
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
@@ -229,19 +229,6 @@ def history(queue_engine: sa.Engine) -> sa.Engine:
     return queue_engine
 
 
-def _plan(connection: sa.Connection, statement: sa.Executable) -> dict[str, Any]:
-    compiled = statement.compile(dialect=connection.dialect, compile_kwargs={})  # type: ignore[attr-defined]
-    sql = f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {compiled}"
-    (plan,) = connection.exec_driver_sql(sql, compiled.params).scalar_one()
-    return plan  # type: ignore[no-any-return]
-
-
-def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from _nodes(child)
-
-
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 def test_status_reads_index_only_whatever_the_history(history: sa.Engine, generic: bool) -> None:
     with history.connect() as connection:
@@ -253,8 +240,8 @@ def test_status_reads_index_only_whatever_the_history(history: sa.Engine, generi
             "table_stats": statements.table_stats(TABLE),
         }
         for name, statement in reads.items():
-            plan = _plan(connection, statement)
-            nodes = list(_nodes(plan["Plan"]))
+            plan = explain_statement(connection, statement)
+            nodes = list(plan_nodes(plan["Plan"]))
             on_table = [n for n in nodes if n.get("Relation Name") == "email_jobs"]
             assert all(n["Node Type"] != "Seq Scan" for n in on_table), (name, plan)
             if name == "queue_stats":
@@ -341,19 +328,6 @@ def test_health_exits_1_when_the_database_cannot_be_reached(
     status, out, err = run(capsys, "health", "--max-dead", "1")
     assert (status, out) == (1, "")
     assert err.startswith("sqla-jobs: error: cannot reach the database")
-
-
-@pytest.fixture
-def restore_root_logging() -> Iterator[None]:
-    import logging
-
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
 
 
 @pytest.mark.usefixtures("restore_root_logging")

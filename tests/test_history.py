@@ -6,9 +6,7 @@ and two runs never collide, the full record stays readable by id, retry brings a
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Iterator
 from datetime import date, timedelta
 from typing import Any
 
@@ -16,6 +14,7 @@ import pytest
 import sqlalchemy as sa
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
+from history_jobs import enqueue, where
 from models import ArchiveJob, ArchiveJobHistory, EmailJob
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import NullPool
@@ -50,52 +49,12 @@ from sqla_jobs.history.schema import create_partition
 
 NAMES = history_names("archive_jobs")
 
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    """The command configures the root logger; put it back."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-
-
-@pytest.fixture(autouse=True)
-def _no_day_partitions(queue_engine: sa.Engine) -> None:
-    """Each test starts with the history's DEFAULT partition only (queue_engine truncates
-    the tables but leaves partitions made by earlier tests)."""
-    for partition in list_partitions(queue_engine, ArchiveJob):
-        if partition.start is not None:
-            with queue_engine.begin() as connection:
-                connection.execute(sa.text(f'DROP TABLE "{partition.name}"'))
-
-
-def enqueue(engine: sa.Engine, **values: Any) -> int:
-    with Session(engine) as session, session.begin():
-        job = ArchiveJob(task=values.pop("task", "t"), **values)
-        session.add(job)
-        session.flush()
-        return job.id
+pytestmark = pytest.mark.usefixtures("history_default_partition_only")
 
 
 def claim(engine: sa.Engine, **kwargs: Any) -> list[ClaimedJob]:
     with Session(engine) as session, session.begin():
         return sqla_jobs.claim(session, ArchiveJob, **kwargs)
-
-
-def where(engine: sa.Engine, job_id: int) -> tuple[int, int]:
-    """How many rows of the job the hot table and the history hold."""
-    with engine.connect() as connection:
-        hot = connection.scalar(
-            sa.text("SELECT count(*) FROM archive_jobs WHERE id = :i"), {"i": job_id}
-        )
-        old = connection.scalar(
-            sa.text("SELECT count(*) FROM archive_jobs_history WHERE id = :i"), {"i": job_id}
-        )
-    return int(hot or 0), int(old or 0)
 
 
 def db_today(engine: sa.Engine) -> date:
@@ -586,7 +545,7 @@ def cli(capsys: pytest.CaptureFixture[str], engine: sa.Engine, *args: str) -> tu
     return status, captured.out, captured.err
 
 
-@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.usefixtures("restore_root_logging")
 def test_the_commands_make_list_and_prune_partitions(
     capsys: pytest.CaptureFixture[str], queue_engine: sa.Engine
 ) -> None:

@@ -9,14 +9,16 @@ refuses (409) to delete one.
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import sqlalchemy as sa
+from dashboard_pages import csrf_of, ids_on
+from history_jobs import enqueue, where
 from models import ArchiveJob
+from plans import explain_statement, plan_nodes
 from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
@@ -30,48 +32,13 @@ JOBS = cast(sa.Table, ArchiveJob.__table__)
 HISTORY = history_table(ArchiveJob)
 NAMES = history_names("archive_jobs")
 
-
-@pytest.fixture(autouse=True)
-def _no_day_partitions(queue_engine: sa.Engine) -> None:
-    """Start with the history's DEFAULT partition only (as tests/test_history.py)."""
-    for partition in list_partitions(queue_engine, ArchiveJob):
-        if partition.start is not None:
-            with queue_engine.begin() as connection:
-                connection.execute(sa.text(f'DROP TABLE "{partition.name}"'))
-
-
-@pytest.fixture
-def restore_root_logging() -> Iterator[None]:
-    """The commands configure the root logger; put it back."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-
-
-def enqueue(engine: sa.Engine, **values: Any) -> int:
-    with Session(engine) as session, session.begin():
-        job = ArchiveJob(task=values.pop("task", "t"), **values)
-        session.add(job)
-        session.flush()
-        return job.id
+pytestmark = pytest.mark.usefixtures("history_default_partition_only")
 
 
 def claim_one(engine: sa.Engine, queue: str = "default") -> sqla_jobs.ClaimedJob:
     with Session(engine) as session, session.begin():
         (job,) = sqla_jobs.claim(session, ArchiveJob, queues=queue)
         return job
-
-
-def where(engine: sa.Engine, job_id: int) -> tuple[int, int]:
-    """How many rows of the job the hot table and the history hold."""
-    with engine.connect() as connection:
-        hot = connection.scalar(sa.select(sa.func.count()).where(JOBS.c.id == job_id))
-        old = connection.scalar(sa.select(sa.func.count()).where(HISTORY.c.id == job_id))
-    return int(hot or 0), int(old or 0)
 
 
 def dead_in_history(engine: sa.Engine, queue: str = "default", error: str = "boom") -> int:
@@ -163,19 +130,6 @@ def seeded_history(queue_engine: sa.Engine) -> sa.Engine:
     return queue_engine
 
 
-def _plan(connection: sa.Connection, statement: sa.Executable) -> dict[str, Any]:
-    compiled = statement.compile(dialect=connection.dialect)  # type: ignore[attr-defined]
-    sql = f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {compiled}"
-    (plan,) = connection.exec_driver_sql(sql, compiled.params).scalar_one()
-    return plan  # type: ignore[no-any-return]
-
-
-def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from _nodes(child)
-
-
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 def test_the_history_is_read_through_its_dead_index(
     seeded_history: sa.Engine, generic: bool
@@ -199,8 +153,8 @@ def test_the_history_is_read_through_its_dead_index(
             "dead_jobs": statements.dead_jobs(JOBS, history=HISTORY).params(limit=10),
         }
         for name, statement in reads.items():
-            plan = _plan(connection, statement)
-            nodes = list(_nodes(plan["Plan"]))
+            plan = explain_statement(connection, statement)
+            nodes = list(plan_nodes(plan["Plan"]))
             on_history = [n for n in nodes if n.get("Relation Name", "") in tables]
             assert on_history, (name, json.dumps(plan))
             # Each partition is read through its dead index (an index scan, or a bitmap heap
@@ -236,18 +190,6 @@ def test_the_history_is_read_through_its_dead_index(
 def client(queue_engine: sa.Engine) -> Iterator[TestClient]:
     with TestClient(create_app(queue_engine, ArchiveJob)) as client:
         yield client
-
-
-def csrf_of(client: TestClient, path: str) -> str:
-    page = client.get(path)
-    assert page.status_code == 200
-    match = re.search(r'name="csrf" value="([^"]+)"', page.text)
-    assert match is not None, "the page has no action form"
-    return match.group(1)
-
-
-def ids_on(html: str) -> list[int]:
-    return [int(job_id) for job_id in re.findall(r'data-job-id="(\d+)"', html)]
 
 
 def test_the_dashboard_lists_and_shows_history_jobs(

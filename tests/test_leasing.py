@@ -23,6 +23,7 @@ from alembic.operations import Operations
 from conftest import FreshDatabase
 from lease_models import Address, LeaseBase, Licence, Seat, Show
 from models import EmailJob
+from plans import explain_rolled_back, plan_nodes
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, aliased, mapped_column
 
@@ -564,27 +565,6 @@ def test_the_lease_index_is_named_from_the_table_and_ends_with_the_key() -> None
     assert long.endswith("_lease_idx")
 
 
-def _plan(engine: sa.Engine, statement: Any, params: dict[str, Any], generic: bool) -> Any:
-    compiled = statement.compile(dialect=engine.dialect)
-    with engine.connect() as connection:
-        transaction = connection.begin()
-        cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
-        if generic:
-            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        cursor.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + str(compiled),
-            compiled.params | params,
-            prepare=generic,
-        )
-        (raw,) = cursor.fetchone()
-        transaction.rollback()
-    return raw[0]
-
-
-def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
-    return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
-
-
 def test_acquire_reads_only_acquirable_rows_through_the_lease_index(engine: sa.Engine) -> None:
     from sqla_jobs.leasing import statements
 
@@ -612,16 +592,17 @@ def test_acquire_reads_only_acquirable_rows_through_the_lease_index(engine: sa.E
         order_by=(table.c.lease_expires_at, table.c.id),
     )
     for generic in (False, True):
-        plan = _plan(
-            engine, statement, {"limit": 2, "holder": "h", "duration_seconds": 9.0}, generic
-        )
+        compiled = statement.compile(dialect=engine.dialect)
+        params = compiled.params | {"limit": 2, "holder": "h", "duration_seconds": 9.0}
+        plan = explain_rolled_back(engine, str(compiled), params, generic=generic)
         # The choice of rows; the statement's last step only sorts the rows it returns.
-        (choice,) = [n for n in _nodes(plan["Plan"]) if n.get("Subplan Name") == "CTE acquirable"]
-        nodes = _nodes(choice)
+        every = list(plan_nodes(plan["Plan"]))
+        (choice,) = [n for n in every if n.get("Subplan Name") == "CTE acquirable"]
+        nodes = list(plan_nodes(choice))
         lease_scans = [n for n in nodes if n.get("Index Name") == "seats_lease_idx"]
         assert lease_scans, [n["Node Type"] for n in nodes]
         assert not [n for n in nodes if n["Node Type"] in ("Seq Scan", "Sort", "Incremental Sort")]
-        assert not [n for n in _nodes(plan["Plan"]) if n["Node Type"] == "Seq Scan"]
+        assert not [n for n in every if n["Node Type"] == "Seq Scan"]
         # The 490 held seats of show 7 (and 99,500 of other shows) are never read.
         assert lease_scans[0]["Actual Rows"] <= 2
         assert (

@@ -10,7 +10,6 @@ README says: ``connect_args={"prepare_threshold": None}``.
 
 from __future__ import annotations
 
-import logging
 import signal
 import time
 from collections.abc import Iterator
@@ -331,18 +330,7 @@ def test_worker_api_finds_the_pooler(
 # -- administration commands --------------------------------------------------------------
 
 
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-
-
-@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.usefixtures("restore_root_logging")
 def test_administration_commands(
     capsys: pytest.CaptureFixture[str], pooled: sa.Engine, pgbouncer: PgBouncer, direct_url: str
 ) -> None:

@@ -15,14 +15,13 @@ claim of 50 over two queues, as with no history at all).
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from models import EmailJob
+from plans import explain_rolled_back, explain_sql, plan_nodes
 
 import sqla_jobs
 import sqla_jobs.queue
@@ -89,24 +88,7 @@ def claim_plan(engine: sa.Engine, queues: list[str], *, generic: bool) -> dict[s
         params["queue_name"] = queues[0]
     else:
         params["queue_names"] = queues
-    with engine.connect() as connection:
-        transaction = connection.begin()
-        cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
-        if generic:
-            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        cursor.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + str(compiled), params, prepare=generic
-        )
-        raw = cursor.fetchone()[0]
-        transaction.rollback()
-    plan = raw if isinstance(raw, list) else json.loads(raw)
-    return plan[0]  # type: ignore[no-any-return]
-
-
-def nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from nodes(child)
+    return explain_rolled_back(engine, str(compiled), params, generic=generic)
 
 
 def buffers(node: dict[str, Any]) -> int:
@@ -119,7 +101,7 @@ def candidate_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
     table or anything that filters rows out."""
     reads = [
         n
-        for n in nodes(plan["Plan"])
+        for n in plan_nodes(plan["Plan"])
         if n.get("Relation Name") == "email_jobs" and n["Node Type"] != "ModifyTable"
     ]
     assert reads, "the claim did not read email_jobs?"
@@ -309,12 +291,6 @@ def seed_keyed(engine: sa.Engine, queues: list[str], count: int, *, running: int
     )
 
 
-def explain(cursor: Any, sql: str, params: dict[str, Any], *, generic: bool) -> dict[str, Any]:
-    cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params, prepare=generic)
-    raw = cursor.fetchone()[0]
-    return (raw if isinstance(raw, list) else json.loads(raw))[0]  # type: ignore[no-any-return]
-
-
 def keyed_claim_plans(
     engine: sa.Engine, queues: list[str], *, generic: bool
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
@@ -328,7 +304,7 @@ def keyed_claim_plans(
         cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
         if generic:
             cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        lock_plan = explain(cursor, lock_sql, lock_params, generic=generic)
+        lock_plan = explain_sql(cursor, lock_sql, lock_params, generic=generic)
         # The locks are the transaction's: running it again returns the same keys.
         cursor.execute(lock_sql, lock_params, prepare=generic)
         locked = cursor.fetchall()
@@ -342,7 +318,7 @@ def keyed_claim_plans(
             "lease_seconds": 30.0,
             "worker": "w",
         }
-        claim_plan_ = explain(cursor, claim_sql, params, generic=generic)
+        claim_plan_ = explain_sql(cursor, claim_sql, params, generic=generic)
         transaction.rollback()
     return lock_plan, claim_plan_, len(keys)
 
@@ -350,7 +326,7 @@ def keyed_claim_plans(
 def index_reads(plan: dict[str, Any], max_filtered: int = 0) -> list[dict[str, Any]]:
     reads = [
         n
-        for n in nodes(plan["Plan"])
+        for n in plan_nodes(plan["Plan"])
         if n.get("Relation Name") == "email_jobs" and n["Node Type"] != "ModifyTable"
     ]
     assert reads

@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 import sqlalchemy as sa
 from models import EmailJob
-from sqlalchemy import event
+from no_sql import no_sql
 from sqlalchemy.orm import Session
-
-
-@contextmanager
-def no_sql(engine: sa.Engine) -> Iterator[None]:
-    statements: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        statements.append(statement)
-
-    event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
-    assert statements == []
 
 
 def test_repr_of_an_expired_job_after_its_session_closed(queue_engine: sa.Engine) -> None:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from models import EmailJob, EmailJobResult, Order
+from no_sql import no_sql
 from sqlalchemy import event
 from sqlalchemy.orm import DeclarativeBase, Session, validates
 
@@ -24,22 +23,6 @@ from sqla_jobs import (
     validation,
 )
 from sqla_jobs.queue import DEFAULT_LEASE
-
-
-@contextmanager
-def no_sql(engine: sa.Engine) -> Iterator[None]:
-    """Fail if any SQL statement reaches the server inside the block."""
-    statements: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        statements.append(statement)
-
-    event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
-    assert statements == []
 
 
 class Unserialisable:

@@ -87,40 +87,44 @@ from sqla_jobs.migrations.commands import (
     upgrade,
     versions_path,
 )
-from sqla_jobs.migrations.operations import (
+from sqla_jobs.migrations.history_table import add_history, drop_history
+from sqla_jobs.migrations.leases import (
     LEASE_SCHEMA_VERSION,
+    add_lease_columns,
+    create_lease_index,
+    drop_lease_columns,
+    drop_lease_index,
+)
+from sqla_jobs.migrations.tables import (
     SCHEMA_VERSION,
+    create_job_table,
+    create_schedule_table,
+    drop_job_table,
+    drop_schedule_table,
+)
+from sqla_jobs.migrations.v1 import (
+    create_claim_index,
+    create_notify_trigger,
+    create_result_table,
+    drop_claim_index,
+    drop_notify_trigger,
+    drop_result_table,
+)
+from sqla_jobs.migrations.v2 import downgrade_job_table_to_v1, upgrade_job_table_to_v2
+from sqla_jobs.migrations.v3 import (
     add_cancel,
     add_dead_index,
-    add_history,
-    add_lease_columns,
     add_ordering_keys,
     add_trace_context,
     add_unique_keys,
-    create_claim_index,
     create_claim_indexes,
-    create_job_table,
-    create_lease_index,
-    create_notify_trigger,
-    create_result_table,
-    create_schedule_table,
-    downgrade_job_table_to_v1,
     downgrade_job_table_to_v2,
     drop_cancel,
-    drop_claim_index,
     drop_claim_indexes,
     drop_dead_index,
-    drop_history,
-    drop_job_table,
-    drop_lease_columns,
-    drop_lease_index,
-    drop_notify_trigger,
     drop_ordering_keys,
-    drop_result_table,
-    drop_schedule_table,
     drop_trace_context,
     drop_unique_keys,
-    upgrade_job_table_to_v2,
     upgrade_job_table_to_v3,
 )
 

@@ -1,0 +1,82 @@
+"""``sqla-jobs dashboard``: the web dashboard (extra: dashboard)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from typing import Final
+
+from sqla_jobs.cli.arguments import CommandError
+from sqla_jobs.cli.database import database_url, make_engine
+from sqla_jobs.cli.loading import load_model, load_object
+from sqla_jobs.schema import JobResultMixin
+
+DASHBOARD_TOKEN_VARIABLE: Final = "SQLA_JOBS_DASHBOARD_TOKEN"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    token = args.token or os.environ.get(DASHBOARD_TOKEN_VARIABLE, "").strip() or None
+    loopback = _is_loopback(args.host)
+    if not loopback and token is None:
+        raise CommandError(
+            f"refusing to serve the dashboard on {args.host} without an access token: set "
+            f"{DASHBOARD_TOKEN_VARIABLE} (or pass --token), or bind to 127.0.0.1"
+        )
+    try:
+        import uvicorn
+
+        from sqla_jobs.dashboard import create_app
+        from sqla_jobs.dashboard.app import MIN_TOKEN_LENGTH
+    except ImportError as exc:
+        raise CommandError(
+            f"the dashboard needs the 'dashboard' extra ({exc.name} is missing): "
+            "pip install 'sqla-jobs[dashboard]'"
+        ) from None
+    if token is not None and len(token) < MIN_TOKEN_LENGTH:
+        raise CommandError(f"the access token must have at least {MIN_TOKEN_LENGTH} characters")
+    model = load_model(args)
+    result_model = None
+    if args.result_model:
+        result_model = load_object(args.result_model, "the result model")
+        if not (isinstance(result_model, type) and issubclass(result_model, JobResultMixin)):
+            raise CommandError(f"{args.result_model} is not a model class mixing in JobResultMixin")
+    engine = make_engine(
+        database_url(args.database_url),
+        pool_size=4,
+        application_name="sqla-jobs dashboard",
+        pooler=args.pooler,
+    )
+    hosts = None
+    if loopback and token is None:
+        # Only the names of this machine: a page of another site that rebinds its own name
+        # to 127.0.0.1 (DNS rebinding) gets no answer.
+        hosts = ["127.0.0.1", "localhost", "[::1]", "::1"]
+    try:
+        app = create_app(
+            engine,
+            model,
+            result_model=result_model,
+            read_only=args.read_only,
+            token=token,
+            allowed_hosts=hosts,
+        )
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        mode = " (read-only)" if args.read_only else ""
+        sys.stderr.write(f"sqla-jobs dashboard on http://{shown}:{args.port}/{mode}\n")
+        sys.stderr.flush()
+        # log_config=None: uvicorn's records go through the logging configured above.
+        uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
+    finally:
+        engine.dispose()
+    return 0

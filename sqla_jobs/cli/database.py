@@ -1,0 +1,72 @@
+"""The database a command works on: its URL (``--database-url`` or the environment) and the
+engine made for it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Final
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import ArgumentError
+
+from sqla_jobs.cli.arguments import CommandError
+from sqla_jobs.pooler import unprepared_behind_pooler
+from sqla_jobs.urls import psycopg_url
+
+DATABASE_URL_VARIABLE: Final = "SQLA_JOBS_DATABASE_URL"
+
+
+LISTEN_URL_VARIABLE: Final = "SQLA_JOBS_LISTEN_URL"
+
+
+def database_url(value: str | None, variable: str = DATABASE_URL_VARIABLE) -> URL:
+    """The URL from ``--database-url`` or the environment, with the psycopg 3 driver."""
+    raw = value or os.environ.get(variable, "").strip()
+    if not raw:
+        raise CommandError(
+            f"no database URL: pass --database-url or set {variable} "
+            "(e.g. postgresql://user@localhost/app)"
+        )
+    try:
+        url = psycopg_url(raw)
+    except ArgumentError:
+        raise CommandError(f"{raw!r} is not a database URL") from None
+    if url.get_backend_name() != "postgresql":
+        raise CommandError(f"sqla_jobs needs PostgreSQL, not {url.get_backend_name()!r}")
+    if url.get_driver_name() != "psycopg":
+        raise CommandError(f"use the psycopg (3) driver: postgresql+psycopg://, not {raw!r}")
+    return url
+
+
+def make_engine(
+    url: URL,
+    *,
+    pool_size: int = 5,
+    application_name: str = "sqla-jobs",
+    pooler: str = "auto",
+) -> Engine:
+    """An engine for the command line's work: pre-ping (survives server restarts), TCP
+    keepalives (notices a vanished server), a connect timeout. Behind a connection pooler
+    (``pooler="transaction"``, or found at connect with ``"auto"``:
+    :func:`sqla_jobs.pooler.unprepared_behind_pooler`), psycopg prepares no statements."""
+    connect_args: dict[str, Any] = {
+        "connect_timeout": 10,
+        "application_name": application_name,
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+    }
+    if pooler == "transaction":
+        connect_args["prepare_threshold"] = None
+    engine = create_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        connect_args=connect_args,
+    )
+    if pooler == "auto":
+        unprepared_behind_pooler(engine)
+    return engine

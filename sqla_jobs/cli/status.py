@@ -1,0 +1,127 @@
+"""``sqla-jobs status`` and ``sqla-jobs health``: the health gauges, shown or checked."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Final
+
+from sqlalchemy.orm import Session
+
+from sqla_jobs import health, queue, statements
+from sqla_jobs.cli.database import database_url, make_engine
+from sqla_jobs.cli.display import _age, _bytes, _last_line
+from sqla_jobs.cli.loading import load_model
+from sqla_jobs.schema import JobMixin
+
+
+def _read_gauges(
+    args: argparse.Namespace, model: type[JobMixin], dead: int = 0
+) -> tuple[health.Gauges, list[queue.DeadJob]]:
+    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
+    try:
+        with Session(engine) as session, session.begin():
+            timeout = f"{max(1, round(args.timeout * 1000))}ms"
+            session.execute(statements.statement_timeout(), {"timeout": timeout})
+            gauges = health.read_gauges(session, model)
+            listed = queue.dead_jobs(session, model, limit=dead) if dead and gauges.dead else []
+    finally:
+        engine.dispose()
+    return gauges, listed
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    model = load_model(args)
+    gauges, dead = _read_gauges(args, model, dead=args.dead)
+    out = sys.stdout
+    table = gauges.table
+    out.write(f"{table.table}\n")
+    if gauges.queues:
+        header = ["queue", "pending", "runnable", "running", "expired", "dead", "oldest runnable"]
+        rows = [
+            [
+                q.queue,
+                str(q.pending),
+                str(q.runnable),
+                str(q.running),
+                str(q.expired_leases),
+                str(q.dead),
+                _age(q.oldest_runnable_seconds),
+            ]
+            for q in gauges.queues
+        ]
+        if len(rows) > 1:
+            rows.append(
+                [
+                    "(all)",
+                    str(gauges.pending),
+                    str(gauges.runnable),
+                    str(gauges.running),
+                    str(gauges.expired_leases),
+                    str(gauges.dead),
+                    _age(gauges.oldest_runnable_seconds),
+                ]
+            )
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for line in [header, *rows]:
+            cells = zip(line, widths, strict=True)
+            out.write("  ".join(cell.ljust(w) for cell, w in cells).rstrip() + "\n")
+    else:
+        out.write("no pending, running or dead jobs\n")
+    estimate = (
+        "-"
+        if table.estimated_rows is None or table.estimated_rows < 0
+        else (f"~{table.estimated_rows}")
+    )
+    out.write(
+        f"\ntable: {estimate} rows with history (estimate), {table.dead_tuples} dead row "
+        f"versions, {_bytes(table.table_bytes)}; indexes {_bytes(table.indexes_bytes)} (pending "
+        f"{_bytes(table.pending_index_bytes)}, running {_bytes(table.running_index_bytes)}, "
+        f"dead {_bytes(table.dead_index_bytes)}); last vacuum "
+        f"{_age(table.vacuum_age_seconds)}{'' if table.vacuum_age_seconds is None else ' ago'}\n"
+    )
+    holder = gauges.oldest_xmin
+    out.write(f"oldest snapshot holding back vacuum: {holder if holder else 'none'}\n")
+    if gauges.dead:
+        shown = f"the {len(dead)} most recent" if gauges.dead > len(dead) else "all"
+        out.write(f"\ndead jobs ({gauges.dead}; {shown}):\n")
+        for row in dead:
+            finished = row.finished_at.isoformat(timespec="seconds") if row.finished_at else "-"
+            out.write(
+                f"  {row.id}  {row.queue}/{row.task}  attempts={row.attempts}  "
+                f"finished={finished}  {_last_line(row.last_error)[:160]}\n"
+            )
+        out.write("retry one with: sqla-jobs retry ID\n")
+    return 0
+
+
+#: ``sqla-jobs health`` exit statuses (the README's table).
+HEALTHY: Final = 0
+
+
+UNHEALTHY: Final = 3
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    thresholds = health.Thresholds(
+        max_oldest_runnable=args.max_oldest_runnable,
+        max_runnable=args.max_runnable,
+        max_expired_leases=args.max_expired_leases,
+        max_dead=args.max_dead,
+        max_xmin_age=args.max_xmin_age,
+        max_dead_tuples=args.max_dead_tuples,
+    )
+    model = load_model(args)
+    gauges, _ = _read_gauges(args, model)
+    problems = thresholds.problems(gauges)
+    if problems:
+        sys.stdout.write(f"unhealthy: {'; '.join(problems)}\n")
+        return UNHEALTHY
+    holder = gauges.oldest_xmin
+    sys.stdout.write(
+        f"healthy: {gauges.runnable} runnable, {gauges.running} running, "
+        f"{gauges.expired_leases} expired leases, {gauges.dead} dead; oldest runnable "
+        f"{_age(gauges.oldest_runnable_seconds)}; vacuum held back "
+        f"{_age(holder.age_seconds if holder else None)}\n"
+    )
+    return HEALTHY
