@@ -75,6 +75,7 @@ class Fetcher:
         leases = [t.lease.total_seconds() for t in registry.tasks_in(self.queues)]
         self.claim_lease = min(leases or [registry.default_lease.total_seconds()])
         self.keys = registry.ordering_keys  # claim keyed jobs too
+        self.queue_limits = registry.queue_limits or None  # None: the plain claim, as ever
         self.min_claim = max(1, min(batch_size, state.concurrency) // 2)
         self.beat = time.monotonic()  # when the loop last went round (for health)
         # Jobs claimed since the vacuum role was last woken (see lifecycle's "vacuum").
@@ -126,6 +127,7 @@ class Fetcher:
             lease=self.claim_lease,
             worker=self.worker_name,
             keys=self.keys,
+            queue_limits=self.queue_limits,
         )
         longer = [(job, self._lease(job)) for job in jobs]
         longer = [(job, lease) for job, lease in longer if lease > self.claim_lease]
