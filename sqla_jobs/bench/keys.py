@@ -1,7 +1,9 @@
-"""The ``keys`` section: ordering keys. The library's batched claim + complete_many of
-``--jobs`` plain jobs (``keys.claim.plain``), beside the same with ``keys=True`` on plain
-jobs, and on keyed jobs over 1,000 keys with ``key_limit`` 1 and 3 (ratios to the plain
-claim)."""
+"""The ``keys`` section: ordering keys and limits. The library's batched claim +
+complete_many of ``--jobs`` plain jobs (``keys.claim.plain``), beside the same with
+``keys=True`` on plain jobs, on keyed jobs over 1,000 keys with ``key_limit`` 1 and 3, and
+with a queue limit (``queue_limits``, as large as the batch, so that it costs its statements
+without holding a claim back) on plain jobs and on keyed jobs with ``key_limit`` 3 (ratios
+to the plain claim)."""
 
 from __future__ import annotations
 
@@ -24,13 +26,24 @@ __all__ = ["run_keys"]
 _KEYS: Final = 1_000
 
 
-def _claim_throughput(engine: sa.Engine, batch: int, count: int, *, keys: bool) -> float:
+def _claim_throughput(
+    engine: sa.Engine, batch: int, count: int, *, keys: bool, queue_limited: bool
+) -> float:
     """The library's batched claim + complete_many, in this process, until ``count`` done."""
     done = 0
+    queue_limits = {Q_KEYS: batch} if queue_limited else None
     started = time.perf_counter()
     while True:
         with Session(engine) as session, session.begin():
-            jobs = claim(session, Job, queues=Q_KEYS, limit=batch, lease=LEASE_SECONDS, keys=keys)
+            jobs = claim(
+                session,
+                Job,
+                queues=Q_KEYS,
+                limit=batch,
+                lease=LEASE_SECONDS,
+                keys=keys,
+                queue_limits=queue_limits,
+            )
         if not jobs:
             break
         with Session(engine) as session, session.begin():
@@ -43,15 +56,17 @@ def _claim_throughput(engine: sa.Engine, batch: int, count: int, *, keys: bool) 
 def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
     """One run of each figure, side by side; each run starts with another of them (the
     order rotates), so that none is always first after the previous run's clean-up."""
-    variants: list[tuple[str, int | None, bool]] = [
-        ("plain", None, False),
-        ("plain_keys_on", None, True),
-        ("keyed", 1, True),
-        ("keyed_limit3", 3, True),
+    variants: list[tuple[str, int | None, bool, bool]] = [
+        ("plain", None, False, False),
+        ("plain_keys_on", None, True, False),
+        ("keyed", 1, True, False),
+        ("keyed_limit3", 3, True, False),
+        ("queue_limit", None, False, True),
+        ("keyed_limit3_queue_limit", 3, True, True),
     ]
     plain = results.metrics.get("keys.claim.plain")
     turn = (len(plain.runs) if plain is not None else 0) % len(variants)
-    for label, key_limit, keys in variants[turn:] + variants[:turn]:
+    for label, key_limit, keys, queue_limited in variants[turn:] + variants[:turn]:
         if key_limit is None:
             scratch.fill(engine, Q_KEYS, "bench_noop", cfg.jobs)
         else:
@@ -67,7 +82,9 @@ def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
                     },
                 )
         scratch.vacuum(engine)
-        value = _claim_throughput(engine, cfg.batch, cfg.jobs, keys=keys)
+        value = _claim_throughput(
+            engine, cfg.batch, cfg.jobs, keys=keys, queue_limited=queue_limited
+        )
         ceiling = None if label == "plain" else "keys.claim.plain"
         results.add(f"keys.claim.{label}", value, "jobs/s", ceiling)
         with engine.begin() as connection:

@@ -76,6 +76,8 @@ TARGETS: Final = [
         _at_least(f"baseline.{operation}", f"{operation} >= 0.95 of --baseline's", 0.95)
         for operation in ("claim", "enqueue_many", "add_all")
     ),
+    _at_least("keys.claim.queue_limit", "claim with a queue limit >= 0.7 of plain", 0.70),
+    _at_least("keys.claim.keyed_limit3_queue_limit", "keyed + queue limit >= 0.7 of plain", 0.70),
     Target(
         "memory.worker_rss_growth",
         "worker RSS growth over the long drain <= 10%",
