@@ -762,6 +762,7 @@ def claim(
     worker: str | None = None,
     hold: bool = False,
     keys: bool = False,
+    queue_limits: Mapping[str, int] | None = None,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` runnable jobs and start an attempt on each.
 
@@ -807,6 +808,22 @@ def claim(
     jobs. Three statements instead of one (two when no key is free), in the same
     transaction, and the key locks last until it ends: keep it short.
 
+    **Queue limits** (``queue_limits={"emails": 3}``). At most that many jobs of a limited
+    queue run at once, across all claimers that pass the same limits (declare them once,
+    in code every worker shares: :class:`~sqla_jobs.registry.Registry` ``queue_limits``).
+    Only live attempts count: running on a lease that has not ended in database time, or
+    held by a lock-held worker; a crashed worker's attempt frees its slot when its lease
+    ends, and taking it over is a new claim that must fit in the limit. Per limited queue
+    served, the claim takes a transaction-scoped advisory try-lock
+    (:func:`sqla_jobs.statements.lock_queues`; a queue another claim holds is skipped this
+    round, never waited for), then counts the queue's live attempts
+    (:func:`~sqla_jobs.statements.queue_slots`) and claims at most the free slots from it,
+    keyed jobs included (``keys=True``: they respect both limits). Limited queues are
+    served first, then the others fill the rest of ``limit`` with the plain claim, which
+    is unchanged (the same statement as without limits; a claim with no limited queue
+    among ``queues`` runs exactly as before). The queue locks last until the transaction
+    ends: keep it short.
+
     Returns the claimed jobs, possibly none. Raises :class:`InvalidJobError` for bad
     arguments, before any SQL runs.
     """
@@ -818,13 +835,12 @@ def claim(
         "lease_seconds": _seconds("lease", lease),
         "worker": validation.check_name("worker", worker or default_worker_name()),
     }
-    if len(queue_names) == 1:
-        params["queue_name"] = queue_names[0]
-    else:
-        params["queue_names"] = queue_names
-    queue_count = min(len(queue_names), 2)
     if not isinstance(keys, bool):
         raise InvalidJobError("keys", f"must be True or False, not {keys!r}")
+    limited: dict[str, int] = {}
+    if queue_limits is not None:
+        limits = validation.check_queue_limits("queue_limits", queue_limits)
+        limited = {name: limits[name] for name in queue_names if name in limits}
     if hold:
         _check_holdable(session)
         if isinstance(session, Connection):
@@ -833,9 +849,9 @@ def claim(
             bind = session.get_bind()
             engine = bind.engine if isinstance(bind, Connection) else bind
         with engine.begin() as connection:
-            rows = _claim_rows(connection, table, params, queue_names, queue_count, keys)
+            rows = _claim_rows(connection, table, params, queue_names, keys, limited)
     else:
-        rows = _claim_rows(session, table, params, queue_names, queue_count, keys)
+        rows = _claim_rows(session, table, params, queue_names, keys, limited)
     running = JobStatus.RUNNING.value
     # Positional, in the order of the claim statement's RETURNING: the hot path.
     jobs = [
@@ -874,10 +890,45 @@ def _claim_rows(
     table: Table,
     params: dict[str, Any],
     queue_names: list[str],
-    queue_count: int,
+    keys: bool,
+    limited: dict[str, int],
+) -> list[Any]:
+    """The rows of one claim: the limited queues' first, each up to its free slots, then
+    the other queues' up to ``limit``."""
+    if not limited:
+        return _claim_from(session, table, params, queue_names, keys)
+    limit = params["limit"]
+    rows: list[Any] = []
+    locked = [
+        row[0]
+        for row in _rows(session, statements.lock_queues, table, {"queue_names": list(limited)})
+    ]
+    if locked:
+        slots = {"queue_names": locked, "queue_slots": [limited[name] for name in locked]}
+        for name, free in _rows(session, statements.queue_slots, table, slots):
+            room = min(free, limit - len(rows))
+            if room > 0:
+                rows.extend(_claim_from(session, table, params | {"limit": room}, [name], keys))
+    others = [name for name in queue_names if name not in limited]
+    if others and len(rows) < limit:
+        rest = params | {"limit": limit - len(rows)}
+        rows.extend(_claim_from(session, table, rest, others, keys))
+    return rows
+
+
+def _claim_from(
+    session: Executor,
+    table: Table,
+    params: dict[str, Any],
+    queue_names: list[str],
     keys: bool,
 ) -> list[Any]:
-    """The rows of one claim: keyed jobs first (``keys``), then plain ones up to the limit."""
+    """The rows of a claim from ``queue_names``: keyed jobs first (``keys``), then plain
+    ones up to the limit."""
+    params = params | (
+        {"queue_name": queue_names[0]} if len(queue_names) == 1 else {"queue_names": queue_names}
+    )
+    queue_count = min(len(queue_names), 2)
     if not keys:
         return list(_rows(session, statements.claim, table, params, queue_count=queue_count))
     limit = params["limit"]

@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeAlias, TypeVar, overload
 
 from sqla_jobs import validation
@@ -345,6 +346,8 @@ class Registry:
     it defaults to the model's own ``result_model`` class attribute (declare it once there,
     see :class:`~sqla_jobs.JobMixin`).
     The defaults apply to tasks that do not set the option.
+    ``queue_limits`` (``{"emails": 3}``) caps how many jobs of a queue run at once across
+    all the registry's workers (:attr:`queue_limits`).
     """
 
     def __init__(
@@ -359,6 +362,7 @@ class Registry:
         default_mode: Mode = "lease",
         schedule_model: type[ScheduleMixin] | None = None,
         ordering_keys: bool = False,
+        queue_limits: Mapping[str, int] | None = None,
     ) -> None:
         if model is not None and not _is_job_model(model):
             raise ConfigurationError(f"{model!r} is not a model class that mixes in JobMixin")
@@ -380,6 +384,11 @@ class Registry:
         if not isinstance(ordering_keys, bool):
             raise ConfigurationError(f"ordering_keys must be True or False, not {ordering_keys!r}")
         self._ordering_keys = ordering_keys
+        try:
+            limits = validation.check_queue_limits("queue_limits", queue_limits)
+        except InvalidJobError as exc:
+            raise ConfigurationError(f"queue_limits: {exc.reason}") from None
+        self._queue_limits: Mapping[str, int] = MappingProxyType(limits)
         self._tasks: dict[str, Task[Any]] = {}
 
     @property
@@ -401,6 +410,14 @@ class Registry:
         or implied by a task with a ``key_limit``. Off by default, because a keyed claim
         costs one statement more per claim."""
         return self._ordering_keys or any(t.key_limit is not None for t in self._tasks.values())
+
+    @property
+    def queue_limits(self) -> Mapping[str, int]:
+        """The most jobs of each limited queue that may run at once across all of this
+        registry's workers (``Registry(..., queue_limits={"emails": 3})``), passed by the
+        workers to every claim (:func:`sqla_jobs.claim` ``queue_limits``). Read-only; empty
+        when no queue is limited."""
+        return self._queue_limits
 
     @property
     def model(self) -> type[JobMixin]:

@@ -77,9 +77,12 @@ __all__ = [
     "key_lock_space",
     "lock",
     "lock_keys",
+    "lock_queues",
     "oldest_xmin",
     "own_columns",
     "prune",
+    "queue_lock_space",
+    "queue_slots",
     "queue_stats",
     "release",
     "request_cancel",
@@ -533,11 +536,15 @@ def claim(table: Table, *, queue_count: int) -> Update:
 # -- the keyed claim (ordering keys, schema version 3) -------------------------------------
 
 
+def _lock_space(name: str) -> int:
+    digest = zlib.crc32(name.encode())
+    return digest - (1 << 32) if digest >= 1 << 31 else digest
+
+
 def key_lock_space(table: Table) -> int:
     """The first half of every key lock's id for this table (a signed 32-bit number derived
     from its qualified name), so that the same key in two job tables is two locks."""
-    digest = zlib.crc32(qualified_name(table.name, table.schema).encode())
-    return digest - (1 << 32) if digest >= 1 << 31 else digest
+    return _lock_space(qualified_name(table.name, table.schema))
 
 
 def lock_keys(table: Table) -> TextClause:
@@ -714,6 +721,79 @@ FOR UPDATE OF j SKIP LOCKED"""
         .cte("claimable")
     )
     return _start_attempts(table, chosen)
+
+
+# -- the limited claim (per-queue concurrency limits) --------------------------------------
+
+
+def queue_lock_space(table: Table) -> int:
+    """The first half of every queue lock's id for this table: :func:`key_lock_space`'s
+    rule over ``<qualified name>#queues``, so that a queue and an ordering key of the same
+    name are two locks (a collision would only make a claim skip, never overrun)."""
+    return _lock_space(qualified_name(table.name, table.schema) + "#queues")
+
+
+def lock_queues(table: Table) -> TextClause:
+    """Lock the queues of ``:queue_names`` (the limited queues a claim serves) for this
+    transaction; returns the names locked, in the order given.
+
+    The first statement of a limited claim, and its only way to serialise claimers per
+    queue: ``pg_try_advisory_xact_lock(<table's queue lock space>, hashtext(queue))``. A
+    queue another claim holds is skipped this round, never waited for. Transaction-scoped,
+    as :func:`lock_keys`, and for the same reason a statement of its own: the next
+    statement (:func:`queue_slots`) starts after the lock was granted, so it sees every
+    claim the queue's previous holder committed. Reads no table.
+
+    Parameters: ``:queue_names`` (an array).
+    """
+    return text(
+        f"""SELECT q.name
+FROM unnest(CAST(:queue_names AS text[])) WITH ORDINALITY AS q (name, n)
+WHERE pg_try_advisory_xact_lock({queue_lock_space(table)}, hashtext(q.name))
+ORDER BY q.n"""
+    ).bindparams(bindparam("queue_names", type_=ARRAY(Text)))
+
+
+def queue_slots(table: Table) -> TextClause:
+    """How many more jobs of each queue in ``:queue_names`` (locked by :func:`lock_queues`)
+    may start now: its limit (``:queue_slots``, in the same order) minus its live
+    attempts. Returns ``name, free`` per queue (``free`` may be zero or less).
+
+    Live attempts are the queue's running jobs except those whose lease has expired and
+    whose row nobody holds: a crashed worker's attempt stops counting when its lease ends
+    (the claim that takes it over is a new attempt, and must fit in the limit), while a
+    lock-held attempt whose handler outlives its lease still counts (its row is locked).
+    Counted as all running minus the expired rows this statement can lock ``FOR UPDATE
+    SKIP LOCKED``; those stay locked by this transaction, and the claim that follows
+    (:func:`claim`, :func:`claim_keyed`) takes them over without skipping them. A row that
+    another transaction holds for a moment (a completion, a heartbeat) counts as live:
+    read late, a freed slot is used by the next claim, never one too many by this one.
+    Exact because a queue's jobs become running only in a claim that holds the queue's
+    lock, and this statement's snapshot is younger than the lock.
+
+    Indexes: per queue, the running index ``(queue, lease_expires_at) WHERE status =
+    'running'`` twice: the count of all its running rows (an index-only scan where the
+    visibility map allows), and its expired range from the oldest lease end up to now.
+
+    Parameters: ``:queue_names`` and ``:queue_slots`` (arrays of the same length).
+    """
+    t = qualified_name(table.name, table.schema)
+    running = JobStatus.RUNNING.value
+    return text(
+        f"""SELECT q.name, q.slots
+    - (SELECT count(*) FROM {t} AS j WHERE j.status = '{running}' AND j.queue = q.name)
+    + (SELECT count(*) FROM (
+        SELECT j.id FROM {t} AS j
+        WHERE j.status = '{running}' AND j.queue = q.name
+          AND j.lease_expires_at <= statement_timestamp()
+        FOR UPDATE OF j SKIP LOCKED
+      ) AS expired) AS free
+FROM unnest(CAST(:queue_names AS text[]), CAST(:queue_slots AS integer[]))
+    WITH ORDINALITY AS q (name, slots, n)
+ORDER BY q.n"""
+    ).bindparams(
+        bindparam("queue_names", type_=ARRAY(Text)), bindparam("queue_slots", type_=ARRAY(Integer))
+    )
 
 
 def lock(table: Table) -> Select[Any]:

@@ -28,6 +28,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "MAX_KEY_LIMIT",
     "MAX_NAME_LENGTH",
+    "MAX_QUEUE_LIMIT",
     "NAME_RULE",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
@@ -41,6 +42,7 @@ __all__ = [
     "check_name",
     "check_ordering_key",
     "check_priority",
+    "check_queue_limits",
     "check_run_at",
     "checked_args",
 ]
@@ -53,6 +55,8 @@ MAX_NAME_LENGTH = 200
 MAX_KEY_LENGTH = 200
 #: The largest per-key limit (the column is a smallint).
 MAX_KEY_LIMIT = 10_000
+#: The largest per-queue limit (more jobs at once than any fleet of workers runs).
+MAX_QUEUE_LIMIT = 1_000_000
 #: The longest duration a lease, delay or age may be: past it, a timestamp computed from it
 #: would overflow.
 MAX_DURATION_SECONDS = 100 * 365 * 86_400
@@ -356,6 +360,31 @@ def check_key_limit(field: str, value: object) -> int:
     if not 1 <= value <= MAX_KEY_LIMIT:
         raise InvalidJobError(field, f"must be in [1, {MAX_KEY_LIMIT}], got {value}")
     return value
+
+
+def check_queue_limits(field: str, value: object) -> dict[str, int]:
+    """Per-queue concurrency limits: a mapping of queue names (:func:`check_name`) to
+    integers in [1, :data:`MAX_QUEUE_LIMIT`], each the most jobs of that queue running at
+    once across all workers. ``None`` is no limits. Returns a plain ``dict`` copy."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidJobError(
+            field, f"must be a mapping of queue names to limits, not {type(value).__name__}"
+        )
+    limits: dict[str, int] = {}
+    for queue, limit in value.items():
+        name = check_name(field, queue)
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise InvalidJobError(
+                field, f"the limit of queue {name!r} must be an integer, not {type(limit).__name__}"
+            )
+        if not 1 <= limit <= MAX_QUEUE_LIMIT:
+            raise InvalidJobError(
+                field, f"the limit of queue {name!r} must be in [1, {MAX_QUEUE_LIMIT}], got {limit}"
+            )
+        limits[name] = limit
+    return limits
 
 
 def check_field(field: str, value: object, *, max_args_bytes: int) -> object:

@@ -20,6 +20,9 @@ Fixtures:
   async engines: every test that takes an async engine runs once on each.
 * ``async_engine`` (function): an :class:`~sqlalchemy.ext.asyncio.AsyncEngine` on
   ``database_url`` with ``async_driver``, disposed after the test.
+* ``worker_db`` (function): a :class:`worker_harness.JobDatabase` (the worker tests'
+  tables) in a fresh database of its own; ``worker_processes`` (function): a
+  :class:`worker_harness.Workers` on it, whose processes are killed at the end.
 * ``pgbouncer`` (session): a :class:`~sqla_jobs.pgbouncer.PgBouncer` in transaction mode in
   front of the server. When the ``pgbouncer`` binary is missing it is installed (Debian's
   package, with ``apt-get``) if the tests run as root; otherwise the tests that need it are
@@ -46,7 +49,7 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 import pytest_asyncio
@@ -60,6 +63,9 @@ import sqla_jobs
 from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.pgbouncer import PgBouncer, find_binary
 from sqla_jobs.urls import asyncpg_url, psycopg_url
+
+if TYPE_CHECKING:
+    from worker_harness import JobDatabase, Workers
 
 DATABASE_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
 PGBOUNCER_VARIABLE = "SQLA_JOBS_TEST_PGBOUNCER"
@@ -412,3 +418,27 @@ def history_default_partition_only(queue_engine: sa.Engine) -> None:
     from history_jobs import drop_day_partitions
 
     drop_day_partitions(queue_engine)
+
+
+@pytest.fixture
+def worker_db(fresh_database: FreshDatabase) -> Iterator[JobDatabase]:
+    """The worker tests' tables in a fresh database of their own, for real worker processes."""
+    from worker_harness import JobDatabase
+
+    database = JobDatabase(fresh_database("sqla_jobs_workers"))
+    try:
+        yield database
+    finally:
+        database.dispose()
+
+
+@pytest.fixture
+def worker_processes(worker_db: JobDatabase, tmp_path: Path) -> Iterator[Workers]:
+    """Starts ``sqla-jobs worker`` processes on ``worker_db``; kills what is left at the end."""
+    from worker_harness import Workers
+
+    pool = Workers(worker_db.url, tmp_path)
+    try:
+        yield pool
+    finally:
+        pool.close()

@@ -391,3 +391,49 @@ def test_the_plain_claim_does_not_read_keyed_jobs(queue_engine: sa.Engine) -> No
     seed_keyed(queue_engine, queues, PENDING, running=0)  # they sort before every plain job
     seed_pending(queue_engine, queues, 1_000)
     check_flat(queue_engine, queues, claimed=LIMIT)
+
+
+def queue_slots_plan(engine: sa.Engine, queues: list[str], *, generic: bool) -> dict[str, Any]:
+    """The limited claim's count (:func:`statements.queue_slots`): its EXPLAIN (ANALYZE,
+    BUFFERS), in a transaction that is rolled back."""
+    sql = str(statements.queue_slots(TABLE).compile(dialect=engine.dialect))
+    params = {"queue_names": queues, "queue_slots": [LIMIT] * len(queues)}
+    with engine.connect() as connection:
+        transaction = connection.begin()
+        cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        if generic:
+            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        plan = explain_sql(cursor, sql, params, generic=generic)
+        transaction.rollback()
+    return plan
+
+
+def test_the_limited_claim_counts_live_attempts_from_the_running_index(
+    queue_engine: sa.Engine,
+) -> None:
+    # The limited queue q0: 300 in flight on live leases, 5 whose leases ran out. Around it,
+    # jobs in flight in other queues, a backlog and a history, none of which it may read.
+    live, expired = 300, 5
+    seed_in_flight(queue_engine, ["q0"], live, lease="1 hour")
+    seed_in_flight(queue_engine, ["q0"], expired, lease="-1 minute")
+    seed_in_flight(queue_engine, ["q1", "q2"], IN_FLIGHT, lease="1 hour")
+    seed_pending(queue_engine, ["q0", "q1"], PENDING)
+    seed(
+        queue_engine,
+        "INSERT INTO email_jobs (queue, task, status, attempts, finished_at) "
+        "SELECT 'q0', 'old', 'succeeded', 1, now() FROM generate_series(1, :count) AS n",
+        count=HISTORY // 10,
+    )
+    for generic in (False, True):
+        plan = queue_slots_plan(queue_engine, ["q0"], generic=generic)
+        reads = index_reads(plan)
+        assert {r["Index Name"] for r in reads} == {N.running_index}
+        count, locked = sorted(reads, key=lambda r: r["Node Type"] != "Index Only Scan")
+        # All of the queue's running jobs counted from the index alone (VACUUM set the
+        # visibility map), the expired ones read (and locked) from the oldest lease end up.
+        assert count["Node Type"] == "Index Only Scan"
+        assert count.get("Heap Fetches", 0) == 0
+        assert count["Actual Rows"] == live + expired
+        assert locked["Actual Rows"] == expired
+        assert sum(buffers(r) for r in reads) <= PAGES_PER_QUEUE, [buffers(r) for r in reads]
+        assert plan["Plan"]["Actual Rows"] == 1  # the one queue, with LIMIT - live free

@@ -13,8 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +209,36 @@ class JobDatabase:
 
     def all_succeeded(self, total: int) -> bool:
         return self.count_by_status().get("succeeded", 0) == total
+
+
+Span = tuple[datetime, datetime, int]
+
+
+def intervals(
+    db: JobDatabase, group: Callable[[WorkerJob], str] = lambda job: job.ordering_key or ""
+) -> dict[str, list[Span]]:
+    """Per group of jobs (by default their ordering key): ``(start, end, job id)`` of every
+    attempt whose handler recorded both a ``start`` and an ``end`` effect, by start."""
+    groups = {job.id: group(job) for job in db.jobs()}
+    starts: dict[tuple[int, int], datetime] = {}
+    found: dict[str, list[Span]] = defaultdict(list)
+    for effect in db.effects():
+        if effect.kind == "start":
+            starts[(effect.job_id, effect.attempt)] = effect.at
+        elif effect.kind == "end":
+            start = starts[(effect.job_id, effect.attempt)]
+            found[groups[effect.job_id]].append((start, effect.at, effect.job_id))
+    return {name: sorted(spans) for name, spans in found.items()}
+
+
+def most_at_once(spans: list[Span]) -> int:
+    """The most spans open at one instant (one ending as another starts: not together)."""
+    events = sorted([(s, 1) for s, _, _ in spans] + [(e, -1) for _, e, _ in spans])
+    running = peak = 0
+    for _, step in events:  # at equal times an end (-1) sorts before a start (+1)
+        running += step
+        peak = max(peak, running)
+    return peak
 
 
 @contextmanager

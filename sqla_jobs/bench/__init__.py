@@ -48,10 +48,11 @@ Shared machines drift; ratios measured side by side do not drift with them. Sect
              path before it: ``session`` to ``connection``, ``psycopg`` to ``session``,
              ``asyncpg`` to ``psycopg`` (:mod:`~sqla_jobs.bench.drivers`). Skipped without
              ``pip install "sqla-jobs[asyncpg]"``.
-``keys``     ordering keys: the library's batched claim + complete_many of ``--jobs``
-             plain jobs (``keys.claim.plain``), beside the same with ``keys=True`` on
-             plain jobs, and on keyed jobs over 1,000 keys with ``key_limit`` 1 and 3
-             (ratios to the plain claim).
+``keys``     ordering keys and limits: the library's batched claim + complete_many of
+             ``--jobs`` plain jobs (``keys.claim.plain``), beside the same with
+             ``keys=True`` on plain jobs, on keyed jobs over 1,000 keys with ``key_limit``
+             1 and 3, and with a queue limit as large as the batch (``queue_limit``, and
+             ``keyed_limit3_queue_limit`` with keyed jobs); ratios to the plain claim.
 
 Runs on a throwaway embedded PostgreSQL by default (``pip install 'sqla-jobs[embedded]'``),
 or on the server of ``--database-url``, where it creates a scratch database

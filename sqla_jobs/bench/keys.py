@@ -1,9 +1,12 @@
-"""The ``keys`` section: ordering keys. The library's batched claim + complete_many of
-``--jobs`` plain jobs (``keys.claim.plain``), beside the same with ``keys=True`` on plain
-jobs, and on keyed jobs over 1,000 keys with ``key_limit`` 1 and 3 (ratios to the plain
-claim). Each on one Core connection, the path the worker's claims and completions take
-(an ORM ``Session`` sends every statement through SQLAlchemy's ``execute``, which costs the
-keyed claim's extra statement more than the statement itself)."""
+"""The ``keys`` section: ordering keys and limits. The library's batched claim +
+complete_many of ``--jobs`` plain jobs (``keys.claim.plain``), beside the same with
+``keys=True`` on plain jobs, on keyed jobs over 1,000 keys with ``key_limit`` 1 and 3, and
+with a queue limit (``queue_limits``, as large as the batch, so that it costs its statements
+without holding a claim back) on plain jobs and on keyed jobs with ``key_limit`` 3 (ratios
+to the plain claim). Each on one Core connection, the path the worker's claims and
+completions take (an ORM ``Session`` sends every statement through SQLAlchemy's
+``execute``, which costs the keyed claim's extra statements more than the statements
+themselves)."""
 
 from __future__ import annotations
 
@@ -25,17 +28,26 @@ __all__ = ["run_keys"]
 _KEYS: Final = 1_000
 
 
-def _claim_throughput(engine: sa.Engine, batch: int, count: int, *, keys: bool) -> float:
+def _claim_throughput(
+    engine: sa.Engine, batch: int, count: int, *, keys: bool, queue_limited: bool
+) -> float:
     """The library's batched claim + complete_many, in this process, until ``count`` done:
     a transaction each, on one Core connection, as the worker's fetch loop and outcome
     writer run them (the statements' driver path, :func:`sqla_jobs.queue._rows`)."""
     done = 0
+    queue_limits = {Q_KEYS: batch} if queue_limited else None
     with engine.connect() as connection:
         started = time.perf_counter()
         while True:
             with connection.begin():
                 jobs = claim(
-                    connection, Job, queues=Q_KEYS, limit=batch, lease=LEASE_SECONDS, keys=keys
+                    connection,
+                    Job,
+                    queues=Q_KEYS,
+                    limit=batch,
+                    lease=LEASE_SECONDS,
+                    keys=keys,
+                    queue_limits=queue_limits,
                 )
             if not jobs:
                 break
@@ -50,15 +62,17 @@ def _claim_throughput(engine: sa.Engine, batch: int, count: int, *, keys: bool) 
 def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
     """One run of each figure, side by side; each run starts with another of them (the
     order rotates), so that none is always first after the previous run's clean-up."""
-    variants: list[tuple[str, int | None, bool]] = [
-        ("plain", None, False),
-        ("plain_keys_on", None, True),
-        ("keyed", 1, True),
-        ("keyed_limit3", 3, True),
+    variants: list[tuple[str, int | None, bool, bool]] = [
+        ("plain", None, False, False),
+        ("plain_keys_on", None, True, False),
+        ("keyed", 1, True, False),
+        ("keyed_limit3", 3, True, False),
+        ("queue_limit", None, False, True),
+        ("keyed_limit3_queue_limit", 3, True, True),
     ]
     plain = results.metrics.get("keys.claim.plain")
     turn = (len(plain.runs) if plain is not None else 0) % len(variants)
-    for label, key_limit, keys in variants[turn:] + variants[:turn]:
+    for label, key_limit, keys, queue_limited in variants[turn:] + variants[:turn]:
         if key_limit is None:
             scratch.fill(engine, Q_KEYS, "bench_noop", cfg.jobs)
         else:
@@ -74,7 +88,9 @@ def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
                     },
                 )
         scratch.vacuum(engine)
-        value = _claim_throughput(engine, cfg.batch, cfg.jobs, keys=keys)
+        value = _claim_throughput(
+            engine, cfg.batch, cfg.jobs, keys=keys, queue_limited=queue_limited
+        )
         ceiling = None if label == "plain" else "keys.claim.plain"
         results.add(f"keys.claim.{label}", value, "jobs/s", ceiling)
         with engine.begin() as connection:

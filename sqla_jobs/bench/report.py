@@ -71,6 +71,8 @@ TARGETS: Final = [
     _at_least("history.partitioned.big", "partitioned: claim at big history >= 0.9 of 10k", 0.90),
     _at_least("keys.claim.keyed", "keyed claim >= 0.7 of the plain claim", 0.70),
     _at_least("keys.claim.keyed_limit3", "keyed claim (key_limit 3) >= 0.7 of plain", 0.70),
+    _at_least("keys.claim.queue_limit", "claim with a queue limit >= 0.7 of plain", 0.70),
+    _at_least("keys.claim.keyed_limit3_queue_limit", "keyed + queue limit >= 0.7 of plain", 0.70),
     # Issue 10: with none of its features used, within 5% of the version before it.
     *(
         _at_least(f"baseline.{operation}", f"{operation} >= 0.95 of --baseline's", 0.95)

@@ -94,6 +94,7 @@ class Fetcher:
         leases = [t.lease.total_seconds() for t in registry.tasks_in(self.queues)]
         self.claim_lease = min(leases or [registry.default_lease.total_seconds()])
         self.keys = registry.ordering_keys  # claim keyed jobs too
+        self.queue_limits = registry.queue_limits or None  # None: the plain claim, as ever
         self.min_claim = max(1, min(batch_size, state.concurrency) // 2)
         # The prefetch: fixed (``prefetch``), or following the handlers' rate up to a batch.
         self.prefetch_fixed = prefetch
@@ -167,6 +168,7 @@ class Fetcher:
             lease=self.claim_lease,
             worker=self.worker_name,
             keys=self.keys,
+            queue_limits=self.queue_limits,
         )
         lease_of = self._lease
         longer = [(job, lease) for job in jobs if (lease := lease_of(job.task)) > self.claim_lease]

@@ -66,9 +66,10 @@ class OutcomeWriter:
         self.finished = finished
         self.on_database_error = on_database_error
         self.on_database_ok = on_database_ok
-        # A finished job with an ordering key may free its key for the next job, which no
-        # NOTIFY announces: with keyed jobs, every written batch wakes the fetch loop.
-        self.wake_after_write = registry.ordering_keys
+        # A finished job with an ordering key may free its key for the next job, and one of
+        # a limited queue a slot of its queue, which no NOTIFY announces: with keyed jobs or
+        # queue limits, every written batch wakes the fetch loop.
+        self.wake_after_write = registry.ordering_keys or bool(registry.queue_limits)
 
     def loop(self) -> None:
         """Until the worker has finished and nothing is left to write."""
