@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from worker_harness import wait_until
 
 import sqla_jobs
-from sqla_jobs import JobContext, Registry, RetryPolicy, Worker
+from sqla_jobs import JobContext, JobMixin, Registry, RetryPolicy, Worker
 from sqla_jobs.worker import locked, runner
 
 FAST_RETRY = RetryPolicy(base=timedelta(milliseconds=50), cap=timedelta(milliseconds=100))
@@ -50,7 +50,7 @@ def running(registry: Registry, engine: sa.Engine, **options: Any) -> Iterator[W
         yield worker
 
 
-def enqueue(engine: sa.Engine, *jobs: EmailJob) -> list[int]:
+def enqueue(engine: sa.Engine, *jobs: JobMixin) -> list[int]:
     with Session(engine) as session, session.begin():
         session.add_all(jobs)
         session.flush()

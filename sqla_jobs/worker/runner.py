@@ -3,9 +3,9 @@
 :meth:`Runner.run` is that path. Whatever the handler is (a function, a coroutine function,
 a sync wrapper around one, an object whose ``__call__`` is ``async def``), it is called on a
 handler thread, and when what it returns is awaitable, that is awaited on the runner's event
-loop (started on first use) while the thread waits for it. Whatever happens, a ``finally``
-hands the attempt's outcome to :meth:`State.settle <sqla_jobs.worker.state.State.settle>`
-exactly once:
+loop (started on first use) while the thread waits for it. Whatever happens, the end of its
+:class:`Settling` block hands the attempt's outcome to
+:meth:`State.settle <sqla_jobs.worker.state.State.settle>` exactly once:
 
 * the handler returned: ``complete`` (with its result, once checked storable);
 * it raised, or its result cannot be stored: ``fail``;
@@ -13,11 +13,14 @@ exactly once:
   without retry (logged at once);
 * its lease may have run out before the handler could start (the worker was stopped or
   starved): ``release``, and the handler never starts (the rule "a lease is checked before
-  a handler starts" lives in :meth:`Runner._execute`);
-* lock mode: the handler's transaction committed the completion itself (``committed``), or
-  the row was no longer this attempt's (``lost``, the handler's writes rolled back), or
-  the job's cancel was requested (``cancel``, the handler's writes rolled back), or the
-  database failed under it (``release``);
+  a handler starts" lives in :meth:`Runner.admit`, which a lock group's every attempt
+  passes too);
+* lock mode (:mod:`sqla_jobs.worker.locked`, which runs queued lock-mode attempts in one
+  transaction, a group, each in a :class:`Settling` of its own): the group's transaction
+  committed the completion (``committed``), or the row was no longer this attempt's
+  (``lost``, the handler's writes rolled back), or the job's cancel was requested
+  (``cancel``, the handler's writes rolled back), or the database failed under the group
+  (``release``);
 * the job's cancel was requested while the handler ran: ``cancel``, whatever the handler
   did (:meth:`State.settle <sqla_jobs.worker.state.State.settle>` holds that rule;
   :meth:`Runner.request_cancel` tells the handler).
@@ -210,8 +213,10 @@ class Runner:
 
         One idle thread is woken, and runs the batch's jobs one after another: a thread
         wake-up costs more than a quick job. When ``SPILL`` seconds pass without any queued
-        job being taken (the running ones are slow), every idle thread is woken at once, so
-        a batch of slow jobs starts in parallel within about a millisecond.
+        job being taken (the running ones are slow), one more idle thread is woken, then two,
+        four, ... every ``SPILL`` that passes so, so a batch of slow jobs starts in parallel
+        within a few milliseconds, and a moment's stall of quick ones does not wake every
+        thread (each thread woken for a lock-mode job opens a transaction of its own).
         """
         with self._ready:
             self._queue.extend(attempts)
@@ -223,6 +228,7 @@ class Runner:
                 self._spill.notify()
 
     def _spill_loop(self) -> None:
+        woken, width = 0, 1  # threads woken at the last look; how many to wake next
         with self._ready:
             while not self._closed:
                 if not self._spill_due:
@@ -233,13 +239,16 @@ class Runner:
                     self._spill.wait(delay)
                     continue
                 if not (self._queue and self._idle):
-                    self._spill_due = 0.0
-                elif self._taken != self._spill_mark:  # progress: quick jobs; look again later
-                    self._spill_due = time.monotonic() + SPILL
-                    self._spill_mark = self._taken
-                else:
-                    self._spill_due = 0.0
-                    self._ready.notify(min(len(self._queue), self._idle))
+                    self._spill_due, woken, width = 0.0, 0, 1
+                    continue
+                if self._taken - self._spill_mark > woken:  # progress: quick jobs
+                    woken, width = 0, 1
+                else:  # only the threads just woken took jobs: slow ones
+                    woken = min(len(self._queue), self._idle, width)
+                    width *= 2
+                    self._ready.notify(woken)
+                self._spill_due = time.monotonic() + SPILL  # look again later
+                self._spill_mark = self._taken
 
     def waiting(self) -> int:
         """Attempts queued that no handler thread has taken yet."""
