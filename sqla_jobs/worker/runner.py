@@ -3,9 +3,9 @@
 :meth:`Runner.run` is that path. Whatever the handler is (a function, a coroutine function,
 a sync wrapper around one, an object whose ``__call__`` is ``async def``), it is called on a
 handler thread, and when what it returns is awaitable, that is awaited on the runner's event
-loop (started on first use) while the thread waits for it. Whatever happens, a ``finally``
-hands the attempt's outcome to :meth:`State.settle <sqla_jobs.worker.state.State.settle>`
-exactly once:
+loop (started on first use) while the thread waits for it. Whatever happens, the end of its
+:class:`Settling` block hands the attempt's outcome to
+:meth:`State.settle <sqla_jobs.worker.state.State.settle>` exactly once:
 
 * the handler returned: ``complete`` (with its result, once checked storable);
 * it raised, or its result cannot be stored: ``fail``;
@@ -13,11 +13,14 @@ exactly once:
   without retry (logged at once);
 * its lease may have run out before the handler could start (the worker was stopped or
   starved): ``release``, and the handler never starts (the rule "a lease is checked before
-  a handler starts" lives in :meth:`Runner._execute`);
-* lock mode: the handler's transaction committed the completion itself (``committed``), or
-  the row was no longer this attempt's (``lost``, the handler's writes rolled back), or
-  the job's cancel was requested (``cancel``, the handler's writes rolled back), or the
-  database failed under it (``release``);
+  a handler starts" lives in :meth:`Runner.admit`, which a lock group's every attempt
+  passes too);
+* lock mode (:mod:`sqla_jobs.worker.locked`, which runs queued lock-mode attempts in one
+  transaction, a group, each in a :class:`Settling` of its own): the group's transaction
+  committed the completion (``committed``), or the row was no longer this attempt's
+  (``lost``, the handler's writes rolled back), or the job's cancel was requested
+  (``cancel``, the handler's writes rolled back), or the database failed under the group
+  (``release``);
 * the job's cancel was requested while the handler ran: ``cancel``, whatever the handler
   did (:meth:`State.settle <sqla_jobs.worker.state.State.settle>` holds that rule;
   :meth:`Runner.request_cancel` tells the handler).
@@ -34,21 +37,20 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from sqlalchemy.orm import Session
 
-from sqla_jobs import statements, tracing, validation
-from sqla_jobs.errors import ConfigurationError
-from sqla_jobs.events import describe
+from sqla_jobs import tracing, validation
 from sqla_jobs.history.schema import has_history
-from sqla_jobs.queue import ClaimedJob, complete_attempts, job_columns, lock_one
+from sqla_jobs.queue import ClaimedJob, job_columns
 from sqla_jobs.registry import JobContext, Registry, Task
-from sqla_jobs.worker.link import as_session
+from sqla_jobs.worker import locked
 from sqla_jobs.worker.observer import NO_OBSERVER
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
-__all__ = ["Runner", "job_extra"]
+__all__ = ["Runner", "Settling", "job_extra"]
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -87,6 +89,47 @@ async def _awaited(awaitable: Awaitable[_T], attempt: Attempt, context: contextv
         # at its first await.
         task.cancel()
     return await awaitable
+
+
+class Settling:
+    """The ``with`` block an attempt runs in, from the moment a handler thread takes it: at
+    its end the attempt is settled (:meth:`State.settle
+    <sqla_jobs.worker.state.State.settle>`) with :attr:`outcome`, whatever happened. That
+    is a release until the block sets the real one; an exception that ends the block (the
+    handler's error, whatever it is) makes it a failure, and goes no further. The attempt's
+    trace span is current inside. :meth:`Runner.run` runs every attempt in one, and a lock
+    group enters one for each attempt it takes (:meth:`Runner.take_queued`)."""
+
+    __slots__ = ("_span", "_state", "attempt", "outcome")
+
+    def __init__(self, state: State, attempt: Attempt) -> None:
+        self._state = state
+        self.attempt = attempt
+        self.outcome = Outcome(Kind.RELEASE, why="its handler thread ended unexpectedly")
+
+    def __enter__(self) -> Settling:
+        # A no-op unless OpenTelemetry is loaded: it records an error that escapes, and is
+        # told the outcome of an attempt that ends without one.
+        self._span = tracing.attempt_span(self.attempt.job).__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        try:
+            if exc is None:
+                self._span.settled(self.outcome.kind.value, self.outcome.error)
+            self._span.__exit__(exc_type, exc, traceback)
+        except BaseException as error:
+            exc = exc or error
+        finally:
+            if exc is not None:
+                self.outcome = Outcome(Kind.FAIL, error=exc)
+            self._state.settle(self.attempt, self.outcome)
+        return True
 
 
 class Runner:
@@ -172,8 +215,10 @@ class Runner:
 
         One idle thread is woken, and runs the batch's jobs one after another: a thread
         wake-up costs more than a quick job. When ``SPILL`` seconds pass without any queued
-        job being taken (the running ones are slow), every idle thread is woken at once, so
-        a batch of slow jobs starts in parallel within about a millisecond.
+        job being taken (the running ones are slow), one more idle thread is woken, then two,
+        four, ... every ``SPILL`` that passes so, so a batch of slow jobs starts in parallel
+        within a few milliseconds, and a moment's stall of quick ones does not wake every
+        thread (each thread woken for a lock-mode job opens a transaction of its own).
         """
         with self._ready:
             self._queue.extend(attempts)
@@ -185,6 +230,7 @@ class Runner:
                 self._spill.notify()
 
     def _spill_loop(self) -> None:
+        woken, width = 0, 1  # threads woken at the last look; how many to wake next
         with self._ready:
             while not self._closed:
                 if not self._spill_due:
@@ -195,18 +241,32 @@ class Runner:
                     self._spill.wait(delay)
                     continue
                 if not (self._queue and self._idle):
-                    self._spill_due = 0.0
-                elif self._taken != self._spill_mark:  # progress: quick jobs; look again later
-                    self._spill_due = time.monotonic() + SPILL
-                    self._spill_mark = self._taken
-                else:
-                    self._spill_due = 0.0
-                    self._ready.notify(min(len(self._queue), self._idle))
+                    self._spill_due, woken, width = 0.0, 0, 1
+                    continue
+                if self._taken - self._spill_mark > woken:  # progress: quick jobs
+                    woken, width = 0, 1
+                else:  # only the threads just woken took jobs: slow ones
+                    woken = min(len(self._queue), self._idle, width)
+                    width *= 2
+                    self._ready.notify(woken)
+                self._spill_due = time.monotonic() + SPILL  # look again later
+                self._spill_mark = self._taken
 
     def waiting(self) -> int:
         """Attempts queued that no handler thread has taken yet."""
         with self._ready:
             return len(self._queue)
+
+    def take_queued(self, accept: Callable[[Attempt], bool]) -> Settling | None:
+        """The next queued attempt, in the :class:`Settling` the taker must enter at once,
+        if ``accept`` takes it; never waits (a lock group grows with it,
+        :mod:`sqla_jobs.worker.locked`). None when the queue is empty, its head is not
+        accepted, or the runner is closed."""
+        with self._ready:
+            if self._closed or not self._queue or not accept(self._queue[0]):
+                return None
+            self._taken += 1
+            return Settling(self.state, self._queue.popleft())
 
     def _next(self) -> Attempt | None:
         with self._ready:
@@ -257,19 +317,27 @@ class Runner:
 
     def run(self, attempt: Attempt) -> None:
         """Run one attempt to exactly one outcome (see the module docstring)."""
-        outcome = Outcome(Kind.RELEASE, why="its handler thread ended unexpectedly")
-        try:
-            # The attempt's trace span (a no-op unless OpenTelemetry is loaded): it records
-            # an error that escapes, and is told the outcome of one that does not.
-            with tracing.attempt_span(attempt.job) as span:
-                outcome = self._execute(attempt)
-                span.settled(outcome.kind.value, outcome.error)
-        except BaseException as exc:  # the handler's error, whatever it is, fails the job
-            outcome = Outcome(Kind.FAIL, error=exc)
-        finally:
-            self.state.settle(attempt, outcome)
+        with Settling(self.state, attempt) as settling:
+            settling.outcome = self._execute(attempt)
 
     def _execute(self, attempt: Attempt) -> Outcome:
+        task = attempt.task
+        refused = self.admit(attempt)
+        if refused is not None:
+            return refused
+        assert task is not None  # admit refuses an attempt without one
+        if task.mode == "lock":
+            return locked.run(self, attempt, task)
+        ctx = JobContext(
+            attempt.job, self.worker_name, _cancel=attempt, _loader=self._columns_loader
+        )
+        result = self._call(attempt, task, ctx)
+        return _COMPLETED if result is None else Outcome(Kind.COMPLETE, self._storable(result))
+
+    def admit(self, attempt: Attempt) -> Outcome | None:
+        """Whether ``attempt``'s handler may start now: None when it may (it is marked
+        started), else the outcome it gets instead. Every handler passes here first, a lock
+        group's too (:mod:`sqla_jobs.worker.locked`)."""
         job, task = attempt.job, attempt.task
         if task is None:
             known = ", ".join(sorted(t.name for t in self.registry)) or "none"
@@ -300,11 +368,7 @@ class Runner:
         self.observer.started(job)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("job started", extra=job_extra(attempt, "job_started"))
-        if task.mode == "lock":
-            return self._run_locked(attempt, task)
-        ctx = JobContext(job, self.worker_name, _cancel=attempt, _loader=self._columns_loader)
-        result = self._call(attempt, task, ctx)
-        return _COMPLETED if result is None else Outcome(Kind.COMPLETE, self._storable(result))
+        return None
 
     def _load_columns(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]:
         # ctx.columns: through the claim's session in lock mode, else a session of its own.
@@ -339,144 +403,9 @@ class Runner:
                 raise ValueError("result: nested too deeply to store") from exc
         return result
 
-    def _run_locked(self, attempt: Attempt, task: Task[Any]) -> Outcome:
-        """Lock the row, run the handler in that transaction, complete the job in it and
-        commit: the handler's writes and the completion commit together, or not at all."""
-        if self.async_session_factory is not None and inspect.iscoroutinefunction(task.function):
-            return self._await(attempt, self._run_locked_async(attempt, task))
-        job = attempt.job
-        committing = False
-        try:
-            with self.session_factory() as session:
-                transaction = session.begin()
-                # The worker's own statements run on the session's connection (the same
-                # transaction), which takes the driver's fast path (queue._rows).
-                connection = session.connection()
-                started = lock_one(as_session(connection), job)
-                if started is None:
-                    session.rollback()
-                    return Outcome(Kind.LOST, why="it was taken over before it could be locked")
-                pid = _backend_pid(session, ask=self.pooled)
-                attempt.backend = None if pid is None else (pid, started)
-                try:
-                    ctx = JobContext(
-                        job,
-                        self.worker_name,
-                        session,
-                        _cancel=attempt,
-                        _loader=self._columns_loader,
-                    )
-                    result = self._storable(self._call(attempt, task, ctx))
-                    if session.get_transaction() is not transaction or not transaction.is_active:
-                        raise ConfigurationError(_ENDED_TRANSACTION)
-                    # The handler's pending writes: refused ones fail the job like an error
-                    # raised by the handler itself.
-                    session.flush()
-                except BaseException as exc:
-                    _rollback_quietly(session)
-                    return Outcome(Kind.FAIL, error=exc)
-                ended = self._complete(as_session(connection), attempt, result)
-                if ended is not None:  # nothing of the handler's may commit then
-                    _rollback_quietly(session)
-                    return ended
-                committing = True
-                session.commit()
-            return Outcome(Kind.COMMITTED)
-        except Exception as exc:
-            return _database_failed(attempt, exc, committing=committing)
-        finally:
-            attempt.backend = None
-
-    async def _run_locked_async(self, attempt: Attempt, task: Task[Any]) -> Outcome:
-        """:meth:`_run_locked` for a coroutine handler, with an AsyncSession: the same steps,
-        awaited on the event loop (the queue functions run through ``run_sync``)."""
-        assert self.async_session_factory is not None
-        job = attempt.job
-        committing = False
-        try:
-            async with self.async_session_factory() as session:
-                transaction = await session.begin()
-                started = await session.run_sync(lock_one, job)
-                if started is None:
-                    await transaction.rollback()
-                    return Outcome(Kind.LOST, why="it was taken over before it could be locked")
-                pid = await session.run_sync(_backend_pid, ask=self.pooled)
-                attempt.backend = None if pid is None else (pid, started)
-                try:
-                    ctx = JobContext(
-                        job,
-                        self.worker_name,
-                        _async_session=session,
-                        _cancel=attempt,
-                        _loader=self._columns_loader,
-                    )
-                    result = self._storable(await task.function(ctx))
-                    if not transaction.is_active or session.get_transaction() is not transaction:
-                        raise ConfigurationError(_ENDED_TRANSACTION)
-                    await session.flush()  # as in _run_locked
-                except BaseException as exc:
-                    try:
-                        await session.rollback()
-                    except Exception as rollback_error:  # the server rolls back for us
-                        logger.debug("rollback failed: %s", describe(rollback_error))
-                    return Outcome(Kind.FAIL, error=exc)
-                ended = await session.run_sync(lambda s: self._complete(s, attempt, result))
-                if ended is not None:  # as in _run_locked
-                    await transaction.rollback()
-                    return ended
-                committing = True
-                await transaction.commit()
-            return Outcome(Kind.COMMITTED)
-        except Exception as exc:
-            return _database_failed(attempt, exc, committing=committing)
-        finally:
-            attempt.backend = None
-
-    def _complete(self, session: Session, attempt: Attempt, result: Any) -> Outcome | None:
-        """Complete ``attempt`` in ``session``'s transaction. None when it completed; else
-        the outcome instead, and the caller rolls the transaction back: ``lost`` when it was
-        fenced out, ``cancel`` when its cancel was requested (the completion made it
-        cancelled: rolled back with the handler's writes, the outcome writer cancels it)."""
-        result_model = self.registry.result_model
-        if has_history(attempt.job.model) and result is not None:
-            # The result goes into the history row, with the job.
-            lost, cancelled = complete_attempts(session, [attempt.job], results=[result])
-        elif result_model is None or result is None:
-            lost, cancelled = complete_attempts(session, [attempt.job])
-        else:
-            lost, cancelled = complete_attempts(
-                session, [attempt.job], results=[result], result_model=result_model
-            )
-        if cancelled:
-            return Outcome(Kind.CANCEL, why="its cancel was requested")
-        if lost:
-            return Outcome(Kind.LOST, why="its completion was fenced out")
-        return None
-
 
 #: The outcome of every handler that returned None (one object, not one per job).
 _COMPLETED: Final = Outcome(Kind.COMPLETE)
-
-_ENDED_TRANSACTION: Final = (
-    "the handler ended the claim's transaction (commit, rollback or close); a lock-mode "
-    "handler must leave it to the worker"
-)
-
-
-def _database_failed(attempt: Attempt, exc: Exception, *, committing: bool) -> Outcome:
-    # The database failed under a lock-mode attempt, not its handler. Give the job back: the
-    # release is fenced, so if the commit did go through it changes nothing.
-    what = "its commit failed" if committing else "a database error"
-    logger.warning(
-        "lock-mode job %d: %s (%s); if nothing was committed the job is given back",
-        attempt.job.id,
-        what,
-        describe(exc),
-        extra=job_extra(
-            attempt, "outcome_unknown" if committing else "database_error", error=describe(exc)
-        ),
-    )
-    return Outcome(Kind.RELEASE, why=what)
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -491,21 +420,3 @@ def _cancel_all_and_stop(loop: asyncio.AbstractEventLoop) -> None:
     for task in asyncio.all_tasks(loop):
         task.cancel()
     loop.call_soon(loop.stop)
-
-
-def _backend_pid(session: Session, *, ask: bool = False) -> int | None:
-    # psycopg knows its backend's pid: no query needed (another driver: not known). Behind a
-    # pooler it knows the pooler's stand-in instead: ask the server (the transaction stays
-    # on one backend).
-    if ask:
-        return int(session.execute(statements.backend_transaction()).one()[0])
-    driver: Any = session.connection().connection.driver_connection
-    pid = getattr(getattr(driver, "info", None), "backend_pid", None)
-    return pid if isinstance(pid, int) else None
-
-
-def _rollback_quietly(session: Session) -> None:
-    try:
-        session.rollback()
-    except Exception as exc:  # a broken connection: the server rolls back for us
-        logger.debug("rollback failed: %s", describe(exc), extra={"action": "database_error"})

@@ -1,0 +1,443 @@
+"""Lock-held mode: handlers that write in the transaction holding their job's row lock, run
+in groups that commit once.
+
+A handler thread that takes a lock-mode attempt (:meth:`Runner.run
+<sqla_jobs.worker.runner.Runner.run>`) opens one transaction and runs a *group* in it,
+one attempt after another:
+
+1. lock the attempt's row (:func:`~sqla_jobs.queue.lock_one`, fenced by attempt: an attempt
+   that was taken over is ``lost``, and its handler does not start);
+2. run its handler. The first time the handler asks for ``ctx.session`` or ``ctx.columns``,
+   a SAVEPOINT is set, so that whatever it does in the transaction can be undone alone;
+3. if it raised, roll back to its savepoint: ``fail``. If it wrote, complete its attempt
+   inside its savepoint, then release the savepoint; or roll back to it when that
+   completion finds its cancel requested (``cancel``) or the attempt fenced out (``lost``);
+4. while the group is young (:data:`WINDOW` seconds since it began, :data:`CAP` attempts at
+   most), take the runner's next queued attempt if it is lock-mode too, without waiting
+   (:meth:`Runner.take_queued <sqla_jobs.worker.runner.Runner.take_queued>`), check it as
+   every attempt is checked before its handler starts (:meth:`Runner.admit
+   <sqla_jobs.worker.runner.Runner.admit>`), and go back to 1;
+5. complete every attempt whose handler returned without touching the session in one
+   statement (under a savepoint: one found cancelled or lost is left out and the statement
+   run again without it), and commit once. Every attempt completed in the group is then
+   ``committed``; if the commit fails, each is given back (``release``, fenced: a no-op for
+   a commit that did go through), and runs again.
+
+So a handler's writes commit with its own job's completion or not at all, a failure or a
+cancel rolls back only its own job's writes, and the WAL is flushed once per group instead
+of once per job.
+
+**Why the savepoint can wait for the session.** A handler reaches the group's transaction
+only through its context: ``ctx.session`` sets the savepoint before handing the session
+out, and ``ctx.columns`` before its read. A handler that uses neither ran no SQL in the
+transaction: it has nothing to roll back, and cannot have aborted the transaction. Such
+handlers (and the common no-op-on-the-database ones) pay no savepoint round trip; their
+completions wait for the group's one statement. (A handler that keeps a session from an
+earlier job and uses it later breaks this, as it breaks the rule that the session is its
+own job's only while it runs.)
+
+**Why only while young.** An attempt the group takes waits for the group's earlier handlers
+and for its commit. The group stops taking once it is :data:`WINDOW` old, so a slow handler
+holds back at most the attempts taken before it; the queued ones are taken by other handler
+threads, which the runner wakes when queued jobs wait (its ``SPILL``), and which run groups
+of their own, in parallel.
+
+**The lease.** Each attempt passes :meth:`Runner.admit
+<sqla_jobs.worker.runner.Runner.admit>` when it joins the group, before its row is locked:
+its handler does not start with less than ``LEASE_MARGIN`` of its lease left. Once its row
+is locked no claim can take the job (claims and heartbeats skip locked rows), however long
+the rest of the group takes, so an attempt waiting for its group's commit needs no second
+check.
+
+**One outcome each.** The first attempt is :meth:`Runner.run
+<sqla_jobs.worker.runner.Runner.run>`'s, which settles it with what :func:`run` returns;
+every attempt the group takes comes in a :class:`~sqla_jobs.worker.runner.Settling`, entered
+at once into the group's ``ExitStack``, whose unwinding settles each exactly once whatever
+happens. A group's attempts are settled after its transaction ended.
+
+A coroutine handler given an :class:`~sqlalchemy.ext.asyncio.AsyncSession` (the worker's
+``async_session_factory``) keeps a transaction of its own per attempt (:func:`_run_async`):
+the same steps, awaited on the event loop, with one commit per job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from sqlalchemy.orm import Session, SessionTransaction
+
+from sqla_jobs import statements
+from sqla_jobs.errors import ConfigurationError
+from sqla_jobs.events import describe
+from sqla_jobs.history.schema import has_history
+from sqla_jobs.queue import ClaimedJob, complete_attempts, job_columns, lock_one
+from sqla_jobs.registry import JobContext, Registry, Task
+from sqla_jobs.worker.link import as_session
+from sqla_jobs.worker.state import Attempt, Kind, Outcome
+
+if TYPE_CHECKING:
+    from sqla_jobs.worker.runner import Runner, Settling
+
+__all__ = ["CAP", "WINDOW", "run"]
+
+logger = logging.getLogger("sqla_jobs.worker")
+
+#: A group takes no more attempts once it is this old (seconds since it began).
+WINDOW: Final = 0.015
+#: Attempts in one group at most.
+CAP: Final = 200
+
+_ENDED_TRANSACTION: Final = (
+    "the handler ended the claim's transaction (commit, rollback or close); a lock-mode "
+    "handler must leave it to the worker"
+)
+_COMMITTED: Final = Outcome(Kind.COMMITTED)
+
+
+def run(runner: Runner, first: Attempt, task: Task[Any]) -> Outcome:
+    """Run ``first`` (admitted already) and the group that grows from it; returns the
+    outcome of ``first`` (the group's other attempts are settled here)."""
+    if runner.async_session_factory is not None and inspect.iscoroutinefunction(task.function):
+        return runner._await(first, _run_async(runner, first, task))
+    return _Group(runner, first).run()
+
+
+class _Member:
+    """One attempt of a group; ``outcome`` stays None while it waits for the commit."""
+
+    __slots__ = ("attempt", "group", "outcome", "result", "savepoint", "settling")
+
+    def __init__(self, group: _Group, attempt: Attempt, settling: Settling | None) -> None:
+        self.group = group
+        self.attempt = attempt
+        self.settling = settling  # None for the group's first attempt (Runner.run's)
+        self.outcome: Outcome | None = None
+        self.savepoint: SessionTransaction | None = None
+        self.result: Any = None
+
+    def enter(self) -> Session:
+        """The session, once this attempt's savepoint is set."""
+        session = self.group.session
+        if self.savepoint is None:
+            self.savepoint = session.begin_nested()
+        return session
+
+    def load_columns(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]:
+        return job_columns(job, self.enter())
+
+
+@dataclass(frozen=True, slots=True)
+class _MemberContext(JobContext):
+    """A group member's context: ``session`` sets the member's savepoint on first use."""
+
+    _member: _Member | None = field(default=None, repr=False)
+
+    @property
+    def session(self) -> Session:
+        assert self._member is not None
+        return self._member.enter()
+
+
+class _Group:
+    def __init__(self, runner: Runner, first: Attempt) -> None:
+        self.runner = runner
+        self.model = first.job.model
+        self.members = [_Member(self, first, None)]
+        self.unsaved: list[_Member] = []  # returned without touching the session
+        self.backend: tuple[int, float] | None = None
+        self.committing = False
+        self.session: Session  # set once the group's transaction begins
+
+    def accepts(self, attempt: Attempt) -> bool:
+        """Whether a queued attempt may join (called under the runner's lock)."""
+        task = attempt.task
+        return (
+            task is not None
+            and task.mode == "lock"
+            and attempt.job.model is self.model
+            and not (
+                self.runner.async_session_factory is not None
+                and inspect.iscoroutinefunction(task.function)
+            )
+        )
+
+    def run(self) -> Outcome:
+        with contextlib.ExitStack() as stack:
+            try:
+                self._transaction(stack)
+            except Exception as exc:
+                self._failed(exc)
+            finally:
+                for member in self.members:
+                    member.attempt.backend = None
+                    if member.outcome is None:  # only if something unforeseen escaped
+                        member.outcome = Outcome(Kind.RELEASE, why="its group ended early")
+                    if member.settling is not None:
+                        member.settling.outcome = member.outcome
+        outcome = self.members[0].outcome
+        assert outcome is not None
+        return outcome
+
+    def _transaction(self, stack: contextlib.ExitStack) -> None:
+        runner = self.runner
+        with runner.session_factory() as session:
+            self.session = session
+            self.transaction = session.begin()
+            # The worker's own statements run on the session's connection (the same
+            # transaction), which takes the driver's fast path (queue._rows).
+            self.executor = as_session(session.connection())
+            began = time.monotonic()
+            member: _Member | None = self.members[0]
+            while member is not None:
+                if not self._run(member):
+                    # Its transaction is unusable: nothing of the group's commits.
+                    _rollback_quietly(session)
+                    self._give_back("its transaction ended before its commit")
+                    return
+                if len(self.members) >= CAP or time.monotonic() - began >= WINDOW:
+                    break
+                member = self._take(stack)
+            self._commit()
+
+    def _take(self, stack: contextlib.ExitStack) -> _Member | None:
+        """The next queued attempt that may start, as a member (those refused are settled
+        as :meth:`Runner.admit` says), or None."""
+        while len(self.members) < CAP:
+            settling = self.runner.take_queued(self.accepts)
+            if settling is None:
+                return None
+            stack.enter_context(settling)
+            member = _Member(self, settling.attempt, settling)
+            self.members.append(member)
+            refused = self.runner.admit(member.attempt)
+            if refused is None:
+                return member
+            member.outcome = refused
+        return None
+
+    def _run(self, member: _Member) -> bool:
+        """Lock, run and (if it wrote) complete one member; False when the group's
+        transaction can no longer be used."""
+        runner, attempt = self.runner, member.attempt
+        job, task = attempt.job, attempt.task
+        assert task is not None
+        started = lock_one(self.executor, job)  # a database error fails the group
+        if started is None:
+            member.outcome = Outcome(Kind.LOST, why="it was taken over before it could be locked")
+            return True
+        if self.backend is None:
+            pid = _backend_pid(self.session, ask=runner.pooled)
+            self.backend = None if pid is None else (pid, started)
+        attempt.backend = self.backend
+        ctx = _MemberContext(
+            job,
+            runner.worker_name,
+            self.session,
+            _cancel=attempt,
+            _loader=member.load_columns,
+            _member=member,
+        )
+        try:
+            member.result = runner._storable(runner._call(attempt, task, ctx))
+            if not self._open():
+                raise ConfigurationError(_ENDED_TRANSACTION)
+            if member.savepoint is not None:
+                # The handler's pending writes: refused ones fail the job like an error
+                # raised by the handler itself.
+                self.session.flush()
+        except BaseException as exc:
+            member.outcome = Outcome(Kind.FAIL, error=exc)
+            return self._undo(member)
+        if member.savepoint is None:
+            self.unsaved.append(member)  # completed with the others, at the end
+            return True
+        # It wrote: complete it inside its savepoint, so that a cancel or a takeover found
+        # now rolls back its writes and nothing else.
+        if self._complete([member]):
+            return self._undo(member)
+        member.savepoint.commit()
+        return True
+
+    def _undo(self, member: _Member) -> bool:
+        """Roll back what ``member`` did in the transaction; False if that failed or the
+        transaction is gone."""
+        if not self._open():
+            return False
+        if member.savepoint is not None:
+            try:
+                member.savepoint.rollback()
+            except Exception as exc:  # a broken connection: the group is given back
+                logger.debug("rollback failed: %s", describe(exc))
+                return False
+        return True
+
+    def _open(self) -> bool:
+        return self.session.get_transaction() is self.transaction and self.transaction.is_active
+
+    def _complete(self, members: list[_Member]) -> list[_Member]:
+        """Complete these members' attempts in the transaction; returns those that ended
+        otherwise instead (their outcome set: ``cancel`` or ``lost``)."""
+        ended = complete(
+            self.executor, self.runner.registry, [(m.attempt.job, m.result) for m in members]
+        )
+        if not ended:
+            return []
+        out = []
+        for member in members:
+            outcome = ended.get((member.attempt.job.id, member.attempt.job.attempt))
+            if outcome is not None:
+                member.outcome = outcome
+                out.append(member)
+        return out
+
+    def _commit(self) -> None:
+        waiting = self.unsaved
+        while waiting:
+            savepoint = self.session.begin_nested()
+            if not self._complete(waiting):
+                savepoint.commit()
+                break
+            # Cancelled or lost: their completion is undone, the others' done again.
+            savepoint.rollback()
+            waiting = [m for m in waiting if m.outcome is None]
+        self.committing = True
+        self.session.commit()
+        for member in self.members:
+            if member.outcome is None:
+                member.outcome = _COMMITTED
+
+    def _give_back(self, why: str) -> None:
+        for member in self.members:
+            if member.outcome is None:
+                member.outcome = Outcome(Kind.RELEASE, why=why)
+
+    def _failed(self, exc: Exception) -> None:
+        # The database failed under the group, not a handler: give back every attempt
+        # still waiting for the commit (fenced: changes nothing if the commit went through).
+        waiting = [m.attempt.job.id for m in self.members if m.outcome is None]
+        what = _log_failure(waiting, exc, committing=self.committing)
+        self._give_back(what)
+
+
+def complete(
+    executor: Session, registry: Registry, done: list[tuple[ClaimedJob, Any]]
+) -> dict[tuple[int, int], Outcome]:
+    """Complete these attempts (with their handlers' results) in ``executor``'s transaction.
+    Returns the outcome of each that ended otherwise, by ``(id, attempt)``: ``cancel`` when
+    its cancel was requested (the completion made it cancelled: the caller rolls that back,
+    and the outcome writer cancels it), ``lost`` when it was fenced out."""
+    result_model = registry.result_model
+    stores = result_model is not None or (bool(done) and has_history(done[0][0].model))
+    plain = [job for job, result in done if not (stores and result is not None)]
+    valued = [(job, result) for job, result in done if stores and result is not None]
+    lost, cancelled = complete_attempts(executor, plain)
+    if valued:
+        # The results go into the history rows with the jobs, or into the result model.
+        more_lost, more_cancelled = complete_attempts(
+            executor,
+            [job for job, _ in valued],
+            results=[result for _, result in valued],
+            result_model=result_model,
+        )
+        lost, cancelled = lost + more_lost, cancelled + more_cancelled
+    ended = {(job.id, job.attempt): _CANCELLED for job in cancelled}
+    ended.update({(job.id, job.attempt): _FENCED_OUT for job in lost})
+    return ended
+
+
+_CANCELLED: Final = Outcome(Kind.CANCEL, why="its cancel was requested")
+_FENCED_OUT: Final = Outcome(Kind.LOST, why="its completion was fenced out")
+
+
+async def _run_async(runner: Runner, attempt: Attempt, task: Task[Any]) -> Outcome:
+    """One attempt in a transaction of its own, for a coroutine handler with an
+    AsyncSession: lock the row, run the handler, complete the job in that transaction and
+    commit (the queue functions run through ``run_sync``)."""
+    assert runner.async_session_factory is not None
+    job = attempt.job
+    committing = False
+    try:
+        async with runner.async_session_factory() as session:
+            transaction = await session.begin()
+            started = await session.run_sync(lock_one, job)
+            if started is None:
+                await transaction.rollback()
+                return Outcome(Kind.LOST, why="it was taken over before it could be locked")
+            pid = await session.run_sync(_backend_pid, ask=runner.pooled)
+            attempt.backend = None if pid is None else (pid, started)
+            try:
+                ctx = JobContext(
+                    job,
+                    runner.worker_name,
+                    _async_session=session,
+                    _cancel=attempt,
+                    _loader=runner._columns_loader,
+                )
+                result = runner._storable(await task.function(ctx))
+                if not transaction.is_active or session.get_transaction() is not transaction:
+                    raise ConfigurationError(_ENDED_TRANSACTION)
+                # The handler's pending writes: refused ones fail the job like an error
+                # raised by the handler itself.
+                await session.flush()
+            except BaseException as exc:
+                try:
+                    await session.rollback()
+                except Exception as rollback_error:  # the server rolls back for us
+                    logger.debug("rollback failed: %s", describe(rollback_error))
+                return Outcome(Kind.FAIL, error=exc)
+            ended = await session.run_sync(
+                lambda s: complete(s, runner.registry, [(job, result)]).get(attempt.key)
+            )
+            if ended is not None:  # nothing of the handler's may commit then
+                await transaction.rollback()
+                return ended
+            committing = True
+            await transaction.commit()
+        return _COMMITTED
+    except Exception as exc:
+        return _given_back(_log_failure([job.id], exc, committing=committing))
+    finally:
+        attempt.backend = None
+
+
+def _given_back(why: str) -> Outcome:
+    return Outcome(Kind.RELEASE, why=why)
+
+
+def _log_failure(job_ids: list[int], exc: Exception, *, committing: bool) -> str:
+    what = "its commit failed" if committing else "a database error"
+    logger.warning(
+        "lock-mode jobs %s: %s (%s); if nothing was committed they are given back",
+        job_ids,
+        what,
+        describe(exc),
+        extra={
+            "action": "outcome_unknown" if committing else "database_error",
+            "job_ids": job_ids,
+            "error": describe(exc),
+        },
+    )
+    return what
+
+
+def _backend_pid(session: Session, *, ask: bool = False) -> int | None:
+    # psycopg knows its backend's pid: no query needed (another driver: not known). Behind a
+    # pooler it knows the pooler's stand-in instead: ask the server (the transaction stays
+    # on one backend).
+    if ask:
+        return int(session.execute(statements.backend_transaction()).one()[0])
+    driver: Any = session.connection().connection.driver_connection
+    pid = getattr(getattr(driver, "info", None), "backend_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
+def _rollback_quietly(session: Session) -> None:
+    try:
+        session.rollback()
+    except Exception as exc:  # a broken connection: the server rolls back for us
+        logger.debug("rollback failed: %s", describe(exc), extra={"action": "database_error"})
