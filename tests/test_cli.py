@@ -108,6 +108,7 @@ def test_mistakes_are_one_line_errors(
     "args",
     [
         ["worker", "m:r", "--concurrency", "0"],
+        ["worker", "m:r", "--prefetch", "-1"],
         ["worker", "m:r", "--no-listen", "--listen-url", "postgresql://x@y/z"],
         ["status", "--pooler", "session"],
         ["prune", "--older-than", "soon"],

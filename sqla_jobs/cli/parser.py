@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--concurrency", type=_positive_int, default=4, help="jobs at once")
     worker.add_argument("--batch-size", type=_positive_int, help="most jobs per claim")
     worker.add_argument(
+        "--prefetch",
+        type=_count,
+        help="jobs claimed beyond the free slots (default: follows the handlers' rate; 0: none)",
+    )
+    worker.add_argument(
         "--poll-interval", type=_seconds, default=1.0, help="poll period, e.g. 1s (default 1s)"
     )
     worker.add_argument(

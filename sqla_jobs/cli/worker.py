@@ -38,6 +38,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             queues=queues,
             concurrency=args.concurrency,
             batch_size=args.batch_size,
+            prefetch=args.prefetch,
             poll_interval=args.poll_interval,
             grace=args.grace,
             listen=not args.no_listen,
