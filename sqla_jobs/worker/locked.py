@@ -75,7 +75,7 @@ from sqla_jobs import statements
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.history.schema import has_history
-from sqla_jobs.queue import ClaimedJob, complete_attempts, job_columns, lock_one
+from sqla_jobs.queue import ClaimedJob, complete_attempts, job_columns, lock_one, lock_started
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.worker.link import as_session
 from sqla_jobs.worker.state import Attempt, Kind, Outcome
@@ -83,12 +83,14 @@ from sqla_jobs.worker.state import Attempt, Kind, Outcome
 if TYPE_CHECKING:
     from sqla_jobs.worker.runner import Runner, Settling
 
-__all__ = ["CAP", "WINDOW", "run"]
+__all__ = ["AGE", "CAP", "WINDOW", "run"]
 
 logger = logging.getLogger("sqla_jobs.worker")
 
-#: A group takes no more attempts once it is this old (seconds since it began).
+#: A group takes no more attempts once its handlers have taken this long in all (seconds).
 WINDOW: Final = 0.015
+#: ... or once it is this old (seconds since it began: its handlers and its statements).
+AGE: Final = 0.05
 #: Attempts in one group at most.
 CAP: Final = 200
 
@@ -192,48 +194,78 @@ class _Group:
             # transaction), which takes the driver's fast path (queue._rows).
             self.executor = as_session(session.connection())
             began = time.monotonic()
-            member: _Member | None = self.members[0]
-            while member is not None:
-                if not self._run(member):
-                    # Its transaction is unusable: nothing of the group's commits.
-                    _rollback_quietly(session)
-                    self._give_back("its transaction ended before its commit")
-                    return
-                if len(self.members) >= CAP or time.monotonic() - began >= WINDOW:
+            chunk = [self.members[0]]
+            handlers = 0.0  # the time the group's handlers took so far
+            ran = 0
+            while chunk:
+                for member in self._lock(chunk):
+                    start = time.monotonic()
+                    usable = self._run(member)
+                    handlers += time.monotonic() - start
+                    ran += 1
+                    if not usable:
+                        # Its transaction is unusable: nothing of the group's commits.
+                        _rollback_quietly(session)
+                        self._give_back("its transaction ended before its commit")
+                        return
+                room = CAP - len(self.members)
+                if handlers >= WINDOW or time.monotonic() - began >= AGE or room <= 0:
                     break
-                member = self._take(stack)
-            self._commit()
+                # Twice the last chunk, at most what the handlers so far say fits in what is
+                # left of the window.
+                fits = int((WINDOW - handlers) * ran / handlers) if handlers > 0 else room
+                chunk = self._take(stack, max(1, min(2 * len(chunk), room, fits)))
+            with runner.working():
+                self._commit()
 
-    def _take(self, stack: contextlib.ExitStack) -> _Member | None:
-        """The next queued attempt that may start, as a member (those refused are settled
-        as :meth:`Runner.admit` says), or None."""
-        while len(self.members) < CAP:
-            settling = self.runner.take_queued(self.accepts)
-            if settling is None:
-                return None
+    def _take(self, stack: contextlib.ExitStack, limit: int) -> list[_Member]:
+        """Up to ``limit`` queued attempts, as members; those that may not start are
+        settled as :meth:`Runner.admit` says and left out of the list (not of the group)."""
+        taken = []
+        for settling in self.runner.take_queued(self.accepts, limit):
             stack.enter_context(settling)
             member = _Member(self, settling.attempt, settling)
             self.members.append(member)
             refused = self.runner.admit(member.attempt)
             if refused is None:
-                return member
-            member.outcome = refused
-        return None
+                taken.append(member)
+            else:
+                member.outcome = refused
+        return taken
+
+    def _lock(self, chunk: list[_Member]) -> list[_Member]:
+        """Lock the rows of these members' attempts in one statement (fenced by attempt);
+        returns the members locked. One taken over is ``lost``: its handler never starts."""
+        with self.runner.working():
+            # A database error fails the group.
+            kept, started = lock_started(self.executor, [m.attempt.job for m in chunk])
+            if self.backend is None and started is not None:
+                pid = _backend_pid(self.session, ask=self.runner.pooled)
+                self.backend = None if pid is None else (pid, started)
+        if len(kept) == len(chunk):
+            locked = chunk
+        else:
+            ids = {id(job) for job in kept}
+            locked = []
+            for member in chunk:
+                if id(member.attempt.job) in ids:
+                    locked.append(member)
+                else:
+                    member.outcome = _TAKEN_OVER
+        for member in locked:
+            member.attempt.backend = self.backend
+        return locked
 
     def _run(self, member: _Member) -> bool:
-        """Lock, run and (if it wrote) complete one member; False when the group's
+        """Run and (if it wrote) complete one locked member; False when the group's
         transaction can no longer be used."""
         runner, attempt = self.runner, member.attempt
         job, task = attempt.job, attempt.task
         assert task is not None
-        started = lock_one(self.executor, job)  # a database error fails the group
-        if started is None:
-            member.outcome = Outcome(Kind.LOST, why="it was taken over before it could be locked")
+        if attempt.cancel_requested:
+            # Requested while it waited in its chunk for the handlers before it.
+            member.outcome = _CANCELLED
             return True
-        if self.backend is None:
-            pid = _backend_pid(self.session, ask=runner.pooled)
-            self.backend = None if pid is None else (pid, started)
-        attempt.backend = self.backend
         ctx = _MemberContext(
             job,
             runner.worker_name,
@@ -352,6 +384,7 @@ def complete(
 
 _CANCELLED: Final = Outcome(Kind.CANCEL, why="its cancel was requested")
 _FENCED_OUT: Final = Outcome(Kind.LOST, why="its completion was fenced out")
+_TAKEN_OVER: Final = Outcome(Kind.LOST, why="it was taken over before it could be locked")
 
 
 async def _run_async(runner: Runner, attempt: Attempt, task: Task[Any]) -> Outcome:
