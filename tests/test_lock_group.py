@@ -381,9 +381,7 @@ def test_a_chunk_member_whose_cancel_is_requested_before_its_turn_never_runs(
     holder: list[Worker] = []
 
     def cancel_known(job_id: int) -> bool:
-        return any(
-            a.job.id == job_id and a.cancel_requested for a in holder[0]._state.snapshot()
-        )
+        return any(a.job.id == job_id and a.cancel_requested for a in holder[0]._state.snapshot())
 
     @registry.task(queue="group", mode="lock", lease=60)
     def write(ctx: JobContext) -> None:

@@ -194,15 +194,25 @@ class _Group:
             # transaction), which takes the driver's fast path (queue._rows).
             self.executor = as_session(session.connection())
             began = time.monotonic()
-            chunk = [self.members[0]]
-            handlers = 0.0  # the time the group's handlers took so far
-            ran = 0
+            pace = runner.lock_pace
+            slowest: dict[str, float] = {}  # by task: its slowest handler in this group
+            handlers = 0.0  # the time the group's handlers took in all
+            # The first chunk: as many as the window holds at each task's pace (the first
+            # attempt alone when its task is slow or not known yet); then twice the last.
+            first = self.members[0]
+            budget = WINDOW - pace.get(first.attempt.job.task, WINDOW)
+            chunk = [first, *self._take(stack, CAP - 1, budget, strict=True)]
             while chunk:
                 for member in self._lock(chunk):
                     start = time.monotonic()
                     usable = self._run(member)
-                    handlers += time.monotonic() - start
-                    ran += 1
+                    took = time.monotonic() - start
+                    handlers += took
+                    name = member.attempt.job.task
+                    if took > slowest.get(name, 0.0):
+                        slowest[name] = took
+                        if took > pace.get(name, 0.0):
+                            pace[name] = took  # at once: other groups see it too
                     if not usable:
                         # Its transaction is unusable: nothing of the group's commits.
                         _rollback_quietly(session)
@@ -211,18 +221,35 @@ class _Group:
                 room = CAP - len(self.members)
                 if handlers >= WINDOW or time.monotonic() - began >= AGE or room <= 0:
                     break
-                # Twice the last chunk, at most what the handlers so far say fits in what is
-                # left of the window.
-                fits = int((WINDOW - handlers) * ran / handlers) if handlers > 0 else room
-                chunk = self._take(stack, max(1, min(2 * len(chunk), room, fits)))
+                chunk = self._take(stack, min(2 * len(chunk), room), WINDOW - handlers)
+            for name, took in slowest.items():
+                # Quick handlers bring their task's pace down by halves.
+                pace[name] = max(took, pace.get(name, took) / 2)
             with runner.working():
                 self._commit()
 
-    def _take(self, stack: contextlib.ExitStack, limit: int) -> list[_Member]:
-        """Up to ``limit`` queued attempts, as members; those that may not start are
-        settled as :meth:`Runner.admit` says and left out of the list (not of the group)."""
+    def _take(
+        self, stack: contextlib.ExitStack, limit: int, budget: float, *, strict: bool = False
+    ) -> list[_Member]:
+        """Up to ``limit`` queued attempts, as members, whose handlers fit in ``budget``
+        seconds at their tasks' pace (a task not known yet: :data:`WINDOW`), the first one
+        whatever its pace unless ``strict``; those that may not start are settled as
+        :meth:`Runner.admit` says and left out of the list (not of the group)."""
+        pace = self.runner.lock_pace
+        left, free = budget, not strict
+
+        def fits(attempt: Attempt) -> bool:  # called under the runner's lock, in order
+            nonlocal left, free
+            if not self.accepts(attempt):
+                return False
+            left -= pace.get(attempt.job.task, WINDOW)
+            if free:
+                free = False
+                return True
+            return left >= 0
+
         taken = []
-        for settling in self.runner.take_queued(self.accepts, limit):
+        for settling in self.runner.take_queued(fits, limit):
             stack.enter_context(settling)
             member = _Member(self, settling.attempt, settling)
             self.members.append(member)

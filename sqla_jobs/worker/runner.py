@@ -162,6 +162,9 @@ class Runner:
         self._spill_mark = 0  # self._taken then
         self._taken = 0  # jobs taken from the queue so far
         self._working = 0  # lock groups running a statement of their own (lock, commit)
+        # By task: its slowest recent lock-mode handler (seconds), which sizes a lock
+        # group's chunks (sqla_jobs.worker.locked).
+        self.lock_pace: dict[str, float] = {}
         self._idle = 0
         self._closed = False
         self.threads: list[threading.Thread] = []
