@@ -2,22 +2,29 @@
 in groups that commit once.
 
 A handler thread that takes a lock-mode attempt (:meth:`Runner.run
-<sqla_jobs.worker.runner.Runner.run>`) opens one transaction and runs a *group* in it,
-one attempt after another:
+<sqla_jobs.worker.runner.Runner.run>`) opens one transaction and runs a *group* in it, in
+*chunks* of attempts:
 
-1. lock the attempt's row (:func:`~sqla_jobs.queue.lock_one`, fenced by attempt: an attempt
-   that was taken over is ``lost``, and its handler does not start);
-2. run its handler. The first time the handler asks for ``ctx.session`` or ``ctx.columns``,
-   a SAVEPOINT is set, so that whatever it does in the transaction can be undone alone;
-3. if it raised, roll back to its savepoint: ``fail``. If it wrote, complete its attempt
+1. take a chunk: the first is that attempt, with as many queued lock-mode attempts as fit in
+   :data:`WINDOW` at their tasks' *pace* (none when its task is not known yet or slow);
+   each later chunk is at most twice the last, within what is left of the window (its head
+   is taken whatever its pace). Attempts are taken from the head of the runner's queue
+   without waiting (:meth:`Runner.take_queued
+   <sqla_jobs.worker.runner.Runner.take_queued>`), and each is checked as every attempt is
+   checked before its handler starts (:meth:`Runner.admit
+   <sqla_jobs.worker.runner.Runner.admit>`);
+2. lock the chunk's rows in one statement (:func:`~sqla_jobs.queue.lock_started`, fenced by
+   attempt: an attempt that was taken over is ``lost``, and its handler never starts);
+3. run the chunk's handlers one after another (one whose cancel was requested while it
+   waited for its turn is ``cancel``, its handler never started). The first time a handler
+   asks for ``ctx.session`` or ``ctx.columns``, a SAVEPOINT is set, so that whatever it does
+   in the transaction can be undone alone;
+4. if it raised, roll back to its savepoint: ``fail``. If it wrote, complete its attempt
    inside its savepoint, then release the savepoint; or roll back to it when that
    completion finds its cancel requested (``cancel``) or the attempt fenced out (``lost``);
-4. while the group is young (:data:`WINDOW` seconds since it began, :data:`CAP` attempts at
-   most), take the runner's next queued attempt if it is lock-mode too, without waiting
-   (:meth:`Runner.take_queued <sqla_jobs.worker.runner.Runner.take_queued>`), check it as
-   every attempt is checked before its handler starts (:meth:`Runner.admit
-   <sqla_jobs.worker.runner.Runner.admit>`), and go back to 1;
-5. complete every attempt whose handler returned without touching the session in one
+5. while the group's handlers have taken less than :data:`WINDOW` in all, the group is
+   younger than :data:`AGE` and holds fewer than :data:`CAP` attempts, go back to 1;
+6. complete every attempt whose handler returned without touching the session in one
    statement (under a savepoint: one found cancelled or lost is left out and the statement
    run again without it), and commit once. Every attempt completed in the group is then
    ``committed``; if the commit fails, each is given back (``release``, fenced: a no-op for
@@ -25,7 +32,14 @@ one attempt after another:
 
 So a handler's writes commit with its own job's completion or not at all, a failure or a
 cancel rolls back only its own job's writes, and the WAL is flushed once per group instead
-of once per job.
+of once per job; a group of quick handlers costs three statements (lock, complete, commit).
+
+**The pace.** A task's pace (``Runner.lock_pace``) is its slowest recent handler: a handler
+slower than the pace sets it at once (groups running meanwhile see it), and each group
+brings it down to the slowest of its own, at most by half. So a task whose handlers are
+quick fills a chunk at once, and one not seen yet, or slow, goes alone and the chunks double
+from there as its handlers prove quick. A task whose handlers turn slow from one job to the
+next can hold back the rest of a chunk taken at the old pace (at most :data:`CAP`).
 
 **Why the savepoint can wait for the session.** A handler reaches the group's transaction
 only through its context: ``ctx.session`` sets the savepoint before handing the session
@@ -37,13 +51,16 @@ earlier job and uses it later breaks this, as it breaks the rule that the sessio
 own job's only while it runs.)
 
 **Why only while young.** An attempt the group takes waits for the group's earlier handlers
-and for its commit. The group stops taking once it is :data:`WINDOW` old, so a slow handler
-holds back at most the attempts taken before it; the queued ones are taken by other handler
-threads, which the runner wakes when queued jobs wait (its ``SPILL``), and which run groups
-of their own, in parallel.
+and for its commit. The group stops taking once its handlers have taken :data:`WINDOW`, so a
+slow handler holds back at most the attempts of its chunk after it; the queued ones are
+taken by other handler threads, which the runner wakes when queued jobs wait (its
+``SPILL``), and which run groups of their own, in parallel. A group's own statements (its
+locks, its commit) do not count as queued jobs waiting (:meth:`Runner.working
+<sqla_jobs.worker.runner.Runner.working>`): the group takes them next, and waking idle
+threads for them would make many small groups.
 
 **The lease.** Each attempt passes :meth:`Runner.admit
-<sqla_jobs.worker.runner.Runner.admit>` when it joins the group, before its row is locked:
+<sqla_jobs.worker.runner.Runner.admit>` when its chunk is taken, before its row is locked:
 its handler does not start with less than ``LEASE_MARGIN`` of its lease left. Once its row
 is locked no claim can take the job (claims and heartbeats skip locked rows), however long
 the rest of the group takes, so an attempt waiting for its group's commit needs no second
