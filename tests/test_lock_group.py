@@ -424,3 +424,29 @@ def test_quick_handlers_make_large_groups(
     with running(registry, engine, batch_size=count, prefetch=count):
         wait_for_statuses(engine, ids, ["succeeded"] * count)
     assert len(set(orders(engine).values())) == 1
+
+
+def test_slow_handlers_of_a_new_task_run_in_parallel_after_quick_ones(
+    engine: sa.Engine,
+) -> None:
+    # The quick task's pace sizes its own chunks only: the slow task's jobs, not seen yet,
+    # each go alone, and idle threads take the rest.
+    registry = Registry(EmailJob)
+    count = 4
+    barrier = threading.Barrier(count, timeout=PATIENCE)
+
+    @registry.task(queue="group", mode="lock")
+    def quick(ctx: JobContext) -> None:
+        pass
+
+    @registry.task(queue="group", mode="lock", max_attempts=1)
+    def meet(ctx: JobContext) -> None:
+        write_order(ctx)
+        barrier.wait()
+
+    with running(registry, engine):
+        quick_ids = enqueue(engine, *[quick.job() for _ in range(50)])
+        wait_for_statuses(engine, quick_ids, ["succeeded"] * 50)
+        ids = enqueue(engine, *[meet.job({"order": n}) for n in range(count)])
+        wait_for_statuses(engine, ids, ["succeeded"] * count)
+    assert len(set(orders(engine).values())) == count  # a transaction each

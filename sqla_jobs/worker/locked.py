@@ -221,6 +221,10 @@ class _Group:
             chunk = [first, *self._take(stack, CAP - 1, budget, strict=True)]
             while chunk:
                 for member in self._lock(chunk):
+                    if member.attempt.cancel_requested:
+                        # Requested while it waited for the handlers before it in its chunk.
+                        member.outcome = _CANCELLED
+                        continue
                     start = time.monotonic()
                     usable = self._run(member)
                     took = time.monotonic() - start
@@ -306,10 +310,6 @@ class _Group:
         runner, attempt = self.runner, member.attempt
         job, task = attempt.job, attempt.task
         assert task is not None
-        if attempt.cancel_requested:
-            # Requested while it waited in its chunk for the handlers before it.
-            member.outcome = _CANCELLED
-            return True
         ctx = _MemberContext(
             job,
             runner.worker_name,
