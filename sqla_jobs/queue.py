@@ -108,6 +108,7 @@ __all__ = [
     "job_columns",
     "lock",
     "lock_one",
+    "lock_started",
     "prune",
     "queue_stats",
     "release",
@@ -1043,6 +1044,21 @@ def lock_one(session: Executor, job: ClaimedJob) -> float | None:
     table = _job_table(job.model)
     rows = _rows(session, statements.lock, table, _fence_params([job]))
     return float(rows[0][2]) if rows else None
+
+
+def lock_started(
+    session: Executor, jobs: Sequence[ClaimedJob]
+) -> tuple[list[ClaimedJob], float | None]:
+    """:func:`lock` in one statement on the driver's fast path, for a worker that must later
+    be able to end the transaction holding the locks: returns the jobs locked (the others
+    were taken over) and that transaction's start (epoch seconds; None if none was locked)."""
+    if not jobs:
+        return [], None
+    rows = _rows(session, statements.lock, _job_table(_one_model(jobs)), _fence_params(jobs))
+    kept = _fenced(rows)
+    return [job for job in jobs if (job.id, job.attempt) in kept], (
+        float(rows[0][2]) if rows else None
+    )
 
 
 # -- outcomes ---------------------------------------------------------------------------

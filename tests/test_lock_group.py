@@ -334,3 +334,119 @@ def test_slow_lock_mode_handlers_still_run_in_parallel(engine: sa.Engine) -> Non
     with running(registry, engine):
         wait_for_statuses(engine, ids, ["succeeded"] * count)
     assert len(set(orders(engine).values())) == count  # a transaction each
+
+
+# -- chunks: a group takes queued attempts two, four, ... at a time -------------------------
+
+
+def test_a_chunk_member_taken_over_before_its_lock_is_lost_and_never_runs(
+    engine: sa.Engine, one_group: None
+) -> None:
+    registry = Registry(EmailJob)
+    ran: list[int] = []
+    ids: list[int] = []
+
+    @registry.task(queue="group", mode="lock", lease=60)
+    def write(ctx: JobContext) -> None:
+        ran.append(ctx.id)
+        write_order(ctx)
+        if ctx.id == ids[0]:
+            # The group's first attempt: its next chunk is [ids[1], ids[2]], locked in one
+            # statement after this returns. Another worker's claim takes ids[2] first.
+            with engine.begin() as connection:
+                connection.execute(
+                    sa.update(EmailJob)
+                    .where(EmailJob.id == ids[2])
+                    .values(attempts=EmailJob.attempts + 1)
+                )
+
+    ids.extend(enqueue(engine, *[write.job({"order": n}) for n in range(4)]))
+    with running(registry, engine):
+        wait_for_statuses(engine, [ids[0], ids[1], ids[3]], ["succeeded"] * 3)
+    assert ids[2] not in ran  # lost at its chunk's lock: its handler never started
+    assert sorted(ran) == [ids[0], ids[1], ids[3]]
+    assert statuses(engine, [ids[2]]) == ["running"]  # the new attempt's
+    assert attempts(engine, ids[2]) == 2
+    written = orders(engine)
+    assert sorted(written) == [0, 1, 3]
+    assert len(set(written.values())) == 1  # one group, one transaction
+
+
+def test_a_chunk_member_whose_cancel_is_requested_before_its_turn_never_runs(
+    engine: sa.Engine, one_group: None
+) -> None:
+    registry = Registry(EmailJob)
+    ran: list[int] = []
+    ids: list[int] = []
+    holder: list[Worker] = []
+
+    def cancel_known(job_id: int) -> bool:
+        return any(a.job.id == job_id and a.cancel_requested for a in holder[0]._state.snapshot())
+
+    @registry.task(queue="group", mode="lock", lease=60)
+    def write(ctx: JobContext) -> None:
+        ran.append(ctx.id)
+        write_order(ctx)
+        if ctx.id == ids[1]:
+            # In the chunk [ids[1], ids[2]], both locked already: ids[2]'s cancel is
+            # requested, and heard by the worker, while it waits for its turn.
+            with Session(engine) as session, session.begin():
+                sqla_jobs.cancel(session, EmailJob, ids[2])
+            assert wait_for(lambda: cancel_known(ids[2]))
+
+    ids.extend(enqueue(engine, *[write.job({"order": n}) for n in range(4)]))
+    with running(registry, engine) as worker:
+        holder.append(worker)
+        wait_for_statuses(engine, ids, ["succeeded", "succeeded", "cancelled", "succeeded"])
+    assert ids[2] not in ran
+    written = orders(engine)
+    assert sorted(written) == [0, 1, 3]
+    assert len(set(written.values())) == 1  # the others still committed together
+
+
+def test_quick_handlers_make_large_groups(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No window to run out (a busy machine's slow statements would cut groups short), and
+    # a spill that never wakes a second thread: the quick jobs claimed together run as
+    # one group, however many chunks that takes.
+    monkeypatch.setattr(runner, "SPILL", 60.0)
+    monkeypatch.setattr(locked, "WINDOW", 60.0)
+    monkeypatch.setattr(locked, "AGE", 60.0)
+    registry = Registry(EmailJob)
+
+    @registry.task(queue="group", mode="lock")
+    def write(ctx: JobContext) -> None:
+        write_order(ctx)
+
+    count = 40
+    ids = enqueue(engine, *[write.job({"order": n}) for n in range(count)])
+    with running(registry, engine, batch_size=count, prefetch=count):
+        wait_for_statuses(engine, ids, ["succeeded"] * count)
+    assert len(set(orders(engine).values())) == 1
+
+
+def test_slow_handlers_of_a_new_task_run_in_parallel_after_quick_ones(
+    engine: sa.Engine,
+) -> None:
+    # The quick task's pace sizes its own chunks only: the slow task's jobs, not seen yet,
+    # each go alone, and idle threads take the rest.
+    registry = Registry(EmailJob)
+    count = 4
+    barrier = threading.Barrier(count, timeout=PATIENCE)
+
+    @registry.task(queue="group", mode="lock")
+    def quick(ctx: JobContext) -> None:
+        pass
+
+    @registry.task(queue="group", mode="lock", max_attempts=1)
+    def meet(ctx: JobContext) -> None:
+        write_order(ctx)
+        barrier.wait()
+
+    with running(registry, engine):
+        quick_ids = enqueue(engine, *[quick.job() for _ in range(50)])
+        wait_for_statuses(engine, quick_ids, ["succeeded"] * 50)
+        ids = enqueue(engine, *[meet.job({"order": n}) for n in range(count)])
+        wait_for_statuses(engine, ids, ["succeeded"] * count)
+    assert len(set(orders(engine).values())) == count  # a transaction each

@@ -2,22 +2,29 @@
 in groups that commit once.
 
 A handler thread that takes a lock-mode attempt (:meth:`Runner.run
-<sqla_jobs.worker.runner.Runner.run>`) opens one transaction and runs a *group* in it,
-one attempt after another:
+<sqla_jobs.worker.runner.Runner.run>`) opens one transaction and runs a *group* in it, in
+*chunks* of attempts:
 
-1. lock the attempt's row (:func:`~sqla_jobs.queue.lock_one`, fenced by attempt: an attempt
-   that was taken over is ``lost``, and its handler does not start);
-2. run its handler. The first time the handler asks for ``ctx.session`` or ``ctx.columns``,
-   a SAVEPOINT is set, so that whatever it does in the transaction can be undone alone;
-3. if it raised, roll back to its savepoint: ``fail``. If it wrote, complete its attempt
+1. take a chunk: the first is that attempt, with as many queued lock-mode attempts as fit in
+   :data:`WINDOW` at their tasks' *pace* (none when its task is not known yet or slow);
+   each later chunk is at most twice the last, within what is left of the window (its head
+   is taken whatever its pace). Attempts are taken from the head of the runner's queue
+   without waiting (:meth:`Runner.take_queued
+   <sqla_jobs.worker.runner.Runner.take_queued>`), and each is checked as every attempt is
+   checked before its handler starts (:meth:`Runner.admit
+   <sqla_jobs.worker.runner.Runner.admit>`);
+2. lock the chunk's rows in one statement (:func:`~sqla_jobs.queue.lock_started`, fenced by
+   attempt: an attempt that was taken over is ``lost``, and its handler never starts);
+3. run the chunk's handlers one after another (one whose cancel was requested while it
+   waited for its turn is ``cancel``, its handler never started). The first time a handler
+   asks for ``ctx.session`` or ``ctx.columns``, a SAVEPOINT is set, so that whatever it does
+   in the transaction can be undone alone;
+4. if it raised, roll back to its savepoint: ``fail``. If it wrote, complete its attempt
    inside its savepoint, then release the savepoint; or roll back to it when that
    completion finds its cancel requested (``cancel``) or the attempt fenced out (``lost``);
-4. while the group is young (:data:`WINDOW` seconds since it began, :data:`CAP` attempts at
-   most), take the runner's next queued attempt if it is lock-mode too, without waiting
-   (:meth:`Runner.take_queued <sqla_jobs.worker.runner.Runner.take_queued>`), check it as
-   every attempt is checked before its handler starts (:meth:`Runner.admit
-   <sqla_jobs.worker.runner.Runner.admit>`), and go back to 1;
-5. complete every attempt whose handler returned without touching the session in one
+5. while the group's handlers have taken less than :data:`WINDOW` in all, the group is
+   younger than :data:`AGE` and holds fewer than :data:`CAP` attempts, go back to 1;
+6. complete every attempt whose handler returned without touching the session in one
    statement (under a savepoint: one found cancelled or lost is left out and the statement
    run again without it), and commit once. Every attempt completed in the group is then
    ``committed``; if the commit fails, each is given back (``release``, fenced: a no-op for
@@ -25,7 +32,14 @@ one attempt after another:
 
 So a handler's writes commit with its own job's completion or not at all, a failure or a
 cancel rolls back only its own job's writes, and the WAL is flushed once per group instead
-of once per job.
+of once per job; a group of quick handlers costs three statements (lock, complete, commit).
+
+**The pace.** A task's pace (``Runner.lock_pace``) is its slowest recent handler: a handler
+slower than the pace sets it at once (groups running meanwhile see it), and each group
+brings it down to the slowest of its own, at most by half. So a task whose handlers are
+quick fills a chunk at once, and one not seen yet, or slow, goes alone and the chunks double
+from there as its handlers prove quick. A task whose handlers turn slow from one job to the
+next can hold back the rest of a chunk taken at the old pace (at most :data:`CAP`).
 
 **Why the savepoint can wait for the session.** A handler reaches the group's transaction
 only through its context: ``ctx.session`` sets the savepoint before handing the session
@@ -37,13 +51,16 @@ earlier job and uses it later breaks this, as it breaks the rule that the sessio
 own job's only while it runs.)
 
 **Why only while young.** An attempt the group takes waits for the group's earlier handlers
-and for its commit. The group stops taking once it is :data:`WINDOW` old, so a slow handler
-holds back at most the attempts taken before it; the queued ones are taken by other handler
-threads, which the runner wakes when queued jobs wait (its ``SPILL``), and which run groups
-of their own, in parallel.
+and for its commit. The group stops taking once its handlers have taken :data:`WINDOW`, so a
+slow handler holds back at most the attempts of its chunk after it; the queued ones are
+taken by other handler threads, which the runner wakes when queued jobs wait (its
+``SPILL``), and which run groups of their own, in parallel. A group's own statements (its
+locks, its commit) do not count as queued jobs waiting (:meth:`Runner.working
+<sqla_jobs.worker.runner.Runner.working>`): the group takes them next, and waking idle
+threads for them would make many small groups.
 
 **The lease.** Each attempt passes :meth:`Runner.admit
-<sqla_jobs.worker.runner.Runner.admit>` when it joins the group, before its row is locked:
+<sqla_jobs.worker.runner.Runner.admit>` when its chunk is taken, before its row is locked:
 its handler does not start with less than ``LEASE_MARGIN`` of its lease left. Once its row
 is locked no claim can take the job (claims and heartbeats skip locked rows), however long
 the rest of the group takes, so an attempt waiting for its group's commit needs no second
@@ -75,7 +92,7 @@ from sqla_jobs import statements
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.history.schema import has_history
-from sqla_jobs.queue import ClaimedJob, complete_attempts, job_columns, lock_one
+from sqla_jobs.queue import ClaimedJob, complete_attempts, job_columns, lock_one, lock_started
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.worker.link import as_session
 from sqla_jobs.worker.state import Attempt, Kind, Outcome
@@ -83,12 +100,14 @@ from sqla_jobs.worker.state import Attempt, Kind, Outcome
 if TYPE_CHECKING:
     from sqla_jobs.worker.runner import Runner, Settling
 
-__all__ = ["CAP", "WINDOW", "run"]
+__all__ = ["AGE", "CAP", "WINDOW", "run"]
 
 logger = logging.getLogger("sqla_jobs.worker")
 
-#: A group takes no more attempts once it is this old (seconds since it began).
+#: A group takes no more attempts once its handlers have taken this long in all (seconds).
 WINDOW: Final = 0.015
+#: ... or once it is this old (seconds since it began: its handlers and its statements).
+AGE: Final = 0.05
 #: Attempts in one group at most.
 CAP: Final = 200
 
@@ -192,48 +211,105 @@ class _Group:
             # transaction), which takes the driver's fast path (queue._rows).
             self.executor = as_session(session.connection())
             began = time.monotonic()
-            member: _Member | None = self.members[0]
-            while member is not None:
-                if not self._run(member):
-                    # Its transaction is unusable: nothing of the group's commits.
-                    _rollback_quietly(session)
-                    self._give_back("its transaction ended before its commit")
-                    return
-                if len(self.members) >= CAP or time.monotonic() - began >= WINDOW:
+            pace = runner.lock_pace
+            slowest: dict[str, float] = {}  # by task: its slowest handler in this group
+            handlers = 0.0  # the time the group's handlers took in all
+            # The first chunk: as many as the window holds at each task's pace (the first
+            # attempt alone when its task is slow or not known yet); then twice the last.
+            first = self.members[0]
+            budget = WINDOW - pace.get(first.attempt.job.task, WINDOW)
+            chunk = [first, *self._take(stack, CAP - 1, budget, strict=True)]
+            while chunk:
+                for member in self._lock(chunk):
+                    if member.attempt.cancel_requested:
+                        # Requested while it waited for the handlers before it in its chunk.
+                        member.outcome = _CANCELLED
+                        continue
+                    start = time.monotonic()
+                    usable = self._run(member)
+                    took = time.monotonic() - start
+                    handlers += took
+                    name = member.attempt.job.task
+                    if took > slowest.get(name, 0.0):
+                        slowest[name] = took
+                        if took > pace.get(name, 0.0):
+                            pace[name] = took  # at once: other groups see it too
+                    if not usable:
+                        # Its transaction is unusable: nothing of the group's commits.
+                        _rollback_quietly(session)
+                        self._give_back("its transaction ended before its commit")
+                        return
+                room = CAP - len(self.members)
+                if handlers >= WINDOW or time.monotonic() - began >= AGE or room <= 0:
                     break
-                member = self._take(stack)
-            self._commit()
+                chunk = self._take(stack, min(2 * len(chunk), room), WINDOW - handlers)
+            for name, took in slowest.items():
+                # Quick handlers bring their task's pace down by halves.
+                pace[name] = max(took, pace.get(name, took) / 2)
+            with runner.working():
+                self._commit()
 
-    def _take(self, stack: contextlib.ExitStack) -> _Member | None:
-        """The next queued attempt that may start, as a member (those refused are settled
-        as :meth:`Runner.admit` says), or None."""
-        while len(self.members) < CAP:
-            settling = self.runner.take_queued(self.accepts)
-            if settling is None:
-                return None
+    def _take(
+        self, stack: contextlib.ExitStack, limit: int, budget: float, *, strict: bool = False
+    ) -> list[_Member]:
+        """Up to ``limit`` queued attempts, as members, whose handlers fit in ``budget``
+        seconds at their tasks' pace (a task not known yet: :data:`WINDOW`), the first one
+        whatever its pace unless ``strict``; those that may not start are settled as
+        :meth:`Runner.admit` says and left out of the list (not of the group)."""
+        pace = self.runner.lock_pace
+        left, free = budget, not strict
+
+        def fits(attempt: Attempt) -> bool:  # called under the runner's lock, in order
+            nonlocal left, free
+            if not self.accepts(attempt):
+                return False
+            left -= pace.get(attempt.job.task, WINDOW)
+            if free:
+                free = False
+                return True
+            return left >= 0
+
+        taken = []
+        for settling in self.runner.take_queued(fits, limit):
             stack.enter_context(settling)
             member = _Member(self, settling.attempt, settling)
             self.members.append(member)
             refused = self.runner.admit(member.attempt)
             if refused is None:
-                return member
-            member.outcome = refused
-        return None
+                taken.append(member)
+            else:
+                member.outcome = refused
+        return taken
+
+    def _lock(self, chunk: list[_Member]) -> list[_Member]:
+        """Lock the rows of these members' attempts in one statement (fenced by attempt);
+        returns the members locked. One taken over is ``lost``: its handler never starts."""
+        with self.runner.working():
+            # A database error fails the group.
+            kept, started = lock_started(self.executor, [m.attempt.job for m in chunk])
+            if self.backend is None and started is not None:
+                pid = _backend_pid(self.session, ask=self.runner.pooled)
+                self.backend = None if pid is None else (pid, started)
+        if len(kept) == len(chunk):
+            locked = chunk
+        else:
+            ids = {id(job) for job in kept}
+            locked = []
+            for member in chunk:
+                if id(member.attempt.job) in ids:
+                    locked.append(member)
+                else:
+                    member.outcome = _TAKEN_OVER
+        for member in locked:
+            member.attempt.backend = self.backend
+        return locked
 
     def _run(self, member: _Member) -> bool:
-        """Lock, run and (if it wrote) complete one member; False when the group's
+        """Run and (if it wrote) complete one locked member; False when the group's
         transaction can no longer be used."""
         runner, attempt = self.runner, member.attempt
         job, task = attempt.job, attempt.task
         assert task is not None
-        started = lock_one(self.executor, job)  # a database error fails the group
-        if started is None:
-            member.outcome = Outcome(Kind.LOST, why="it was taken over before it could be locked")
-            return True
-        if self.backend is None:
-            pid = _backend_pid(self.session, ask=runner.pooled)
-            self.backend = None if pid is None else (pid, started)
-        attempt.backend = self.backend
         ctx = _MemberContext(
             job,
             runner.worker_name,
@@ -352,6 +428,7 @@ def complete(
 
 _CANCELLED: Final = Outcome(Kind.CANCEL, why="its cancel was requested")
 _FENCED_OUT: Final = Outcome(Kind.LOST, why="its completion was fenced out")
+_TAKEN_OVER: Final = Outcome(Kind.LOST, why="it was taken over before it could be locked")
 
 
 async def _run_async(runner: Runner, attempt: Attempt, task: Task[Any]) -> Outcome:

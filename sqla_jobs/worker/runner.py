@@ -31,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import contextvars
 import inspect
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -160,6 +161,10 @@ class Runner:
         self._spill_due = 0.0  # when to look whether queued jobs wait behind slow ones
         self._spill_mark = 0  # self._taken then
         self._taken = 0  # jobs taken from the queue so far
+        self._working = 0  # lock groups running a statement of their own (lock, commit)
+        # By task: its slowest recent lock-mode handler (seconds), which sizes a lock
+        # group's chunks (sqla_jobs.worker.locked).
+        self.lock_pace: dict[str, float] = {}
         self._idle = 0
         self._closed = False
         self.threads: list[threading.Thread] = []
@@ -243,7 +248,9 @@ class Runner:
                 if not (self._queue and self._idle):
                     self._spill_due, woken, width = 0.0, 0, 1
                     continue
-                if self._taken - self._spill_mark > woken:  # progress: quick jobs
+                if self._taken - self._spill_mark > woken or self._working:
+                    # Progress: quick jobs, or a lock group between two takes (its lock or
+                    # commit statement), which takes the queued jobs next.
                     woken, width = 0, 1
                 else:  # only the threads just woken took jobs: slow ones
                     woken = min(len(self._queue), self._idle, width)
@@ -257,16 +264,31 @@ class Runner:
         with self._ready:
             return len(self._queue)
 
-    def take_queued(self, accept: Callable[[Attempt], bool]) -> Settling | None:
-        """The next queued attempt, in the :class:`Settling` the taker must enter at once,
-        if ``accept`` takes it; never waits (a lock group grows with it,
-        :mod:`sqla_jobs.worker.locked`). None when the queue is empty, its head is not
-        accepted, or the runner is closed."""
+    def take_queued(self, accept: Callable[[Attempt], bool], limit: int) -> list[Settling]:
+        """Up to ``limit`` attempts from the head of the queue, as long as ``accept`` takes
+        them, each in the :class:`Settling` the taker must enter at once; never waits (a
+        lock group grows with them, :mod:`sqla_jobs.worker.locked`). Empty when the queue
+        is, its head is not accepted, or the runner is closed."""
+        taken: list[Settling] = []
         with self._ready:
-            if self._closed or not self._queue or not accept(self._queue[0]):
-                return None
-            self._taken += 1
-            return Settling(self.state, self._queue.popleft())
+            queue = self._queue
+            while len(taken) < limit and queue and not self._closed and accept(queue[0]):
+                taken.append(Settling(self.state, queue.popleft()))
+            self._taken += len(taken)
+        return taken
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        """A lock group runs a statement of its own (its lock, its commit): the spill does
+        not take that for queued jobs stuck behind slow handlers (the group takes them
+        next), so it does not wake idle threads into groups of their own for it."""
+        with self._ready:
+            self._working += 1
+        try:
+            yield
+        finally:
+            with self._ready:
+                self._working -= 1
 
     def _next(self) -> Attempt | None:
         with self._ready:
