@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from datetime import datetime, timezone
 
 import pytest
 import sqlalchemy as sa
@@ -12,9 +13,11 @@ from conftest import FreshDatabase
 from worker_harness import JobDatabase, running, wait_until
 
 from sqla_jobs import ConfigurationError
+from sqla_jobs.models import Job
+from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.worker import Worker
 from sqla_jobs.worker.heartbeat import Heartbeat
-from sqla_jobs.worker.state import State
+from sqla_jobs.worker.state import UNWRITTEN_MAX, Attempt, Kind, Outcome, State
 
 
 @pytest.fixture
@@ -133,3 +136,23 @@ def test_bad_prefetch_is_refused(prefetch: object) -> None:
             Worker(worker_tasks.registry, engine, prefetch=prefetch)  # type: ignore[arg-type]
     finally:
         engine.dispose()
+
+
+def test_the_fetch_loop_waits_while_the_outcome_writer_is_behind() -> None:
+    # Settled outcomes that wait for the writer count against the claims: a writer that
+    # falls behind slows the claims down to its pace instead of letting attempts pile up.
+    state = State(concurrency=10)
+    now = datetime.now(timezone.utc)
+    attempts = [
+        Attempt(ClaimedJob(Job, n, "q", "t", {}, 0, 1, 3, now, now), None, 0.0, 1e9)
+        for n in range(UNWRITTEN_MAX)
+    ]
+    assert state.admit(attempts)
+    done = Outcome(Kind.COMPLETE)
+    for attempt in attempts:
+        assert state.settle(attempt, done)
+    assert state.wait_for_room(10, 1, 0.0, 0.01) == 0  # every slot free, the writer behind
+    taken = state.take_outcomes(len(attempts), 0.0, 0.0)
+    assert state.wait_for_room(10, 1, 0.0, 0.01) == 0  # taken is not written yet
+    state.written(taken[:1])
+    assert state.wait_for_room(10, 1, 0.0, 0.01) == 10

@@ -20,6 +20,13 @@ An attempt's life here::
     settle() ->  outcome fixed, slot free, queued for the outcome writer
     written()->  no longer held (its outcome is committed, or given up): no more heartbeats
 
+Backpressure. A settled attempt frees its slot at once, but stays held until its outcome is
+written; the fetch loop claims nothing while :data:`UNWRITTEN_MAX` or more settled outcomes
+wait for the writer (:meth:`State.wait_for_room`). So a writer that falls behind (a slow
+disk, a lock wait) slows the claims down to its pace instead of letting held attempts pile
+up: the memory they take, the heartbeat that extends all their leases in one statement, and
+their leases, which run out while their outcomes wait, all stay bounded.
+
 Locking rules
     One lock, :attr:`State.lock`, guards every mutable field of :class:`State` and the
     ``outcome``, ``settled_at``, ``started_at`` and ``cancel_requested`` fields of every
@@ -39,12 +46,16 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.registry import Task
 
-__all__ = ["Attempt", "Kind", "Outcome", "State"]
+__all__ = ["UNWRITTEN_MAX", "Attempt", "Kind", "Outcome", "State"]
+
+#: The most settled outcomes that may wait for the outcome writer before the fetch loop
+#: stops claiming (two of the writer's largest batches: one being written, one gathering).
+UNWRITTEN_MAX: Final = 2000
 
 
 class Kind(enum.Enum):
@@ -138,6 +149,7 @@ class State:
     # for a first outcome.
     busy_wanted: int = -1
     writer_waiting: bool = False
+    fetch_waits_for_writer: bool = False  # the fetch loop waits for written() (backpressure)
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
@@ -160,13 +172,27 @@ class State:
         with self.lock:
             return self.concurrency - self.busy
 
+    def _behind(self) -> bool:
+        # Settled attempts still held: their outcomes wait for (or are being written by) the
+        # outcome writer.
+        return len(self.held) - self.busy >= UNWRITTEN_MAX
+
     def wait_for_room(self, capacity: int, at_least: int, gather: float, timeout: float) -> int:
         """Wait until fewer than ``capacity`` attempts are busy (``timeout`` at most), then
         up to ``gather`` seconds more while fewer than ``at_least`` places are free and
         handlers are running: one claim for many jobs costs less than one claim each.
         Returns the free places (``capacity`` less the busy attempts). ``capacity`` is the
-        concurrency plus the prefetch the fetch loop allows itself."""
+        concurrency plus the prefetch the fetch loop allows itself. While the outcome writer
+        is behind (see the module docstring), waits for it first: 0 if it still is after
+        ``timeout``."""
         with self.lock:
+            if self._behind():
+                self.fetch_waits_for_writer = True
+                try:
+                    if not self.changed.wait_for(lambda: not self._behind(), timeout):
+                        return 0
+                finally:
+                    self.fetch_waits_for_writer = False
             try:
                 if self.busy >= capacity:
                     self.busy_wanted = capacity - 1
@@ -287,6 +313,8 @@ class State:
                 key = (job.id, job.attempt)
                 if held.get(key) is attempt:
                     del held[key]
+            if self.fetch_waits_for_writer and not self._behind():
+                self.changed.notify_all()
 
     # -- the heartbeat's and the supervisor's side --------------------------------------
 
