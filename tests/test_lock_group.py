@@ -58,12 +58,9 @@ def enqueue(engine: sa.Engine, *jobs: JobMixin) -> list[int]:
 
 
 def statuses(engine: sa.Engine, ids: list[int]) -> list[str]:
+    query = sa.select(EmailJob.id, EmailJob.status).where(EmailJob.id.in_(ids))
     with engine.connect() as connection:
-        rows = dict(
-            connection.execute(
-                sa.select(EmailJob.id, EmailJob.status).where(EmailJob.id.in_(ids))
-            ).all()
-        )
+        rows = {row[0]: row[1] for row in connection.execute(query)}
     return [rows[i] for i in ids]
 
 
@@ -85,7 +82,8 @@ def max_attempts(engine: sa.Engine, job_id: int) -> int:
 def orders(engine: sa.Engine) -> dict[int, str]:
     """Each order by id: the customer column holds the writing transaction's id."""
     with engine.connect() as connection:
-        return dict(connection.execute(sa.select(Order.id, Order.customer)).all())
+        query = sa.select(Order.id, Order.customer)
+        return {row[0]: row[1] for row in connection.execute(query)}
 
 
 def results(engine: sa.Engine) -> dict[int, Any]:
