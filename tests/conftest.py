@@ -433,6 +433,24 @@ def worker_db(fresh_database: FreshDatabase) -> Iterator[JobDatabase]:
 
 
 @pytest.fixture
+def worker_tasks_db(
+    worker_db: JobDatabase, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[JobDatabase]:
+    """``worker_db`` for a worker run in this process: :mod:`worker_tasks`' handlers connect
+    to it (their engine is made on first use, and disposed of at the end)."""
+    import worker_tasks
+
+    monkeypatch.setenv(worker_tasks.DATABASE_URL_VARIABLE, worker_db.url)
+    monkeypatch.setattr(worker_tasks, "_engine", None)
+    try:
+        yield worker_db
+    finally:
+        engine = worker_tasks._engine
+        if engine is not None:
+            engine.dispose()
+
+
+@pytest.fixture
 def worker_processes(worker_db: JobDatabase, tmp_path: Path) -> Iterator[Workers]:
     """Starts ``sqla-jobs worker`` processes on ``worker_db``; kills what is left at the end."""
     from worker_harness import Workers

@@ -9,11 +9,8 @@ from __future__ import annotations
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from conftest import FreshDatabase
 from worker_harness import JobDatabase, Workers, wait_until
 
 from sqla_jobs.embedded import EmbeddedPostgres
@@ -22,21 +19,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def db(fresh_database: FreshDatabase) -> Iterator[JobDatabase]:
-    database = JobDatabase(fresh_database("sqla_jobs_worker"))
-    try:
-        yield database
-    finally:
-        database.dispose()
+def db(worker_db: JobDatabase) -> JobDatabase:
+    return worker_db
 
 
 @pytest.fixture
-def workers(db: JobDatabase, tmp_path: Path) -> Iterator[Workers]:
-    pool = Workers(db.url, tmp_path)
-    try:
-        yield pool
-    finally:
-        pool.close()
+def workers(worker_processes: Workers) -> Workers:
+    return worker_processes
 
 
 def test_sigkill_mid_job_runs_again_and_lock_work_commits_once(

@@ -10,14 +10,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-import worker_tasks
-from conftest import FreshDatabase
 from sqlalchemy.orm import Session
 from worker_harness import JobDatabase, running, wait_until
 from worker_tasks import WorkerJob, registry
@@ -33,17 +31,8 @@ from sqla_jobs.worker.writer import OutcomeWriter
 
 
 @pytest.fixture
-def db(fresh_database: FreshDatabase, monkeypatch: pytest.MonkeyPatch) -> Iterator[JobDatabase]:
-    database = JobDatabase(fresh_database("sqla_jobs_faults"))
-    monkeypatch.setenv(worker_tasks.DATABASE_URL_VARIABLE, database.url)
-    monkeypatch.setattr(worker_tasks, "_engine", None)
-    try:
-        yield database
-    finally:
-        engine = worker_tasks._engine
-        if engine is not None:
-            engine.dispose()
-        database.dispose()
+def db(worker_tasks_db: JobDatabase) -> JobDatabase:
+    return worker_tasks_db
 
 
 def _actions(caplog: pytest.LogCaptureFixture) -> list[tuple[str | None, int | None]]:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import pytest
 import sqlalchemy as sa
 import worker_tasks
-from conftest import FreshDatabase
 from worker_harness import JobDatabase, running, wait_until
 
 from sqla_jobs import ConfigurationError
@@ -21,17 +19,8 @@ from sqla_jobs.worker.state import UNWRITTEN_MAX, Attempt, Kind, Outcome, State
 
 
 @pytest.fixture
-def db(fresh_database: FreshDatabase, monkeypatch: pytest.MonkeyPatch) -> Iterator[JobDatabase]:
-    database = JobDatabase(fresh_database("sqla_jobs_prefetch"))
-    monkeypatch.setenv(worker_tasks.DATABASE_URL_VARIABLE, database.url)
-    monkeypatch.setattr(worker_tasks, "_engine", None)
-    try:
-        yield database
-    finally:
-        engine = worker_tasks._engine
-        if engine is not None:
-            engine.dispose()
-        database.dispose()
+def db(worker_tasks_db: JobDatabase) -> JobDatabase:
+    return worker_tasks_db
 
 
 def _running_count(db: JobDatabase) -> int:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-import worker_tasks
-from conftest import FreshDatabase
 from worker_harness import JobDatabase, running, wait_until
 from worker_tasks import WorkerJob, registry
 
@@ -120,17 +118,8 @@ def test_default_model_is_the_library_job_table() -> None:
 
 
 @pytest.fixture
-def db(fresh_database: FreshDatabase, monkeypatch: pytest.MonkeyPatch) -> Iterator[JobDatabase]:
-    database = JobDatabase(fresh_database("sqla_jobs_runtime"))
-    monkeypatch.setenv(worker_tasks.DATABASE_URL_VARIABLE, database.url)
-    monkeypatch.setattr(worker_tasks, "_engine", None)
-    try:
-        yield database
-    finally:
-        engine = worker_tasks._engine
-        if engine is not None:
-            engine.dispose()
-        database.dispose()
+def db(worker_tasks_db: JobDatabase) -> JobDatabase:
+    return worker_tasks_db
 
 
 def test_unknown_task_is_made_dead_and_kept(db: JobDatabase) -> None:
