@@ -8,9 +8,7 @@ ran at once.
 
 from __future__ import annotations
 
-import time
-
-from worker_tasks import WorkerJob, WorkerJobResult, _sleep_time, record
+from worker_tasks import WorkerJob, WorkerJobResult, timed_sleep
 
 from sqla_jobs.registry import JobContext, Registry
 
@@ -19,20 +17,14 @@ registry = Registry(WorkerJob, result_model=WorkerJobResult, default_lease=1.0, 
 
 @registry.task(queue="work", key_limit=3)
 def three_at_a_time(ctx: JobContext) -> None:
-    record(ctx, "start")
-    time.sleep(_sleep_time(ctx))
-    record(ctx, "end")
+    timed_sleep(ctx)
 
 
 @registry.task(queue="work")
 def in_order(ctx: JobContext) -> None:
-    record(ctx, "start")
-    time.sleep(_sleep_time(ctx))
-    record(ctx, "end")
+    timed_sleep(ctx)
 
 
 @registry.task(queue="work", mode="lock")
 def in_order_locked(ctx: JobContext) -> None:
-    record(ctx, "start")
-    time.sleep(_sleep_time(ctx))
-    record(ctx, "end")
+    timed_sleep(ctx)

@@ -8,9 +8,7 @@ measure how many of the queue's jobs ran at once.
 
 from __future__ import annotations
 
-import time
-
-from worker_tasks import WorkerJob, WorkerJobResult, _sleep_time, record
+from worker_tasks import WorkerJob, WorkerJobResult, timed_sleep
 
 from sqla_jobs.registry import JobContext, Registry
 
@@ -24,13 +22,9 @@ registry = Registry(
 
 @registry.task(queue="work")
 def limited(ctx: JobContext) -> None:
-    record(ctx, "start")
-    time.sleep(_sleep_time(ctx))
-    record(ctx, "end")
+    timed_sleep(ctx)
 
 
 @registry.task(queue="work", mode="lock")
 def limited_locked(ctx: JobContext) -> None:
-    record(ctx, "start")
-    time.sleep(_sleep_time(ctx))
-    record(ctx, "end")
+    timed_sleep(ctx)

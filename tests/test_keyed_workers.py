@@ -44,8 +44,7 @@ def test_four_workers_of_eight_never_run_more_than_three_of_a_key(
     started = [worker_processes.start(target=TARGET, concurrency=8) for _ in range(4)]
     wait_until(lambda: worker_db.all_succeeded(total), timeout=120, message="every job succeeds")
     for process in started:
-        process.send(signal.SIGTERM)
-        assert process.wait(30) == 0
+        assert process.stop(30) == 0
     spans = intervals(worker_db)
     assert sorted(spans) == keys
     peaks = {key: most_at_once(spans[key]) for key in keys}

@@ -57,12 +57,10 @@ def test_four_workers_of_eight_never_run_more_than_the_queue_limit(
     # on the others, and the limit is held across workers whatever the timing.
     starts = Counter(e.pid for e in worker_db.effects(kind="start"))
     busiest = next(p for p in started if p.pid == starts.most_common(1)[0][0])
-    busiest.send(signal.SIGTERM)
-    assert busiest.wait(30) == 0
+    assert busiest.stop(30) == 0
     wait_until(lambda: worker_db.all_succeeded(total), timeout=180, message="every job succeeds")
     for process in started:
-        process.send(signal.SIGTERM)
-        assert process.wait(30) == 0
+        assert process.stop(30) == 0
     spans = whole_queue(worker_db)
     assert len(spans) == total
     assert most_at_once(spans) == LIMIT  # never more, and the limit was reached

@@ -398,14 +398,7 @@ def queue_slots_plan(engine: sa.Engine, queues: list[str], *, generic: bool) -> 
     BUFFERS), in a transaction that is rolled back."""
     sql = str(statements.queue_slots(TABLE).compile(dialect=engine.dialect))
     params = {"queue_names": queues, "queue_slots": [LIMIT] * len(queues)}
-    with engine.connect() as connection:
-        transaction = connection.begin()
-        cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
-        if generic:
-            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        plan = explain_sql(cursor, sql, params, generic=generic)
-        transaction.rollback()
-    return plan
+    return explain_rolled_back(engine, sql, params, generic=generic)
 
 
 def test_the_limited_claim_counts_live_attempts_from_the_running_index(

@@ -54,8 +54,7 @@ def test_sigkill_mid_job_runs_again_and_lock_work_commits_once(
     # Lock mode: the first attempt's effect was written in its transaction, which died with
     # the worker; only the second attempt's effect is committed.
     assert [e.attempt for e in db.effects(locked, "effect")] == [2]
-    second.send(signal.SIGTERM)
-    assert second.wait(10) == 0
+    assert second.stop(10) == 0
 
 
 def test_sigterm_finishes_short_jobs_releases_long_ones_and_loses_nothing(
@@ -75,8 +74,7 @@ def test_sigterm_finishes_short_jobs_releases_long_ones_and_loses_nothing(
     worker = workers.start(concurrency=4, grace="2s")
     wait_until(lambda: all(db.started(i) for i in ids), timeout=15, message="all four started")
     stopped_at = time.monotonic()
-    worker.send(signal.SIGTERM)
-    assert worker.wait(15) == 0
+    assert worker.stop(15) == 0
     assert time.monotonic() - stopped_at < 10
     log = worker.log_text()
     assert "action=worker_stopping" in log
@@ -148,8 +146,7 @@ def test_paused_worker_completes_late_and_changes_nothing(
     )
     assert db.result(job_id) == {"attempt": 2}
     for process in (paused, other):
-        process.send(signal.SIGTERM)
-        assert process.wait(10) == 0
+        assert process.stop(10) == 0
 
 
 def test_poison_job_ends_dead_after_max_attempts(db: JobDatabase, workers: Workers) -> None:
@@ -162,8 +159,7 @@ def test_poison_job_ends_dead_after_max_attempts(db: JobDatabase, workers: Worke
     assert "RuntimeError: poisoned on attempt 3" in job.last_error
     assert [e.attempt for e in db.effects(job_id, "start")] == [1, 2, 3]
     assert "action=job_dead" in worker.log_text()
-    worker.send(signal.SIGTERM)
-    assert worker.wait(10) == 0
+    assert worker.stop(10) == 0
 
 
 def test_job_that_kills_its_worker_ends_dead(db: JobDatabase, workers: Workers) -> None:
@@ -182,8 +178,7 @@ def test_job_that_kills_its_worker_ends_dead(db: JobDatabase, workers: Workers) 
     assert len(db.effects(job_id, "start")) == 2
     assert db.effects(job_id, "effect") == []  # both transactions died with their worker
     assert worker.alive()
-    worker.send(signal.SIGTERM)
-    assert worker.wait(10) == 0
+    assert worker.stop(10) == 0
 
 
 def test_notify_wakes_an_idle_worker_before_its_poll(db: JobDatabase, workers: Workers) -> None:
@@ -198,8 +193,7 @@ def test_notify_wakes_an_idle_worker_before_its_poll(db: JobDatabase, workers: W
         wait_until(lambda: db.started(job_id), timeout=poll_interval, message="woken")  # noqa: B023
         latencies.append(time.monotonic() - enqueued)
     assert max(latencies) < poll_interval / 5, latencies
-    worker.send(signal.SIGTERM)
-    assert worker.wait(10) == 0
+    assert worker.stop(10) == 0
 
 
 @pytest.mark.embedded_only

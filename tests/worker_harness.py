@@ -72,6 +72,11 @@ class WorkerProcess:
         if self.popen.poll() is None:
             os.kill(self.popen.pid, signum)
 
+    def stop(self, timeout: float) -> int:
+        """SIGTERM (a graceful stop), then the exit status within ``timeout`` seconds."""
+        self.send(signal.SIGTERM)
+        return self.wait(timeout)
+
     def wait(self, timeout: float) -> int:
         try:
             return self.popen.wait(timeout)

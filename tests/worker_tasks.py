@@ -89,6 +89,14 @@ def _sleep_time(ctx: JobContext) -> float:
     return float(ctx.args.get("sleep", 0))
 
 
+def timed_sleep(ctx: JobContext) -> None:
+    """Sleep as the job's args say, between a committed ``start`` and ``end`` row: the span
+    a test measures overlap with (the rows carry the database's clock)."""
+    record(ctx, "start")
+    time.sleep(_sleep_time(ctx))
+    record(ctx, "end")
+
+
 @registry.task(queue="work")
 def sleepy(ctx: JobContext) -> dict[str, Any]:
     """Lease mode: start row, sleep, effect row (on its own connection)."""
