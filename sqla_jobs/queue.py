@@ -881,7 +881,6 @@ def key_lock_params(queue_names: list[str], limit: int) -> dict[str, Any]:
     return {
         "queue_names": queue_names,
         "scan": limit + KEY_SCAN_EXTRA,
-        "want": limit + KEY_SCAN_EXTRA,
         "per_key": min(limit, KEY_CLAIM_MAX),
     }
 
@@ -933,7 +932,8 @@ def _claim_from(
     if not keys:
         return list(_rows(session, statements.claim, table, params, queue_count=queue_count))
     limit = params["limit"]
-    locked = _rows(session, statements.lock_keys, table, key_lock_params(queue_names, limit))
+    lock_params = key_lock_params(queue_names, limit)
+    locked = _rows(session, statements.lock_keys, table, lock_params)
     rows: list[Any] = []
     if locked:
         keyed = {
@@ -941,7 +941,7 @@ def _claim_from(
             "key_limits": [row[1] for row in locked],
             "queue_names": queue_names,
             "limit": limit,
-            "per_key": min(limit, KEY_CLAIM_MAX),
+            "per_key": lock_params["per_key"],
             "lease_seconds": params["lease_seconds"],
             "worker": params["worker"],
         }

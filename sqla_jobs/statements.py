@@ -557,7 +557,7 @@ def lock_keys(table: Table) -> TextClause:
     (the keyed pending index ``(queue, priority, run_at, id) WHERE status = 'pending' AND
     ordering_key IS NOT NULL``) and of its first ``:scan`` expired keyed leases (the running
     index). Taken in the order of each key's best job, ``(priority, run_at, id)``, keys are
-    locked while those before them could start fewer than ``:want`` jobs in all (a key can
+    locked while those before them could start fewer than ``:scan`` jobs in all (a key can
     start up to its ``key_limit``, at most ``:per_key``): a claim of 50 jobs of keys whose
     limit is 3 locks about a third as many keys as one of keys whose limit is 1, and
     :func:`claim_keyed` reads that many fewer rows. Each is locked with
@@ -571,7 +571,7 @@ def lock_keys(table: Table) -> TextClause:
     holder committed. (Two keys whose hashes collide share a lock: a claim may skip a key
     that was free, never take one that was not.)
 
-    Parameters: ``:queue_names`` (an array), ``:scan``, ``:want``, ``:per_key``.
+    Parameters: ``:queue_names`` (an array), ``:scan``, ``:per_key``.
     """
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
@@ -604,14 +604,13 @@ def lock_keys(table: Table) -> TextClause:
         GROUP BY c.ordering_key
     ) AS g
 ) AS k
-WHERE CASE WHEN k.ahead < :want
+WHERE CASE WHEN k.ahead < :scan
     THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))
     ELSE false END
 ORDER BY k.first"""
     ).bindparams(
         bindparam("queue_names", type_=ARRAY(Text)),
         bindparam("scan", type_=Integer),
-        bindparam("want", type_=Integer),
         bindparam("per_key", type_=Integer),
     )
 
