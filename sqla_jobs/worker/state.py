@@ -51,11 +51,13 @@ from typing import Any, Final
 from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.registry import Task
 
-__all__ = ["UNWRITTEN_MAX", "Attempt", "Kind", "Outcome", "State"]
+__all__ = ["UNWRITTEN_MAX", "WRITE_BATCH", "Attempt", "Kind", "Outcome", "State"]
 
+#: The most outcomes the outcome writer takes to write in one transaction.
+WRITE_BATCH: Final = 1000
 #: The most settled outcomes that may wait for the outcome writer before the fetch loop
-#: stops claiming (two of the writer's largest batches: one being written, one gathering).
-UNWRITTEN_MAX: Final = 2000
+#: stops claiming: two of the writer's batches, one being written and one gathering.
+UNWRITTEN_MAX: Final = 2 * WRITE_BATCH
 
 
 class Kind(enum.Enum):

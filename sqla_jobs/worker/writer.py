@@ -35,13 +35,12 @@ from sqla_jobs.schema import JobStatus
 from sqla_jobs.worker.link import Link, as_session, is_transient
 from sqla_jobs.worker.observer import NO_OBSERVER, Finish, Observer
 from sqla_jobs.worker.runner import job_extra
-from sqla_jobs.worker.state import Attempt, Kind, State
+from sqla_jobs.worker.state import WRITE_BATCH, Attempt, Kind, State
 
 __all__ = ["OutcomeWriter"]
 
 logger = logging.getLogger("sqla_jobs.worker")
 
-MAX_BATCH: Final = 1000
 GATHER: Final = 0.001
 
 
@@ -75,7 +74,7 @@ class OutcomeWriter:
         """Until the worker has finished and nothing is left to write."""
         try:
             while True:
-                batch = self.state.take_outcomes(MAX_BATCH, GATHER, timeout=0.2)
+                batch = self.state.take_outcomes(WRITE_BATCH, GATHER, timeout=0.2)
                 if not batch:
                     if self.finished.is_set():
                         return
