@@ -1012,12 +1012,7 @@ def lock(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     after their lease ran out and must not be run. Used by lock-held claims, and by workers
     that count the attempt on one connection and then hold the rows.
     """
-    if not jobs:
-        return []
-    table = _job_table(_one_model(jobs))
-    rows = session.execute(_statement(statements.lock, table), _fence_params(jobs))
-    kept = _fenced(rows)
-    return [job for job in jobs if (job.id, job.attempt) in kept]
+    return lock_started(session, jobs)[0]
 
 
 def job_columns(job: ClaimedJob, session: Executor | None = None) -> dict[str, Any]:
@@ -1041,17 +1036,16 @@ def lock_one(session: Executor, job: ClaimedJob) -> float | None:
     """:func:`lock` for one attempt, for a worker that must later be able to end the
     transaction holding the lock: returns that transaction's start (epoch seconds), or None
     when the attempt was taken over (nothing is locked then)."""
-    table = _job_table(job.model)
-    rows = _rows(session, statements.lock, table, _fence_params([job]))
-    return float(rows[0][2]) if rows else None
+    return lock_started(session, [job])[1]
 
 
 def lock_started(
     session: Executor, jobs: Sequence[ClaimedJob]
 ) -> tuple[list[ClaimedJob], float | None]:
-    """:func:`lock` in one statement on the driver's fast path, for a worker that must later
-    be able to end the transaction holding the locks: returns the jobs locked (the others
-    were taken over) and that transaction's start (epoch seconds; None if none was locked)."""
+    """:func:`lock`, returning also what a worker needs to end the transaction holding the
+    locks later: the jobs locked (the others were taken over) and that transaction's start
+    (epoch seconds; None if none was locked). One statement, on the driver's fast path where
+    there is one (:func:`_rows`)."""
     if not jobs:
         return [], None
     rows = _rows(session, statements.lock, _job_table(_one_model(jobs)), _fence_params(jobs))
