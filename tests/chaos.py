@@ -68,8 +68,8 @@ The bound on lease-mode duplicate effects
     (every worker's leases lapse while the server is down). The final SIGTERM adds
     nothing: it comes only once no job is pending or running. ``lease_duplicates_explained``
     is the sharper check: it attributes each duplicate to the fault that caused it, by the
-    writing process and the attempt's start row (a lease that ran out with no fault, say a
-    heartbeat starved for 1.3 s, would show up there).
+    writing process and the time its attempt was claimed (a lease that ran out with no
+    fault, say a heartbeat starved for 1.3 s, would show up there).
 """
 
 from __future__ import annotations
@@ -389,6 +389,7 @@ class EffectRow:
     kind: str
     pid: int
     at: datetime
+    claimed_at: datetime
 
 
 def server_url_from_environment() -> str | None:
@@ -457,7 +458,14 @@ def read_back(
             )
         }
         effects = [
-            EffectRow(row.job_id, row.attempt, row.kind, row.pid, row.at.astimezone(timezone.utc))
+            EffectRow(
+                row.job_id,
+                row.attempt,
+                row.kind,
+                row.pid,
+                row.at.astimezone(timezone.utc),
+                row.claimed_at.astimezone(timezone.utc),
+            )
             for row in connection.execute(
                 sa.select(
                     ChaosEffect.job_id,
@@ -465,6 +473,7 @@ def read_back(
                     ChaosEffect.kind,
                     ChaosEffect.pid,
                     ChaosEffect.at,
+                    ChaosEffect.claimed_at,
                 ).order_by(ChaosEffect.id)
             )
         ]
@@ -629,14 +638,14 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
     return report
 
 
-#: How long before a fault an attempt may have started and still be at risk from it: far
+#: How long before a fault an attempt may have been claimed and still be at risk from it: far
 #: more than a handler runs (under 0.6 s) plus the wait for a handler thread.
 _AT_RISK_BEFORE = timedelta(seconds=10)
 
 
 @dataclass(frozen=True)
 class _Window:
-    """Attempts started in ``[start, end]`` (by worker ``pid``; any when None) were at risk
+    """Attempts claimed in ``[start, end]`` (by worker ``pid``; any when None) were at risk
     from a fault of this ``cause``."""
 
     cause: str
@@ -1083,19 +1092,18 @@ class _Accounting:
         pauses = 1 if state.pause.get("done") else 0
         at_restart = int(restart.get("workers_running", 0)) if restart.get("done") else 0
         c = self.config.concurrency
-        # Attribute each duplicate to a fault: its attempt started (start row, database clock,
-        # same host) shortly before the fault, in the worker it hit.
+        # Attribute each duplicate to a fault: its attempt was claimed (database clock) shortly
+        # before the fault, in the worker it hit, so it held its job when the fault came. The
+        # claim, not the start row: a pause may stop a handler between the lease check that
+        # admits it and its first statement, which then lands after SIGCONT.
         by_cause = dict.fromkeys(("kill", "pause", "restart", "unexplained"), 0)
         unexplained = []
         for row in rows:
-            start = self.starts.get((row.job_id, row.attempt))
             cause = next(
                 (
                     w.cause
                     for w in state.windows
-                    if start is not None
-                    and w.pid in (None, row.pid)
-                    and w.start <= start.at <= w.end
+                    if w.pid in (None, row.pid) and w.start <= row.claimed_at <= w.end
                 ),
                 "unexplained",
             )

@@ -80,6 +80,10 @@ class ChaosEffect(Base):
     at: Mapped[datetime] = mapped_column(
         sa.DateTime(timezone=True), server_default=sa.func.clock_timestamp()
     )
+    #: When the attempt was claimed, by the database clock (its first lease's end minus the
+    #: lease): the harness attributes a duplicate to a fault by it, as the attempt held its
+    #: job from then on, whenever its handler got to write the start row.
+    claimed_at: Mapped[datetime] = mapped_column(sa.DateTime(timezone=True))
 
 
 registry = Registry(
@@ -113,7 +117,13 @@ def own_engine() -> sa.Engine:
 
 
 def _row(ctx: JobContext, kind: str) -> ChaosEffect:
-    return ChaosEffect(job_id=ctx.id, attempt=ctx.attempt, kind=kind, pid=os.getpid())
+    return ChaosEffect(
+        job_id=ctx.id,
+        attempt=ctx.attempt,
+        kind=kind,
+        pid=os.getpid(),
+        claimed_at=ctx.job.lease_expires_at - timedelta(seconds=LEASE_SECONDS),
+    )
 
 
 def record(ctx: JobContext, kind: str) -> None:
