@@ -876,13 +876,17 @@ KEY_SCAN_EXTRA: Final = 16
 KEY_CLAIM_MAX: Final = 16
 
 
-def key_lock_params(queue_names: list[str], limit: int) -> dict[str, Any]:
-    """:func:`statements.lock_keys`'s parameters for a keyed claim of ``limit`` jobs."""
-    return {
-        "queue_names": queue_names,
-        "scan": limit + KEY_SCAN_EXTRA,
-        "per_key": min(limit, KEY_CLAIM_MAX),
-    }
+def key_lock_params(queue_names: list[str], limit: int) -> tuple[dict[str, Any], dict[str, int]]:
+    """:func:`statements.lock_keys`'s parameters for a keyed claim of ``limit`` jobs, and
+    its build options: the rows it reads per queue, ``limit + KEY_SCAN_EXTRA`` rounded up
+    to a power of two (part of the SQL text, so that the statement is planned once; see
+    :func:`statements.lock_keys`), and the queue count (1, or 2 for several)."""
+    scan = limit + KEY_SCAN_EXTRA
+    queue: dict[str, Any] = (
+        {"queue_name": queue_names[0]} if len(queue_names) == 1 else {"queue_names": queue_names}
+    )
+    params = queue | {"scan": scan, "per_key": min(limit, KEY_CLAIM_MAX)}
+    return params, {"rows": 1 << (scan - 1).bit_length(), "queue_count": min(len(queue_names), 2)}
 
 
 def _claim_rows(
@@ -932,8 +936,8 @@ def _claim_from(
     if not keys:
         return list(_rows(session, statements.claim, table, params, queue_count=queue_count))
     limit = params["limit"]
-    lock_params = key_lock_params(queue_names, limit)
-    locked = _rows(session, statements.lock_keys, table, lock_params)
+    lock_params, lock_options = key_lock_params(queue_names, limit)
+    locked = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
     rows: list[Any] = []
     if locked:
         keyed = {

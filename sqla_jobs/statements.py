@@ -55,6 +55,7 @@ from sqlalchemy import (
 from sqlalchemy import table as catalog_table
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 from sqlalchemy.sql.dml import ReturningDelete
+from sqlalchemy.sql.elements import BindParameter
 
 from sqla_jobs.ddl import TRANSITION_TABLE, executable, qualified_name
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names, unique_predicate
@@ -547,23 +548,32 @@ def key_lock_space(table: Table) -> int:
     return _lock_space(qualified_name(table.name, table.schema))
 
 
-def lock_keys(table: Table) -> TextClause:
+def lock_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
     """Lock the ordering keys worth a keyed claim; returns the keys locked, each with the
     largest ``key_limit`` of the jobs that brought it in (``ordering_key, key_limit``): how
     many of its jobs :func:`claim_keyed` reads.
 
     The first statement of a keyed claim, and its only way to serialise claimers per key:
-    for each served queue, the keys of its first ``:scan`` runnable keyed jobs in claim order
-    (the keyed pending index ``(queue, priority, run_at, id) WHERE status = 'pending' AND
-    ordering_key IS NOT NULL``) and of its first ``:scan`` expired keyed leases (the running
-    index). Taken in the order of each key's best job, ``(priority, run_at, id)``, keys are
-    locked while those before them could start fewer than ``:scan`` jobs in all (a key can
-    start up to its ``key_limit``, at most ``:per_key``): a claim of 50 jobs of keys whose
-    limit is 3 locks about a third as many keys as one of keys whose limit is 1, and
-    :func:`claim_keyed` reads that many fewer rows. Each is locked with
+    for each served queue, the keys of its first runnable keyed jobs in claim order (the
+    keyed pending index ``(queue, priority, run_at, id) WHERE status = 'pending' AND
+    ordering_key IS NOT NULL``) and of its first expired keyed leases (the running index),
+    at most ``rows`` of each. Taken in the order of each key's best job, ``(priority,
+    run_at, id)``, keys are locked while those before them could start fewer than ``:scan``
+    jobs in all (a key can start up to its ``key_limit``, at most ``:per_key``): a claim of
+    50 jobs of keys whose limit is 3 locks about a third as many keys as one of keys whose
+    limit is 1, and :func:`claim_keyed` reads that many fewer rows. Each is locked with
     ``pg_try_advisory_xact_lock(<table's lock space>, hashtext(key))``. A key another claim
     holds is skipped, never waited for. The locks are transaction-scoped: they go at commit
     or rollback, also through PgBouncer in transaction mode; no session state is left.
+
+    ``rows`` (at least ``:scan``) is part of the SQL text, not a parameter, and so is the
+    queue when there is one (``queue_count`` 1: ``:queue_name``; else the ``:queue_names``
+    array): PostgreSQL can then plan the prepared statement once (a generic plan) instead
+    of on every run, which took as long as running it. With a ``LIMIT`` parameter or an
+    array of queues, the generic plan's estimate (a tenth of the index per queue, a hundred
+    queues) loses to a custom plan every time. Callers round ``rows`` up to a power of two
+    (:func:`sqla_jobs.queue.key_lock_params`), so that a worker's varying claim sizes make
+    a handful of statements.
 
     The locks must be taken in a statement of their own, before :func:`claim_keyed`: under
     READ COMMITTED each statement reads a snapshot taken when it starts, so only a statement
@@ -571,11 +581,21 @@ def lock_keys(table: Table) -> TextClause:
     holder committed. (Two keys whose hashes collide share a lock: a claim may skip a key
     that was free, never take one that was not.)
 
-    Parameters: ``:queue_names`` (an array), ``:scan``, ``:per_key``.
+    Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key``.
     """
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
     columns = "j.ordering_key, j.key_limit, j.priority, j.run_at, j.id"
+    limit = int(rows)
+    if queue_count == 1:
+        served, queue = "FROM ", ":queue_name"
+        served_by: BindParameter[Any] = bindparam("queue_name", type_=Text)
+    else:
+        served = (
+            "FROM unnest(CAST(:queue_names AS text[])) AS q (name)\n            CROSS JOIN LATERAL "
+        )
+        queue = "q.name"
+        served_by = bindparam("queue_names", type_=ARRAY(Text))
     # The CASE makes the cut come first: no key past it is locked.
     return text(
         f"""SELECT k.ordering_key, k.key_limit FROM (
@@ -587,18 +607,17 @@ def lock_keys(table: Table) -> TextClause:
         FROM (
             SELECT u.ordering_key, u.key_limit,
                 row_number() OVER (ORDER BY u.priority, u.run_at, u.id) AS n
-            FROM unnest(CAST(:queue_names AS text[])) AS q (name)
-            CROSS JOIN LATERAL (
+            {served}(
                 (SELECT {columns} FROM {t} AS j
                  WHERE j.status = '{pending}' AND j.ordering_key IS NOT NULL
-                   AND j.queue = q.name AND j.run_at <= statement_timestamp()
-                 ORDER BY j.priority, j.run_at, j.id LIMIT :scan)
+                   AND j.queue = {queue} AND j.run_at <= statement_timestamp()
+                 ORDER BY j.priority, j.run_at, j.id LIMIT {limit})
                 UNION ALL
                 (SELECT {columns} FROM {t} AS j
-                 WHERE j.status = '{running}' AND j.queue = q.name
+                 WHERE j.status = '{running}' AND j.queue = {queue}
                    AND j.lease_expires_at <= statement_timestamp()
                    AND j.ordering_key IS NOT NULL
-                 ORDER BY j.lease_expires_at LIMIT :scan)
+                 ORDER BY j.lease_expires_at LIMIT {limit})
             ) AS u
         ) AS c
         GROUP BY c.ordering_key
@@ -609,7 +628,7 @@ WHERE CASE WHEN k.ahead < :scan
     ELSE false END
 ORDER BY k.first"""
     ).bindparams(
-        bindparam("queue_names", type_=ARRAY(Text)),
+        served_by,
         bindparam("scan", type_=Integer),
         bindparam("per_key", type_=Integer),
     )

@@ -296,9 +296,9 @@ def keyed_claim_plans(
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """The keyed claim's two statements' EXPLAIN (ANALYZE, BUFFERS) and how many keys the
     first locked, in one transaction that is rolled back."""
-    lock_sql = str(statements.lock_keys(TABLE).compile(dialect=engine.dialect))
+    lock_params, lock_options = sqla_jobs.queue.key_lock_params(queues, LIMIT)
+    lock_sql = str(statements.lock_keys(TABLE, **lock_options).compile(dialect=engine.dialect))
     claim_sql = str(statements.claim_keyed(TABLE).compile(dialect=engine.dialect))
-    lock_params = sqla_jobs.queue.key_lock_params(queues, LIMIT)
     with engine.connect() as connection:
         transaction = connection.begin()
         cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
@@ -384,6 +384,35 @@ def test_the_keyed_claim_locks_the_keys_it_needs_for_its_batch(
     wanted = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
     assert keys == -(-wanted // key_limit)  # the keys whose capacity reaches ``wanted``
     assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
+
+
+def test_the_keyed_claim_is_planned_once_per_connection(queue_engine: sa.Engine) -> None:
+    # Prepared (psycopg, after prepare_threshold runs) and left to PostgreSQL's default
+    # plan_cache_mode, both statements of a keyed claim get a generic plan: planned once, not
+    # on every claim (the lock statement's LIMIT and queue used to make its generic plan's
+    # estimate lose to a fresh custom plan every time, which took as long as running it).
+    seed_keyed(queue_engine, ["q0"], 5_000, running=0)
+    runs = 15
+    with queue_engine.connect() as connection:
+        # psycopg prepares a statement on its prepare_threshold-th run (5), PostgreSQL plans
+        # its first five runs as custom plans, then chooses; committed, as psycopg
+        # deallocates its prepared statements on rollback.
+        for _ in range(runs):
+            with connection.begin():
+                claimed = sqla_jobs.claim(connection, EmailJob, queues="q0", limit=LIMIT, keys=True)
+                assert len(claimed) == LIMIT
+                sqla_jobs.complete_many(connection, claimed)
+        plans = connection.execute(
+            sa.text(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE statement LIKE '%pg_try_advisory_xact_lock%' "
+                "OR statement LIKE '%member AS MATERIALIZED%'"
+            )
+        ).all()
+    assert len(plans) == 2, plans  # lock_keys and claim_keyed
+    for statement, generic, custom in plans:
+        assert custom <= 5, (statement[:60], generic, custom)
+        assert generic >= runs - 10, (statement[:60], generic, custom)
 
 
 def test_the_plain_claim_does_not_read_keyed_jobs(queue_engine: sa.Engine) -> None:
