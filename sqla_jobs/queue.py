@@ -876,7 +876,7 @@ KEY_SCAN_EXTRA: Final = 16
 KEY_CLAIM_MAX: Final = 16
 
 
-def key_lock_params(queue_names: list[str], limit: int) -> tuple[dict[str, Any], dict[str, int]]:
+def key_lock_params(queue_names: list[str], limit: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """:func:`statements.lock_keys`'s parameters for a keyed claim of ``limit`` jobs, and
     its build options: the rows it reads per queue, ``limit + KEY_SCAN_EXTRA`` rounded up
     to a power of two (part of the SQL text, so that the statement is planned once; see
@@ -907,7 +907,13 @@ def _claim_rows(
         row[0]
         for row in _rows(session, statements.lock_queues, table, {"queue_names": list(limited)})
     ]
-    if locked:
+    if locked and keys:
+        # Each queue's free slots are counted by its keyed claim's first statement.
+        for name in locked:
+            if len(rows) < limit:
+                room = params | {"limit": limit - len(rows)}
+                rows.extend(_claim_from(session, table, room, [name], keys, limited[name]))
+    elif locked:
         slots = {"queue_names": locked, "queue_slots": [limited[name] for name in locked]}
         for name, free in _rows(session, statements.queue_slots, table, slots):
             room = min(free, limit - len(rows))
@@ -926,9 +932,11 @@ def _claim_from(
     params: dict[str, Any],
     queue_names: list[str],
     keys: bool,
+    queue_slots: int | None = None,
 ) -> list[Any]:
     """The rows of a claim from ``queue_names``: keyed jobs first (``keys``), then plain
-    ones up to the limit."""
+    ones up to the limit. ``queue_slots``: the limit of the one queue served, whose lock
+    this transaction holds (keyed claims only; the free slots are counted with the keys)."""
     params = params | (
         {"queue_name": queue_names[0]} if len(queue_names) == 1 else {"queue_names": queue_names}
     )
@@ -937,7 +945,15 @@ def _claim_from(
         return list(_rows(session, statements.claim, table, params, queue_count=queue_count))
     limit = params["limit"]
     lock_params, lock_options = key_lock_params(queue_names, limit)
+    if queue_slots is not None:
+        lock_params["queue_slots"] = queue_slots
+        lock_options["limited"] = True
     locked = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
+    if queue_slots is not None:
+        limit = min(limit, locked[0][2])  # a row even when no key was locked
+        if limit <= 0:
+            return []
+        locked = [row for row in locked if row[0] is not None]
     rows: list[Any] = []
     if locked:
         keyed = {

@@ -74,6 +74,7 @@ __all__ = [
     "enqueue_many",
     "enqueue_unique",
     "fail",
+    "free_slots",
     "heartbeat",
     "key_lock_space",
     "lock",
@@ -548,7 +549,7 @@ def key_lock_space(table: Table) -> int:
     return _lock_space(qualified_name(table.name, table.schema))
 
 
-def lock_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
+def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = False) -> TextClause:
     """Lock the ordering keys worth a keyed claim; returns the keys locked, each with the
     largest ``key_limit`` of the jobs that brought it in (``ordering_key, key_limit``): how
     many of its jobs :func:`claim_keyed` reads.
@@ -581,12 +582,22 @@ def lock_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
     holder committed. (Two keys whose hashes collide share a lock: a claim may skip a key
     that was free, never take one that was not.)
 
-    Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key``.
+    ``limited`` (one queue, whose limit is ``:queue_slots`` and whose lock this transaction
+    holds, :func:`lock_queues`): the statement also counts the queue's free slots
+    (:func:`free_slots`) and returns them on every row (``ordering_key, key_limit, free``;
+    one row with no key when no key was locked), and locks no key when none is free: a
+    keyed claim in a limited queue is then three statements (the queue's lock, this, the
+    claim), as a keyed claim elsewhere is two.
+
+    Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key`` (and
+    ``:queue_slots``).
     """
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
     columns = "j.ordering_key, j.key_limit, j.priority, j.run_at, j.id"
     limit = int(rows)
+    if limited and queue_count != 1:
+        raise ValueError("a limited keyed claim serves one queue")
     if queue_count == 1:
         served, queue = "FROM ", ":queue_name"
         served_by: BindParameter[Any] = bindparam("queue_name", type_=Text)
@@ -597,8 +608,8 @@ def lock_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
         queue = "q.name"
         served_by = bindparam("queue_names", type_=ARRAY(Text))
     # The CASE makes the cut come first: no key past it is locked.
-    return text(
-        f"""SELECT k.ordering_key, k.key_limit FROM (
+    gate = "s.free > 0 AND " if limited else ""
+    keys = f"""SELECT k.ordering_key, k.key_limit, k.first FROM (
     SELECT g.ordering_key, g.key_limit, g.first,
         sum(least(g.key_limit, :per_key)) OVER (ORDER BY g.first ROWS UNBOUNDED PRECEDING)
             - least(g.key_limit, :per_key) AS ahead
@@ -623,15 +634,19 @@ def lock_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
         GROUP BY c.ordering_key
     ) AS g
 ) AS k
-WHERE CASE WHEN k.ahead < :scan
+WHERE CASE WHEN {gate}k.ahead < :scan
     THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))
-    ELSE false END
-ORDER BY k.first"""
-    ).bindparams(
-        served_by,
-        bindparam("scan", type_=Integer),
-        bindparam("per_key", type_=Integer),
-    )
+    ELSE false END"""
+    params = [served_by, bindparam("scan", type_=Integer), bindparam("per_key", type_=Integer)]
+    if not limited:
+        sql = f"SELECT l.ordering_key, l.key_limit FROM ({keys}) AS l ORDER BY l.first"
+        return text(sql).bindparams(*params)
+    free = free_slots(table, ":queue_name", ":queue_slots")
+    sql = f"""WITH slots AS MATERIALIZED (SELECT {free} AS free)
+SELECT l.ordering_key, l.key_limit, s.free
+FROM slots AS s LEFT JOIN LATERAL ({keys}) AS l ON true
+ORDER BY l.first"""
+    return text(sql).bindparams(*params, bindparam("queue_slots", type_=Integer))
 
 
 def claim_keyed(table: Table) -> Update:
@@ -772,40 +787,51 @@ ORDER BY q.n"""
     ).bindparams(bindparam("queue_names", type_=ARRAY(Text)))
 
 
-def queue_slots(table: Table) -> TextClause:
-    """How many more jobs of each queue in ``:queue_names`` (locked by :func:`lock_queues`)
-    may start now: its limit (``:queue_slots``, in the same order) minus its live
-    attempts. Returns ``name, free`` per queue (``free`` may be zero or less).
+def free_slots(table: Table, queue: str, slots: str) -> str:
+    """How many more jobs of the queue ``queue`` (SQL: a parameter or a column) may start
+    now, as a SQL expression: its limit ``slots`` minus its live attempts (zero or less
+    when it is full). The one home of the rule a queue limit counts by; the queue's lock
+    (:func:`lock_queues`) must be held.
 
     Live attempts are the queue's running jobs except those whose lease has expired and
     whose row nobody holds: a crashed worker's attempt stops counting when its lease ends
     (the claim that takes it over is a new attempt, and must fit in the limit), while a
     lock-held attempt whose handler outlives its lease still counts (its row is locked).
-    Counted as all running minus the expired rows this statement can lock ``FOR UPDATE
+    Counted as all running minus the expired rows the statement can lock ``FOR UPDATE
     SKIP LOCKED``; those stay locked by this transaction, and the claim that follows
     (:func:`claim`, :func:`claim_keyed`) takes them over without skipping them. A row that
     another transaction holds for a moment (a completion, a heartbeat) counts as live:
     read late, a freed slot is used by the next claim, never one too many by this one.
     Exact because a queue's jobs become running only in a claim that holds the queue's
-    lock, and this statement's snapshot is younger than the lock.
+    lock, and a statement that starts after the lock was granted has a younger snapshot.
 
-    Indexes: per queue, the running index ``(queue, lease_expires_at) WHERE status =
-    'running'`` twice: the count of all its running rows (an index-only scan where the
+    Indexes: the running index ``(queue, lease_expires_at) WHERE status = 'running'``
+    twice: the count of all the queue's running rows (an index-only scan where the
     visibility map allows), and its expired range from the oldest lease end up to now.
-
-    Parameters: ``:queue_names`` and ``:queue_slots`` (arrays of the same length).
     """
     t = qualified_name(table.name, table.schema)
     running = JobStatus.RUNNING.value
-    return text(
-        f"""SELECT q.name, q.slots
-    - (SELECT count(*) FROM {t} AS j WHERE j.status = '{running}' AND j.queue = q.name)
+    return f"""{slots}
+    - (SELECT count(*) FROM {t} AS j WHERE j.status = '{running}' AND j.queue = {queue})
     + (SELECT count(*) FROM (
         SELECT j.id FROM {t} AS j
-        WHERE j.status = '{running}' AND j.queue = q.name
+        WHERE j.status = '{running}' AND j.queue = {queue}
           AND j.lease_expires_at <= statement_timestamp()
         FOR UPDATE OF j SKIP LOCKED
-      ) AS expired) AS free
+      ) AS expired)"""
+
+
+def queue_slots(table: Table) -> TextClause:
+    """How many more jobs of each queue in ``:queue_names`` (locked by :func:`lock_queues`)
+    may start now (:func:`free_slots`), given its limit (``:queue_slots``, in the same
+    order). Returns ``name, free`` per queue (``free`` may be zero or less). A statement of
+    its own, after the queue locks, for the plain claim; a keyed claim counts in
+    :func:`lock_keys` instead.
+
+    Parameters: ``:queue_names`` and ``:queue_slots`` (arrays of the same length).
+    """
+    return text(
+        f"""SELECT q.name, {free_slots(table, "q.name", "q.slots")} AS free
 FROM unnest(CAST(:queue_names AS text[]), CAST(:queue_slots AS integer[]))
     WITH ORDINALITY AS q (name, slots, n)
 ORDER BY q.n"""

@@ -167,6 +167,38 @@ def test_keyed_jobs_in_a_limited_queue_respect_both_limits(queue_engine: sa.Engi
     assert running(queue_engine, "limited") == 5
 
 
+def test_a_keyed_claim_counts_its_queue_slots_with_its_keys(queue_engine: sa.Engine) -> None:
+    jobs = (EmailJob(task=f"k{i}", queue="limited", ordering_key=f"k{i}") for i in range(4))
+    enqueue(queue_engine, *jobs)
+    seen: list[str] = []
+
+    def record(*args: Any) -> None:
+        seen.append(args[2])
+
+    options: dict[str, Any] = {"keys": True, "queues": "limited", "limit": 5}
+    sa.event.listen(queue_engine, "before_cursor_execute", record)
+    try:
+        first = claim(queue_engine, **options)
+        claimed = list(seen)
+        seen.clear()
+        with queue_engine.connect() as full, full.begin():
+            second = sqla_jobs.claim(full, EmailJob, queue_limits=LIMITS, **options)
+            counted = list(seen)
+            # While the full queue's claim is open, its keys are free for a claim that
+            # does not limit the queue: the count locked none of them.
+            with queue_engine.begin() as other:
+                unlimited = sqla_jobs.claim(other, EmailJob, **options)
+    finally:
+        sa.event.remove(queue_engine, "before_cursor_execute", record)
+    assert [job.task for job in first] == ["k0", "k1"]  # two free slots, of the four keys
+    # The queue's lock; its free slots, counted where its keys are locked; the keyed claim.
+    assert len(claimed) == 3
+    assert "pg_try_advisory_xact_lock" in claimed[1]
+    assert second == []
+    assert len(counted) == 2  # full: the queue's lock and the count, and nothing else
+    assert sorted(job.task for job in unlimited) == ["k2", "k3"]
+
+
 def test_the_plain_claim_runs_the_same_sql_when_no_served_queue_is_limited(
     queue_engine: sa.Engine,
 ) -> None:
