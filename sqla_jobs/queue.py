@@ -817,13 +817,14 @@ def claim(
     ends, and taking it over is a new claim that must fit in the limit. Per limited queue
     served, the claim takes a transaction-scoped advisory try-lock
     (:func:`sqla_jobs.statements.lock_queues`; a queue another claim holds is skipped this
-    round, never waited for), then counts the queue's live attempts
-    (:func:`~sqla_jobs.statements.queue_slots`) and claims at most the free slots from it,
-    keyed jobs included (``keys=True``: they respect both limits). Limited queues are
-    served first, then the others fill the rest of ``limit`` with the plain claim, which
-    is unchanged (the same statement as without limits; a claim with no limited queue
-    among ``queues`` runs exactly as before). The queue locks last until the transaction
-    ends: keep it short.
+    round, never waited for), then claims at most the queue's free slots from it with a
+    claim statement that counts its live attempts
+    (:func:`~sqla_jobs.statements.limited_count`), keyed jobs included (``keys=True``:
+    they respect both limits; the keyed claim's first statement takes the queue's lock with
+    its keys). Limited queues are served first, then the others fill the rest of ``limit``
+    with the plain claim, which is unchanged (the same statement as without limits; a
+    claim with no limited queue among ``queues`` runs exactly as before). The queue locks
+    last until the transaction ends: keep it short.
 
     Returns the claimed jobs, possibly none. Raises :class:`InvalidJobError` for bad
     arguments, before any SQL runs.
@@ -903,22 +904,15 @@ def _claim_rows(
         return _claim_from(session, table, params, queue_names, keys)
     limit = params["limit"]
     rows: list[Any] = []
-    locked = [
-        row[0]
-        for row in _rows(session, statements.lock_queues, table, {"queue_names": list(limited)})
-    ]
-    if locked and keys:
-        # Each queue's free slots are counted by its keyed claim's first statement.
-        for name in locked:
-            if len(rows) < limit:
-                room = params | {"limit": limit - len(rows)}
-                rows.extend(_claim_from(session, table, room, [name], keys, limited[name]))
-    elif locked:
-        slots = {"queue_names": locked, "queue_slots": [limited[name] for name in locked]}
-        for name, free in _rows(session, statements.queue_slots, table, slots):
-            room = min(free, limit - len(rows))
-            if room > 0:
-                rows.extend(_claim_from(session, table, params | {"limit": room}, [name], keys))
+    # A keyed claim takes each queue's lock with its keys; a plain one all of them at once.
+    served = list(limited)
+    if not keys:
+        lock = {"queue_names": served}
+        served = [row[0] for row in _rows(session, statements.lock_queues, table, lock)]
+    for name in served:
+        if len(rows) < limit:
+            room = params | {"limit": limit - len(rows), "queue_slots": limited[name]}
+            rows.extend(_claim_from(session, table, room, [name], keys, limited=True))
     others = [name for name in queue_names if name not in limited]
     if others and len(rows) < limit:
         rest = params | {"limit": limit - len(rows)}
@@ -932,25 +926,29 @@ def _claim_from(
     params: dict[str, Any],
     queue_names: list[str],
     keys: bool,
-    queue_slots: int | None = None,
+    limited: bool = False,
 ) -> list[Any]:
     """The rows of a claim from ``queue_names``: keyed jobs first (``keys``), then plain
-    ones up to the limit. ``queue_slots``: the limit of the one queue served, whose lock
-    this transaction holds (keyed claims only; the free slots are counted with the keys)."""
+    ones up to the limit. ``limited``: one queue with a concurrency limit
+    (``params["queue_slots"]``), whose lock this transaction holds (a plain claim), or takes
+    with its keys (a keyed claim: nothing if another claim holds it); each claim statement
+    counts the free slots (:func:`statements.limited_count`)."""
     params = params | (
         {"queue_name": queue_names[0]} if len(queue_names) == 1 else {"queue_names": queue_names}
     )
-    queue_count = min(len(queue_names), 2)
+    options: dict[str, Any] = {"queue_count": min(len(queue_names), 2), "limited": limited}
     if not keys:
-        return list(_rows(session, statements.claim, table, params, queue_count=queue_count))
+        return list(_rows(session, statements.claim, table, params, **options))
     limit = params["limit"]
     lock_params, lock_options = key_lock_params(queue_names, limit)
-    if queue_slots is not None:
-        lock_params["queue_slots"] = queue_slots
+    if limited:
+        lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
         lock_options["limited"] = True
     locked = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
-    if queue_slots is not None:
-        limit = min(limit, locked[0][2])  # a row even when no key was locked
+    if limited:
+        # The queue's free slots, a hint (the claims count exactly): none, or its lock is
+        # another claim's (NULL); fewer than the limit, and the claims ask for no more.
+        limit = min(limit, locked[0][2] or 0)
         if limit <= 0:
             return []
         locked = [row for row in locked if row[0] is not None]
@@ -965,10 +963,12 @@ def _claim_from(
             "lease_seconds": params["lease_seconds"],
             "worker": params["worker"],
         }
-        rows.extend(_rows(session, statements.claim_keyed, table, keyed))
+        if limited:
+            keyed |= {"queue_name": queue_names[0], "queue_slots": params["queue_slots"]}
+        rows.extend(_rows(session, statements.claim_keyed, table, keyed, limited=limited))
     if len(rows) < limit:
         rest = params | {"limit": limit - len(rows)}
-        rows.extend(_rows(session, statements.claim, table, rest, queue_count=queue_count))
+        rows.extend(_rows(session, statements.claim, table, rest, **options))
     return rows
 
 

@@ -74,9 +74,9 @@ __all__ = [
     "enqueue_many",
     "enqueue_unique",
     "fail",
-    "free_slots",
     "heartbeat",
     "key_lock_space",
+    "limited_count",
     "lock",
     "lock_keys",
     "lock_queues",
@@ -84,7 +84,6 @@ __all__ = [
     "own_columns",
     "prune",
     "queue_lock_space",
-    "queue_slots",
     "queue_stats",
     "release",
     "request_cancel",
@@ -436,7 +435,7 @@ def _start_attempts(table: Table, claimable: Any) -> Update:
     )
 
 
-def claim(table: Table, *, queue_count: int) -> Update:
+def claim(table: Table, *, queue_count: int, limited: bool = False) -> Update:
     """Claim up to ``:limit`` runnable jobs and start an attempt on each.
 
     Runnable: pending with ``run_at`` reached, or running with an expired lease (a crashed or
@@ -474,12 +473,18 @@ def claim(table: Table, *, queue_count: int) -> Update:
     requested is made ``cancelled`` (:func:`_cancel_requested`): callers must hand out only
     the rows whose status is ``running``.
 
+    ``limited`` (one queue, whose limit is ``:queue_slots`` and whose lock this transaction
+    holds, :func:`lock_queues`): at most the queue's free slots are claimed
+    (:func:`limited_count`, counted in this statement).
+
     Returns the job's columns (``trace_context`` last, NULL unless the job was enqueued
     under a trace). Parameters: ``:queue_name`` (one queue) or ``:queue_names`` (an array),
-    ``:limit``, ``:lease_seconds``, ``:worker``.
+    ``:limit``, ``:lease_seconds``, ``:worker`` (and ``:queue_slots``).
     """
+    if limited and queue_count != 1:
+        raise ValueError("a limited claim serves one queue")
     now = _now()
-    limit = bindparam("limit", type_=Integer)
+    limit: ColumnElement[int] = bindparam("limit", type_=Integer)
     queues: Any = None
     queue: ColumnElement[str]
     if queue_count == 1:
@@ -527,6 +532,14 @@ def claim(table: Table, *, queue_count: int) -> Update:
         chosen = select(candidates.c.id).select_from(queues).join(candidates, true())
     else:
         chosen = select(candidates.c.id)
+    if limited:
+        slots = (
+            text(f"SELECT {limited_count(table)} AS n")
+            .bindparams(*_limited_params())
+            .columns(column("n", Integer))
+            .subquery("slots")
+        )
+        limit = select(slots.c.n).scalar_subquery()
     claimable = (
         chosen.order_by(candidates.c.priority, candidates.c.run_at, candidates.c.id)
         .limit(limit)
@@ -582,15 +595,19 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     holder committed. (Two keys whose hashes collide share a lock: a claim may skip a key
     that was free, never take one that was not.)
 
-    ``limited`` (one queue, whose limit is ``:queue_slots`` and whose lock this transaction
-    holds, :func:`lock_queues`): the statement also counts the queue's free slots
-    (:func:`free_slots`) and returns them on every row (``ordering_key, key_limit, free``;
-    one row with no key when no key was locked), and locks no key when none is free: a
-    keyed claim in a limited queue is then three statements (the queue's lock, this, the
-    claim), as a keyed claim elsewhere is two.
+    ``limited`` (one queue, whose limit is ``:queue_slots``): the statement first takes the
+    queue's lock (as :func:`lock_queues` does); if it got it, it counts the queue's free
+    slots (:func:`limited_count`, up to ``:limit``), and locks keys only if one is free. It
+    returns that count on every row (``ordering_key, key_limit, free``; one row with no key
+    when no key was locked; ``free`` NULL when another claim holds the queue). The count is
+    a hint: it was read with a snapshot taken before the queue's lock was granted, so it
+    may miss a claim committed meanwhile (the exact count is the claim's,
+    :func:`claim_keyed` ``limited``), or a completion (then this claim skips a queue that
+    had a free slot: the next one takes it). So a keyed claim in a limited queue is two
+    statements, as elsewhere, and one when the queue is full.
 
     Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key`` (and
-    ``:queue_slots``).
+    ``:queue_slots``, ``:limit``).
     """
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
@@ -608,7 +625,7 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
         queue = "q.name"
         served_by = bindparam("queue_names", type_=ARRAY(Text))
     # The CASE makes the cut come first: no key past it is locked.
-    gate = "s.free > 0 AND " if limited else ""
+    gate = "g.free > 0 AND " if limited else ""
     keys = f"""SELECT k.ordering_key, k.key_limit, k.first FROM (
     SELECT g.ordering_key, g.key_limit, g.first,
         sum(least(g.key_limit, :per_key)) OVER (ORDER BY g.first ROWS UNBOUNDED PRECEDING)
@@ -641,15 +658,18 @@ WHERE CASE WHEN {gate}k.ahead < :scan
     if not limited:
         sql = f"SELECT l.ordering_key, l.key_limit FROM ({keys}) AS l ORDER BY l.first"
         return text(sql).bindparams(*params)
-    free = free_slots(table, ":queue_name", ":queue_slots")
-    sql = f"""WITH slots AS MATERIALIZED (SELECT {free} AS free)
-SELECT l.ordering_key, l.key_limit, s.free
-FROM slots AS s LEFT JOIN LATERAL ({keys}) AS l ON true
+    sql = f"""WITH queue AS MATERIALIZED (SELECT {_queue_lock(table, ":queue_name")} AS locked),
+gate AS MATERIALIZED (
+    SELECT CASE WHEN q.locked THEN {limited_count(table)} END AS free FROM queue AS q
+)
+SELECT l.ordering_key, l.key_limit, g.free
+FROM gate AS g LEFT JOIN LATERAL ({keys}) AS l ON true
 ORDER BY l.first"""
-    return text(sql).bindparams(*params, bindparam("queue_slots", type_=Integer))
+    counted = [param for param in _limited_params() if param.key != "queue_name"]
+    return text(sql).bindparams(*params, *counted)
 
 
-def claim_keyed(table: Table) -> Update:
+def claim_keyed(table: Table, *, limited: bool = False) -> Update:
     """Claim up to ``:limit`` jobs of the ordering keys in ``:keys`` (which this transaction
     has locked with :func:`lock_keys`) from the queues in ``:queue_names``, and start an
     attempt on each, as :func:`claim` does.
@@ -678,9 +698,12 @@ def claim_keyed(table: Table) -> Update:
     rows ``FOR UPDATE SKIP LOCKED`` (a chosen row that another transaction has changed since
     is re-checked, and dropped if no longer runnable).
 
+    ``limited`` (a limited queue's keyed claim, as for :func:`claim`): at most the queue's
+    free slots are claimed (:func:`limited_count`, counted in this statement; ``:queue_name``
+    names the queue, ``:queue_names`` holds it alone).
+
     Parameters: ``:keys``, ``:key_limits`` and ``:queue_names`` (arrays), ``:limit``,
-    ``:per_key``,
-    ``:lease_seconds``, ``:worker``.
+    ``:per_key``, ``:lease_seconds``, ``:worker`` (and ``:queue_name``, ``:queue_slots``).
     """
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
@@ -735,7 +758,7 @@ def claim_keyed(table: Table) -> Update:
     WHERE r.stage IS NOT NULL AND r.held + r.place <= coalesce(r.key_limit, 1)
       AND r.queue = ANY (CAST(:queue_names AS text[]))
     ORDER BY r.priority, r.run_at, r.id
-    LIMIT :limit
+    LIMIT {limited_count(table) if limited else ":limit"}
 )
 SELECT j.id FROM {t} AS j
 WHERE j.id IN (SELECT chosen.id FROM chosen)
@@ -747,8 +770,8 @@ FOR UPDATE OF j SKIP LOCKED"""
             bindparam("keys", type_=ARRAY(Text)),
             bindparam("key_limits", type_=ARRAY(Integer)),
             bindparam("queue_names", type_=ARRAY(Text)),
-            bindparam("limit", type_=Integer),
             bindparam("per_key", type_=Integer),
+            *(_limited_params() if limited else [bindparam("limit", type_=Integer)]),
         )
         .columns(column("id", BigInteger))
         .cte("claimable")
@@ -773,37 +796,47 @@ def lock_queues(table: Table) -> TextClause:
     The first statement of a limited claim, and its only way to serialise claimers per
     queue: ``pg_try_advisory_xact_lock(<table's queue lock space>, hashtext(queue))``. A
     queue another claim holds is skipped this round, never waited for. Transaction-scoped,
-    as :func:`lock_keys`, and for the same reason a statement of its own: the next
-    statement (:func:`queue_slots`) starts after the lock was granted, so it sees every
-    claim the queue's previous holder committed. Reads no table.
+    as :func:`lock_keys`, and for the same reason a statement of its own: the claim that
+    counts the queue's free slots (:func:`limited_count`) starts after the lock was
+    granted, so it sees every claim the queue's previous holder committed. Reads no table.
+    (A keyed claim takes its queue's lock in :func:`lock_keys` instead, with its keys.)
 
     Parameters: ``:queue_names`` (an array).
     """
     return text(
         f"""SELECT q.name
 FROM unnest(CAST(:queue_names AS text[])) WITH ORDINALITY AS q (name, n)
-WHERE pg_try_advisory_xact_lock({queue_lock_space(table)}, hashtext(q.name))
+WHERE {_queue_lock(table, "q.name")}
 ORDER BY q.n"""
     ).bindparams(bindparam("queue_names", type_=ARRAY(Text)))
 
 
-def free_slots(table: Table, queue: str, slots: str) -> str:
-    """How many more jobs of the queue ``queue`` (SQL: a parameter or a column) may start
-    now, as a SQL expression: its limit ``slots`` minus its live attempts (zero or less
-    when it is full). The one home of the rule a queue limit counts by; the queue's lock
-    (:func:`lock_queues`) must be held.
+def _queue_lock(table: Table, queue: str) -> str:
+    # A queue's transaction-scoped try-lock, as SQL (``queue``: a column or a parameter).
+    return f"pg_try_advisory_xact_lock({queue_lock_space(table)}, hashtext({queue}))"
+
+
+def limited_count(table: Table) -> str:
+    """How many jobs a claim of ``:limit`` may start in the limited queue ``:queue_name``,
+    whose limit is ``:queue_slots``: the smaller of ``:limit`` and the queue's free slots,
+    its limit minus its live attempts (zero when it is full), as a SQL expression, the
+    ``LIMIT`` of :func:`claim` and :func:`claim_keyed` ``limited``. The one home of the rule
+    a queue limit counts by; the queue's lock (:func:`lock_queues`, or :func:`lock_keys`
+    ``limited``) must be held, taken in an earlier statement.
 
     Live attempts are the queue's running jobs except those whose lease has expired and
     whose row nobody holds: a crashed worker's attempt stops counting when its lease ends
     (the claim that takes it over is a new attempt, and must fit in the limit), while a
     lock-held attempt whose handler outlives its lease still counts (its row is locked).
     Counted as all running minus the expired rows the statement can lock ``FOR UPDATE
-    SKIP LOCKED``; those stay locked by this transaction, and the claim that follows
-    (:func:`claim`, :func:`claim_keyed`) takes them over without skipping them. A row that
+    SKIP LOCKED``; those stay locked by this transaction, and the claim, which evaluates
+    its ``LIMIT`` before it reads a row, takes them over without skipping them. A row that
     another transaction holds for a moment (a completion, a heartbeat) counts as live:
     read late, a freed slot is used by the next claim, never one too many by this one.
     Exact because a queue's jobs become running only in a claim that holds the queue's
-    lock, and a statement that starts after the lock was granted has a younger snapshot.
+    lock, and a statement that starts after the lock was granted has a younger snapshot
+    (the count and the claim share the statement's snapshot: a claim later in the same
+    transaction, filling a keyed claim's batch with plain jobs, counts the keyed ones).
 
     Indexes: the running index ``(queue, lease_expires_at) WHERE status = 'running'``
     twice: the count of all the queue's running rows (an index-only scan where the
@@ -811,33 +844,23 @@ def free_slots(table: Table, queue: str, slots: str) -> str:
     """
     t = qualified_name(table.name, table.schema)
     running = JobStatus.RUNNING.value
-    return f"""{slots}
-    - (SELECT count(*) FROM {t} AS j WHERE j.status = '{running}' AND j.queue = {queue})
+    return f"""greatest(0, least(:limit, :queue_slots
+    - (SELECT count(*) FROM {t} AS j WHERE j.status = '{running}' AND j.queue = :queue_name)
     + (SELECT count(*) FROM (
         SELECT j.id FROM {t} AS j
-        WHERE j.status = '{running}' AND j.queue = {queue}
+        WHERE j.status = '{running}' AND j.queue = :queue_name
           AND j.lease_expires_at <= statement_timestamp()
         FOR UPDATE OF j SKIP LOCKED
-      ) AS expired)"""
+      ) AS expired)))"""
 
 
-def queue_slots(table: Table) -> TextClause:
-    """How many more jobs of each queue in ``:queue_names`` (locked by :func:`lock_queues`)
-    may start now (:func:`free_slots`), given its limit (``:queue_slots``, in the same
-    order). Returns ``name, free`` per queue (``free`` may be zero or less). A statement of
-    its own, after the queue locks, for the plain claim; a keyed claim counts in
-    :func:`lock_keys` instead.
-
-    Parameters: ``:queue_names`` and ``:queue_slots`` (arrays of the same length).
-    """
-    return text(
-        f"""SELECT q.name, {free_slots(table, "q.name", "q.slots")} AS free
-FROM unnest(CAST(:queue_names AS text[]), CAST(:queue_slots AS integer[]))
-    WITH ORDINALITY AS q (name, slots, n)
-ORDER BY q.n"""
-    ).bindparams(
-        bindparam("queue_names", type_=ARRAY(Text)), bindparam("queue_slots", type_=ARRAY(Integer))
-    )
+def _limited_params() -> list[BindParameter[Any]]:
+    # The parameters of limited_count.
+    return [
+        bindparam("limit", type_=Integer),
+        bindparam("queue_slots", type_=Integer),
+        bindparam("queue_name", type_=Text),
+    ]
 
 
 def lock(table: Table) -> Select[Any]:

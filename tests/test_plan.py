@@ -422,11 +422,17 @@ def test_the_plain_claim_does_not_read_keyed_jobs(queue_engine: sa.Engine) -> No
     check_flat(queue_engine, queues, claimed=LIMIT)
 
 
-def queue_slots_plan(engine: sa.Engine, queues: list[str], *, generic: bool) -> dict[str, Any]:
-    """The limited claim's count (:func:`statements.queue_slots`): its EXPLAIN (ANALYZE,
-    BUFFERS), in a transaction that is rolled back."""
-    sql = str(statements.queue_slots(TABLE).compile(dialect=engine.dialect))
-    params = {"queue_names": queues, "queue_slots": [LIMIT] * len(queues)}
+def limited_claim_plan(engine: sa.Engine, slots: int, *, generic: bool) -> dict[str, Any]:
+    """The plain claim of a limited queue q0 (it counts its free slots,
+    :func:`statements.limited_count`): its EXPLAIN (ANALYZE, BUFFERS), rolled back."""
+    sql = str(statements.claim(TABLE, queue_count=1, limited=True).compile(dialect=engine.dialect))
+    params = {
+        "queue_name": "q0",
+        "queue_slots": slots,
+        "limit": LIMIT,
+        "lease_seconds": 30.0,
+        "worker": "w",
+    }
     return explain_rolled_back(engine, sql, params, generic=generic)
 
 
@@ -446,16 +452,21 @@ def test_the_limited_claim_counts_live_attempts_from_the_running_index(
         "SELECT 'q0', 'old', 'succeeded', 1, now() FROM generate_series(1, :count) AS n",
         count=HISTORY // 10,
     )
+    free = 3
     for generic in (False, True):
-        plan = queue_slots_plan(queue_engine, ["q0"], generic=generic)
+        # The claim rolled back before left dead versions of the rows it claimed, and their
+        # index entries (VACUUM skips the indexes for a few dead rows unless told).
+        with queue_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            c.execute(sa.text("VACUUM (INDEX_CLEANUP ON) email_jobs"))
+        plan = limited_claim_plan(queue_engine, live + free, generic=generic)
         reads = index_reads(plan)
-        assert {r["Index Name"] for r in reads} == {N.running_index}
-        count, locked = sorted(reads, key=lambda r: r["Node Type"] != "Index Only Scan")
+        assert {r["Index Name"] for r in reads} <= CLAIM_INDEXES | {f"{TABLE.name}_pkey"}
+        counts = [r for r in reads if r["Node Type"] == "Index Only Scan"]
         # All of the queue's running jobs counted from the index alone (VACUUM set the
-        # visibility map), the expired ones read (and locked) from the oldest lease end up.
-        assert count["Node Type"] == "Index Only Scan"
-        assert count.get("Heap Fetches", 0) == 0
-        assert count["Actual Rows"] == live + expired
-        assert locked["Actual Rows"] == expired
-        assert sum(buffers(r) for r in reads) <= PAGES_PER_QUEUE, [buffers(r) for r in reads]
-        assert plan["Plan"]["Actual Rows"] == 1  # the one queue, with LIMIT - live free
+        # visibility map); the expired ones read (and locked) from the oldest lease end up.
+        assert [(r["Index Name"], r["Actual Rows"]) for r in counts] == [
+            (N.running_index, live + expired)
+        ]
+        assert counts[0].get("Heap Fetches", 0) == 0
+        assert sum(buffers(r) for r in reads) <= 2 * PAGES_PER_QUEUE, [buffers(r) for r in reads]
+        assert plan["Plan"]["Actual Rows"] == free  # its free slots, fewer than LIMIT
