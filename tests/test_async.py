@@ -134,13 +134,19 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
         variants: list[dict[str, Any]] = [{}]
         if "queue_count" in parameters:
             variants = [{"queue_count": 1}, {"queue_count": 2}]
+            if "limited" in parameters:  # a limited queue is claimed on its own
+                variants.append({"queue_count": 1, "limited": True})
+        elif "limited" in parameters:
+            variants = [{}, {"limited": True}]
         elif "local" in parameters:
             variants = [{"local": True}, {"local": False}]
         elif "name" in parameters:  # reset_setting(name): one of the worker's settings
             variants = [{"name": setting} for setting in sorted(statements.WORKER_SETTINGS)]
         elif "history" in parameters:  # a model with partitioned_history reads it too
             variants = [{}, {"history": history_table(ArchiveJob)}]
-        known = set(tables) | {"queue_count", "local", "name", "history"}
+        if "rows" in parameters:  # lock_keys: the rows it reads per queue
+            variants = [options | {"rows": 64} for options in variants]
+        known = set(tables) | {"queue_count", "limited", "rows", "local", "name", "history"}
         assert set(parameters) <= known, f"{name}: teach this test its parameters"
         for options in variants:
             built = builder(*args, **options)
