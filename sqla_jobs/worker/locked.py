@@ -326,9 +326,11 @@ class _Group:
         )
         try:
             member.result = runner._storable(runner._call(attempt, task, ctx))
-            if not self._open():
-                raise ConfigurationError(_ENDED_TRANSACTION)
             if member.savepoint is not None:
+                # Only a handler that asked for the session can have ended the transaction
+                # (see "Why the savepoint can wait for the session").
+                if not self._open():
+                    raise ConfigurationError(_ENDED_TRANSACTION)
                 # The handler's pending writes: refused ones fail the job like an error
                 # raised by the handler itself.
                 self.session.flush()
