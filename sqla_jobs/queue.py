@@ -96,6 +96,7 @@ __all__ = [
     "claim",
     "complete",
     "complete_attempts",
+    "complete_held",
     "complete_many",
     "dead_jobs",
     "default_worker_name",
@@ -1142,16 +1143,7 @@ def complete_attempts(
     table = _job_table(model)
     if has_history(model):
         return _complete_into_history(session, table, jobs, results)
-    result_table = None
-    if results is not None:
-        result_model = result_model or model.result_model
-        if result_model is None:
-            raise InvalidJobError("result_model", "is required to store results")
-        result_table = _result_table(result_model)
-        if len(results) != len(jobs):
-            raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
-        for value in results:
-            validation.check_json("result", value)
+    result_table = _results_target(model, jobs, results, result_model)
     cancelled: set[tuple[int, int]] = set()
     if model.delete_on_success:
         done = _fenced(_rows(session, statements.complete_and_delete, table, _fence_params(jobs)))
@@ -1167,21 +1159,86 @@ def complete_attempts(
         cancelled_value = JobStatus.CANCELLED.value
         for row in _rows(session, statements.complete, table, _fence_params(jobs)):
             (cancelled if row[3] == cancelled_value else done).add((row[0], row[1]))
-    if result_table is not None and results is not None and done:
-        payload = [
-            {"job_id": job.id, "task": job.task, "value": value}
-            for job, value in zip(jobs, results, strict=True)
-            if (job.id, job.attempt) in done
-        ]
-        session.execute(_statement(statements.store_results, result_table), {"results": payload})
+    _store_results(session, result_table, jobs, results, done)
     if not cancelled:
         return _lost(jobs, done), []
     ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
     return _lost(jobs, done | cancelled), ended_cancelled
 
 
+def complete_held(
+    session: Executor,
+    jobs: Sequence[ClaimedJob],
+    *,
+    results: Sequence[Any] | None = None,
+    result_model: type[JobResultMixin] | None = None,
+) -> list[ClaimedJob]:
+    """:func:`complete_many` for attempts whose rows the caller's transaction holds locked
+    (:func:`lock`), as a lock-held worker completes its group: each row is found through
+    its primary key (:func:`sqla_jobs.statements.complete_held`), and a job whose cancel
+    was requested is left untouched, still running. Returns the attempts not completed
+    (their cancel requested, or no longer theirs): roll back what was done for them, and
+    cancel them (fenced) once this transaction has ended."""
+    if not jobs:
+        return []
+    model = _one_model(jobs)
+    table = _job_table(model)
+    if has_history(model):
+        lost, _ = _complete_into_history(session, table, jobs, results, held=True)
+        return lost
+    result_table = _results_target(model, jobs, results, result_model)
+    # complete_and_delete leaves a job whose cancel was requested as it is already.
+    builder = (
+        statements.complete_and_delete if model.delete_on_success else statements.complete_held
+    )
+    done = _fenced(_rows(session, builder, table, _fence_params(jobs)))
+    _store_results(session, result_table, jobs, results, done)
+    return _lost(jobs, done)
+
+
+def _results_target(
+    model: type[JobMixin],
+    jobs: Sequence[ClaimedJob],
+    results: Sequence[Any] | None,
+    result_model: type[JobResultMixin] | None,
+) -> Table | None:
+    """The result table that ``results`` (checked here) go to; None without results."""
+    if results is None:
+        return None
+    result_model = result_model or model.result_model
+    if result_model is None:
+        raise InvalidJobError("result_model", "is required to store results")
+    if len(results) != len(jobs):
+        raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
+    for value in results:
+        validation.check_json("result", value)
+    return _result_table(result_model)
+
+
+def _store_results(
+    session: Executor,
+    result_table: Table | None,
+    jobs: Sequence[ClaimedJob],
+    results: Sequence[Any] | None,
+    done: set[tuple[int, int]],
+) -> None:
+    if result_table is None or results is None or not done:
+        return
+    payload = [
+        {"job_id": job.id, "task": job.task, "value": value}
+        for job, value in zip(jobs, results, strict=True)
+        if (job.id, job.attempt) in done
+    ]
+    session.execute(_statement(statements.store_results, result_table), {"results": payload})
+
+
 def _complete_into_history(
-    session: Executor, table: Table, jobs: Sequence[ClaimedJob], results: Sequence[Any] | None
+    session: Executor,
+    table: Table,
+    jobs: Sequence[ClaimedJob],
+    results: Sequence[Any] | None,
+    *,
+    held: bool = False,
 ) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
     # The job moves into its history table, succeeded, with its result, in one statement
     # (sqla_jobs.history.statements.complete): no result table is involved.
@@ -1196,7 +1253,7 @@ def _complete_into_history(
     params = _fence_params(jobs) | {"results": _encode(values) if values else "{}"}
     done: set[tuple[int, int]] = set()
     cancelled: set[tuple[int, int]] = set()
-    for row in _rows(session, history_statements.complete, table, params):
+    for row in _rows(session, history_statements.complete, table, params, held=held):
         (cancelled if row[3] == JobStatus.CANCELLED.value else done).add((row[0], row[1]))
     ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
     return _lost(jobs, done | cancelled), ended_cancelled

@@ -134,19 +134,30 @@ def _cancel_requested(table: Table) -> ColumnElement[bool]:
     return table.c.cancel_requested_at.is_not(null())
 
 
-def _fences(table: Table, *, leases: bool = False) -> tuple[Any, ColumnElement[bool]]:
+def _fences(
+    table: Table, *, leases: bool = False, by_key: bool = False
+) -> tuple[Any, ColumnElement[bool]]:
     """The ``(id, attempt)`` pairs of a batch (with a lease in seconds each, if ``leases``),
-    and the fenced match against the table."""
+    and the fenced match against the table.
+
+    ``by_key``: the rows are found through the primary key, one lookup per pair. The status
+    test is then written ``IS NOT DISTINCT FROM 'running'`` (the same test: the column is
+    never null), which the planner cannot match to the running index's predicate. Given
+    ``= 'running'``, it may read that whole index instead, for each statement: every
+    running job, and the entries of finished ones until vacuum, thousands in a busy queue,
+    while its statistics say it is small. For the statements a lock-held group runs once
+    per chunk of a few jobs (:func:`lock`, :func:`complete_held`)."""
     arrays = [_split("fence_ids", BigInteger), _split("fence_attempts", Integer)]
     names_ = ["id", "attempt"]
     if leases:
         arrays.append(_split("fence_leases", Float))
         names_.append("lease")
     pairs = func.unnest(*arrays).table_valued(*names_).render_derived(name="fence")
+    running = _lit(JobStatus.RUNNING)
     match = and_(
         table.c.id == pairs.c.id,
         table.c.attempts == pairs.c.attempt,
-        table.c.status == _lit(JobStatus.RUNNING),
+        table.c.status.is_not_distinct_from(running) if by_key else table.c.status == running,
     )
     return pairs, match
 
@@ -879,9 +890,10 @@ def lock(table: Table) -> Select[Any]:
 
     Returns ``id, attempts`` and the locking transaction's start as epoch seconds (which,
     with the backend's pid, names that transaction: :func:`terminate_transactions`).
-    Parameters: ``:fence_ids``, ``:fence_attempts``.
+    Parameters: ``:fence_ids``, ``:fence_attempts``. Finds the rows through the primary key
+    (:func:`_fences`, ``by_key``).
     """
-    pairs, match = _fences(table)
+    pairs, match = _fences(table, by_key=True)
     return (
         select(
             table.c.id,
@@ -916,6 +928,30 @@ def complete(table: Table) -> Update:
             lease_expires_at=null(),
         )
         .returning(table.c.id, table.c.attempts, table.c.task, table.c.status)
+    )
+
+
+def complete_held(table: Table) -> Update:
+    """Mark succeeded the given attempts whose rows the caller's transaction holds locked
+    (:func:`lock`), except those whose cancel was requested: a lock-held group's
+    completion. Fenced; finds the rows through the primary key (:func:`_fences`,
+    ``by_key``).
+
+    A job whose cancel was requested is left as it is (running, its cancel requested): its
+    handler's writes roll back, and the worker cancels it once its transaction has ended.
+    Returns ``id, attempts`` of each job it completed.
+    Parameters: ``:fence_ids``, ``:fence_attempts``. Locks the matched rows (an ``UPDATE``).
+    """
+    _, match = _fences(table, by_key=True)
+    return (
+        update(table)
+        .where(match, table.c.cancel_requested_at.is_(null()))
+        .values(
+            status=_lit(JobStatus.SUCCEEDED),
+            finished_at=_now(),
+            lease_expires_at=null(),
+        )
+        .returning(table.c.id, table.c.attempts)
     )
 
 

@@ -40,6 +40,7 @@ def one_group(monkeypatch: pytest.MonkeyPatch) -> None:
     (the runner's spill), and the group stays young as long as the test lasts."""
     monkeypatch.setattr(runner, "SPILL", 60.0)
     monkeypatch.setattr(locked, "WINDOW", 60.0)
+    monkeypatch.setattr(locked, "AGE", 60.0)
 
 
 @contextmanager
@@ -402,15 +403,9 @@ def test_a_chunk_member_whose_cancel_is_requested_before_its_turn_never_runs(
     assert len(set(written.values())) == 1  # the others still committed together
 
 
-def test_quick_handlers_make_large_groups(
-    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # No window to run out (a busy machine's slow statements would cut groups short), and
-    # a spill that never wakes a second thread: the quick jobs claimed together run as
-    # one group, however many chunks that takes.
-    monkeypatch.setattr(runner, "SPILL", 60.0)
-    monkeypatch.setattr(locked, "WINDOW", 60.0)
-    monkeypatch.setattr(locked, "AGE", 60.0)
+def test_quick_handlers_make_large_groups(engine: sa.Engine, one_group: None) -> None:
+    # One group however many chunks it takes (one_group: a busy machine's slow statements
+    # would otherwise cut it short).
     registry = Registry(EmailJob)
 
     @registry.task(queue="group", mode="lock")
@@ -448,3 +443,33 @@ def test_slow_handlers_of_a_new_task_run_in_parallel_after_quick_ones(
         ids = enqueue(engine, *[meet.job({"order": n}) for n in range(count)])
         wait_for_statuses(engine, ids, ["succeeded"] * count)
     assert len(set(orders(engine).values())) == count  # a transaction each
+
+
+# -- the group's own completion ---------------------------------------------------------------
+
+
+def test_a_cancel_found_by_the_groups_completion_ends_only_that_job(
+    engine: sa.Engine, one_group: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Neither handler touches the session: both wait for the group's one completion
+    # statement, which finds the first job's cancel requested (the worker heard of it
+    # while the handler ran, and the handler ignored it).
+    registry = Registry(EmailJob)
+    waiting = threading.Event()
+
+    @registry.task(queue="group", mode="lock", lease=60)
+    def untouched(ctx: JobContext) -> None:
+        if ctx.args.get("wait"):
+            waiting.set()
+            assert wait_for(lambda: ctx.cancelled)
+
+    ids = enqueue(engine, untouched.job({"wait": True}), untouched.job(), untouched.job())
+    caplog.set_level("INFO", logger="sqla_jobs.worker")
+    with running(registry, engine):
+        assert waiting.wait(PATIENCE)
+        with Session(engine) as session, session.begin():
+            sqla_jobs.cancel(session, EmailJob, ids[0])
+        wait_for_statuses(engine, ids, ["cancelled", "succeeded", "succeeded"])
+    actions = {(getattr(r, "job_id", None), getattr(r, "action", None)) for r in caplog.records}
+    assert (ids[0], "job_cancelled") in actions
+    assert not [r for r in caplog.records if getattr(r, "action", None) == "lease_lost"]

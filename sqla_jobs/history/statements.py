@@ -84,7 +84,7 @@ def _into_history(
     )
 
 
-def complete(table: Table) -> Insert:
+def complete(table: Table, *, held: bool = False) -> Insert:
     """Complete the given attempts by moving their jobs into the history, succeeded. Fenced.
 
     ``WITH moved AS (DELETE FROM jobs USING fence WHERE (id, attempts) match AND status =
@@ -94,8 +94,14 @@ def complete(table: Table) -> Insert:
     stored in the history row, with the job. Locks the matched job rows (a ``DELETE``);
     inserts into the history partition of today. Returns ``id, attempts, task`` of each
     completed job. Parameters: ``:fence_ids``, ``:fence_attempts``, ``:results``.
+
+    ``held``: the rows are locked by the caller's transaction (a lock-held group, see
+    :func:`sqla_jobs.statements.complete_held`): found through the primary key, and a job
+    whose cancel was requested is left where it is, for the worker to cancel later.
     """
-    _, match = _fences(table)
+    _, match = _fences(table, by_key=held)
+    if held:
+        match = and_(match, table.c.cancel_requested_at.is_(null()))
     moved = delete(table).where(match).returning(*table.columns).cte("moved")
     key = func.concat(moved.c.id, literal_column("':'"), moved.c.attempts)
     results = cast(bindparam("results", type_=Text), JSONB)

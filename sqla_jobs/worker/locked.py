@@ -21,14 +21,20 @@ A handler thread that takes a lock-mode attempt (:meth:`Runner.run
    in the transaction can be undone alone;
 4. if it raised, roll back to its savepoint: ``fail``. If it wrote, complete its attempt
    inside its savepoint, then release the savepoint; or roll back to it when that
-   completion finds its cancel requested (``cancel``) or the attempt fenced out (``lost``);
+   completion leaves it out, its cancel requested: ``cancel`` (see 6);
 5. while the group's handlers have taken less than :data:`WINDOW` in all, the group is
    younger than :data:`AGE` and holds fewer than :data:`CAP` attempts, go back to 1;
 6. complete every attempt whose handler returned without touching the session in one
-   statement (under a savepoint: one found cancelled or lost is left out and the statement
-   run again without it), and commit once. Every attempt completed in the group is then
+   statement, and commit once. Every attempt completed in the group is then
    ``committed``; if the commit fails, each is given back (``release``, fenced: a no-op for
    a commit that did go through), and runs again.
+
+The group's completions (:func:`~sqla_jobs.queue.complete_held`) find their rows through
+the primary key, and leave out a job whose cancel was requested: it stays running, its
+outcome is ``cancel``, and the outcome writer cancels it once the group's transaction has
+ended (fenced, like every write of the writer's: were the job no longer this attempt's, the
+cancel changes nothing and the attempt is logged as lost). So nothing of the group's has to
+be undone for it, and the one statement needs no savepoint.
 
 So a handler's writes commit with its own job's completion or not at all, a failure or a
 cancel rolls back only its own job's writes, and the WAL is flushed once per group instead
@@ -92,7 +98,7 @@ from sqla_jobs import statements
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.history.schema import has_history
-from sqla_jobs.queue import ClaimedJob, complete_attempts, job_columns, lock_one, lock_started
+from sqla_jobs.queue import ClaimedJob, complete_held, job_columns, lock_one, lock_started
 from sqla_jobs.registry import JobContext, Registry, Task
 from sqla_jobs.worker.link import as_session
 from sqla_jobs.worker.state import Attempt, Kind, Outcome
@@ -320,9 +326,11 @@ class _Group:
         )
         try:
             member.result = runner._storable(runner._call(attempt, task, ctx))
-            if not self._open():
-                raise ConfigurationError(_ENDED_TRANSACTION)
             if member.savepoint is not None:
+                # Only a handler that asked for the session can have ended the transaction
+                # (see "Why the savepoint can wait for the session").
+                if not self._open():
+                    raise ConfigurationError(_ENDED_TRANSACTION)
                 # The handler's pending writes: refused ones fail the job like an error
                 # raised by the handler itself.
                 self.session.flush()
@@ -334,7 +342,7 @@ class _Group:
             return True
         # It wrote: complete it inside its savepoint, so that a cancel or a takeover found
         # now rolls back its writes and nothing else.
-        if self._complete([member]):
+        if not self._complete([member]):
             return self._undo(member)
         member.savepoint.commit()
         return True
@@ -355,32 +363,25 @@ class _Group:
     def _open(self) -> bool:
         return self.session.get_transaction() is self.transaction and self.transaction.is_active
 
-    def _complete(self, members: list[_Member]) -> list[_Member]:
-        """Complete these members' attempts in the transaction; returns those that ended
-        otherwise instead (their outcome set: ``cancel`` or ``lost``)."""
-        ended = complete(
+    def _complete(self, members: list[_Member]) -> bool:
+        """Complete these members' attempts in the transaction; False if one was not
+        completed (its outcome is then set: ``cancel``)."""
+        if not members:
+            return True
+        left = complete(
             self.executor, self.runner.registry, [(m.attempt.job, m.result) for m in members]
         )
-        if not ended:
-            return []
-        out = []
+        if not left:
+            return True
         for member in members:
-            outcome = ended.get((member.attempt.job.id, member.attempt.job.attempt))
-            if outcome is not None:
-                member.outcome = outcome
-                out.append(member)
-        return out
+            if member.attempt.key in left:
+                member.outcome = _NOT_COMPLETED
+        return False
 
     def _commit(self) -> None:
-        waiting = self.unsaved
-        while waiting:
-            savepoint = self.session.begin_nested()
-            if not self._complete(waiting):
-                savepoint.commit()
-                break
-            # Cancelled or lost: their completion is undone, the others' done again.
-            savepoint.rollback()
-            waiting = [m for m in waiting if m.outcome is None]
+        # Those it does not complete (their cancel requested) it leaves untouched: nothing
+        # of theirs to undo, no savepoint needed.
+        self._complete(self.unsaved)
         self.committing = True
         self.session.commit()
         for member in self.members:
@@ -402,32 +403,35 @@ class _Group:
 
 def complete(
     executor: Session, registry: Registry, done: list[tuple[ClaimedJob, Any]]
-) -> dict[tuple[int, int], Outcome]:
-    """Complete these attempts (with their handlers' results) in ``executor``'s transaction.
-    Returns the outcome of each that ended otherwise, by ``(id, attempt)``: ``cancel`` when
-    its cancel was requested (the completion made it cancelled: the caller rolls that back,
-    and the outcome writer cancels it), ``lost`` when it was fenced out."""
+) -> set[tuple[int, int]]:
+    """Complete these attempts (with their handlers' results) in ``executor``'s
+    transaction, which holds their rows locked (:func:`~sqla_jobs.queue.complete_held`).
+    Returns the ``(id, attempt)`` of each it did not complete: its cancel was requested
+    (or, fenced out, the job is no longer this attempt's). The caller rolls back that
+    attempt's writes, and its outcome is ``cancel``: the outcome writer cancels the job
+    once the transaction has ended (fenced: it changes nothing for a job no longer the
+    attempt's, and is logged as lost)."""
     result_model = registry.result_model
     stores = result_model is not None or (bool(done) and has_history(done[0][0].model))
     plain = [job for job, result in done if not (stores and result is not None)]
     valued = [(job, result) for job, result in done if stores and result is not None]
-    lost, cancelled = complete_attempts(executor, plain)
+    left = complete_held(executor, plain)
     if valued:
         # The results go into the history rows with the jobs, or into the result model.
-        more_lost, more_cancelled = complete_attempts(
+        left += complete_held(
             executor,
             [job for job, _ in valued],
             results=[result for _, result in valued],
             result_model=result_model,
         )
-        lost, cancelled = lost + more_lost, cancelled + more_cancelled
-    ended = {(job.id, job.attempt): _CANCELLED for job in cancelled}
-    ended.update({(job.id, job.attempt): _FENCED_OUT for job in lost})
-    return ended
+    return {(job.id, job.attempt) for job in left}
 
 
+#: Not completed by the group: cancel requested (or fenced out), for the writer to cancel.
+_NOT_COMPLETED: Final = Outcome(
+    Kind.CANCEL, why="its completion found its cancel requested or its job taken over"
+)
 _CANCELLED: Final = Outcome(Kind.CANCEL, why="its cancel was requested")
-_FENCED_OUT: Final = Outcome(Kind.LOST, why="its completion was fenced out")
 _TAKEN_OVER: Final = Outcome(Kind.LOST, why="it was taken over before it could be locked")
 
 
@@ -467,12 +471,10 @@ async def _run_async(runner: Runner, attempt: Attempt, task: Task[Any]) -> Outco
                 except Exception as rollback_error:  # the server rolls back for us
                     logger.debug("rollback failed: %s", describe(rollback_error))
                 return Outcome(Kind.FAIL, error=exc)
-            ended = await session.run_sync(
-                lambda s: complete(s, runner.registry, [(job, result)]).get(attempt.key)
-            )
-            if ended is not None:  # nothing of the handler's may commit then
+            left = await session.run_sync(lambda s: complete(s, runner.registry, [(job, result)]))
+            if left:  # nothing of the handler's may commit then
                 await transaction.rollback()
-                return ended
+                return _NOT_COMPLETED
             committing = True
             await transaction.commit()
         return _COMMITTED
