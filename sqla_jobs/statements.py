@@ -145,8 +145,13 @@ def _fences(
     never null), which the planner cannot match to the running index's predicate. Given
     ``= 'running'``, it may read that whole index instead, for each statement: every
     running job, and the entries of finished ones until vacuum, thousands in a busy queue,
-    while its statistics say it is small. For the statements a lock-held group runs once
-    per chunk of a few jobs (:func:`lock`, :func:`complete_held`)."""
+    while its statistics say it is small. And the ids are matched once more as ``id =
+    ANY(...)``, an index condition on the primary key: without it, statistics taken when
+    no job ran (a fresh backlog) make the planner expect one running row and scan the
+    whole table against every pair (100 ms for a chunk of 300 jobs in a table of 40,000).
+    For the statements a lock-held group runs once per chunk (:func:`lock`,
+    :func:`complete_held`); the outcome writer's batches read the running index, which
+    costs them no more than the lookups (measured at 500 jobs and 3,000 running)."""
     arrays = [_split("fence_ids", BigInteger), _split("fence_attempts", Integer)]
     names_ = ["id", "attempt"]
     if leases:
@@ -159,6 +164,8 @@ def _fences(
         table.c.attempts == pairs.c.attempt,
         table.c.status.is_not_distinct_from(running) if by_key else table.c.status == running,
     )
+    if by_key:
+        match = and_(match, table.c.id == func.any(_split("fence_ids", BigInteger)))
     return pairs, match
 
 

@@ -415,6 +415,31 @@ def test_the_keyed_claim_is_planned_once_per_connection(queue_engine: sa.Engine)
         assert generic >= runs - 10, (statement[:60], generic, custom)
 
 
+@pytest.mark.parametrize("builder", [statements.lock, statements.complete_held])
+def test_a_lock_held_group_finds_its_rows_by_primary_key_whatever_the_statistics(
+    queue_engine: sa.Engine, builder: Any
+) -> None:
+    # Statistics taken while every job was pending say that none runs; then 3,000 run. A
+    # group's lock and completion of 300 of them must still go through the primary key:
+    # neither the whole running index nor, worse, the whole table once per job.
+    seed_pending(queue_engine, ["q0"], 40_000)
+    with queue_engine.begin() as connection:
+        claimed = sqla_jobs.claim(connection, EmailJob, queues="q0", limit=3_000, lease=300)
+    chunk = claimed[:300]
+    params = {
+        "fence_ids": ",".join(str(job.id) for job in chunk),
+        "fence_attempts": ",".join(str(job.attempt) for job in chunk),
+    }
+    sql = str(builder(TABLE).compile(dialect=queue_engine.dialect))
+    for generic in (False, True):
+        plan = explain_rolled_back(queue_engine, sql, params, generic=generic)
+        reads = [n for n in plan_nodes(plan["Plan"]) if n.get("Relation Name") == "email_jobs"]
+        assert [
+            (r["Node Type"], r.get("Index Name")) for r in reads if r["Node Type"] != "ModifyTable"
+        ] == [("Index Scan", f"{TABLE.name}_pkey")]
+        assert plan["Plan"]["Actual Rows"] == len(chunk)
+
+
 def test_the_plain_claim_does_not_read_keyed_jobs(queue_engine: sa.Engine) -> None:
     queues = ["q0", "q1"]
     seed_keyed(queue_engine, queues, PENDING, running=0)  # they sort before every plain job
