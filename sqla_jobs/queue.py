@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import json
 import logging
+import operator
 import os
 import socket
 import traceback
@@ -305,11 +306,20 @@ def _one_model(jobs: Sequence[ClaimedJob]) -> type[JobMixin]:
 
 
 def _fence_params(jobs: Sequence[ClaimedJob]) -> dict[str, Any]:
-    # Comma-separated text, split and cast by the statement (statements._fences).
+    # Comma-separated text, split and cast by the statement (statements._fences); built by
+    # C-level iteration (map), as a worker's outcome writer does for every job it writes.
     return {
-        "fence_ids": ",".join([str(job.id) for job in jobs]),
-        "fence_attempts": ",".join([str(job.attempt) for job in jobs]),
+        "fence_ids": ",".join(map(str, map(_JOB_ID, jobs))),
+        "fence_attempts": ",".join(map(str, map(_JOB_ATTEMPT, jobs))),
     }
+
+
+_JOB_ID: Final = operator.attrgetter("id")
+_JOB_ATTEMPT: Final = operator.attrgetter("attempt")
+#: A claim row's (priority, run_at, id): the order of claimed jobs.
+_CLAIM_ORDER: Final = operator.itemgetter(5, 8, 0)
+#: The status column of statements.complete's rows.
+_ROW_STATUS: Final = operator.itemgetter(3)
 
 
 def _seconds(field: str, value: timedelta | float) -> float:
@@ -854,15 +864,20 @@ def claim(
     else:
         rows = _claim_rows(session, table, params, queue_names, keys, limited)
     running = JobStatus.RUNNING.value
-    # Positional, in the order of the claim statement's RETURNING: the hot path.
-    jobs = [
-        ClaimedJob(model, job_id, queue, task, args, prio, attempt, maximum, run_at, lease, trace)
-        for job_id, status, queue, task, args, prio, attempt, maximum, run_at, lease, trace in rows
+    # The hot path. The rows are sorted in (priority, run_at, id) order by a C-level key,
+    # and each job is built positionally (in the order of the claim statement's RETURNING)
+    # by tuple.__new__, which ClaimedJob's own __new__ is a Python-level call around.
+    new, ordered = tuple.__new__, sorted(rows, key=_CLAIM_ORDER)
+    jobs: list[ClaimedJob] = [
+        new(
+            ClaimedJob,
+            (model, job_id, queue, task, args, prio, attempt, most, run_at, lease, trace),
+        )
+        for job_id, status, queue, task, args, prio, attempt, most, run_at, lease, trace in ordered
         if status == running
     ]
     if len(jobs) < len(rows):
         _log_exhausted(rows, running)
-    jobs.sort(key=lambda job: (job.priority, job.run_at, job.id))
     if hold and jobs:
         return lock(session, jobs)
     return jobs
@@ -1143,9 +1158,19 @@ def complete_attempts(
                 )
             )
     else:
-        done = set()
         cancelled_value = JobStatus.CANCELLED.value
-        for row in _rows(session, statements.complete, table, _fence_params(jobs)):
+        rows = _rows(session, statements.complete, table, _fence_params(jobs))
+        if (
+            len(rows) == len(jobs)
+            and result_table is None
+            and cancelled_value not in map(_ROW_STATUS, rows)
+        ):
+            # The common case, without a set built and searched per job: every attempt
+            # matched (a row comes back once per distinct fence matched, so as many rows as
+            # jobs means all of them), and none ended cancelled.
+            return [], []
+        done = set()
+        for row in rows:
             (cancelled if row[3] == cancelled_value else done).add((row[0], row[1]))
     if result_table is not None and results is not None and done:
         payload = [
