@@ -42,7 +42,17 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeAlias, TypeVar, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Final,
+    Generic,
+    Literal,
+    Protocol,
+    TypeAlias,
+    TypeVar,
+    overload,
+)
 
 from sqla_jobs import validation
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, JobCancelledError
@@ -93,7 +103,7 @@ class ColumnLoader(Protocol):
     def __call__(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class JobContext:
     """What a handler receives: the claimed attempt, and in lock mode the claim's session.
 
@@ -131,6 +141,27 @@ class JobContext:
     _cancel: CancelFlag | None = field(default=None, repr=False)
     _loader: ColumnLoader | None = field(default=None, repr=False)
     _columns: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    def __init__(
+        self,
+        job: ClaimedJob,
+        worker: str,
+        _session: Session | None = None,
+        _async_session: AsyncSession | None = None,
+        _cancel: CancelFlag | None = None,
+        _loader: ColumnLoader | None = None,
+        _columns: dict[str, Any] | None = None,
+    ) -> None:
+        # The dataclass's own __init__ for a frozen class, but through the slots' setters
+        # bound once (_SET_*) instead of object.__setattr__ by name: a worker builds one
+        # context per job, and this costs it half as much.
+        _SET_JOB(self, job)
+        _SET_WORKER(self, worker)
+        _SET_SESSION(self, _session)
+        _SET_ASYNC_SESSION(self, _async_session)
+        _SET_CANCEL(self, _cancel)
+        _SET_LOADER(self, _loader)
+        _SET_COLUMNS(self, _columns)
 
     @property
     def cancelled(self) -> bool:
@@ -196,6 +227,15 @@ class JobContext:
             f"task {self.job.task!r} has ctx.{other}, not ctx.{asked}: a coroutine handler in "
             "lock mode gets an AsyncSession when the worker has an async_session_factory"
         )
+
+
+_SET_JOB: Final = JobContext.__dict__["job"].__set__
+_SET_WORKER: Final = JobContext.__dict__["worker"].__set__
+_SET_SESSION: Final = JobContext.__dict__["_session"].__set__
+_SET_ASYNC_SESSION: Final = JobContext.__dict__["_async_session"].__set__
+_SET_CANCEL: Final = JobContext.__dict__["_cancel"].__set__
+_SET_LOADER: Final = JobContext.__dict__["_loader"].__set__
+_SET_COLUMNS: Final = JobContext.__dict__["_columns"].__set__
 
 
 def _duration(name: str, value: timedelta | float) -> timedelta:

@@ -4,13 +4,17 @@ as through an ORM Session; and never outside a transaction SQLAlchemy knows of."
 
 from __future__ import annotations
 
+import decimal
+import json
 import weakref
+from functools import partial
 from typing import Any
 
 import psycopg
 import pytest
 import sqlalchemy as sa
 from models import EmailJob
+from psycopg.types.json import set_json_loads
 from sqlalchemy.orm import Session
 
 import sqla_jobs
@@ -229,3 +233,31 @@ def test_a_lost_connection_is_invalidated(queue_engine: sa.Engine) -> None:
     with queue_engine.connect() as connection, connection.begin():  # the pool reconnects
         (job,) = sqla_jobs.claim(connection, EmailJob)
     assert job.id == job_id
+
+
+def test_driver_path_reads_args_as_json_loads_does(queue_engine: sa.Engine) -> None:
+    # The fast jsonb loader gives the same values the stock one does: nested, unicode, an
+    # escaped surrogate pair, floats and integers, null.
+    args = {"a": [1, 2.5, {"b": None}], "é": "ü\U0001f600", "big": 2**70, "t": True}
+    with Session(queue_engine) as session, session.begin():
+        session.add(EmailJob(task="send", args=args))
+    with queue_engine.connect() as connection, connection.begin():
+        (job,) = sqla_jobs.claim(connection, EmailJob, limit=1)
+    assert job.args == args
+
+
+def test_driver_path_keeps_a_connections_own_json_loads(queue_engine: sa.Engine) -> None:
+    # A connection given a loads of its own (here: floats as Decimal) reads args with it.
+    with Session(queue_engine) as session, session.begin():
+        session.add(EmailJob(task="send", args={"price": 1.5}))
+    with queue_engine.connect() as connection:
+        driver = connection.connection.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+        set_json_loads(partial(json.loads, parse_float=decimal.Decimal), driver)
+        try:
+            with connection.begin():
+                (job,) = sqla_jobs.claim(connection, EmailJob, limit=1)
+        finally:
+            connection.invalidate()  # the pool does not get the customised connection back
+    assert job.args == {"price": decimal.Decimal("1.5")}
+    assert isinstance(job.args["price"], decimal.Decimal)

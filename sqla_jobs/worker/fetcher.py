@@ -170,10 +170,15 @@ class Fetcher:
             keys=self.keys,
             queue_limits=self.queue_limits,
         )
-        lease_of = self._lease
-        longer = [(job, lease) for job in jobs if (lease := lease_of(job.task)) > self.claim_lease]
+        # Looked up per task, not per job: a batch holds few tasks.
+        longer = {
+            name: lease
+            for name in {job.task for job in jobs}
+            if (lease := self._lease(name)) > self.claim_lease
+        }
         if longer:
-            heartbeat(session, [job for job, _ in longer], lease=[lease for _, lease in longer])
+            extend = [job for job in jobs if job.task in longer]
+            heartbeat(session, extend, lease=[longer[job.task] for job in extend])
         if jobs and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "claimed %d jobs",
@@ -195,8 +200,11 @@ class Fetcher:
         return lease
 
     def _hand_out(self, jobs: list[ClaimedJob], sent: float) -> None:
-        get, lease_of = self.registry.get, self._lease
-        attempts = [Attempt(job, get(job.task), sent, sent + lease_of(job.task)) for job in jobs]
+        # Each task and lease deadline looked up once per task in the batch, not per job.
+        names = {job.task for job in jobs}
+        task_of = {name: self.registry.get(name) for name in names}
+        deadline_of = {name: sent + self._lease(name) for name in names}
+        attempts = [Attempt(job, task_of[job.task], sent, deadline_of[job.task]) for job in jobs]
         if self.state.admit(attempts):
             self.runner.submit(attempts)
             return

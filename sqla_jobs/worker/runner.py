@@ -106,7 +106,7 @@ class Settling:
     def __init__(self, state: State, attempt: Attempt) -> None:
         self._state = state
         self.attempt = attempt
-        self.outcome = Outcome(Kind.RELEASE, why="its handler thread ended unexpectedly")
+        self.outcome = _ENDED_UNEXPECTEDLY
 
     def __enter__(self) -> Settling:
         # A no-op unless OpenTelemetry is loaded: it records an error that escapes, and is
@@ -122,7 +122,9 @@ class Settling:
     ) -> bool:
         try:
             if exc is None:
-                self._span.settled(self.outcome.kind.value, self.outcome.error)
+                outcome = self.outcome
+                # _value_, not value: the same string, without Enum's Python-level property.
+                self._span.settled(outcome.kind._value_, outcome.error)
             self._span.__exit__(exc_type, exc, traceback)
         except BaseException as error:
             exc = exc or error
@@ -156,8 +158,11 @@ class Runner:
         self.pooled = False  # behind a transaction pooler (set by the worker at start)
         self.observer = NO_OBSERVER  # set by the worker (its metrics)
         self._queue: collections.deque[Attempt] = collections.deque()
-        self._ready = threading.Condition(threading.Lock())
-        self._spill = threading.Condition(self._ready._lock)  # type: ignore[attr-defined]
+        # One lock for the queue and its two conditions, taken directly where no wait
+        # follows (a Condition's own __enter__ is one more Python call per job).
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._spill = threading.Condition(self._lock)
         self._spill_due = 0.0  # when to look whether queued jobs wait behind slow ones
         self._spill_mark = 0  # self._taken then
         self._taken = 0  # jobs taken from the queue so far
@@ -225,7 +230,7 @@ class Runner:
         within a few milliseconds, and a moment's stall of quick ones does not wake every
         thread (each thread woken for a lock-mode job opens a transaction of its own).
         """
-        with self._ready:
+        with self._lock:
             self._queue.extend(attempts)
             if self._idle:
                 self._ready.notify()
@@ -236,7 +241,7 @@ class Runner:
 
     def _spill_loop(self) -> None:
         woken, width = 0, 1  # threads woken at the last look; how many to wake next
-        with self._ready:
+        with self._lock:
             while not self._closed:
                 if not self._spill_due:
                     self._spill.wait()
@@ -261,7 +266,7 @@ class Runner:
 
     def waiting(self) -> int:
         """Attempts queued that no handler thread has taken yet."""
-        with self._ready:
+        with self._lock:
             return len(self._queue)
 
     def take_queued(self, accept: Callable[[Attempt], bool], limit: int) -> list[Settling]:
@@ -270,7 +275,7 @@ class Runner:
         lock group grows with them, :mod:`sqla_jobs.worker.locked`). Empty when the queue
         is, its head is not accepted, or the runner is closed."""
         taken: list[Settling] = []
-        with self._ready:
+        with self._lock:
             queue = self._queue
             while len(taken) < limit and queue and not self._closed and accept(queue[0]):
                 taken.append(Settling(self.state, queue.popleft()))
@@ -282,26 +287,28 @@ class Runner:
         """A lock group runs a statement of its own (its lock, its commit): the spill does
         not take that for queued jobs stuck behind slow handlers (the group takes them
         next), so it does not wake idle threads into groups of their own for it."""
-        with self._ready:
+        with self._lock:
             self._working += 1
         try:
             yield
         finally:
-            with self._ready:
+            with self._lock:
                 self._working -= 1
 
     def _next(self) -> Attempt | None:
-        with self._ready:
-            self._idle += 1
-            try:
-                while not self._queue and not self._closed:
-                    self._ready.wait()
-            finally:
-                self._idle -= 1
-            if self._closed:
-                return None
+        with self._lock:
+            queue = self._queue
+            if not queue or self._closed:  # else the common case: a job is waiting
+                self._idle += 1
+                try:
+                    while not queue and not self._closed:
+                        self._ready.wait()
+                finally:
+                    self._idle -= 1
+                if self._closed:
+                    return None
             self._taken += 1
-            return self._queue.popleft()
+            return queue.popleft()
 
     def _thread_main(self) -> None:
         while (attempt := self._next()) is not None:
@@ -310,7 +317,7 @@ class Runner:
     def close(self, timeout: float) -> None:
         """Stop the handler threads (queued attempts were settled by shutdown) and the
         event loop, cancelling coroutines still running."""
-        with self._ready:
+        with self._lock:
             self._closed = True
             self._queue.clear()
             self._ready.notify_all()
@@ -353,7 +360,11 @@ class Runner:
         ctx = JobContext(
             attempt.job, self.worker_name, _cancel=attempt, _loader=self._columns_loader
         )
-        result = self._call(attempt, task, ctx)
+        result = task.function(ctx)  # self._call, inlined: it is the one call every job makes
+        if result is None:
+            return _COMPLETED
+        if inspect.isawaitable(result):
+            result = self._await(attempt, result)
         return _COMPLETED if result is None else Outcome(Kind.COMPLETE, self._storable(result))
 
     def admit(self, attempt: Attempt) -> Outcome | None:
@@ -428,6 +439,9 @@ class Runner:
 
 #: The outcome of every handler that returned None (one object, not one per job).
 _COMPLETED: Final = Outcome(Kind.COMPLETE)
+#: A Settling's outcome until its block sets the real one (an Outcome is immutable: one
+#: object serves every attempt).
+_ENDED_UNEXPECTEDLY: Final = Outcome(Kind.RELEASE, why="its handler thread ended unexpectedly")
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:

@@ -70,6 +70,15 @@ class Kind(enum.Enum):
     LOST = "lost"  # another attempt owns the job: nothing to write
     COMMITTED = "committed"  # a lock-mode handler's transaction completed it: nothing to write
 
+    # Members are singletons that compare by identity: hash them by identity too, in C.
+    # (Enum's own __hash__ is Python code, and kinds are hashed for every job written.)
+    __hash__ = object.__hash__
+
+    @property
+    def writes(self) -> bool:
+        """Whether an outcome of this kind takes a statement to write."""
+        return self in _WRITES
+
 
 _WRITES = frozenset((Kind.COMPLETE, Kind.FAIL, Kind.CANCEL, Kind.RELEASE))
 
@@ -87,7 +96,7 @@ class Outcome:
 
     @property
     def writes(self) -> bool:
-        return self.kind in _WRITES
+        return self.kind.writes
 
 
 @dataclass(eq=False, slots=True)
@@ -165,8 +174,10 @@ class State:
         with self.lock:
             if not self.accepting:
                 return False
+            held = self.held
             for attempt in attempts:
-                self.held[attempt.key] = attempt
+                job = attempt.job
+                held[job.id, job.attempt] = attempt
             self.busy += len(attempts)
             return True
 

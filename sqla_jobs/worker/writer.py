@@ -101,39 +101,55 @@ class OutcomeWriter:
         return True
 
     def _write(self, batch: Sequence[Attempt]) -> None:
-        to_write = [a for a in batch if a.outcome is not None and a.outcome.writes]
+        by_kind: dict[Kind, list[Attempt]] = {}
+        for attempt in batch:
+            assert attempt.outcome is not None
+            kind = attempt.outcome.kind
+            if kind in by_kind:
+                by_kind[kind].append(attempt)
+            else:
+                by_kind[kind] = [attempt]
         lost: set[tuple[int, int]] = set()
         statuses: dict[tuple[int, int], JobStatus] = {}
-        if to_write:
-            lost, statuses = self.link.transaction(lambda c: self._statements(c, to_write))
+        if any(kind.writes for kind in by_kind):
+            lost, statuses = self.link.transaction(lambda c: self._statements(c, by_kind))
         # An attempt is logged as cancelled when its outcome was a cancel, or when the
         # database made its completion or failure a cancel (a request the worker had not
         # heard of yet).
         self.state.written(batch)
         if self.wake_after_write:
             self.state.wake()
+        if (
+            len(by_kind) == 1
+            and Kind.COMPLETE in by_kind
+            and not (lost or statuses or logger.isEnabledFor(logging.DEBUG))
+            and self.observer is NO_OBSERVER
+        ):
+            return  # the common case: all succeeded, nothing to log or report
         self._log(batch, lost, statuses)
 
     def _statements(
-        self, connection: Connection, batch: Sequence[Attempt]
+        self, connection: Connection, by_kind: dict[Kind, list[Attempt]]
     ) -> tuple[set[tuple[int, int]], dict[tuple[int, int], JobStatus]]:
         session = as_session(connection)
         lost: list[ClaimedJob] = []
         statuses: dict[tuple[int, int], JobStatus] = {}
-        by_kind: dict[Kind, list[Attempt]] = {}
-        for attempt in batch:
-            assert attempt.outcome is not None
-            by_kind.setdefault(attempt.outcome.kind, []).append(attempt)
         completed = by_kind.get(Kind.COMPLETE, [])
+        jobs = [a.job for a in completed]
         result_model = self.registry.result_model
-        results = [a.outcome.result if a.outcome is not None else None for a in completed]
+        history = bool(jobs) and has_history(jobs[0].model)
+        results = (
+            [a.outcome.result if a.outcome is not None else None for a in completed]
+            if history or result_model is not None
+            else []
+        )
         cancelled: list[ClaimedJob] = []
         batches: list[tuple[list[ClaimedJob], list[Any] | None]]
-        if bool(completed) and has_history(completed[0].job.model):
+        if history:
             # A model with history keeps results in its history rows, in one statement.
-            batches = [([a.job for a in completed], results)]
+            batches = [(jobs, results)]
         elif result_model is None or all(result is None for result in results):
-            batches = [([a.job for a in completed], None)]
+            batches = [(jobs, None)]
         else:
             pairs = list(zip(completed, results, strict=True))
             stored = [(a.job, result) for a, result in pairs if result is not None]
