@@ -437,17 +437,15 @@ def worker_tasks_db(
     worker_db: JobDatabase, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[JobDatabase]:
     """``worker_db`` for a worker run in this process: :mod:`worker_tasks`' handlers connect
-    to it (their engine is made on first use, and disposed of at the end)."""
+    to it (their engines are made on first use in each thread, and disposed of at the
+    end)."""
     import worker_tasks
 
     monkeypatch.setenv(worker_tasks.DATABASE_URL_VARIABLE, worker_db.url)
-    monkeypatch.setattr(worker_tasks, "_engine", None)
     try:
         yield worker_db
     finally:
-        engine = worker_tasks._engine
-        if engine is not None:
-            engine.dispose()
+        worker_tasks.forget_engines()
 
 
 @pytest.fixture

@@ -515,12 +515,10 @@ def worker_db(
     """The worker tests' tables (tests/worker_tasks.py) in a database of their own."""
     database = JobDatabase(fresh_database("sqla_jobs_async_worker"))
     monkeypatch.setenv(worker_tasks.DATABASE_URL_VARIABLE, database.url)
-    monkeypatch.setattr(worker_tasks, "_engine", None)
     try:
         yield database
     finally:
-        if worker_tasks._engine is not None:
-            worker_tasks._engine.dispose()
+        worker_tasks.forget_engines()
         database.dispose()
 
 

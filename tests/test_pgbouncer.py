@@ -304,7 +304,6 @@ def test_worker_api_finds_the_pooler(
     # The handlers' own connections (worker_tasks.record) go through PgBouncer too.
     bounced = JobDatabase(pgbouncer_url(pgbouncer, worker_db.url))
     monkeypatch.setenv(worker_tasks.DATABASE_URL_VARIABLE, bounced.url)
-    monkeypatch.setattr(worker_tasks, "_engine", None)
     listen = sa.create_engine(worker_db.url, poolclass=sa.NullPool)
     try:
         options: dict[str, Any] = {"engine_options": {"connect_args": UNPREPARED}}
@@ -323,8 +322,7 @@ def test_worker_api_finds_the_pooler(
     finally:
         listen.dispose()
         bounced.dispose()
-        if worker_tasks._engine is not None:
-            worker_tasks._engine.dispose()
+        worker_tasks.forget_engines()
 
 
 # -- administration commands --------------------------------------------------------------

@@ -16,6 +16,7 @@ import asyncio
 import functools
 import os
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
@@ -61,15 +62,29 @@ class Effect(Base):
 
 registry = Registry(WorkerJob, result_model=WorkerJobResult, default_lease=1.0)
 
-_engine: sa.Engine | None = None
+_bound = threading.local()
+_engines: list[sa.Engine] = []
 
 
 def own_engine() -> sa.Engine:
-    """An engine of the handler's own, outside the worker's (the URL from the environment)."""
-    global _engine
-    if _engine is None:
-        _engine = sa.create_engine(os.environ[DATABASE_URL_VARIABLE], poolclass=NullPool)
-    return _engine
+    """An engine of the handler's own, outside the worker's, on the URL the environment
+    named when the calling thread first asked. A worker's threads are its test's: a handler
+    still sleeping when its test ended (a worker stopped before its handlers returned)
+    writes into its own test's database, never into the next test's."""
+    engine: sa.Engine | None = getattr(_bound, "engine", None)
+    if engine is None:
+        engine = sa.create_engine(os.environ[DATABASE_URL_VARIABLE], poolclass=NullPool)
+        _bound.engine = engine
+        _engines.append(engine)
+    return engine
+
+
+def forget_engines() -> None:
+    """Dispose of the handlers' engines (at the end of a test), the calling thread's
+    binding with them."""
+    while _engines:
+        _engines.pop().dispose()
+    _bound.__dict__.clear()
 
 
 def _row(ctx: JobContext, kind: str) -> Effect:
