@@ -937,11 +937,16 @@ def key_lock_params(queue_names: list[str], limit: int) -> tuple[dict[str, Any],
     to a power of two (part of the SQL text, so that the statement is planned once; see
     :func:`statements.lock_keys`), and the queue count (1, or 2 for several)."""
     scan = limit + KEY_SCAN_EXTRA
-    queue: dict[str, Any] = (
-        {"queue_name": queue_names[0]} if len(queue_names) == 1 else {"queue_names": queue_names}
-    )
-    params = queue | {"scan": scan, "per_key": min(limit, KEY_CLAIM_MAX)}
+    params = _queue_params(queue_names) | {"scan": scan, "per_key": min(limit, KEY_CLAIM_MAX)}
     return params, {"rows": 1 << (scan - 1).bit_length(), "queue_count": min(len(queue_names), 2)}
+
+
+def _queue_params(queue_names: list[str]) -> dict[str, Any]:
+    # The claim statements' queue: a scalar for one (statements built with queue_count=1),
+    # else an array.
+    if len(queue_names) == 1:
+        return {"queue_name": queue_names[0]}
+    return {"queue_names": queue_names}
 
 
 def _claim_rows(
@@ -987,9 +992,7 @@ def _claim_from(
     (``params["queue_slots"]``), whose lock this transaction holds (a plain claim), or takes
     with its keys (a keyed claim: nothing if another claim holds it); each claim statement
     counts the free slots (:func:`statements.limited_count`)."""
-    params = params | (
-        {"queue_name": queue_names[0]} if len(queue_names) == 1 else {"queue_names": queue_names}
-    )
+    params = params | _queue_params(queue_names)
     options: dict[str, Any] = {"queue_count": min(len(queue_names), 2), "limited": limited}
     if not keys:
         return list(_rows(session, statements.claim, table, params, **options))

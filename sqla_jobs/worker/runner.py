@@ -360,11 +360,7 @@ class Runner:
         ctx = JobContext(
             attempt.job, self.worker_name, _cancel=attempt, _loader=self._columns_loader
         )
-        result = task.function(ctx)  # self._call, inlined: it is the one call every job makes
-        if result is None:
-            return _COMPLETED
-        if inspect.isawaitable(result):
-            result = self._await(attempt, result)
+        result = self._call(attempt, task, ctx)
         return _COMPLETED if result is None else Outcome(Kind.COMPLETE, self._storable(result))
 
     def admit(self, attempt: Attempt) -> Outcome | None:

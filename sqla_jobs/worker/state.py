@@ -176,8 +176,7 @@ class State:
                 return False
             held = self.held
             for attempt in attempts:
-                job = attempt.job
-                held[job.id, job.attempt] = attempt
+                held[attempt.key] = attempt
             self.busy += len(attempts)
             return True
 
