@@ -373,8 +373,8 @@ class JobMixin:
                 "id",
                 postgresql_where=text(keyed_pending_predicate()),
             ),
-            # A key's jobs in progress: its running ones, its retries (attempts > 0) and its
-            # new ones in (priority, run_at, id) order, each one range of this index.
+            # A key's jobs: its new ones (attempts = 0) in (priority, run_at, id) order, one
+            # range of this index; its retries (attempts > 0) and running ones, the next.
             Index(
                 n.key_index,
                 "ordering_key",

@@ -708,11 +708,16 @@ def claim_keyed(table: Table, *, limited: bool = False) -> Update:
     sees every such change committed before. Other transitions (completion, failure,
     cancelling) only ever free a place; read late, they make a claim take less, never more.
 
-    Indexes: per key, three ranges of the key index ``(ordering_key, status, attempts,
-    priority, run_at, id)``: running, pending with ``attempts > 0``, pending with ``attempts
-    = 0`` (read in order, as many rows as the key's entry in ``:key_limits`` says, the key
-    limit :func:`lock_keys` saw, but at most ``:per_key``: a claim starts at most that many
-    jobs of one key, whatever its ``key_limit``). Locks: expired attempts and the chosen
+    Indexes: per key, two ranges of the key index ``(ordering_key, status, attempts,
+    priority, run_at, id) WHERE status IN ('pending', 'running')``: its jobs in progress
+    and its retries, everything after ``('pending', 0)`` in ``(status, attempts)``, a row
+    comparison that only this index can bound (written ``status = 'running'``, the read
+    could go to the running index instead, which the planner does when statistics taken
+    before any job ran call it small, and filter every job in flight by key, for each
+    key); and its new jobs, pending with ``attempts = 0`` (read in order, as many rows as
+    the key's entry in ``:key_limits`` says, the key limit :func:`lock_keys` saw, but at
+    most ``:per_key``: a claim starts at most that many jobs of one key, whatever its
+    ``key_limit``). Locks: expired attempts and the chosen
     rows ``FOR UPDATE SKIP LOCKED`` (a chosen row that another transaction has changed since
     is re-checked, and dropped if no longer runnable).
 
@@ -737,10 +742,8 @@ def claim_keyed(table: Table, *, limited: bool = False) -> Update:
     FROM unnest(CAST(:keys AS text[]), CAST(:key_limits AS integer[])) AS k (ordering_key, reads)
     CROSS JOIN LATERAL (
         (SELECT {columns} FROM {t} AS j
-         WHERE j.ordering_key = k.ordering_key AND j.status = '{running}')
-        UNION ALL
-        (SELECT {columns} FROM {t} AS j
-         WHERE j.ordering_key = k.ordering_key AND j.status = '{pending}' AND j.attempts > 0)
+         WHERE j.ordering_key = k.ordering_key
+           AND j.status IN ('{pending}', '{running}') AND (j.status, j.attempts) > ('{pending}', 0))
         UNION ALL
         (SELECT {columns} FROM {t} AS j
          WHERE j.ordering_key = k.ordering_key AND j.status = '{pending}' AND j.attempts = 0

@@ -358,7 +358,7 @@ def test_the_keyed_claim_reads_a_few_pages_per_key_whatever_the_backlog(
         # the backlog (PostgreSQL 18 filters none).
         reads = index_reads(claim_plan_, max_filtered=running * queue_count)
         assert N.key_index in {r["Index Name"] for r in reads}
-        # Three ranges of the key index per key (~3 pages each, and the rows of up to
+        # Two ranges of the key index per key (~3 pages each, and the rows of up to
         # KEY_CLAIM_MAX new jobs), and two primary-key lookups per chosen job (locked, then
         # updated): so many pages per key and per job, none per job of the backlog.
         assert sum(buffers(r) for r in reads) <= 16 * keys + 9 * LIMIT, [
@@ -384,6 +384,33 @@ def test_the_keyed_claim_locks_the_keys_it_needs_for_its_batch(
     wanted = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
     assert keys == -(-wanted // key_limit)  # the keys whose capacity reaches ``wanted``
     assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
+
+
+def test_the_keyed_claim_reads_no_other_keys_in_flight_whatever_the_statistics(
+    queue_engine: sa.Engine,
+) -> None:
+    # Statistics taken while no job ran (a fresh backlog) say the running index is empty;
+    # then 3,000 jobs of other keys run. Each locked key's jobs in progress must still be
+    # one range of the key index: reading the running index once per key and filtering it
+    # by key read every job in flight per key (198,000 rows for a claim of 66 keys).
+    seed_keyed(queue_engine, ["q0"], 20_000, running=0)
+    with queue_engine.begin() as connection:  # no ANALYZE after this
+        connection.execute(
+            sa.text(
+                "INSERT INTO email_jobs (queue, task, status, attempts, run_at, "
+                "lease_expires_at, leased_by, ordering_key) "
+                "SELECT 'q0', 'busy', 'running', 1, now() - interval '1 day', "
+                "now() + interval '1 hour', 'elsewhere:1', 'other:' || n "
+                "FROM generate_series(1, 3000) AS n"
+            )
+        )
+    for generic in (False, True):
+        _, claim_plan_, keys = keyed_claim_plans(queue_engine, ["q0"], generic=generic)
+        reads = index_reads(claim_plan_)
+        assert sum(buffers(r) for r in reads) <= 16 * keys + 9 * LIMIT, [
+            (r["Index Name"], r.get("Actual Loops"), r["Actual Rows"], buffers(r)) for r in reads
+        ]
+        assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
 
 
 def test_the_keyed_claim_is_planned_once_per_connection(queue_engine: sa.Engine) -> None:

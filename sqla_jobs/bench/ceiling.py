@@ -11,6 +11,14 @@ server-side prepared statements (``prepare=True``), until the queue is empty:
 ``lock``   one transaction per B jobs: lock them ``FOR UPDATE SKIP LOCKED``
            (:func:`~sqla_jobs.bench.statements.seed_lock`), complete them in the same
            transaction (:func:`~sqla_jobs.bench.statements.seed_lock_complete`), commit.
+           It counts no attempt before the handler would run: a job that kills its
+           worker every time runs forever.
+``lock_counted``  what lock-held mode promises on top: each attempt is counted (and so a
+           crash-looping job ends dead) before its handler runs. Claim up to B jobs as
+           ``lease`` does (a committed transaction), then one transaction that locks their
+           rows fenced by attempt (:func:`~sqla_jobs.bench.statements.seed_relock`),
+           completes them (:func:`~sqla_jobs.bench.statements.seed_complete`) and commits.
+           The worker's lock-held mode does this, and is compared with it too.
 
 B runs over the sweep (``--sweep``, default 1, 10, 50, 100, 200, 500): B = 1 is the
 one-job-per-claim ceiling, and the best rate of the others the batched ceiling
@@ -67,6 +75,16 @@ def seed_loop(url: str, queue: str, batch: int, mode: str, ready: Any, go: Any, 
                 else:
                     fence = {"id": rows[0][0], "attempt": rows[0][1]}
                 done += connection.execute(complete_sql, fence, prepare=True).rowcount
+        elif mode == "lock_counted":
+            claim_sql = scratch.sql(bench_sql.seed_claim(table))
+            relock_sql = scratch.sql(bench_sql.seed_relock(table))
+            complete_sql = scratch.sql(bench_sql.seed_complete(table, many=True))
+            params = {"queue": queue, "limit": batch, "lease_seconds": LEASE_SECONDS}
+            while rows := connection.execute(claim_sql, params, prepare=True).fetchall():
+                fence = {"ids": [r[0] for r in rows], "attempts": [r[1] for r in rows]}
+                with connection.transaction():
+                    connection.execute(relock_sql, fence, prepare=True).fetchall()
+                    done += connection.execute(complete_sql, fence, prepare=True).rowcount
         else:
             lock_sql = scratch.sql(bench_sql.seed_lock(table))
             complete_sql = scratch.sql(bench_sql.seed_lock_complete(table, many=many))

@@ -12,6 +12,11 @@ For each mode (lease, lock-held) and 1 and 2 processes: one run of the ceiling's
 ``single``   one job per claim: ``concurrency=1``. In lease mode also with
              ``synchronous_commit=False`` (``.async_commit``), beside the durable figure,
              against the same ceiling.
+
+Lock-held drains are compared with two ceilings: the ``lock`` loop (``drain.lock.*``, the
+issue's target) and the ``lock_counted`` loop (``drain.lock.*.counted``), which also counts
+each attempt in a committed transaction before the rows are locked, as the worker does
+(:mod:`~sqla_jobs.bench.ceiling`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ def run_drain(cfg: Config, engine: sa.Engine, results: Results) -> None:
         for procs in (1, 2):
             if "ceiling" in cfg.sections:
                 run_sweep(cfg, engine, results, mode, procs)
+                if mode == "lock":
+                    run_sweep(cfg, engine, results, "lock_counted", procs)
             if "drain" in cfg.sections:
                 _drains(cfg, engine, results, mode, procs)
             scratch.progress(f"{mode} {procs}p")
@@ -51,6 +58,9 @@ def _drains(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs: 
         name = drain_name("drain", mode, batch_kind, procs)
         value = worker_drain(cfg, engine, mode, slots, procs, count)
         results.add(name, value, "jobs/s", ceiling).extra["concurrency"] = slots
+        if mode == "lock":
+            counted = drain_name("ceiling", "lock_counted", batch_kind, procs)
+            results.add(f"{name}.counted", value, "jobs/s", counted)
         if mode == "lease" and batch_kind == "single":
             # The worker's own transactions with synchronous_commit = off (Worker(...,
             # synchronous_commit=False)), beside the durable figure, same ceiling.

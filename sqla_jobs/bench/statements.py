@@ -55,6 +55,7 @@ __all__ = [
     "seed_complete",
     "seed_lock",
     "seed_lock_complete",
+    "seed_relock",
     "server_facts",
     "set_user_triggers",
     "stored_results",
@@ -147,6 +148,19 @@ def seed_lock_complete(table: Table, *, many: bool) -> TextClause:
     return text(
         f"UPDATE {name} SET status = '{_SUCCEEDED_VALUE}', attempts = attempts + 1, "
         f"finished_at = now() WHERE {where}"
+    )
+
+
+def seed_relock(table: Table) -> TextClause:
+    """The counted lock-held ceiling's second step: lock the rows of the attempts
+    ``:ids``/``:attempts`` (claimed and committed by :func:`seed_claim`) until the
+    transaction ends, those still running that attempt (fenced). Returns ``id``."""
+    name = qualified_name(table.name, table.schema)
+    return text(
+        f"SELECT job.id FROM {name} AS job "
+        "JOIN unnest(CAST(:ids AS bigint[]), CAST(:attempts AS integer[])) AS f(id, attempt) "
+        "ON job.id = f.id AND job.attempts = f.attempt "
+        f"WHERE job.status = '{JobStatus.RUNNING.value}' FOR UPDATE OF job"
     )
 
 
