@@ -47,7 +47,7 @@ def test_quick_bench_writes_every_section(
             assert metric["ceiling_median"] > 0, name
             assert metric["ratio"] == pytest.approx(metric["median"] / metric["ceiling_median"])
     sweep = document["config"]["sweep"]
-    for mode in ("lease", "lock"):
+    for mode in ("lease", "lock", "lock_counted"):
         for procs in (1, 2):
             # The ceiling: every point of the sweep; B = 1 is one per claim, the best of the
             # others is the batched ceiling.
@@ -57,7 +57,11 @@ def test_quick_bench_writes_every_section(
             assert batched["runs"] == [max(points[b][0] for b in sweep if b > 1)]
             assert batched["best_batch"][0] in sweep
             for kind in ("single", "batched"):
-                drain = metrics[f"drain.{mode}.{kind}.{procs}p"]
+                if mode == "lock_counted":  # the lock-held drain, against the counted loop
+                    drain = metrics[f"drain.lock.{kind}.{procs}p.counted"]
+                    assert drain["runs"] == metrics[f"drain.lock.{kind}.{procs}p"]["runs"]
+                else:
+                    drain = metrics[f"drain.{mode}.{kind}.{procs}p"]
                 assert drain["ceiling"] == f"ceiling.{mode}.{kind}.{procs}p"
     assert metrics["memory.drain_rate"]["ceiling"] == "memory.drain_rate.base"
     assert "best batch of each sweep" in table
