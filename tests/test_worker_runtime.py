@@ -330,7 +330,10 @@ def test_kept_connections_get_their_settings_and_give_them_back(db: JobDatabase)
     from sqla_jobs.worker.link import Link
 
     engine = sa.create_engine(db.url, pool_size=1, max_overflow=0)
-    show = "SELECT current_setting('lock_timeout'), current_setting('synchronous_commit')"
+    show = (
+        "SELECT current_setting('lock_timeout'), current_setting('synchronous_commit'), "
+        "current_setting('plan_cache_mode')"
+    )
     try:
         link = Link(engine, lock_timeout=2.5, synchronous_commit=False)
         inside = link.transaction(lambda c: tuple(c.execute(sa.text(show)).one()))
@@ -340,9 +343,9 @@ def test_kept_connections_get_their_settings_and_give_them_back(db: JobDatabase)
             after = tuple(connection.execute(sa.text(show)).one())
     finally:
         engine.dispose()
-    assert inside == ("2500ms", "off")
+    assert inside == ("2500ms", "off", "force_generic_plan")
     assert isolation == "READ COMMITTED"
-    assert after == ("0", "on")
+    assert after == ("0", "on", "auto")
 
 
 def test_a_worker_with_async_commit_runs_jobs(db: JobDatabase) -> None:
