@@ -442,6 +442,37 @@ def test_the_keyed_claim_is_planned_once_per_connection(queue_engine: sa.Engine)
         assert generic >= runs - 10, (statement[:60], generic, custom)
 
 
+@pytest.mark.parametrize("builder", [statements.complete, statements.heartbeat, statements.release])
+def test_the_writer_and_heartbeat_batches_stay_linear_whatever_the_statistics(
+    queue_engine: sa.Engine, builder: Any
+) -> None:
+    # The worker's own connections plan generically (plan_cache_mode = force_generic_plan,
+    # sqla_jobs.worker.link), where PostgreSQL cannot see how many pairs a batch holds.
+    # Under statistics that say no job runs, a batch of 700 must still be one hash join of
+    # its pairs with the running index (the heartbeat then locks each row by primary key):
+    # a nested loop that unnests the pairs again for each row would compare 490,000.
+    seed_pending(queue_engine, ["q0"], 40_000)
+    with queue_engine.begin() as connection:
+        claimed = sqla_jobs.claim(connection, EmailJob, queues="q0", limit=700, lease=300)
+    params = {
+        "fence_ids": ",".join(str(job.id) for job in claimed),
+        "fence_attempts": ",".join(str(job.attempt) for job in claimed),
+        "fence_leases": ",".join("300" for _ in claimed),
+    }
+    sql = str(builder(TABLE).compile(dialect=queue_engine.dialect))
+    params = {name: value for name, value in params.items() if f"%({name})s" in sql}
+    for generic in (False, True):
+        plan = explain_rolled_back(queue_engine, sql, params, generic=generic)
+        repeated = [
+            (node["Node Type"], node.get("Index Name"), node.get("Actual Loops"))
+            for node in plan_nodes(plan["Plan"])
+            if node.get("Actual Loops", 1) > 1
+            and (node["Node Type"], node.get("Index Name")) != ("Index Scan", f"{TABLE.name}_pkey")
+        ]
+        assert not repeated, (generic, repeated)
+        assert plan["Plan"]["Actual Rows"] == len(claimed)
+
+
 @pytest.mark.parametrize("builder", [statements.lock, statements.complete_held])
 def test_a_lock_held_group_finds_its_rows_by_primary_key_whatever_the_statistics(
     queue_engine: sa.Engine, builder: Any
