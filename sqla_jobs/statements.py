@@ -134,38 +134,11 @@ def _cancel_requested(table: Table) -> ColumnElement[bool]:
     return table.c.cancel_requested_at.is_not(null())
 
 
-def _fences(
-    table: Table, *, leases: bool = False, by_key: bool = False
-) -> tuple[Any, ColumnElement[bool]]:
+def _fences(table: Table, *, leases: bool = False) -> tuple[Any, ColumnElement[bool]]:
     """The ``(id, attempt)`` pairs of a batch (with a lease in seconds each, if ``leases``),
-    and the fenced match against the table.
-
-    ``by_key``: the rows are found through the primary key, and no pair is joined (the
-    first value returned is None). The ids are matched as ``id = ANY(...)``, an index
-    condition on the primary key, and each row's attempt as the one at its id's place in
-    the attempts (``array_position``; both arrays split once per statement, in scalar
-    subqueries). A join with the pairs was planned, under statistics taken before any job
-    ran (they call the running rows one), as a nested loop that unnested both arrays again
-    for each row: 15,750 pairs compared for a group of 126, 1.9 ms to lock it and 2.1 ms to
-    complete it (0.29 and 0.66 ms now); without the ``id = ANY(...)`` index condition, the same
-    statistics made the planner scan the whole table once per pair (100 ms for a chunk of
-    300 jobs in a table of 40,000). The status test is written ``IS NOT DISTINCT FROM
-    'running'`` (the same test: the column is never null), which the planner cannot match to
-    the running index's predicate: given ``= 'running'``, it may read that whole index
-    instead, for each statement. For the statements a lock-held group runs once per chunk
-    (:func:`lock`, :func:`complete_held`) and the history's held completion; the outcome
-    writer's batches join the pairs and read the running index, which costs them no more
-    than the lookups (measured at 500 jobs and 3,000 running)."""
-    running = _lit(JobStatus.RUNNING)
-    if by_key:
-        ids = select(_split("fence_ids", BigInteger)).scalar_subquery()
-        attempts = select(_split("fence_attempts", Integer)).scalar_subquery()
-        at = func.array_position(ids, table.c.id, type_=Integer)
-        return None, and_(
-            table.c.id == func.any(_split("fence_ids", BigInteger)),
-            table.c.attempts == attempts[at],
-            table.c.status.is_not_distinct_from(running),
-        )
+    and the fenced match against the table: a join of the pairs with the running rows,
+    which the outcome writer's batches plan as one hash join with the running index
+    (measured at 500 jobs and 3,000 running; a plan test holds it, custom and generic)."""
     arrays = [_split("fence_ids", BigInteger), _split("fence_attempts", Integer)]
     names_ = ["id", "attempt"]
     if leases:
@@ -175,9 +148,37 @@ def _fences(
     match = and_(
         table.c.id == pairs.c.id,
         table.c.attempts == pairs.c.attempt,
-        table.c.status == running,
+        table.c.status == _lit(JobStatus.RUNNING),
     )
     return pairs, match
+
+
+def _fenced_by_key(table: Table) -> ColumnElement[bool]:
+    """The fenced match of :func:`_fences` for the statements a lock-held group runs once
+    per chunk (:func:`lock`, :func:`complete_held`, and the history's held completion):
+    the rows found through the primary key, no pair joined.
+
+    The ids are matched as ``id = ANY(...)``, an index condition on the primary key, and
+    each row's attempt as the one at its id's place in the attempts (``array_position``;
+    both arrays split once per statement, in scalar subqueries). A join with the pairs was
+    planned, under statistics taken before any job ran (they call the running rows one), as
+    a nested loop that unnested both arrays again for each row: 15,750 pairs compared for a
+    group of 126, 1.9 ms to lock it and 2.1 ms to complete it (0.29 and 0.66 ms now);
+    without the ``id = ANY(...)`` index condition, the same statistics made the planner
+    scan the whole table once per pair (100 ms for a chunk of 300 jobs in a table of
+    40,000). The status test is written ``IS NOT DISTINCT FROM 'running'`` (the same test:
+    the column is never null), which the planner cannot match to the running index's
+    predicate: given ``= 'running'``, it may read that whole index instead, for each
+    statement. (``array_position`` makes the match quadratic in the chunk, fine at a
+    group's ``CAP`` of 200.) Parameters: ``:fence_ids``, ``:fence_attempts``."""
+    ids = select(_split("fence_ids", BigInteger)).scalar_subquery()
+    attempts = select(_split("fence_attempts", Integer)).scalar_subquery()
+    at = func.array_position(ids, table.c.id, type_=Integer)
+    return and_(
+        table.c.id == func.any(_split("fence_ids", BigInteger)),
+        table.c.attempts == attempts[at],
+        table.c.status.is_not_distinct_from(_lit(JobStatus.RUNNING)),
+    )
 
 
 # -- enqueue -------------------------------------------------------------------------------
@@ -912,16 +913,15 @@ def lock(table: Table) -> Select[Any]:
     Returns ``id, attempts`` and the locking transaction's start as epoch seconds (which,
     with the backend's pid, names that transaction: :func:`terminate_transactions`).
     Parameters: ``:fence_ids``, ``:fence_attempts``. Finds the rows through the primary key
-    (:func:`_fences`, ``by_key``).
+    (:func:`_fenced_by_key`).
     """
-    _, match = _fences(table, by_key=True)
     return (
         select(
             table.c.id,
             table.c.attempts,
             func.extract("epoch", func.transaction_timestamp()).label("xact_start"),
         )
-        .where(match)
+        .where(_fenced_by_key(table))
         .order_by(table.c.id)
         .with_for_update(of=table, read=True, key_share=True)
     )
@@ -954,15 +954,14 @@ def complete(table: Table) -> Update:
 def complete_held(table: Table) -> Update:
     """Mark succeeded the given attempts whose rows the caller's transaction holds locked
     (:func:`lock`), except those whose cancel was requested: a lock-held group's
-    completion. Fenced; finds the rows through the primary key (:func:`_fences`,
-    ``by_key``).
+    completion. Fenced; finds the rows through the primary key (:func:`_fenced_by_key`).
 
     A job whose cancel was requested is left as it is (running, its cancel requested): its
     handler's writes roll back, and the worker cancels it once its transaction has ended.
     Returns ``id, attempts`` of each job it completed.
     Parameters: ``:fence_ids``, ``:fence_attempts``. Locks the matched rows (an ``UPDATE``).
     """
-    _, match = _fences(table, by_key=True)
+    match = _fenced_by_key(table)
     return (
         update(table)
         .where(match, table.c.cancel_requested_at.is_(null()))

@@ -39,7 +39,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.history.schema import PARTITION_KEY, RESULT_COLUMN, history_names, history_table
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus
-from sqla_jobs.statements import _fences, _lit, _now
+from sqla_jobs.statements import _fenced_by_key, _fences, _lit, _now
 
 __all__ = [
     "complete",
@@ -99,7 +99,7 @@ def complete(table: Table, *, held: bool = False) -> Insert:
     :func:`sqla_jobs.statements.complete_held`): found through the primary key, and a job
     whose cancel was requested is left where it is, for the worker to cancel later.
     """
-    _, match = _fences(table, by_key=held)
+    match = _fenced_by_key(table) if held else _fences(table)[1]
     if held:
         match = and_(match, table.c.cancel_requested_at.is_(null()))
     moved = delete(table).where(match).returning(*table.columns).cte("moved")
