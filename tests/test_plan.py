@@ -442,6 +442,32 @@ def test_the_keyed_claim_is_planned_once_per_connection(queue_engine: sa.Engine)
         assert generic >= runs - 10, (statement[:60], generic, custom)
 
 
+def claimed_in_flight(engine: sa.Engine, count: int) -> list[sqla_jobs.ClaimedJob]:
+    """``count`` jobs running on 300 s leases, claimed from a backlog of 40,000 whose
+    statistics were taken while none ran (:func:`seed_pending` analyzes)."""
+    seed_pending(engine, ["q0"], 40_000)
+    with engine.begin() as connection:
+        return sqla_jobs.claim(connection, EmailJob, queues="q0", limit=count, lease=300)
+
+
+def fenced_plans(
+    engine: sa.Engine, builder: Any, jobs: list[sqla_jobs.ClaimedJob]
+) -> list[tuple[bool, dict[str, Any]]]:
+    """``(generic, plan)`` of a fenced statement over the attempts ``jobs`` (each with a
+    300 s lease where it takes one), custom then generic, each rolled back."""
+    fence = {
+        "fence_ids": ",".join(str(job.id) for job in jobs),
+        "fence_attempts": ",".join(str(job.attempt) for job in jobs),
+        "fence_leases": ",".join("300" for _ in jobs),
+    }
+    sql = str(builder(TABLE).compile(dialect=engine.dialect))
+    params = {name: value for name, value in fence.items() if f"%({name})s" in sql}
+    return [
+        (generic, explain_rolled_back(engine, sql, params, generic=generic))
+        for generic in (False, True)
+    ]
+
+
 @pytest.mark.parametrize("builder", [statements.complete, statements.heartbeat, statements.release])
 def test_the_writer_and_heartbeat_batches_stay_linear_whatever_the_statistics(
     queue_engine: sa.Engine, builder: Any
@@ -451,18 +477,8 @@ def test_the_writer_and_heartbeat_batches_stay_linear_whatever_the_statistics(
     # Under statistics that say no job runs, a batch of 700 must still be one hash join of
     # its pairs with the running index (the heartbeat then locks each row by primary key):
     # a nested loop that unnests the pairs again for each row would compare 490,000.
-    seed_pending(queue_engine, ["q0"], 40_000)
-    with queue_engine.begin() as connection:
-        claimed = sqla_jobs.claim(connection, EmailJob, queues="q0", limit=700, lease=300)
-    params = {
-        "fence_ids": ",".join(str(job.id) for job in claimed),
-        "fence_attempts": ",".join(str(job.attempt) for job in claimed),
-        "fence_leases": ",".join("300" for _ in claimed),
-    }
-    sql = str(builder(TABLE).compile(dialect=queue_engine.dialect))
-    params = {name: value for name, value in params.items() if f"%({name})s" in sql}
-    for generic in (False, True):
-        plan = explain_rolled_back(queue_engine, sql, params, generic=generic)
+    claimed = claimed_in_flight(queue_engine, 700)
+    for generic, plan in fenced_plans(queue_engine, builder, claimed):
         repeated = [
             (node["Node Type"], node.get("Index Name"), node.get("Actual Loops"))
             for node in plan_nodes(plan["Plan"])
@@ -480,17 +496,8 @@ def test_a_lock_held_group_finds_its_rows_by_primary_key_whatever_the_statistics
     # Statistics taken while every job was pending say that none runs; then 3,000 run. A
     # group's lock and completion of 300 of them must still go through the primary key:
     # neither the whole running index nor, worse, the whole table once per job.
-    seed_pending(queue_engine, ["q0"], 40_000)
-    with queue_engine.begin() as connection:
-        claimed = sqla_jobs.claim(connection, EmailJob, queues="q0", limit=3_000, lease=300)
-    chunk = claimed[:300]
-    params = {
-        "fence_ids": ",".join(str(job.id) for job in chunk),
-        "fence_attempts": ",".join(str(job.attempt) for job in chunk),
-    }
-    sql = str(builder(TABLE).compile(dialect=queue_engine.dialect))
-    for generic in (False, True):
-        plan = explain_rolled_back(queue_engine, sql, params, generic=generic)
+    chunk = claimed_in_flight(queue_engine, 3_000)[:300]
+    for _, plan in fenced_plans(queue_engine, builder, chunk):
         reads = [n for n in plan_nodes(plan["Plan"]) if n.get("Relation Name") == "email_jobs"]
         assert [
             (r["Node Type"], r.get("Index Name")) for r in reads if r["Node Type"] != "ModifyTable"
