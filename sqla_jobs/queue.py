@@ -934,11 +934,16 @@ KEY_CLAIM_MAX: Final = 16
 def key_lock_params(queue_names: list[str], limit: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """:func:`statements.lock_keys`'s parameters for a keyed claim of ``limit`` jobs, and
     its build options: the rows it reads per queue, ``limit + KEY_SCAN_EXTRA`` rounded up
-    to a power of two (part of the SQL text, so that the statement is planned once; see
-    :func:`statements.lock_keys`), and the queue count (1, or 2 for several)."""
+    (part of the SQL text, so that the statement is planned once, see
+    :func:`statements.lock_keys`; rounded to a multiple of 16, or of an eighth of the next
+    power of two past 128, so that a worker's varying claim sizes make a few statements,
+    8 per doubling at most, and each reads at most an eighth more rows than it needs), and
+    the queue count (1, or 2 for several)."""
     scan = limit + KEY_SCAN_EXTRA
     params = _queue_params(queue_names) | {"scan": scan, "per_key": min(limit, KEY_CLAIM_MAX)}
-    return params, {"rows": 1 << (scan - 1).bit_length(), "queue_count": min(len(queue_names), 2)}
+    step = max(16, (1 << (scan - 1).bit_length()) // 8)
+    rows = -(-scan // step) * step
+    return params, {"rows": rows, "queue_count": min(len(queue_names), 2)}
 
 
 def _queue_params(queue_names: list[str]) -> dict[str, Any]:
@@ -1001,19 +1006,19 @@ def _claim_from(
     if limited:
         lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
         lock_options["limited"] = True
-    locked = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
+    # The keys locked go from the first statement to the second inside the transaction
+    # (statements.lock_keys): only their count comes back.
+    (locked,) = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
     if limited:
         # The queue's free slots, a hint (the claims count exactly): none, or its lock is
-        # another claim's (NULL); fewer than the limit, and the claims ask for no more.
-        limit = min(limit, locked[0][2] or 0)
+        # another claim's (NULL; then no key was locked either); fewer than the limit, and
+        # the claims ask for no more.
+        limit = min(limit, locked[3] or 0)
         if limit <= 0:
             return []
-        locked = [row for row in locked if row[0] is not None]
     rows: list[Any] = []
-    if locked:
+    if locked[0]:
         keyed = {
-            "keys": [row[0] for row in locked],
-            "key_limits": [row[1] for row in locked],
             "queue_names": queue_names,
             "limit": limit,
             "per_key": lock_params["per_key"],

@@ -581,6 +581,12 @@ def claim(table: Table, *, queue_count: int, limited: bool = False) -> Update:
 # -- the keyed claim (ordering keys, schema version 3) -------------------------------------
 
 
+#: The transaction-local settings through which :func:`lock_keys` hands the keys it locked,
+#: and their key limits, to :func:`claim_keyed` (arrays, in their text form).
+LOCKED_KEYS: Final = "sqla_jobs.locked_keys"
+LOCKED_KEY_LIMITS: Final = "sqla_jobs.locked_key_limits"
+
+
 def _lock_space(name: str) -> int:
     digest = zlib.crc32(name.encode())
     return digest - (1 << 32) if digest >= 1 << 31 else digest
@@ -593,9 +599,16 @@ def key_lock_space(table: Table) -> int:
 
 
 def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = False) -> TextClause:
-    """Lock the ordering keys worth a keyed claim; returns the keys locked, each with the
-    largest ``key_limit`` of the jobs that brought it in (``ordering_key, key_limit``): how
-    many of its jobs :func:`claim_keyed` reads.
+    """Lock the ordering keys worth a keyed claim and hand them to :func:`claim_keyed`.
+
+    The keys locked, in order, and each one's largest ``key_limit`` among the jobs that
+    brought it in (how many of its jobs :func:`claim_keyed` reads), go into two
+    transaction-local settings (``set_config(..., true)``: :data:`LOCKED_KEYS` and
+    :data:`LOCKED_KEY_LIMITS`, arrays in their text form), where the next statement reads
+    them: the keys never travel to the client and back (a claim of 50 locks some 66 keys,
+    which the client would read as rows and send back as two arrays). Returns one row:
+    how many keys were locked, and the two settings' values (``locked, keys,
+    key_limits``).
 
     The first statement of a keyed claim, and its only way to serialise claimers per key:
     for each served queue, the keys of its first runnable keyed jobs in claim order (the
@@ -615,9 +628,9 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     array): PostgreSQL can then plan the prepared statement once (a generic plan) instead
     of on every run, which took as long as running it. With a ``LIMIT`` parameter or an
     array of queues, the generic plan's estimate (a tenth of the index per queue, a hundred
-    queues) loses to a custom plan every time. Callers round ``rows`` up to a power of two
+    queues) loses to a custom plan every time. Callers round ``rows`` up
     (:func:`sqla_jobs.queue.key_lock_params`), so that a worker's varying claim sizes make
-    a handful of statements.
+    a few statements.
 
     The locks must be taken in a statement of their own, before :func:`claim_keyed`: under
     READ COMMITTED each statement reads a snapshot taken when it starts, so only a statement
@@ -628,13 +641,12 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     ``limited`` (one queue, whose limit is ``:queue_slots``): the statement first takes the
     queue's lock (as :func:`lock_queues` does); if it got it, it counts the queue's free
     slots (:func:`limited_count`, up to ``:limit``), and locks keys only if one is free. It
-    returns that count on every row (``ordering_key, key_limit, free``; one row with no key
-    when no key was locked; ``free`` NULL when another claim holds the queue). The count is
-    a hint: it was read with a snapshot taken before the queue's lock was granted, so it
-    may miss a claim committed meanwhile (the exact count is the claim's,
-    :func:`claim_keyed` ``limited``), or a completion (then this claim skips a queue that
-    had a free slot: the next one takes it). So a keyed claim in a limited queue is two
-    statements, as elsewhere, and one when the queue is full.
+    returns that count too (``locked, keys, key_limits, free``; ``free`` NULL when another
+    claim holds the queue, and then no key is locked). The count is a hint: it was read
+    with a snapshot taken before the queue's lock was granted, so it may miss a claim
+    committed meanwhile (the exact count is the claim's, :func:`claim_keyed` ``limited``),
+    or a completion (then this claim skips a queue that had a free slot: the next one
+    takes it).
 
     Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key`` (and
     ``:queue_slots``, ``:limit``).
@@ -685,24 +697,34 @@ WHERE CASE WHEN {gate}k.ahead < :scan
     THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))
     ELSE false END"""
     params = [served_by, bindparam("scan", type_=Integer), bindparam("per_key", type_=Integer)]
+    # The keys and their limits go to claim_keyed through two transaction-local settings:
+    # array_agg skips no row, and the arrays' text form reads back exactly.
+    handed = f"""count(l.ordering_key) AS locked,
+    set_config('{LOCKED_KEYS}',
+        CAST(coalesce(array_agg(l.ordering_key ORDER BY l.first)
+            FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS keys,
+    set_config('{LOCKED_KEY_LIMITS}',
+        CAST(coalesce(array_agg(l.key_limit ORDER BY l.first)
+            FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS key_limits"""
     if not limited:
-        sql = f"SELECT l.ordering_key, l.key_limit FROM ({keys}) AS l ORDER BY l.first"
+        sql = f"SELECT {handed} FROM ({keys}) AS l"
         return text(sql).bindparams(*params)
     sql = f"""WITH queue AS MATERIALIZED (SELECT {_queue_lock(table, ":queue_name")} AS locked),
 gate AS MATERIALIZED (
     SELECT CASE WHEN q.locked THEN {limited_count(table)} END AS free FROM queue AS q
 )
-SELECT l.ordering_key, l.key_limit, g.free
+SELECT {handed}, g.free
 FROM gate AS g LEFT JOIN LATERAL ({keys}) AS l ON true
-ORDER BY l.first"""
+GROUP BY g.free"""
     counted = [param for param in _limited_params() if param.key != "queue_name"]
     return text(sql).bindparams(*params, *counted)
 
 
 def claim_keyed(table: Table, *, limited: bool = False) -> Update:
-    """Claim up to ``:limit`` jobs of the ordering keys in ``:keys`` (which this transaction
-    has locked with :func:`lock_keys`) from the queues in ``:queue_names``, and start an
-    attempt on each, as :func:`claim` does.
+    """Claim up to ``:limit`` jobs of the ordering keys that :func:`lock_keys` locked earlier
+    in this transaction (and left in :data:`LOCKED_KEYS`, with their limits in
+    :data:`LOCKED_KEY_LIMITS`; none if it did not run) from the queues in
+    ``:queue_names``, and start an attempt on each, as :func:`claim` does.
 
     The rule, per key: its jobs *in progress* are its running attempts on a live lease (or
     whose row a lock-held worker holds) and its jobs waiting for a retry (pending with
@@ -727,31 +749,38 @@ def claim_keyed(table: Table, *, limited: bool = False) -> Update:
     could go to the running index instead, which the planner does when statistics taken
     before any job ran call it small, and filter every job in flight by key, for each
     key); and its new jobs, pending with ``attempts = 0`` (read in order, as many rows as
-    the key's entry in ``:key_limits`` says, the key limit :func:`lock_keys` saw, but at
+    the key's entry in :data:`LOCKED_KEY_LIMITS` says, the key limit :func:`lock_keys` saw, but at
     most ``:per_key``: a claim starts at most that many jobs of one key, whatever its
-    ``key_limit``). Locks: expired attempts and the chosen
-    rows ``FOR UPDATE SKIP LOCKED`` (a chosen row that another transaction has changed since
-    is re-checked, and dropped if no longer runnable).
+    ``key_limit``). Locks: expired attempts, and then the chosen rows, ``FOR UPDATE SKIP
+    LOCKED``. The chosen rows are found again by the address (``ctid``) of the version the
+    key's reads saw, a TID scan that reads no index: a chosen row that another transaction
+    has changed since this statement's snapshot has a new version elsewhere, and is dropped
+    (PostgreSQL re-checks the address against the new version), never claimed in a state
+    this statement did not rank. (The address is good within the statement: the version it
+    saw is visible to its snapshot, so no vacuum can free it meanwhile.)
 
     ``limited`` (a limited queue's keyed claim, as for :func:`claim`): at most the queue's
     free slots are claimed (:func:`limited_count`, counted in this statement; ``:queue_name``
     names the queue, ``:queue_names`` holds it alone).
 
-    Parameters: ``:keys``, ``:key_limits`` and ``:queue_names`` (arrays), ``:limit``,
-    ``:per_key``, ``:lease_seconds``, ``:worker`` (and ``:queue_name``, ``:queue_slots``).
+    Parameters: ``:queue_names`` (an array), ``:limit``, ``:per_key``, ``:lease_seconds``,
+    ``:worker`` (and ``:queue_name``, ``:queue_slots``).
     """
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
     columns = (
-        "j.id, j.ordering_key, j.queue, j.status, j.attempts, j.priority, j.run_at, "
-        "j.lease_expires_at, j.key_limit"
+        "j.ctid AS row, j.id, j.ordering_key, j.queue, j.status, j.attempts, j.priority, "
+        "j.run_at, j.lease_expires_at, j.key_limit"
     )
     now = "statement_timestamp()"
     chosen = (
         text(
             f"""WITH member AS MATERIALIZED (
     SELECT m.*
-    FROM unnest(CAST(:keys AS text[]), CAST(:key_limits AS integer[])) AS k (ordering_key, reads)
+    FROM unnest(
+        CAST(current_setting('{LOCKED_KEYS}', true) AS text[]),
+        CAST(current_setting('{LOCKED_KEY_LIMITS}', true) AS integer[])
+    ) AS k (ordering_key, reads)
     CROSS JOIN LATERAL (
         (SELECT {columns} FROM {t} AS j
          WHERE j.ordering_key = k.ordering_key
@@ -787,21 +816,19 @@ def claim_keyed(table: Table, *, limited: bool = False) -> Update:
         ) AS place
     FROM staged AS s
 ), chosen AS (
-    SELECT r.id FROM ranked AS r
+    SELECT r.row FROM ranked AS r
     WHERE r.stage IS NOT NULL AND r.held + r.place <= coalesce(r.key_limit, 1)
       AND r.queue = ANY (CAST(:queue_names AS text[]))
     ORDER BY r.priority, r.run_at, r.id
     LIMIT {limited_count(table) if limited else ":limit"}
 )
 SELECT j.id FROM {t} AS j
-WHERE j.id IN (SELECT chosen.id FROM chosen)
+WHERE j.ctid = ANY (ARRAY(SELECT chosen.row FROM chosen))
   AND (j.status = '{pending}' AND j.run_at <= {now}
        OR j.status = '{running}' AND j.lease_expires_at <= {now})
 FOR UPDATE OF j SKIP LOCKED"""
         )
         .bindparams(
-            bindparam("keys", type_=ARRAY(Text)),
-            bindparam("key_limits", type_=ARRAY(Integer)),
             bindparam("queue_names", type_=ARRAY(Text)),
             bindparam("per_key", type_=Integer),
             *(_limited_params() if limited else [bindparam("limit", type_=Integer)]),
