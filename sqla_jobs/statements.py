@@ -416,9 +416,15 @@ def schedule_advance(schedule_table: Table) -> Update:
 # -- claim, outcomes and administration ----------------------------------------------------
 
 
-def _start_attempts(table: Table, claimable: Any) -> Update:
+def _start_attempts(table: Table, claimable: Any, *, by_address: bool = False) -> Update:
     """The ``UPDATE`` that starts an attempt on each job of ``claimable`` (a CTE of ids), the
-    second half of every claim statement (:func:`claim`, :func:`claim_keyed`)."""
+    second half of every claim statement (:func:`claim`, :func:`claim_keyed`).
+
+    ``by_address``: ``claimable`` also holds each row's ``ctid`` (as ``row``), of a version
+    that this statement's snapshot sees and that it has locked, and the rows are found by
+    it (a TID scan) instead of through the primary key. Only exact when no locked row can
+    be a version newer than the snapshot (:func:`claim_keyed` drops those): that version
+    would be invisible to the scan, and its job left unclaimed."""
     now = _now()
     # An expired lease on the job's last attempt means that attempt died with its worker:
     # the job is dead now rather than run again, or a job that kills its worker every time
@@ -433,9 +439,14 @@ def _start_attempts(table: Table, claimable: Any) -> Update:
         + func.cast(table.c.attempts, Text)
         + literal_column("' lost its lease: its worker stopped or crashed mid-job'")
     )
+    match: list[ColumnElement[bool]] = [table.c.id == claimable.c.id]
+    if by_address:
+        # The target table's own ctid (a CTE has no system columns: the name is unambiguous);
+        # the planner takes it over the primary key, whose match is then a filter.
+        match.append(literal_column("ctid") == claimable.c.row)
     return (
         update(table)
-        .where(table.c.id == claimable.c.id)
+        .where(*match)
         .values(
             status=case(
                 (cancelled, _lit(JobStatus.CANCELLED)),
@@ -822,7 +833,7 @@ def claim_keyed(table: Table, *, limited: bool = False) -> Update:
     ORDER BY r.priority, r.run_at, r.id
     LIMIT {limited_count(table) if limited else ":limit"}
 )
-SELECT j.id FROM {t} AS j
+SELECT j.id, j.ctid AS row FROM {t} AS j
 WHERE j.ctid = ANY (ARRAY(SELECT chosen.row FROM chosen))
   AND (j.status = '{pending}' AND j.run_at <= {now}
        OR j.status = '{running}' AND j.lease_expires_at <= {now})
@@ -833,10 +844,10 @@ FOR UPDATE OF j SKIP LOCKED"""
             bindparam("per_key", type_=Integer),
             *(_limited_params() if limited else [bindparam("limit", type_=Integer)]),
         )
-        .columns(column("id", BigInteger))
+        .columns(column("id", BigInteger), column("row"))
         .cte("claimable")
     )
-    return _start_attempts(table, chosen)
+    return _start_attempts(table, chosen, by_address=True)
 
 
 # -- the limited claim (per-queue concurrency limits) --------------------------------------

@@ -322,6 +322,13 @@ def keyed_claim_plans(
     return lock_plan, claim_plan_, keys
 
 
+def summary(reads: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Each read's index (none for a TID scan), loops, rows and buffers: an assertion's message."""
+    return [
+        (r.get("Index Name"), r.get("Actual Loops"), r["Actual Rows"], buffers(r)) for r in reads
+    ]
+
+
 def index_reads(plan: dict[str, Any], max_filtered: int = 0) -> list[dict[str, Any]]:
     reads = [
         n
@@ -360,12 +367,10 @@ def test_the_keyed_claim_reads_a_few_pages_per_key_whatever_the_backlog(
         reads = index_reads(claim_plan_, max_filtered=running * queue_count)
         assert N.key_index in {r.get("Index Name") for r in reads}
         # Two ranges of the key index per key (~3 pages each, and the rows of up to
-        # KEY_CLAIM_MAX new jobs), and per chosen job its row found again by address (to
-        # lock it) and a primary-key lookup (to update it): so many pages per key and per
-        # job, none per job of the backlog.
-        assert sum(buffers(r) for r in reads) <= 16 * keys + 9 * LIMIT, [
-            (r.get("Index Name"), r.get("Actual Loops"), r["Actual Rows"], buffers(r)) for r in reads
-        ]
+        # KEY_CLAIM_MAX new jobs), and per chosen job its row found again by address, to
+        # lock it and to update it: so many pages per key and per job, none per job of the
+        # backlog.
+        assert sum(buffers(r) for r in reads) <= 16 * keys + 9 * LIMIT, summary(reads)
         assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
 
 
@@ -409,9 +414,7 @@ def test_the_keyed_claim_reads_no_other_keys_in_flight_whatever_the_statistics(
     for generic in (False, True):
         _, claim_plan_, keys = keyed_claim_plans(queue_engine, ["q0"], generic=generic)
         reads = index_reads(claim_plan_)
-        assert sum(buffers(r) for r in reads) <= 16 * keys + 9 * LIMIT, [
-            (r.get("Index Name"), r.get("Actual Loops"), r["Actual Rows"], buffers(r)) for r in reads
-        ]
+        assert sum(buffers(r) for r in reads) <= 16 * keys + 9 * LIMIT, summary(reads)
         assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
 
 
