@@ -345,7 +345,7 @@ def _one_model(jobs: Sequence[ClaimedJob]) -> type[JobMixin]:
 
 
 def _fence_params(jobs: Sequence[ClaimedJob]) -> dict[str, Any]:
-    # Comma-separated text, split and cast by the statement (statements._fences); built by
+    # Comma-separated text, split and cast by the statement (statements._sql._fences); built by
     # C-level iteration (map), as a worker's outcome writer does for every job it writes.
     return {
         "fence_ids": ",".join(map(str, map(_JOB_ID, jobs))),

@@ -124,10 +124,9 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
         "result_table": EmailJobResult.__table__,
         "schedule_table": EmailJobSchedule.__table__,
     }
-    for name, builder in vars(statements).items():
-        if not inspect.isfunction(builder) or builder.__module__ != statements.__name__:
-            continue
-        if name.startswith("_"):
+    for name in statements.__all__:
+        builder = getattr(statements, name)
+        if not inspect.isfunction(builder):
             continue
         parameters = inspect.signature(builder).parameters
         args = [tables[p] for p in parameters if p in tables]

@@ -39,7 +39,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.history.schema import PARTITION_KEY, RESULT_COLUMN, history_names, history_table
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus
-from sqla_jobs.statements import _fenced_by_key, _fences, _lit, _now
+from sqla_jobs.statements._sql import _fenced_by_key, _fences, _lit, _now
 
 __all__ = [
     "complete",
@@ -106,7 +106,7 @@ def complete(table: Table, *, held: bool = False) -> Insert:
     key = func.concat(moved.c.id, literal_column("':'"), moved.c.attempts)
     results = cast(bindparam("results", type_=Text), JSONB)
     # A job whose cancel was requested ends cancelled, its result not stored (the rule of
-    # sqla_jobs.statements._cancel_requested, here for the move).
+    # sqla_jobs.statements._sql._cancel_requested, here for the move).
     requested = moved.c.cancel_requested_at.is_not(null())
     return _into_history(
         table,

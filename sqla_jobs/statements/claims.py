@@ -1,0 +1,562 @@
+"""The claim statements: plain, keyed (ordering keys) and limited (queue limits); see
+:mod:`sqla_jobs.statements`."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Final
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Integer,
+    Table,
+    Text,
+    TextClause,
+    Update,
+    and_,
+    bindparam,
+    case,
+    column,
+    func,
+    literal_column,
+    null,
+    or_,
+    select,
+    text,
+    true,
+    union_all,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.sql.elements import BindParameter
+
+from sqla_jobs.ddl import qualified_name
+from sqla_jobs.schema import JobStatus
+from sqla_jobs.statements._sql import (
+    _ONE,
+    _cancel_requested,
+    _lit,
+    _now,
+    _seconds,
+)
+
+# -- the plain claim -----------------------------------------------------------------------
+
+
+def _start_attempts(table: Table, claimable: Any, *, by_address: bool = False) -> Update:
+    """The ``UPDATE`` that starts an attempt on each job of ``claimable`` (a CTE of ids), the
+    second half of every claim statement (:func:`claim`, :func:`claim_keyed`).
+
+    ``by_address``: ``claimable`` also holds each row's ``ctid`` (as ``row``), of a version
+    that this statement's snapshot sees and that it has locked, and the rows are found by
+    it (a TID scan) instead of through the primary key. Only exact when no locked row can
+    be a version newer than the snapshot (:func:`claim_keyed` drops those): that version
+    would be invisible to the scan, and its job left unclaimed."""
+    now = _now()
+    # An expired lease on the job's last attempt means that attempt died with its worker:
+    # the job is dead now rather than run again, or a job that kills its worker every time
+    # would loop forever. Such rows come back with status 'dead' and are not handed out.
+    expired = table.c.status == _lit(JobStatus.RUNNING)
+    # A cancel requested of an attempt whose worker died: the job ends cancelled, never
+    # runs again (and comes back with status 'cancelled', not handed out either).
+    cancelled = and_(expired, _cancel_requested(table))
+    exhausted = or_(cancelled, and_(expired, table.c.attempts >= table.c.max_attempts))
+    lost_lease: ColumnElement[str] = (
+        literal_column("'attempt '")
+        + func.cast(table.c.attempts, Text)
+        + literal_column("' lost its lease: its worker stopped or crashed mid-job'")
+    )
+    match: list[ColumnElement[bool]] = [table.c.id == claimable.c.id]
+    if by_address:
+        # The target table's own ctid (a CTE has no system columns: the name is unambiguous);
+        # the planner takes it over the primary key, whose match is then a filter.
+        match.append(literal_column("ctid") == claimable.c.row)
+    return (
+        update(table)
+        .where(*match)
+        .values(
+            status=case(
+                (cancelled, _lit(JobStatus.CANCELLED)),
+                (exhausted, _lit(JobStatus.DEAD)),
+                else_=_lit(JobStatus.RUNNING),
+            ),
+            attempts=case((exhausted, table.c.attempts), else_=table.c.attempts + _ONE),
+            lease_expires_at=case((exhausted, null()), else_=now + _seconds("lease_seconds")),
+            leased_by=case((exhausted, null()), else_=bindparam("worker", type_=Text)),
+            finished_at=case((exhausted, now), else_=null()),
+            last_error=case((expired, lost_lease), else_=table.c.last_error),
+        )
+        .returning(
+            table.c.id,
+            table.c.status,
+            table.c.queue,
+            table.c.task,
+            table.c.args,
+            table.c.priority,
+            table.c.attempts,
+            table.c.max_attempts,
+            table.c.run_at,
+            table.c.lease_expires_at,
+            # NULL unless the job was enqueued under a span: free on the wire and to decode.
+            table.c.trace_context,
+        )
+    )
+
+
+def claim(table: Table, *, queue_count: int, limited: bool = False) -> Update:
+    """Claim up to ``:limit`` runnable jobs and start an attempt on each.
+
+    Runnable: pending with ``run_at`` reached, or running with an expired lease (a crashed or
+    stalled attempt; folding the reaper into the claim means no separate process has to run
+    for crashed jobs to come back). Order: ``(priority, run_at, id)``. Jobs with an ordering
+    key are not this claim's: :func:`claim_keyed` takes them.
+
+    Indexes: each queue's pending jobs come from the pending index ``(queue, priority,
+    run_at, id) WHERE status = 'pending' AND ordering_key IS NULL``, read in its order, and
+    its expired leases from the running index ``(queue, lease_expires_at) WHERE status =
+    'running'``, read from the oldest lease end up to now (keyed ones filtered out); each
+    read stops after ``:limit`` rows. So a claim reads neither the finished history, nor
+    the jobs in flight on live leases, nor more than ``:limit`` rows per queue, however
+    many queues it serves: with several queues
+    (``queue_count`` > 1) the per-queue reads are a ``LATERAL`` join over the
+    ``:queue_names`` array. The best ``:limit`` of these candidates by ``(priority, run_at,
+    id)`` are claimed. (When more than ``:limit`` leases of one queue have expired, the
+    oldest expired come first.)
+
+    Locks: each per-queue read locks its rows ``FOR UPDATE SKIP LOCKED`` as it goes, so
+    concurrent claimers take disjoint rows, skip (never wait for) the rows others hold, and a
+    claim comes back short only when there are not enough unlocked runnable jobs. The lock is
+    taken where the row is read, not over a join of candidates: that keeps PostgreSQL's
+    re-check of a row updated since the statement's snapshot to that one row. The price: a
+    claim over several queues also locks, until its transaction ends, candidates of other
+    queues that do not make its best ``:limit`` (at most ``:limit`` per queue). (Following the
+    update chain of a row claimed after this statement's snapshot, PostgreSQL may wait a
+    moment for that claimer's completion to commit: brief, never for a held job.)
+
+    The CTE is there on purpose: it fences the planner so that ``LIMIT`` and the row locks
+    apply once, to the chosen rows, before the ``UPDATE`` joins them back.
+
+    A running job whose lease expired on its last attempt is made ``dead`` instead (with
+    ``last_error`` saying so) and comes back with status ``dead``, and one whose cancel was
+    requested is made ``cancelled`` (:func:`_cancel_requested`): callers must hand out only
+    the rows whose status is ``running``.
+
+    ``limited`` (one queue, whose limit is ``:queue_slots`` and whose lock this transaction
+    holds, :func:`lock_queues`): at most the queue's free slots are claimed
+    (:func:`limited_count`, counted in this statement).
+
+    Returns the job's columns (``trace_context`` last, NULL unless the job was enqueued
+    under a trace). Parameters: ``:queue_name`` (one queue) or ``:queue_names`` (an array),
+    ``:limit``, ``:lease_seconds``, ``:worker`` (and ``:queue_slots``).
+    """
+    if limited and queue_count != 1:
+        raise ValueError("a limited claim serves one queue")
+    now = _now()
+    limit: ColumnElement[int] = bindparam("limit", type_=Integer)
+    queues: Any = None
+    queue: ColumnElement[str]
+    if queue_count == 1:
+        queue = bindparam("queue_name", type_=Text)
+    else:
+        queues = (
+            func.unnest(bindparam("queue_names", type_=ARRAY(Text)))
+            .table_valued("name")
+            .render_derived(name="q")
+        )
+        queue = queues.c.name
+    columns = (table.c.id, table.c.priority, table.c.run_at)
+    pending_jobs = (
+        select(*columns)
+        .where(
+            table.c.status == _lit(JobStatus.PENDING),
+            table.c.ordering_key.is_(None),
+            table.c.queue == queue,
+            table.c.run_at <= now,
+        )
+        .order_by(table.c.priority, table.c.run_at, table.c.id)
+    )
+    expired_leases = (
+        select(*columns)
+        .where(
+            table.c.status == _lit(JobStatus.RUNNING),
+            table.c.queue == queue,
+            table.c.lease_expires_at <= now,
+            table.c.run_at <= now,
+            table.c.ordering_key.is_(None),
+        )
+        .order_by(table.c.lease_expires_at)
+    )
+    # Each read locks as it goes (a locking clause is not allowed on a UNION's own branches,
+    # hence one subquery each); correlated to the queue array when there is one.
+    branches = []
+    for name, read in (("pending", pending_jobs), ("expired", expired_leases)):
+        read = read.limit(limit).with_for_update(skip_locked=True)
+        if queues is not None:
+            read = read.correlate(queues)
+        branches.append(select(read.subquery(name)))
+    candidates: Any = union_all(*branches).subquery("candidate")
+    if queues is not None:
+        candidates = candidates.lateral("candidate")
+        chosen = select(candidates.c.id).select_from(queues).join(candidates, true())
+    else:
+        chosen = select(candidates.c.id)
+    if limited:
+        slots = (
+            text(f"SELECT {limited_count(table)} AS n")
+            .bindparams(*_limited_params())
+            .columns(column("n", Integer))
+            .subquery("slots")
+        )
+        limit = select(slots.c.n).scalar_subquery()
+    claimable = (
+        chosen.order_by(candidates.c.priority, candidates.c.run_at, candidates.c.id)
+        .limit(limit)
+        .cte("claimable")
+    )
+    return _start_attempts(table, claimable)
+
+
+# -- the keyed claim (ordering keys, schema version 3) -------------------------------------
+
+
+#: The transaction-local settings through which :func:`lock_keys` hands the keys it locked,
+#: and their key limits, to :func:`claim_keyed` (arrays, in their text form).
+LOCKED_KEYS: Final = "sqla_jobs.locked_keys"
+LOCKED_KEY_LIMITS: Final = "sqla_jobs.locked_key_limits"
+
+
+def _lock_space(name: str) -> int:
+    digest = zlib.crc32(name.encode())
+    return digest - (1 << 32) if digest >= 1 << 31 else digest
+
+
+def key_lock_space(table: Table) -> int:
+    """The first half of every key lock's id for this table (a signed 32-bit number derived
+    from its qualified name), so that the same key in two job tables is two locks."""
+    return _lock_space(qualified_name(table.name, table.schema))
+
+
+def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = False) -> TextClause:
+    """Lock the ordering keys worth a keyed claim and hand them to :func:`claim_keyed`.
+
+    The keys locked, in order, and each one's largest ``key_limit`` among the jobs that
+    brought it in (how many of its jobs :func:`claim_keyed` reads), go into two
+    transaction-local settings (``set_config(..., true)``: :data:`LOCKED_KEYS` and
+    :data:`LOCKED_KEY_LIMITS`, arrays in their text form), where the next statement reads
+    them: the keys never travel to the client and back (a claim of 50 locks some 66 keys,
+    which the client would read as rows and send back as two arrays). Returns one row:
+    how many keys were locked, and the two settings' values (``locked, keys,
+    key_limits``).
+
+    The first statement of a keyed claim, and its only way to serialise claimers per key:
+    for each served queue, the keys of its first runnable keyed jobs in claim order (the
+    keyed pending index ``(queue, priority, run_at, id) WHERE status = 'pending' AND
+    ordering_key IS NOT NULL``) and of its first expired keyed leases (the running index),
+    at most ``rows`` of each. Taken in the order of each key's best job, ``(priority,
+    run_at, id)``, keys are locked while those before them could start fewer than ``:scan``
+    jobs in all (a key can start up to its ``key_limit``, at most ``:per_key``): a claim of
+    50 jobs of keys whose limit is 3 locks about a third as many keys as one of keys whose
+    limit is 1, and :func:`claim_keyed` reads that many fewer rows. Each is locked with
+    ``pg_try_advisory_xact_lock(<table's lock space>, hashtext(key))``. A key another claim
+    holds is skipped, never waited for. The locks are transaction-scoped: they go at commit
+    or rollback, also through PgBouncer in transaction mode; no session state is left.
+
+    ``rows`` (at least ``:scan``) is part of the SQL text, not a parameter, and so is the
+    queue when there is one (``queue_count`` 1: ``:queue_name``; else the ``:queue_names``
+    array): PostgreSQL can then plan the prepared statement once (a generic plan) instead
+    of on every run, which took as long as running it. With a ``LIMIT`` parameter or an
+    array of queues, the generic plan's estimate (a tenth of the index per queue, a hundred
+    queues) loses to a custom plan every time. Callers round ``rows`` up
+    (:func:`sqla_jobs.queue.key_lock_params`), so that a worker's varying claim sizes make
+    a few statements.
+
+    The locks must be taken in a statement of their own, before :func:`claim_keyed`: under
+    READ COMMITTED each statement reads a snapshot taken when it starts, so only a statement
+    that starts after the lock is granted is sure to see the claim that the lock's previous
+    holder committed. (Two keys whose hashes collide share a lock: a claim may skip a key
+    that was free, never take one that was not.)
+
+    ``limited`` (one queue, whose limit is ``:queue_slots``): the statement first takes the
+    queue's lock (as :func:`lock_queues` does); if it got it, it counts the queue's free
+    slots (:func:`limited_count`, up to ``:limit``), and locks keys only if one is free. It
+    returns that count too (``locked, keys, key_limits, free``; ``free`` NULL when another
+    claim holds the queue, and then no key is locked). The count is a hint: it was read
+    with a snapshot taken before the queue's lock was granted, so it may miss a claim
+    committed meanwhile (the exact count is the claim's, :func:`claim_keyed` ``limited``),
+    or a completion (then this claim skips a queue that had a free slot: the next one
+    takes it).
+
+    Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key`` (and
+    ``:queue_slots``, ``:limit``).
+    """
+    t = qualified_name(table.name, table.schema)
+    pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
+    columns = "j.ordering_key, j.key_limit, j.priority, j.run_at, j.id"
+    limit = int(rows)
+    if limited and queue_count != 1:
+        raise ValueError("a limited keyed claim serves one queue")
+    if queue_count == 1:
+        served, queue = "FROM ", ":queue_name"
+        served_by: BindParameter[Any] = bindparam("queue_name", type_=Text)
+    else:
+        served = (
+            "FROM unnest(CAST(:queue_names AS text[])) AS q (name)\n            CROSS JOIN LATERAL "
+        )
+        queue = "q.name"
+        served_by = bindparam("queue_names", type_=ARRAY(Text))
+    # The CASE makes the cut come first: no key past it is locked.
+    gate = "g.free > 0 AND " if limited else ""
+    keys = f"""SELECT k.ordering_key, k.key_limit, k.first FROM (
+    SELECT g.ordering_key, g.key_limit, g.first,
+        sum(least(g.key_limit, :per_key)) OVER (ORDER BY g.first ROWS UNBOUNDED PRECEDING)
+            - least(g.key_limit, :per_key) AS ahead
+    FROM (
+        SELECT c.ordering_key, max(coalesce(c.key_limit, 1)) AS key_limit, min(c.n) AS first
+        FROM (
+            SELECT u.ordering_key, u.key_limit,
+                row_number() OVER (ORDER BY u.priority, u.run_at, u.id) AS n
+            {served}(
+                (SELECT {columns} FROM {t} AS j
+                 WHERE j.status = '{pending}' AND j.ordering_key IS NOT NULL
+                   AND j.queue = {queue} AND j.run_at <= statement_timestamp()
+                 ORDER BY j.priority, j.run_at, j.id LIMIT {limit})
+                UNION ALL
+                (SELECT {columns} FROM {t} AS j
+                 WHERE j.status = '{running}' AND j.queue = {queue}
+                   AND j.lease_expires_at <= statement_timestamp()
+                   AND j.ordering_key IS NOT NULL
+                 ORDER BY j.lease_expires_at LIMIT {limit})
+            ) AS u
+        ) AS c
+        GROUP BY c.ordering_key
+    ) AS g
+) AS k
+WHERE CASE WHEN {gate}k.ahead < :scan
+    THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))
+    ELSE false END"""
+    params = [served_by, bindparam("scan", type_=Integer), bindparam("per_key", type_=Integer)]
+    # The keys and their limits go to claim_keyed through two transaction-local settings:
+    # array_agg skips no row, and the arrays' text form reads back exactly.
+    handed = f"""count(l.ordering_key) AS locked,
+    set_config('{LOCKED_KEYS}',
+        CAST(coalesce(array_agg(l.ordering_key ORDER BY l.first)
+            FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS keys,
+    set_config('{LOCKED_KEY_LIMITS}',
+        CAST(coalesce(array_agg(l.key_limit ORDER BY l.first)
+            FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS key_limits"""
+    if not limited:
+        sql = f"SELECT {handed} FROM ({keys}) AS l"
+        return text(sql).bindparams(*params)
+    sql = f"""WITH queue AS MATERIALIZED (SELECT {_queue_lock(table, ":queue_name")} AS locked),
+gate AS MATERIALIZED (
+    SELECT CASE WHEN q.locked THEN {limited_count(table)} END AS free FROM queue AS q
+)
+SELECT {handed}, g.free
+FROM gate AS g LEFT JOIN LATERAL ({keys}) AS l ON true
+GROUP BY g.free"""
+    counted = [param for param in _limited_params() if param.key != "queue_name"]
+    return text(sql).bindparams(*params, *counted)
+
+
+def claim_keyed(table: Table, *, limited: bool = False) -> Update:
+    """Claim up to ``:limit`` jobs of the ordering keys that :func:`lock_keys` locked earlier
+    in this transaction (and left in :data:`LOCKED_KEYS`, with their limits in
+    :data:`LOCKED_KEY_LIMITS`; none if it did not run) from the queues in
+    ``:queue_names``, and start an attempt on each, as :func:`claim` does.
+
+    The rule, per key: its jobs *in progress* are its running attempts on a live lease (or
+    whose row a lock-held worker holds) and its jobs waiting for a retry (pending with
+    ``attempts > 0`` and ``run_at`` not reached): they keep their place. Next in line come
+    its expired attempts that nobody holds (taken over first, so a crashed worker's key is
+    free again when its lease ends), then its retries that are due, then its new runnable
+    jobs (``attempts = 0``, ``run_at`` reached; a job scheduled later blocks nobody) in
+    ``(priority, run_at, id)`` order. A job in line at place ``p`` may start when ``in
+    progress + p <= its key_limit`` (NULL: 1, one at a time). A job in line that this claim
+    does not serve (another queue) or cannot lock keeps its place: no job behind it is
+    taken instead. The chosen jobs of all keys are claimed best first, ``:limit`` at most.
+
+    Why it is exact: a key's jobs change from pending to running only in a claim that holds
+    the key's lock, and this statement's snapshot was taken after the lock was granted, so it
+    sees every such change committed before. Other transitions (completion, failure,
+    cancelling) only ever free a place; read late, they make a claim take less, never more.
+
+    Indexes: per key, two ranges of the key index ``(ordering_key, status, attempts,
+    priority, run_at, id) WHERE status IN ('pending', 'running')``: its jobs in progress
+    and its retries, everything after ``('pending', 0)`` in ``(status, attempts)``, a row
+    comparison that only this index can bound (written ``status = 'running'``, the read
+    could go to the running index instead, which the planner does when statistics taken
+    before any job ran call it small, and filter every job in flight by key, for each
+    key); and its new jobs, pending with ``attempts = 0`` (read in order, as many rows as
+    the key's entry in :data:`LOCKED_KEY_LIMITS` says, the key limit :func:`lock_keys` saw, but at
+    most ``:per_key``: a claim starts at most that many jobs of one key, whatever its
+    ``key_limit``). Locks: expired attempts, and then the chosen rows, ``FOR UPDATE SKIP
+    LOCKED``. The chosen rows are found again by the address (``ctid``) of the version the
+    key's reads saw, a TID scan that reads no index: a chosen row that another transaction
+    has changed since this statement's snapshot has a new version elsewhere, and is dropped
+    (PostgreSQL re-checks the address against the new version), never claimed in a state
+    this statement did not rank. (The address is good within the statement: the version it
+    saw is visible to its snapshot, so no vacuum can free it meanwhile.)
+
+    ``limited`` (a limited queue's keyed claim, as for :func:`claim`): at most the queue's
+    free slots are claimed (:func:`limited_count`, counted in this statement; ``:queue_name``
+    names the queue, ``:queue_names`` holds it alone).
+
+    Parameters: ``:queue_names`` (an array), ``:limit``, ``:per_key``, ``:lease_seconds``,
+    ``:worker`` (and ``:queue_name``, ``:queue_slots``).
+    """
+    t = qualified_name(table.name, table.schema)
+    pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
+    columns = (
+        "j.ctid AS row, j.id, j.ordering_key, j.queue, j.status, j.attempts, j.priority, "
+        "j.run_at, j.lease_expires_at, j.key_limit"
+    )
+    now = "statement_timestamp()"
+    chosen = (
+        text(
+            f"""WITH member AS MATERIALIZED (
+    SELECT m.*
+    FROM unnest(
+        CAST(current_setting('{LOCKED_KEYS}', true) AS text[]),
+        CAST(current_setting('{LOCKED_KEY_LIMITS}', true) AS integer[])
+    ) AS k (ordering_key, reads)
+    CROSS JOIN LATERAL (
+        (SELECT {columns} FROM {t} AS j
+         WHERE j.ordering_key = k.ordering_key
+           AND j.status IN ('{pending}', '{running}') AND (j.status, j.attempts) > ('{pending}', 0))
+        UNION ALL
+        (SELECT {columns} FROM {t} AS j
+         WHERE j.ordering_key = k.ordering_key AND j.status = '{pending}' AND j.attempts = 0
+           AND j.run_at <= {now}
+         ORDER BY j.priority, j.run_at, j.id LIMIT least(k.reads, :per_key))
+    ) AS m
+), free AS MATERIALIZED (
+    SELECT j.id FROM {t} AS j
+    WHERE j.id IN (
+        SELECT member.id FROM member
+        WHERE member.status = '{running}' AND member.lease_expires_at <= {now}
+    )
+      AND j.status = '{running}' AND j.lease_expires_at <= {now}
+    FOR UPDATE OF j SKIP LOCKED
+), staged AS (
+    SELECT m.*, CASE
+        WHEN m.id IN (SELECT free.id FROM free) THEN 0
+        WHEN m.status = '{running}' THEN NULL
+        WHEN m.attempts > 0 AND m.run_at > {now} THEN NULL
+        WHEN m.attempts > 0 THEN 1
+        ELSE 2
+    END AS stage
+    FROM member AS m
+), ranked AS (
+    SELECT s.*,
+        count(*) FILTER (WHERE s.stage IS NULL) OVER (PARTITION BY s.ordering_key) AS held,
+        row_number() OVER (
+            PARTITION BY s.ordering_key ORDER BY s.stage, s.priority, s.run_at, s.id
+        ) AS place
+    FROM staged AS s
+), chosen AS (
+    SELECT r.row FROM ranked AS r
+    WHERE r.stage IS NOT NULL AND r.held + r.place <= coalesce(r.key_limit, 1)
+      AND r.queue = ANY (CAST(:queue_names AS text[]))
+    ORDER BY r.priority, r.run_at, r.id
+    LIMIT {limited_count(table) if limited else ":limit"}
+)
+SELECT j.id, j.ctid AS row FROM {t} AS j
+WHERE j.ctid = ANY (ARRAY(SELECT chosen.row FROM chosen))
+  AND (j.status = '{pending}' AND j.run_at <= {now}
+       OR j.status = '{running}' AND j.lease_expires_at <= {now})
+FOR UPDATE OF j SKIP LOCKED"""
+        )
+        .bindparams(
+            bindparam("queue_names", type_=ARRAY(Text)),
+            bindparam("per_key", type_=Integer),
+            *(_limited_params() if limited else [bindparam("limit", type_=Integer)]),
+        )
+        .columns(column("id", BigInteger), column("row"))
+        .cte("claimable")
+    )
+    return _start_attempts(table, chosen, by_address=True)
+
+
+# -- the limited claim (per-queue concurrency limits) --------------------------------------
+
+
+def queue_lock_space(table: Table) -> int:
+    """The first half of every queue lock's id for this table: :func:`key_lock_space`'s
+    rule over ``<qualified name>#queues``, so that a queue and an ordering key of the same
+    name are two locks (a collision would only make a claim skip, never overrun)."""
+    return _lock_space(qualified_name(table.name, table.schema) + "#queues")
+
+
+def lock_queues(table: Table) -> TextClause:
+    """Lock the queues of ``:queue_names`` (the limited queues a claim serves) for this
+    transaction; returns the names locked, in the order given.
+
+    The first statement of a limited claim, and its only way to serialise claimers per
+    queue: ``pg_try_advisory_xact_lock(<table's queue lock space>, hashtext(queue))``. A
+    queue another claim holds is skipped this round, never waited for. Transaction-scoped,
+    as :func:`lock_keys`, and for the same reason a statement of its own: the claim that
+    counts the queue's free slots (:func:`limited_count`) starts after the lock was
+    granted, so it sees every claim the queue's previous holder committed. Reads no table.
+    (A keyed claim takes its queue's lock in :func:`lock_keys` instead, with its keys.)
+
+    Parameters: ``:queue_names`` (an array).
+    """
+    return text(
+        f"""SELECT q.name
+FROM unnest(CAST(:queue_names AS text[])) WITH ORDINALITY AS q (name, n)
+WHERE {_queue_lock(table, "q.name")}
+ORDER BY q.n"""
+    ).bindparams(bindparam("queue_names", type_=ARRAY(Text)))
+
+
+def _queue_lock(table: Table, queue: str) -> str:
+    # A queue's transaction-scoped try-lock, as SQL (``queue``: a column or a parameter).
+    return f"pg_try_advisory_xact_lock({queue_lock_space(table)}, hashtext({queue}))"
+
+
+def limited_count(table: Table) -> str:
+    """How many jobs a claim of ``:limit`` may start in the limited queue ``:queue_name``,
+    whose limit is ``:queue_slots``: the smaller of ``:limit`` and the queue's free slots,
+    its limit minus its live attempts (zero when it is full), as a SQL expression, the
+    ``LIMIT`` of :func:`claim` and :func:`claim_keyed` ``limited``. The one home of the rule
+    a queue limit counts by; the queue's lock (:func:`lock_queues`, or :func:`lock_keys`
+    ``limited``) must be held, taken in an earlier statement.
+
+    Live attempts are the queue's running jobs except those whose lease has expired and
+    whose row nobody holds: a crashed worker's attempt stops counting when its lease ends
+    (the claim that takes it over is a new attempt, and must fit in the limit), while a
+    lock-held attempt whose handler outlives its lease still counts (its row is locked).
+    Counted as all running minus the expired rows the statement can lock ``FOR UPDATE
+    SKIP LOCKED``; those stay locked by this transaction, and the claim, which evaluates
+    its ``LIMIT`` before it reads a row, takes them over without skipping them. A row that
+    another transaction holds for a moment (a completion, a heartbeat) counts as live:
+    read late, a freed slot is used by the next claim, never one too many by this one.
+    Exact because a queue's jobs become running only in a claim that holds the queue's
+    lock, and a statement that starts after the lock was granted has a younger snapshot
+    (the count and the claim share the statement's snapshot: a claim later in the same
+    transaction, filling a keyed claim's batch with plain jobs, counts the keyed ones).
+
+    Indexes: the running index ``(queue, lease_expires_at) WHERE status = 'running'``
+    twice: the count of all the queue's running rows (an index-only scan where the
+    visibility map allows), and its expired range from the oldest lease end up to now.
+    """
+    t = qualified_name(table.name, table.schema)
+    running = JobStatus.RUNNING.value
+    return f"""greatest(0, least(:limit, :queue_slots
+    - (SELECT count(*) FROM {t} AS j WHERE j.status = '{running}' AND j.queue = :queue_name)
+    + (SELECT count(*) FROM (
+        SELECT j.id FROM {t} AS j
+        WHERE j.status = '{running}' AND j.queue = :queue_name
+          AND j.lease_expires_at <= statement_timestamp()
+        FOR UPDATE OF j SKIP LOCKED
+      ) AS expired)))"""
+
+
+def _limited_params() -> list[BindParameter[Any]]:
+    # The parameters of limited_count.
+    return [
+        bindparam("limit", type_=Integer),
+        bindparam("queue_slots", type_=Integer),
+        bindparam("queue_name", type_=Text),
+    ]

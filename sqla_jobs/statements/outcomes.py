@@ -1,0 +1,416 @@
+"""The statements of an attempt's outcome and of a job's later changes: lock, complete,
+fail, heartbeat, release, retry, cancel, delete (see :mod:`sqla_jobs.statements`)."""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    ColumnElement,
+    Float,
+    Insert,
+    Integer,
+    Select,
+    Table,
+    Text,
+    Update,
+    bindparam,
+    case,
+    column,
+    delete,
+    func,
+    literal_column,
+    null,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB, insert
+from sqlalchemy.sql.dml import ReturningDelete
+
+from sqla_jobs.schema import JobStatus, names
+from sqla_jobs.statements._sql import (
+    _ONE,
+    _SECOND,
+    _cancel_requested,
+    _fenced_by_key,
+    _fences,
+    _lit,
+    _now,
+)
+from sqla_jobs.statements.enqueueing import ENQUEUE_COLUMNS, ORDERING_COLUMNS, enqueue_columns
+
+
+def lock(table: Table) -> Select[Any]:
+    """Lock the rows of attempts this worker holds, until the caller's transaction ends.
+
+    The second half of a lock-held claim: :func:`claim` committed the attempt (so it counts
+    even if the worker dies), and this ``SELECT ... FOR UPDATE`` holds the rows for the
+    transaction that runs the handlers. Fenced by ``(id, attempts)``: an attempt whose lease
+    already ran out and was taken over is not returned. Rows are locked in id order.
+
+    The lock is ``FOR KEY SHARE``: every claim and heartbeat locks ``FOR UPDATE SKIP
+    LOCKED``, which conflicts with it, so they skip the row as before; but a plain
+    ``UPDATE`` of a non-key column does not wait for it, so :func:`request_cancel` can
+    record a cancel request while the handler holds the row (the handler's own completion
+    then waits for that request to commit, sees it, and the worker rolls back).
+
+    Returns ``id, attempts`` and the locking transaction's start as epoch seconds (which,
+    with the backend's pid, names that transaction: :func:`terminate_transactions`).
+    Parameters: ``:fence_ids``, ``:fence_attempts``. Finds the rows through the primary key
+    (:func:`_fenced_by_key`).
+    """
+    return (
+        select(
+            table.c.id,
+            table.c.attempts,
+            func.extract("epoch", func.transaction_timestamp()).label("xact_start"),
+        )
+        .where(_fenced_by_key(table))
+        .order_by(table.c.id)
+        .with_for_update(of=table, read=True, key_share=True)
+    )
+
+
+def complete(table: Table) -> Update:
+    """Mark the given attempts succeeded, or cancelled when their cancel was requested
+    (:func:`_cancel_requested`). Fenced.
+
+    Returns ``id, attempts, task, status`` of each job it ended.
+
+    Parameters: ``:fence_ids``, ``:fence_attempts``. Locks the matched rows (an ``UPDATE``).
+    """
+    _, match = _fences(table)
+    return (
+        update(table)
+        .where(match)
+        .values(
+            status=case(
+                (_cancel_requested(table), _lit(JobStatus.CANCELLED)),
+                else_=_lit(JobStatus.SUCCEEDED),
+            ),
+            finished_at=_now(),
+            lease_expires_at=null(),
+        )
+        .returning(table.c.id, table.c.attempts, table.c.task, table.c.status)
+    )
+
+
+def complete_held(table: Table) -> Update:
+    """Mark succeeded the given attempts whose rows the caller's transaction holds locked
+    (:func:`lock`), except those whose cancel was requested: a lock-held group's
+    completion. Fenced; finds the rows through the primary key (:func:`_fenced_by_key`).
+
+    A job whose cancel was requested is left as it is (running, its cancel requested): its
+    handler's writes roll back, and the worker cancels it once its transaction has ended.
+    Returns ``id, attempts`` of each job it completed.
+    Parameters: ``:fence_ids``, ``:fence_attempts``. Locks the matched rows (an ``UPDATE``).
+    """
+    match = _fenced_by_key(table)
+    return (
+        update(table)
+        .where(match, table.c.cancel_requested_at.is_(null()))
+        .values(
+            status=_lit(JobStatus.SUCCEEDED),
+            finished_at=_now(),
+            lease_expires_at=null(),
+        )
+        .returning(table.c.id, table.c.attempts)
+    )
+
+
+def complete_and_delete(table: Table) -> ReturningDelete[Any]:
+    """Delete the rows of the given succeeded attempts (seed 001's variant). Fenced.
+
+    A job whose cancel was requested is not deleted (it is not succeeded): it comes back
+    as not matched, for :func:`cancel_attempts`. Returns ``id, attempts, task`` of each
+    deleted job.
+    Parameters: ``:fence_ids``, ``:fence_attempts``.
+    """
+    _, match = _fences(table)
+    return (
+        delete(table)
+        .where(match, table.c.cancel_requested_at.is_(null()))
+        .returning(table.c.id, table.c.attempts, table.c.task)
+    )
+
+
+def store_results(result_table: Table) -> Insert:
+    """Insert (or replace) result rows from ``:results``, a jsonb array of
+    ``{"job_id", "task", "value"}`` objects. The finish time is the database's."""
+    rows = (
+        func.jsonb_to_recordset(bindparam("results", type_=JSONB))
+        .table_valued(column("job_id", BigInteger), column("task", Text), column("value", JSONB))
+        .render_derived(name="r", with_types=True)
+    )
+    stmt = insert(result_table).from_select(
+        ["job_id", "task", "value", "finished_at"],
+        select(rows.c.job_id, rows.c.task, rows.c.value, _now()),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[result_table.c.job_id],
+        set_={
+            "task": stmt.excluded.task,
+            "value": stmt.excluded.value,
+            "finished_at": stmt.excluded.finished_at,
+        },
+    )
+
+
+def fail(table: Table) -> Update:
+    """Record a failed attempt: retry it after a backoff, or make it dead. Fenced.
+
+    The job is cancelled when its cancel was requested (:func:`_cancel_requested`), dead
+    when this was its last attempt (``attempts >= max_attempts``) or when ``:retry`` is
+    false; otherwise it is pending again at ``statement_timestamp()`` plus
+    ``:delay_seconds`` if given, else plus an exponential backoff with jitter, computed in
+    the database from the row's own attempt count::
+
+        least(:cap, :base * 2 ^ least(attempts - 1, 60)) * (1 + :jitter * (2 * random() - 1))
+
+    Parameters: ``:job_id``, ``:attempt``, ``:error``, ``:retry``, ``:delay_seconds`` (null for
+    the backoff), ``:base``, ``:cap``, ``:jitter``. Returns ``id, status, run_at``.
+    """
+    now = _now()
+    is_dead = or_(
+        table.c.attempts >= table.c.max_attempts,
+        ~bindparam("retry", type_=Boolean),
+    )
+    # The exponent is clamped: 2.0 ^ 1024 overflows float8, and the cap is reached long
+    # before 2 ^ 60 anyway.
+    exponent = func.least(table.c.attempts - _ONE, literal_column("60"))
+    backoff = func.least(
+        bindparam("cap", type_=Float),
+        bindparam("base", type_=Float) * func.power(literal_column("2.0"), exponent),
+    ) * (_ONE + bindparam("jitter", type_=Float) * (literal_column("2") * func.random() - _ONE))
+    delay = func.coalesce(bindparam("delay_seconds", type_=Float), backoff)
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.attempts == bindparam("attempt", type_=Integer),
+            table.c.status == _lit(JobStatus.RUNNING),
+        )
+        .values(
+            status=case(
+                (_cancel_requested(table), _lit(JobStatus.CANCELLED)),
+                (is_dead, _lit(JobStatus.DEAD)),
+                else_=_lit(JobStatus.PENDING),
+            ),
+            run_at=case(
+                (or_(is_dead, _cancel_requested(table)), table.c.run_at),
+                else_=now + delay * _SECOND,
+            ),
+            finished_at=case((or_(is_dead, _cancel_requested(table)), now), else_=null()),
+            last_error=bindparam("error", type_=Text),
+            lease_expires_at=null(),
+            leased_by=null(),
+        )
+        .returning(table.c.id, table.c.status, table.c.run_at)
+    )
+
+
+def heartbeat(table: Table) -> Update:
+    """Extend the leases of the given attempts, each to ``now + its lease``. Fenced.
+
+    One statement for the whole batch, whatever the attempts' leases (``:fence_leases``
+    pairs a lease in seconds with each fence). It never waits on a row lock: the rows are
+    locked in id order with ``SKIP LOCKED``, so a row that another transaction holds (a
+    lock-mode handler's, an outcome being written, a claim taking over an expired lease) is
+    skipped, not waited for, and a heartbeat can take part in no deadlock.
+
+    Only ``lease_expires_at`` changes; it is a key of the running index (which lets a claim
+    find expired leases without reading live ones), so the update is not HOT: each heartbeat
+    adds an entry to the job table's indexes. Returns ``id, attempts`` of the attempts whose
+    lease was extended.
+    Parameters: ``:fence_ids``, ``:fence_attempts``, ``:fence_leases``.
+    """
+    pairs, match = _fences(table, leases=True)
+    held = (
+        select(table.c.id, pairs.c.lease)
+        .select_from(table)
+        .join(pairs, match)
+        .order_by(table.c.id)
+        .with_for_update(of=table, skip_locked=True)
+        .cte("held")
+    )
+    return (
+        update(table)
+        .where(table.c.id == held.c.id)
+        .values(lease_expires_at=_now() + held.c.lease * _SECOND)
+        .returning(table.c.id, table.c.attempts)
+    )
+
+
+def release(table: Table) -> Update:
+    """Give back the given attempts unfinished: pending again, runnable now. Fenced.
+
+    A job whose cancel was requested is not given back: it ends cancelled instead.
+
+    ``attempts`` stays (it is the fence, and must never repeat); ``max_attempts`` grows by
+    one instead, so a job given back at shutdown loses none of its remaining attempts.
+    Returns ``id, attempts`` of the released attempts.
+    Parameters: ``:fence_ids``, ``:fence_attempts``.
+    """
+    _, match = _fences(table)
+    return (
+        update(table)
+        .where(match)
+        .values(
+            status=case(
+                (_cancel_requested(table), _lit(JobStatus.CANCELLED)),
+                else_=_lit(JobStatus.PENDING),
+            ),
+            run_at=_now(),
+            max_attempts=table.c.max_attempts + _ONE,
+            finished_at=case((_cancel_requested(table), _now()), else_=null()),
+            lease_expires_at=null(),
+            leased_by=null(),
+        )
+        .returning(table.c.id, table.c.attempts)
+    )
+
+
+def retry(table: Table) -> Update:
+    """Make a dead or cancelled job ``:job_id`` pending again, runnable now.
+
+    It gets at least one more attempt; ``attempts`` is kept, so fencing stays sound; a
+    cancel request it carried is cleared. Returns the id, or no row when the job is not
+    dead or cancelled.
+    """
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.status.in_([_lit(JobStatus.DEAD), _lit(JobStatus.CANCELLED)]),
+        )
+        .values(
+            status=_lit(JobStatus.PENDING),
+            run_at=_now(),
+            max_attempts=func.greatest(table.c.max_attempts, table.c.attempts + _ONE),
+            finished_at=null(),
+            lease_expires_at=null(),
+            leased_by=null(),
+            cancel_requested_at=null(),
+        )
+        .returning(table.c.id)
+    )
+
+
+def cancel(table: Table) -> Update:
+    """Cancel pending job ``:job_id``. Returns the id, or no row when it is not pending.
+
+    A running job is not cancelled here: its attempt owns it until it ends.
+    """
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.status == _lit(JobStatus.PENDING),
+        )
+        .values(status=_lit(JobStatus.CANCELLED), finished_at=_now())
+        .returning(table.c.id)
+    )
+
+
+def delete_job(table: Table) -> ReturningDelete[Any]:
+    """Delete job ``:job_id`` unless it is running. Returns the id, or no row when the job
+    is running (or does not exist).
+
+    A running job is not deleted: its attempt owns it until it ends, and would find its row
+    gone. Locks the row (a ``DELETE``); uses the primary key.
+    """
+    return (
+        delete(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.status != _lit(JobStatus.RUNNING),
+        )
+        .returning(table.c.id)
+    )
+
+
+#: The NOTIFY payload that asks a worker to stop attempt ``<attempt>`` of job ``<id>``:
+#: ``"!cancel:<id>:<attempt>"``, sent on the table's channel. A queue name cannot begin
+#: with ``!`` (:data:`sqla_jobs.validation.NAME_RULE`), so it is never taken for one.
+CANCEL_PAYLOAD_PREFIX: Final = "!cancel:"
+
+
+def request_cancel(table: Table) -> Update:
+    """Ask the running attempt of job ``:job_id`` to stop: set ``cancel_requested_at``
+    (kept if set already: idempotent) and notify the table's channel with
+    ``!cancel:<id>:<attempt>`` (:data:`CANCEL_PAYLOAD_PREFIX`), delivered at commit.
+
+    Returns ``id, attempts`` (and the notification's empty value), or no row when the job
+    is not running. Locks the row like any ``UPDATE``; a lock-held handler's ``FOR KEY
+    SHARE`` lock (:func:`lock`) does not make it wait.
+    """
+    payload: ColumnElement[str] = (
+        literal_column(f"'{CANCEL_PAYLOAD_PREFIX}'")
+        + func.cast(table.c.id, Text)
+        + literal_column("':'")
+        + func.cast(table.c.attempts, Text)
+    )
+    channel: ColumnElement[str] = literal_column(
+        "'" + names(table.name).channel.replace("'", "''") + "'"
+    )
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.status == _lit(JobStatus.RUNNING),
+        )
+        .values(cancel_requested_at=func.coalesce(table.c.cancel_requested_at, _now()))
+        .returning(table.c.id, table.c.attempts, func.pg_notify(channel, payload))
+    )
+
+
+def cancel_attempts(table: Table) -> Update:
+    """End the given attempts' jobs ``cancelled`` (a worker's cancel outcome). Fenced.
+
+    Returns ``id, attempts`` of the cancelled jobs.
+    Parameters: ``:fence_ids``, ``:fence_attempts``.
+    """
+    _, match = _fences(table)
+    return (
+        update(table)
+        .where(match)
+        .values(
+            status=_lit(JobStatus.CANCELLED),
+            finished_at=_now(),
+            lease_expires_at=null(),
+            leased_by=null(),
+        )
+        .returning(table.c.id, table.c.attempts)
+    )
+
+
+def cancel_requests(table: Table) -> Select[Any]:
+    """Which of the given attempts have a cancel request: ``id, attempts``. Fenced.
+
+    A plain read (no row lock, so it also sees the rows that lock-held handlers hold):
+    the heartbeat's fallback for a cancel notification the worker missed.
+    Parameters: ``:fence_ids``, ``:fence_attempts``.
+    """
+    pairs, match = _fences(table)
+    return (
+        select(table.c.id, table.c.attempts)
+        .select_from(table)
+        .join(pairs, match)
+        .where(_cancel_requested(table))
+    )
+
+
+def own_columns(table: Table) -> Select[Any]:
+    """The model's own columns (:func:`enqueue_columns` past :data:`ENQUEUE_COLUMNS`) of
+    job ``:job_id``, by primary key; no lock. What a handler's ``ctx.columns`` reads."""
+    own = [
+        name
+        for name in enqueue_columns(table)[len(ENQUEUE_COLUMNS) :]
+        if name not in ORDERING_COLUMNS
+    ]
+    return select(*(table.c[name] for name in own)).where(
+        table.c.id == bindparam("job_id", type_=BigInteger)
+    )
