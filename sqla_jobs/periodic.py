@@ -36,7 +36,8 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import statements, validation
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, ScheduleError
-from sqla_jobs.queue import MAX_UNIQUE_KEY_LENGTH, Enqueued, _statement, enqueue_unique_many
+from sqla_jobs.queue import MAX_UNIQUE_KEY_LENGTH, Enqueued, enqueue_unique_many
+from sqla_jobs.queue._plumbing import _statement
 from sqla_jobs.schema import JobMixin, ScheduleMixin
 
 __all__ = ["Schedule", "enqueue_due", "slot_key"]

@@ -33,7 +33,7 @@ def _claim_throughput(
 ) -> float:
     """The library's batched claim + complete_many, in this process, until ``count`` done:
     a transaction each, on one Core connection, as the worker's fetch loop and outcome
-    writer run them (the statements' driver path, :func:`sqla_jobs.queue._rows`)."""
+    writer run them (the statements' driver path, :func:`sqla_jobs.queue._plumbing._rows`)."""
     done = 0
     queue_limits = {Q_KEYS: batch} if queue_limited else None
     with engine.connect() as connection:

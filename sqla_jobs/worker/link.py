@@ -55,7 +55,7 @@ ISOLATION: Final = "READ COMMITTED"
 def as_session(connection: Connection) -> Session:
     """A Core connection where the queue functions take a session: they only call
     ``execute``, which a Connection has with the same signature (and the claim and complete
-    statements take the driver path on it, :func:`sqla_jobs.queue._rows`)."""
+    statements take the driver path on it, :func:`sqla_jobs.queue._plumbing._rows`)."""
     return cast(Session, connection)
 
 

@@ -214,7 +214,7 @@ class _Group:
             self.session = session
             self.transaction = session.begin()
             # The worker's own statements run on the session's connection (the same
-            # transaction), which takes the driver's fast path (queue._rows).
+            # transaction), which takes the driver's fast path (queue._plumbing._rows).
             self.executor = as_session(session.connection())
             began = time.monotonic()
             pace = runner.lock_pace

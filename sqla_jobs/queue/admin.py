@@ -1,0 +1,328 @@
+"""Administration: retry, cancel, delete, prune, vacuum, statistics, dead jobs (see
+:mod:`sqla_jobs.queue`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from time import monotonic
+from typing import Any, cast
+
+from sqlalchemy import (
+    CursorResult,
+    Engine,
+    Executable,
+    Table,
+)
+from sqlalchemy.exc import IntegrityError
+
+from sqla_jobs import statements
+from sqla_jobs.errors import (
+    ConfigurationError,
+    InvalidJobError,
+    JobNotFoundError,
+    JobStateError,
+)
+from sqla_jobs.history import statements as history_statements
+from sqla_jobs.history.schema import has_history, history_table
+from sqla_jobs.queue._plumbing import (
+    MAX_CLAIM_LIMIT,
+    VACUUM_DEAD_ROWS,
+    ClaimedJob,
+    Executor,
+    QueueStat,
+    _check_count,
+    _fence_params,
+    _fenced,
+    _job_table,
+    _lost,
+    _one_model,
+    _seconds,
+    _statement,
+)
+from sqla_jobs.schema import (
+    JobMixin,
+    JobStatus,
+    names,
+)
+
+logger = logging.getLogger(__name__)
+
+
+# -- administration ---------------------------------------------------------------------
+
+
+def _admin(
+    session: Executor,
+    model: type[JobMixin],
+    job_id: int,
+    builder: Callable[..., Executable],
+    expected: str,
+) -> None:
+    if isinstance(job_id, bool) or not isinstance(job_id, int):
+        raise InvalidJobError("job_id", f"must be an integer, not {type(job_id).__name__}")
+    table = _job_table(model)
+    params = {"job_id": job_id}
+    history = has_history(model)
+    if session.execute(_statement(builder, table), params).first() is not None:
+        if history:  # a cancelled job moves into the history at once
+            session.execute(_statement(history_statements.move_finished, table), params)
+        return
+    # A finished job of a model with history is there: a retry moves it back, pending.
+    if (
+        history
+        and builder is statements.retry
+        and session.execute(_statement(history_statements.retry, table), params).first()
+    ):
+        return
+    status = session.execute(_statement(statements.status_of, table), params).scalar()
+    if status is None and history:
+        status = session.execute(_statement(history_statements.status_of, table), params).scalar()
+    if status is None:
+        raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
+    raise JobStateError(f"job {job_id} is {status}; only {expected} jobs can be changed so")
+
+
+def retry(session: Executor, model: type[JobMixin], job_id: int) -> None:
+    """Make a dead or cancelled job pending again, runnable now, with at least one more
+    attempt. Raises :class:`JobNotFoundError` or :class:`JobStateError`, the latter also
+    when the job is a unique job whose key another pending or running job holds now (the
+    caller's transaction stays usable: the attempt runs under a savepoint).
+
+    For a model with ``partitioned_history``, a dead or cancelled job found in the history
+    moves back into the job table (same id, ``attempts`` kept), in one statement."""
+    try:
+        with session.begin_nested():
+            _admin(session, model, job_id, statements.retry, "dead or cancelled")
+    except IntegrityError as exc:
+        if names(_job_table(model).name).unique_index not in str(exc.orig):
+            raise
+        raise JobStateError(
+            f"job {job_id} cannot be retried: another job holds its unique key"
+        ) from exc
+
+
+def cancel(session: Executor, model: type[JobMixin], job_id: int) -> JobStatus:
+    """Cancel a job: at once if it is pending, by asking its worker if it is running.
+
+    Returns the job's status once the caller commits: ``cancelled`` for a pending job (or
+    one already cancelled: idempotent), ``running`` for a running one, whose cancel is now
+    *requested* (:func:`sqla_jobs.statements.request_cancel`): its worker hears of it
+    through a notification on the table's channel at commit (and at its next heartbeat if
+    it missed that), cancels a coroutine handler, raises
+    :class:`~sqla_jobs.errors.JobCancelledError` from ``ctx.raise_if_cancelled()`` in a
+    thread handler, rolls a lock-mode handler's transaction back, and ends the job
+    ``cancelled``, fenced by its attempt. From the request on, the job never succeeds,
+    retries or runs again: a handler that ignores the request and returns ends cancelled
+    all the same (its result is not stored), and if its worker died, the claim that finds
+    its lease expired makes it cancelled instead of running it.
+
+    Runs in the caller's transaction: nothing happens until the caller commits. Raises
+    :class:`InvalidJobError` for a ``job_id`` that is not an integer (before any SQL),
+    :class:`JobNotFoundError` when there is no such job, and :class:`JobStateError` when it
+    already succeeded or is dead (use :func:`retry` first for a dead one).
+    """
+    if isinstance(job_id, bool) or not isinstance(job_id, int):
+        raise InvalidJobError("job_id", f"must be an integer, not {type(job_id).__name__}")
+    table = _job_table(model)
+    params = {"job_id": job_id}
+    history = has_history(model)
+    if session.execute(_statement(statements.cancel, table), params).first() is not None:
+        if history:  # a cancelled job moves into the history at once
+            session.execute(_statement(history_statements.move_finished, table), params)
+        return JobStatus.CANCELLED
+    if session.execute(_statement(statements.request_cancel, table), params).first() is not None:
+        return JobStatus.RUNNING
+    status = session.execute(_statement(statements.status_of, table), params).scalar()
+    if status is None and history:
+        status = session.execute(_statement(history_statements.status_of, table), params).scalar()
+    if status is None:
+        raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
+    if status == JobStatus.CANCELLED.value:
+        return JobStatus.CANCELLED
+    raise JobStateError(f"job {job_id} is {status}; only pending or running jobs can be cancelled")
+
+
+def cancel_attempts(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+    """End these attempts' jobs ``cancelled`` (the worker's outcome for an attempt whose
+    cancel was requested). Fenced: returns the attempts that had lost their job."""
+    if not jobs:
+        return []
+    table = _job_table(_one_model(jobs))
+    rows = session.execute(_statement(statements.cancel_attempts, table), _fence_params(jobs))
+    return _lost(jobs, _fenced(rows))
+
+
+def cancel_requests(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+    """Which of these attempts' jobs have a cancel request (:func:`cancel`). A plain read,
+    no lock; the worker's heartbeat asks it, in case it missed the notification."""
+    if not jobs:
+        return []
+    table = _job_table(_one_model(jobs))
+    rows = session.execute(_statement(statements.cancel_requests, table), _fence_params(jobs))
+    asked = _fenced(rows)
+    return [job for job in jobs if (job.id, job.attempt) in asked]
+
+
+def delete(session: Executor, model: type[JobMixin], job_id: int) -> None:
+    """Delete a job that is not running (pending, succeeded, dead or cancelled), in the
+    caller's transaction. Raises :class:`JobNotFoundError`, or :class:`JobStateError` when
+    the job is running (its attempt owns it until it ends). A stored result row of the job
+    is kept (results are deliberately not tied to job rows; see :class:`JobResultMixin`).
+    """
+    _admin(session, model, job_id, statements.delete_job, "pending or finished")
+
+
+def prune(
+    session: Executor,
+    model: type[JobMixin],
+    *,
+    older_than: timedelta | float,
+    limit: int = 10_000,
+) -> int:
+    """Delete one batch: up to ``limit`` finished jobs (succeeded, dead, cancelled) that
+    finished more than ``older_than`` ago, by the database's clock, oldest ids first.
+    Returns how many were deleted.
+
+    One call deletes one batch, in the caller's transaction. To delete them all, call it
+    again, each time in a new transaction (so that no transaction holds a long delete),
+    until it returns less than ``limit``. ``sqla-jobs prune --batch-size N`` is that loop:
+    one batch of ``N`` per transaction until a batch comes back short.
+
+    A model with ``partitioned_history`` keeps no finished job here to delete: its history
+    is pruned by dropping whole partitions, which :func:`sqla_jobs.history.drop_partitions`
+    and ``sqla-jobs prune`` do; this raises :class:`ConfigurationError` for it."""
+    table = _job_table(model)
+    if has_history(model):
+        raise ConfigurationError(
+            f"{model.__name__} keeps its finished jobs in a partitioned history: prune it "
+            "with sqla_jobs.history.drop_partitions(engine, model, older_than=...) or "
+            "sqla-jobs prune, which drop whole partitions"
+        )
+    _check_count("limit", limit, MAX_CLAIM_LIMIT * 100)
+    params = {"older_than_seconds": _seconds("older_than", older_than), "limit": limit}
+    result = cast(CursorResult[Any], session.execute(_statement(statements.prune, table), params))
+    return result.rowcount
+
+
+def vacuum(engine: Engine, model: type[JobMixin], *, min_dead_rows: int = VACUUM_DEAD_ROWS) -> bool:
+    """Vacuum the job table if it holds at least ``min_dead_rows`` dead row versions; return
+    whether a ``VACUUM`` was run.
+
+    Why: a claim reads the pending index from its head, and every job claimed since the last
+    vacuum leaves a dead entry there, so claims get slower the more jobs are claimed between
+    vacuums (measured on PostgreSQL 15: a 1M-job drain without a vacuum ran at 0.39 of the
+    rate of 50k-job drains beside it; with this, called every 5,000 jobs, at 0.90).
+    Autovacuum wakes up once a minute per database at best, and may be off or busy; the
+    processes that claim call this instead, every few thousand jobs they claim (the check is
+    one read of the statistics; the VACUUM runs only past the threshold), so that no one has
+    to tune autovacuum::
+
+        # in a thread of its own, after every 5,000 jobs this process claimed
+        sqla_jobs.vacuum(engine, EmailJob)
+
+    It reads the table's dead row count from PostgreSQL's statistics (no table access), and
+    only if that reaches ``min_dead_rows`` runs :func:`sqla_jobs.statements.vacuum`: a
+    ``VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON)``, which skips the table when another vacuum of
+    it (autovacuum's, another worker's) is running, and blocks no claim, enqueue or outcome.
+    Many workers calling it need no coordination. It takes time (a pass over every index of
+    the table): call it from a thread of its own, never from a loop that claims.
+
+    VACUUM cannot run in a transaction, so this takes an :class:`~sqlalchemy.engine.Engine`
+    and runs on a connection of its own in autocommit mode, returned to the pool afterwards:
+    nothing of the caller's transactions is involved. A vacuum removes only the rows that no
+    open transaction can still see: a long transaction anywhere on the server (an idle one,
+    a long report) leaves the dead entries in place until it ends.
+    """
+    table = _job_table(model)
+    threshold: object = min_dead_rows
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise InvalidJobError("min_dead_rows", f"must be an integer >= 0, got {threshold!r}")
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        dead = connection.execute(_statement(statements.dead_rows, table)).scalar_one()
+        if dead < min_dead_rows:
+            return False
+        started = monotonic()
+        connection.execute(statements.vacuum(table))
+    seconds = monotonic() - started
+    logger.info(
+        "vacuumed %s (%d dead row versions) in %.2f s",
+        table.fullname,
+        dead,
+        seconds,
+        extra={"action": "table_vacuumed", "dead_rows": dead, "seconds": seconds},
+    )
+    return True
+
+
+def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
+    """Live job counts by queue and status (``pending``, ``running``, ``dead``), with the
+    runnable count and the age of the oldest runnable job, and the expired leases.
+
+    Cheap at any size of history: it reads only the pending, running and dead partial
+    indexes (:func:`sqla_jobs.statements.queue_stats`), so its cost grows with the jobs
+    waiting, running and dead, never with the succeeded and cancelled rows, which it does
+    not count. For a model with ``partitioned_history`` the dead count includes the dead
+    jobs in its history table (read from the history's dead index, not from the history).
+    Ages are the database's clock. Takes no lock; runs in the caller's
+    transaction. For the server-wide gauges (vacuum, table size) see
+    :func:`sqla_jobs.health.read_gauges`.
+    """
+    table = _job_table(model)
+    return [
+        QueueStat(
+            queue=row.queue,
+            status=JobStatus(row.status),
+            count=int(row.total),
+            oldest_pending_seconds=(
+                None if row.oldest_runnable_seconds is None else float(row.oldest_runnable_seconds)
+            ),
+            runnable=int(row.runnable),
+            expired_leases=int(row.expired),
+        )
+        for row in session.execute(
+            _statement(statements.queue_stats, table, history=_dead_history(model, table))
+        )
+    ]
+
+
+def _dead_history(model: type[JobMixin], table: Table) -> Table | None:
+    # A model with partitioned_history keeps its dead jobs in its history table: health
+    # reads them there too (from the history's dead index), other models pay nothing.
+    return history_table(table) if has_history(model) else None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadJob:
+    """A row of :func:`dead_jobs`."""
+
+    id: int
+    queue: str
+    task: str
+    attempts: int
+    finished_at: datetime | None
+    last_error: str | None
+
+
+def dead_jobs(session: Executor, model: type[JobMixin], *, limit: int = 20) -> list[DeadJob]:
+    """The ``limit`` most recently finished dead jobs, newest first, with their last error
+    (for a model with ``partitioned_history``, those in its history table too)."""
+    table = _job_table(model)
+    _check_count("limit", limit, MAX_CLAIM_LIMIT)
+    rows = session.execute(
+        _statement(statements.dead_jobs, table, history=_dead_history(model, table)),
+        {"limit": limit},
+    )
+    return [
+        DeadJob(
+            id=row.id,
+            queue=row.queue,
+            task=row.task,
+            attempts=row.attempts,
+            finished_at=row.finished_at,
+            last_error=row.last_error,
+        )
+        for row in rows
+    ]

@@ -1,0 +1,384 @@
+"""Claiming jobs: lease mode, lock-held mode, ordering keys and queue limits (see
+:mod:`sqla_jobs.queue`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Final
+
+from sqlalchemy import (
+    Connection,
+    Table,
+)
+
+from sqla_jobs import statements, validation
+from sqla_jobs.errors import (
+    ConfigurationError,
+    InvalidJobError,
+    JobNotFoundError,
+)
+from sqla_jobs.queue._plumbing import (
+    _CLAIM_ORDER,
+    DEFAULT_LEASE,
+    MAX_CLAIM_LIMIT,
+    ClaimedJob,
+    Executor,
+    _check_count,
+    _check_queues,
+    _fence_params,
+    _fenced,
+    _job_table,
+    _one_model,
+    _own_columns,
+    _rows,
+    _seconds,
+    _statement,
+    default_worker_name,
+)
+from sqla_jobs.schema import (
+    DEFAULT_QUEUE,
+    JobMixin,
+    JobStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+
+# -- claim ------------------------------------------------------------------------------
+
+
+def claim(
+    session: Executor,
+    model: type[JobMixin],
+    *,
+    queues: str | Iterable[str] = DEFAULT_QUEUE,
+    limit: int = 1,
+    lease: timedelta | float = DEFAULT_LEASE,
+    worker: str | None = None,
+    hold: bool = False,
+    keys: bool = False,
+    queue_limits: Mapping[str, int] | None = None,
+) -> list[ClaimedJob]:
+    """Claim up to ``limit`` runnable jobs and start an attempt on each.
+
+    Runnable means pending with ``run_at`` no later than the database's clock, or running
+    with an expired lease (its worker crashed or stalled). Jobs are taken in
+    ``(priority, run_at, id)`` order, with ``FOR UPDATE SKIP LOCKED``, in one statement:
+    concurrent claimers get disjoint jobs and skip, never wait for, jobs another worker
+    holds. Each claimed job's ``attempts`` grows by one; that number is the attempt's fence.
+    The statement reads up to ``limit`` candidates per queue, so its cost grows with the
+    number of queues and ``limit``, not with the backlog; with several queues, the
+    candidates that did not make the batch stay locked until the transaction ends (keep it
+    short). See :func:`sqla_jobs.statements.claim`.
+
+    **Lease mode** (``hold=False``, the default). The claim runs in the caller's transaction
+    and is durable once the caller commits. Each job is then ``running`` with a lease that
+    ends ``lease`` after the claim, in database time; :func:`heartbeat` extends it. When the
+    lease ends before the attempt does, the next claim takes the job over as a new attempt
+    and every later transition by the old attempt raises :class:`LeaseLostError`. A job
+    whose lease ran out on its last attempt is made ``dead`` by the claim that finds it.
+
+    **Lock-held mode** (``hold=True``). The attempt is first counted in a short transaction
+    of its own on a separate connection from the session's engine, and committed, so that a
+    worker that dies mid-job still uses up an attempt (a job that kills its worker every time
+    ends dead). The rows are then locked with ``SELECT ... FOR UPDATE`` in the caller's
+    transaction and stay locked until it ends. Complete the jobs in that same transaction
+    and the handler's own writes commit together with the completion, or not at all. If the
+    worker dies, its locks go with its connection and the jobs come back once ``lease`` has
+    passed; while the caller's transaction lives, no other claim can take them, however
+    long the handler runs. Claim data committed by others only: the separate connection
+    does not see the caller's uncommitted rows.
+
+    **Ordering keys** (``keys=True``). Jobs with an ``ordering_key`` are claimed only with
+    ``keys=True`` (a plain claim never takes one, so it cannot break a key's order). Then
+    the claim first takes keyed jobs, key by key: a job starts only when fewer than its
+    ``key_limit`` (default 1) jobs of its key are in progress (running on a live lease or
+    held by a lock-held worker, or waiting for a retry), and only after the key's jobs that
+    come before it (expired attempts first, then due retries, then new jobs in ``(priority,
+    run_at, id)`` order; a job whose ``run_at`` is still ahead blocks nobody). Claimers are
+    serialised per key by transaction-scoped advisory try-locks
+    (:func:`sqla_jobs.statements.lock_keys`), taken in a statement before the claim's, so
+    that the claim sees whatever the key's previous claimer committed; a key another claim
+    is locking is skipped, not waited for. The keyed jobs' batch is filled up with plain
+    jobs. Three statements instead of one (two when no key is free), in the same
+    transaction, and the key locks last until it ends: keep it short.
+
+    **Queue limits** (``queue_limits={"emails": 3}``). At most that many jobs of a limited
+    queue run at once, across all claimers that pass the same limits (declare them once,
+    in code every worker shares: :class:`~sqla_jobs.registry.Registry` ``queue_limits``).
+    Only live attempts count: running on a lease that has not ended in database time, or
+    held by a lock-held worker; a crashed worker's attempt frees its slot when its lease
+    ends, and taking it over is a new claim that must fit in the limit. Per limited queue
+    served, the claim takes a transaction-scoped advisory try-lock
+    (:func:`sqla_jobs.statements.lock_queues`; a queue another claim holds is skipped this
+    round, never waited for), then claims at most the queue's free slots from it with a
+    claim statement that counts its live attempts
+    (:func:`~sqla_jobs.statements.limited_count`), keyed jobs included (``keys=True``:
+    they respect both limits; the keyed claim's first statement takes the queue's lock with
+    its keys). Limited queues are served first, then the others fill the rest of ``limit``
+    with the plain claim, which is unchanged (the same statement as without limits; a
+    claim with no limited queue among ``queues`` runs exactly as before). The queue locks
+    last until the transaction ends: keep it short.
+
+    Returns the claimed jobs, possibly none. Raises :class:`InvalidJobError` for bad
+    arguments, before any SQL runs.
+    """
+    table = _job_table(model)
+    queue_names = _check_queues(queues)
+    _check_count("limit", limit, MAX_CLAIM_LIMIT)
+    params: dict[str, Any] = {
+        "limit": limit,
+        "lease_seconds": _seconds("lease", lease),
+        "worker": validation.check_name("worker", worker or default_worker_name()),
+    }
+    if not isinstance(keys, bool):
+        raise InvalidJobError("keys", f"must be True or False, not {keys!r}")
+    limited: dict[str, int] = {}
+    if queue_limits is not None:
+        limits = validation.check_queue_limits("queue_limits", queue_limits)
+        limited = {name: limits[name] for name in queue_names if name in limits}
+    if hold:
+        _check_holdable(session)
+        if isinstance(session, Connection):
+            engine = session.engine
+        else:
+            bind = session.get_bind()
+            engine = bind.engine if isinstance(bind, Connection) else bind
+        with engine.begin() as connection:
+            rows = _claim_rows(connection, table, params, queue_names, keys, limited)
+    else:
+        rows = _claim_rows(session, table, params, queue_names, keys, limited)
+    running = JobStatus.RUNNING.value
+    # The hot path. The rows are sorted in (priority, run_at, id) order by a C-level key,
+    # and each job is built positionally (in the order of the claim statement's RETURNING)
+    # by tuple.__new__, which ClaimedJob's own __new__ is a Python-level call around.
+    new, ordered = tuple.__new__, sorted(rows, key=_CLAIM_ORDER)
+    jobs: list[ClaimedJob] = [
+        new(
+            ClaimedJob,
+            (model, job_id, queue, task, args, prio, attempt, most, run_at, lease, trace),
+        )
+        for job_id, status, queue, task, args, prio, attempt, most, run_at, lease, trace in ordered
+        if status == running
+    ]
+    if len(jobs) < len(rows):
+        _log_exhausted(rows, running)
+    if hold and jobs:
+        return lock(session, jobs)
+    return jobs
+
+
+#: How many keyed jobs per queue (and keys in all) a keyed claim of ``limit`` jobs looks at,
+#: beyond ``limit``: keys that are busy are passed over, so it looks a little further.
+KEY_SCAN_EXTRA: Final = 16
+#: The most jobs of one key a keyed claim starts (a key whose ``key_limit`` is higher gets
+#: the rest in the next claims): each costs the claim a read of the job's row.
+KEY_CLAIM_MAX: Final = 16
+
+
+def key_lock_params(queue_names: list[str], limit: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`statements.lock_keys`'s parameters for a keyed claim of ``limit`` jobs, and
+    its build options: the rows it reads per queue, ``limit + KEY_SCAN_EXTRA`` rounded up
+    (part of the SQL text, so that the statement is planned once, see
+    :func:`statements.lock_keys`; rounded to a multiple of 16, or of an eighth of the next
+    power of two past 128, so that a worker's varying claim sizes make a few statements,
+    8 per doubling at most, and each reads at most an eighth more rows than it needs), and
+    the queue count (1, or 2 for several)."""
+    scan = limit + KEY_SCAN_EXTRA
+    params = _queue_params(queue_names) | {"scan": scan, "per_key": min(limit, KEY_CLAIM_MAX)}
+    step = max(16, (1 << (scan - 1).bit_length()) // 8)
+    rows = -(-scan // step) * step
+    return params, {"rows": rows, "queue_count": min(len(queue_names), 2)}
+
+
+def _queue_params(queue_names: list[str]) -> dict[str, Any]:
+    # The claim statements' queue: a scalar for one (statements built with queue_count=1),
+    # else an array.
+    if len(queue_names) == 1:
+        return {"queue_name": queue_names[0]}
+    return {"queue_names": queue_names}
+
+
+def _claim_rows(
+    session: Executor,
+    table: Table,
+    params: dict[str, Any],
+    queue_names: list[str],
+    keys: bool,
+    limited: dict[str, int],
+) -> list[Any]:
+    """The rows of one claim: the limited queues' first, each up to its free slots, then
+    the other queues' up to ``limit``."""
+    if not limited:
+        return _claim_from(session, table, params, queue_names, keys)
+    limit = params["limit"]
+    rows: list[Any] = []
+    # A keyed claim takes each queue's lock with its keys; a plain one all of them at once.
+    served = list(limited)
+    if not keys:
+        lock = {"queue_names": served}
+        served = [row[0] for row in _rows(session, statements.lock_queues, table, lock)]
+    for name in served:
+        if len(rows) < limit:
+            room = params | {"limit": limit - len(rows), "queue_slots": limited[name]}
+            rows.extend(_claim_from(session, table, room, [name], keys, limited=True))
+    others = [name for name in queue_names if name not in limited]
+    if others and len(rows) < limit:
+        rest = params | {"limit": limit - len(rows)}
+        rows.extend(_claim_from(session, table, rest, others, keys))
+    return rows
+
+
+def _claim_from(
+    session: Executor,
+    table: Table,
+    params: dict[str, Any],
+    queue_names: list[str],
+    keys: bool,
+    limited: bool = False,
+) -> list[Any]:
+    """The rows of a claim from ``queue_names``: keyed jobs first (``keys``), then plain
+    ones up to the limit. ``limited``: one queue with a concurrency limit
+    (``params["queue_slots"]``), whose lock this transaction holds (a plain claim), or takes
+    with its keys (a keyed claim: nothing if another claim holds it); each claim statement
+    counts the free slots (:func:`statements.limited_count`)."""
+    params = params | _queue_params(queue_names)
+    options: dict[str, Any] = {"queue_count": min(len(queue_names), 2), "limited": limited}
+    if not keys:
+        return list(_rows(session, statements.claim, table, params, **options))
+    limit = params["limit"]
+    lock_params, lock_options = key_lock_params(queue_names, limit)
+    if limited:
+        lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
+        lock_options["limited"] = True
+    # The keys locked go from the first statement to the second inside the transaction
+    # (statements.lock_keys): only their count comes back.
+    (locked,) = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
+    if limited:
+        # The queue's free slots, a hint (the claims count exactly): none, or its lock is
+        # another claim's (NULL; then no key was locked either); fewer than the limit, and
+        # the claims ask for no more.
+        limit = min(limit, locked[3] or 0)
+        if limit <= 0:
+            return []
+    rows: list[Any] = []
+    if locked[0]:
+        keyed = {
+            "queue_names": queue_names,
+            "limit": limit,
+            "per_key": lock_params["per_key"],
+            "lease_seconds": params["lease_seconds"],
+            "worker": params["worker"],
+        }
+        if limited:
+            keyed |= {"queue_name": queue_names[0], "queue_slots": params["queue_slots"]}
+        rows.extend(_rows(session, statements.claim_keyed, table, keyed, limited=limited))
+    if len(rows) < limit:
+        rest = params | {"limit": limit - len(rows)}
+        rows.extend(_rows(session, statements.claim, table, rest, **options))
+    return rows
+
+
+def _check_holdable(session: Executor) -> None:
+    """A lock-held claim commits the attempt on another connection and then locks the rows
+    in the caller's transaction: only a READ COMMITTED transaction sees that commit. Under
+    REPEATABLE READ or SERIALIZABLE, a snapshot taken earlier would not, and the job would
+    be left running with an attempt used up."""
+    level = session.execute(statements.transaction_isolation()).scalar()
+    if level != "read committed":
+        raise ConfigurationError(
+            f"claim(hold=True) needs a READ COMMITTED transaction, not {level!s}: the "
+            "attempt is committed on another connection, which an earlier snapshot would not "
+            "see; begin the transaction with isolation_level='READ COMMITTED'"
+        )
+
+
+def _log_exhausted(rows: Sequence[Any], running: str) -> None:
+    # Jobs the claim made dead: their last attempt's lease ran out (its worker died). Logged
+    # here, by whoever claimed, so that alerting on errors hears of a crash-looping job.
+    for job_id, status, queue, task, _args, _priority, attempt, maximum, *_ in rows:
+        if status == running:
+            continue
+        if status == JobStatus.CANCELLED.value:
+            logger.info(
+                "job %d (%s) is cancelled: attempt %d lost its lease after its cancel was "
+                "requested, and is not run again",
+                job_id,
+                task,
+                attempt,
+                extra={
+                    "action": "job_cancelled",
+                    "job_id": job_id,
+                    "task": task,
+                    "queue": queue,
+                    "attempt": attempt,
+                },
+            )
+            continue
+        logger.error(
+            "job %d (%s) is dead: attempt %d of %d lost its lease (its worker stopped or "
+            "crashed mid-job) and no attempt is left",
+            job_id,
+            task,
+            attempt,
+            maximum,
+            extra={
+                "action": "attempts_exhausted",
+                "job_id": job_id,
+                "task": task,
+                "queue": queue,
+                "attempt": attempt,
+            },
+        )
+
+
+def lock(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+    """Lock the rows of these attempts until the caller's transaction ends.
+
+    Returns the jobs whose attempt is still current (fenced); the others were taken over
+    after their lease ran out and must not be run. Used by lock-held claims, and by workers
+    that count the attempt on one connection and then hold the rows.
+    """
+    return lock_started(session, jobs)[0]
+
+
+def job_columns(job: ClaimedJob, session: Executor | None = None) -> dict[str, Any]:
+    """The values of the job model's own columns (those not declared by
+    :class:`~sqla_jobs.JobMixin`, such as an ``order_id``) in the job's row, by column name:
+    one query by primary key, in ``session``'s transaction. A model without columns of its
+    own gives ``{}`` without any query (and needs no session)."""
+    table = _job_table(job.model)
+    own = _own_columns(table)
+    if not own:
+        return {}
+    if session is None:
+        raise ConfigurationError("job_columns needs a session to read the job row with")
+    row = session.execute(_statement(statements.own_columns, table), {"job_id": job.id}).first()
+    if row is None:
+        raise JobNotFoundError(f"{job.model.__name__} has no job {job.id}")
+    return dict(row._mapping)
+
+
+def lock_one(session: Executor, job: ClaimedJob) -> float | None:
+    """:func:`lock` for one attempt, for a worker that must later be able to end the
+    transaction holding the lock: returns that transaction's start (epoch seconds), or None
+    when the attempt was taken over (nothing is locked then)."""
+    return lock_started(session, [job])[1]
+
+
+def lock_started(
+    session: Executor, jobs: Sequence[ClaimedJob]
+) -> tuple[list[ClaimedJob], float | None]:
+    """:func:`lock`, returning also what a worker needs to end the transaction holding the
+    locks later: the jobs locked (the others were taken over) and that transaction's start
+    (epoch seconds; None if none was locked). One statement, on the driver's fast path where
+    there is one (:func:`_rows`)."""
+    if not jobs:
+        return [], None
+    rows = _rows(session, statements.lock, _job_table(_one_model(jobs)), _fence_params(jobs))
+    kept = _fenced(rows)
+    return [job for job in jobs if (job.id, job.attempt) in kept], (
+        float(rows[0][2]) if rows else None
+    )

@@ -1,0 +1,351 @@
+"""What an attempt becomes: complete, fail, heartbeat, release (see
+:mod:`sqla_jobs.queue`)."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import (
+    Table,
+)
+
+from sqla_jobs import statements, validation
+from sqla_jobs.errors import (
+    InvalidJobError,
+    JobCancelledError,
+    LeaseLostError,
+)
+from sqla_jobs.history import statements as history_statements
+from sqla_jobs.history.schema import has_history
+from sqla_jobs.policy import RetryPolicy
+from sqla_jobs.queue._plumbing import (
+    _NO_RESULT,
+    _ROW_STATUS,
+    DEFAULT_LEASE,
+    MAX_ERROR_CHARS,
+    ClaimedJob,
+    Executor,
+    FailOutcome,
+    _encode,
+    _fence_params,
+    _fenced,
+    _job_table,
+    _lost,
+    _one_model,
+    _result_table,
+    _rows,
+    _seconds,
+    _statement,
+)
+from sqla_jobs.schema import (
+    JobMixin,
+    JobResultMixin,
+    JobStatus,
+)
+
+# -- outcomes ---------------------------------------------------------------------------
+
+
+def complete(
+    session: Executor,
+    job: ClaimedJob,
+    *,
+    result: Any = _NO_RESULT,
+    result_model: type[JobResultMixin] | None = None,
+) -> None:
+    """Mark this attempt's job succeeded, optionally storing ``result`` in ``result_model``.
+
+    Runs in the caller's transaction: the completion commits together with the caller's
+    other writes. ``result_model`` defaults to the job model's own ``result_model`` (see
+    :class:`~sqla_jobs.JobMixin`). Raises :class:`LeaseLostError` when the attempt no longer
+    owns the job (nothing changes then), and :class:`InvalidJobError` for a result jsonb
+    cannot store. When the job's cancel was requested (:func:`cancel`) it is made
+    ``cancelled`` instead, its result not stored, and :class:`JobCancelledError` is raised:
+    commit as usual to record it (or roll back: the job still ends cancelled, once the
+    attempt's lease runs out).
+    """
+    results = None if result is _NO_RESULT else [result]
+    lost, cancelled = complete_attempts(session, [job], results=results, result_model=result_model)
+    if lost:
+        raise LeaseLostError(
+            f"job {job.id} attempt {job.attempt} no longer owns the job; nothing was changed"
+        )
+    if cancelled:
+        raise JobCancelledError(
+            f"job {job.id} was cancelled while attempt {job.attempt} ran: it is cancelled, "
+            "not succeeded, and its result was not stored"
+        )
+
+
+def complete_many(
+    session: Executor,
+    jobs: Sequence[ClaimedJob],
+    *,
+    results: Sequence[Any] | None = None,
+    result_model: type[JobResultMixin] | None = None,
+) -> list[ClaimedJob]:
+    """Complete a batch of attempts in one statement (two with results).
+
+    ``results``, if given, pairs with ``jobs`` by position and needs ``result_model`` (by
+    default the job model's ``result_model``). Returns the attempts that had lost their job
+    (fenced out, nothing changed for them); the others are succeeded, or deleted if the
+    model sets ``delete_on_success``, or cancelled (their results not stored) when their
+    cancel was requested.
+    """
+    return complete_attempts(session, jobs, results=results, result_model=result_model)[0]
+
+
+def complete_attempts(
+    session: Executor,
+    jobs: Sequence[ClaimedJob],
+    *,
+    results: Sequence[Any] | None = None,
+    result_model: type[JobResultMixin] | None = None,
+) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+    """:func:`complete_many`, also saying which of the jobs ended cancelled instead (their
+    cancel was requested): returns ``(lost, cancelled)``."""
+    if not jobs:
+        return [], []
+    model = _one_model(jobs)
+    table = _job_table(model)
+    if has_history(model):
+        return _complete_into_history(session, table, jobs, results)
+    result_table = _results_target(model, jobs, results, result_model)
+    cancelled: set[tuple[int, int]] = set()
+    if model.delete_on_success:
+        done = _fenced(_rows(session, statements.complete_and_delete, table, _fence_params(jobs)))
+        if len(done) < len(jobs):  # not deleted: lost, or cancel requested (rare)
+            cancelled = _fenced(
+                session.execute(
+                    _statement(statements.cancel_attempts, table),
+                    _fence_params(_lost(jobs, done)),
+                )
+            )
+    else:
+        cancelled_value = JobStatus.CANCELLED.value
+        rows = _rows(session, statements.complete, table, _fence_params(jobs))
+        if (
+            len(rows) == len(jobs)
+            and result_table is None
+            and cancelled_value not in map(_ROW_STATUS, rows)
+        ):
+            # The common case, without a set built and searched per job: every attempt
+            # matched (a row comes back once per distinct fence matched, so as many rows as
+            # jobs means all of them), and none ended cancelled.
+            return [], []
+        done = set()
+        for row in rows:
+            (cancelled if row[3] == cancelled_value else done).add((row[0], row[1]))
+    _store_results(session, result_table, jobs, results, done)
+    if not cancelled:
+        return _lost(jobs, done), []
+    ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
+    return _lost(jobs, done | cancelled), ended_cancelled
+
+
+def complete_held(
+    session: Executor,
+    jobs: Sequence[ClaimedJob],
+    *,
+    results: Sequence[Any] | None = None,
+    result_model: type[JobResultMixin] | None = None,
+) -> list[ClaimedJob]:
+    """:func:`complete_many` for attempts whose rows the caller's transaction holds locked
+    (:func:`lock`), as a lock-held worker completes its group: each row is found through
+    its primary key (:func:`sqla_jobs.statements.complete_held`), and a job whose cancel
+    was requested is left untouched, still running. Returns the attempts not completed
+    (their cancel requested, or no longer theirs): roll back what was done for them, and
+    cancel them (fenced) once this transaction has ended."""
+    if not jobs:
+        return []
+    model = _one_model(jobs)
+    table = _job_table(model)
+    if has_history(model):
+        lost, _ = _complete_into_history(session, table, jobs, results, held=True)
+        return lost
+    result_table = _results_target(model, jobs, results, result_model)
+    # complete_and_delete leaves a job whose cancel was requested as it is already.
+    builder = (
+        statements.complete_and_delete if model.delete_on_success else statements.complete_held
+    )
+    done = _fenced(_rows(session, builder, table, _fence_params(jobs)))
+    _store_results(session, result_table, jobs, results, done)
+    return _lost(jobs, done)
+
+
+def _results_target(
+    model: type[JobMixin],
+    jobs: Sequence[ClaimedJob],
+    results: Sequence[Any] | None,
+    result_model: type[JobResultMixin] | None,
+) -> Table | None:
+    """The result table that ``results`` (checked here) go to; None without results."""
+    if results is None:
+        return None
+    result_model = result_model or model.result_model
+    if result_model is None:
+        raise InvalidJobError("result_model", "is required to store results")
+    if len(results) != len(jobs):
+        raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
+    for value in results:
+        validation.check_json("result", value)
+    return _result_table(result_model)
+
+
+def _store_results(
+    session: Executor,
+    result_table: Table | None,
+    jobs: Sequence[ClaimedJob],
+    results: Sequence[Any] | None,
+    done: set[tuple[int, int]],
+) -> None:
+    if result_table is None or results is None or not done:
+        return
+    payload = [
+        {"job_id": job.id, "task": job.task, "value": value}
+        for job, value in zip(jobs, results, strict=True)
+        if (job.id, job.attempt) in done
+    ]
+    session.execute(_statement(statements.store_results, result_table), {"results": payload})
+
+
+def _complete_into_history(
+    session: Executor,
+    table: Table,
+    jobs: Sequence[ClaimedJob],
+    results: Sequence[Any] | None,
+    *,
+    held: bool = False,
+) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+    # The job moves into its history table, succeeded, with its result, in one statement
+    # (sqla_jobs.history.statements.complete): no result table is involved.
+    values: dict[str, Any] = {}
+    if results is not None:
+        if len(results) != len(jobs):
+            raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
+        for job, value in zip(jobs, results, strict=True):
+            validation.check_json("result", value)
+            if value is not None:  # None: no result (SQL null), as a worker stores none
+                values[f"{job.id}:{job.attempt}"] = value
+    params = _fence_params(jobs) | {"results": _encode(values) if values else "{}"}
+    done: set[tuple[int, int]] = set()
+    cancelled: set[tuple[int, int]] = set()
+    for row in _rows(session, history_statements.complete, table, params, held=held):
+        (cancelled if row[3] == JobStatus.CANCELLED.value else done).add((row[0], row[1]))
+    ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
+    return _lost(jobs, done | cancelled), ended_cancelled
+
+
+def storable_text(text: str) -> str:
+    """``text`` as a PostgreSQL text column stores it: NUL replaced, and lone surrogates
+    (``os.fsdecode`` of a file name that is not UTF-8) written as ``\\udcff`` escapes,
+    which the driver could not encode."""
+    text = text.replace("\x00", "\ufffd")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def _error_text(error: str | BaseException) -> str:
+    if isinstance(error, BaseException):
+        try:
+            text = "".join(traceback.format_exception(error))
+        except Exception:  # an exception whose __str__ raises: say what it was at least
+            text = f"{type(error).__name__} (its message could not be read)"
+    else:
+        text = str(error)
+    # Keep the end of a long traceback, where the cause is.
+    if len(text) > MAX_ERROR_CHARS:
+        text = "...\n" + text[-MAX_ERROR_CHARS:]
+    return storable_text(text)
+
+
+def fail(
+    session: Executor,
+    job: ClaimedJob,
+    error: str | BaseException,
+    *,
+    retry: bool = True,
+    delay: timedelta | float | None = None,
+    policy: RetryPolicy | None = None,
+) -> FailOutcome:
+    """Record that this attempt failed with ``error`` (a message or an exception).
+
+    The job is retried after ``delay`` if given, else after the ``policy``'s exponential
+    backoff with jitter, both measured from the database's clock; it is dead instead when
+    this was its last attempt or ``retry`` is false, and ``cancelled`` when its cancel was
+    requested (:func:`cancel`). The error (a traceback for an
+    exception) is kept in ``last_error``, which nothing else clears: a job that later
+    succeeds keeps it, so it is the last error of any attempt. Raises
+    :class:`LeaseLostError` when the attempt no longer owns the job, and then nothing
+    changes.
+    """
+    policy = policy or RetryPolicy()
+    table = _job_table(job.model)
+    params = {
+        "job_id": job.id,
+        "attempt": job.attempt,
+        "error": _error_text(error),
+        "retry": bool(retry),
+        "delay_seconds": None if delay is None else _seconds("delay", delay),
+        "base": policy.base.total_seconds(),
+        "cap": policy.cap.total_seconds(),
+        "jitter": policy.jitter,
+    }
+    row = session.execute(_statement(statements.fail, table), params).one_or_none()
+    if row is None:
+        raise LeaseLostError(
+            f"job {job.id} attempt {job.attempt} no longer owns the job; nothing was changed"
+        )
+    if row.status == JobStatus.DEAD.value and has_history(job.model):
+        # Dead: into the history, in the same transaction as the failure.
+        session.execute(_statement(history_statements.move_finished, table), {"job_id": job.id})
+    return FailOutcome(job_id=row.id, status=JobStatus(row.status), run_at=row.run_at)
+
+
+def heartbeat(
+    session: Executor,
+    jobs: Sequence[ClaimedJob],
+    *,
+    lease: timedelta | float | Sequence[timedelta | float] = DEFAULT_LEASE,
+) -> list[ClaimedJob]:
+    """Extend these attempts' leases to ``lease`` from now, in database time.
+
+    ``lease`` is one duration for all, or a sequence with one per job. One statement for
+    the batch; it never waits on a row lock (see :func:`sqla_jobs.statements.heartbeat`).
+    Returns the attempts whose lease was not extended: their lease had run out and another
+    attempt took over, or the job is finished, or its row was locked by another transaction
+    at that moment (a lock-held job's own transaction: its row lock keeps every other claim
+    away already). Stop working on a lease-mode attempt returned here.
+    """
+    if not jobs:
+        return []
+    table = _job_table(_one_model(jobs))
+    if isinstance(lease, timedelta | float | int):
+        seconds = [_seconds("lease", lease)] * len(jobs)
+    else:
+        seconds = [_seconds("lease", value) for value in lease]
+        if len(seconds) != len(jobs):
+            raise InvalidJobError("lease", f"has {len(seconds)} items for {len(jobs)} jobs")
+    params = _fence_params(jobs) | {"fence_leases": ",".join(map(repr, seconds))}
+    rows = _rows(session, statements.heartbeat, table, params)
+    return _lost(jobs, _fenced(rows))
+
+
+def release(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
+    """Give these attempts' jobs back unfinished, runnable at once by any worker.
+
+    For a worker shutting down with work it will not finish. The attempt is not charged
+    against the job (``max_attempts`` grows by one); a job whose cancel was requested ends
+    ``cancelled`` instead. Returns the attempts that had already lost their job.
+    """
+    if not jobs:
+        return []
+    table = _job_table(_one_model(jobs))
+    rows = session.execute(_statement(statements.release, table), _fence_params(jobs))
+    return _lost(jobs, _fenced(rows))
