@@ -243,3 +243,17 @@ def test_a_keyed_claim_over_several_queues(queue_engine: sa.Engine) -> None:
             connection, EmailJob, queues=["alpha", "beta"], keys=True, hold=False
         )
     assert held == []
+
+
+def test_keys_of_any_text_reach_the_claim_as_they_were_written(queue_engine: sa.Engine) -> None:
+    # The keys the claim locked go to its second statement as a text[] literal in a
+    # setting: quotes, commas, braces, backslashes, spaces, the word NULL and non-ASCII
+    # text must come back exactly, or a key's jobs would not be found (or found twice).
+    keys = ["a,b", 'q"uote', "{br}", "back\\slash", "NULL", " sp ace ", "ü€", "'"]
+    first = enqueue(queue_engine, *(EmailJob(task="a", ordering_key=key) for key in keys))
+    second = enqueue(queue_engine, *(EmailJob(task="b", ordering_key=key) for key in keys))
+    claimed = claim(queue_engine, limit=50)
+    assert sorted(job.id for job in claimed) == sorted(first)  # one per key: the first
+    assert claim(queue_engine, limit=50) == []  # every key is busy
+    finish(queue_engine, *claimed)
+    assert sorted(job.id for job in claim(queue_engine, limit=50)) == sorted(second)
