@@ -254,7 +254,8 @@ def _claim_from(
         lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
         lock_options["limited"] = True
     # The keys locked go from the first statement to the second inside the transaction
-    # (statements.lock_keys): only their count comes back.
+    # (statements.lock_keys): of its one row, only the count (and a limited queue's free
+    # slots) is read here.
     (locked,) = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
     if limited:
         # The queue's free slots, a hint (the claims count exactly): none, or its lock is
