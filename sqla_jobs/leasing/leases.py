@@ -31,11 +31,9 @@ from datetime import datetime, timedelta
 from typing import Any, Final, NamedTuple, TypeAlias, cast
 
 from sqlalchemy import Boolean, ColumnElement, Connection, Executable, Table, inspect
-from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 from sqlalchemy.types import NullType
 
-from sqla_jobs import statements as job_statements
 from sqla_jobs import validation
 from sqla_jobs.errors import (
     ConfigurationError,
@@ -43,6 +41,7 @@ from sqla_jobs.errors import (
     InvalidLeaseError,
     LeaseLostError,
 )
+from sqla_jobs.holding import first_step_engine
 from sqla_jobs.leasing import statements
 from sqla_jobs.leasing.schema import LeaseMixin
 
@@ -270,27 +269,6 @@ def _lease(model: type[LeaseMixin], table: Table, row: Sequence[Any]) -> Lease:
     return Lease(model, key, row[width], row[width + 1], row[width + 2])
 
 
-def _engine(session: Executor, model: type[Any]) -> Engine:
-    if isinstance(session, Connection):
-        return session.engine
-    bind = session.get_bind(model)
-    return bind.engine if isinstance(bind, Connection) else bind
-
-
-def _check_holdable(session: Executor) -> None:
-    """A lock-held acquire commits the grant on another connection, then locks the rows in
-    the caller's transaction: only a READ COMMITTED transaction sees that commit. Under
-    REPEATABLE READ or SERIALIZABLE an earlier snapshot would not, and the grant would be
-    left standing, unlocked, until it expires."""
-    level = session.execute(job_statements.transaction_isolation()).scalar()
-    if level != "read committed":
-        raise ConfigurationError(
-            f"acquire_leases(hold=True) needs a READ COMMITTED transaction, not {level!s}: "
-            "the grant is committed on another connection, which an earlier snapshot would "
-            "not see; begin the transaction with isolation_level='READ COMMITTED'"
-        )
-
-
 # -- the operations ---------------------------------------------------------------------
 
 
@@ -357,8 +335,8 @@ def acquire_leases(
     if not hold:
         rows = session.execute(statement, params).all()
         return [_lease(model, table, row) for row in rows]
-    _check_holdable(session)
-    with _engine(session, model).begin() as connection:
+    engine = first_step_engine(session, model, call="acquire_leases(hold=True)", step="the grant")
+    with engine.begin() as connection:
         rows = connection.execute(statement, params).all()
     granted = [_lease(model, table, row) for row in rows]
     if not granted:

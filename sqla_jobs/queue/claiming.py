@@ -9,7 +9,6 @@ from datetime import timedelta
 from typing import Any, Final
 
 from sqlalchemy import (
-    Connection,
     Table,
 )
 
@@ -19,6 +18,7 @@ from sqla_jobs.errors import (
     InvalidJobError,
     JobNotFoundError,
 )
+from sqla_jobs.holding import first_step_engine
 from sqla_jobs.queue._plumbing import (
     _CLAIM_ORDER,
     DEFAULT_LEASE,
@@ -140,12 +140,7 @@ def claim(
         limits = validation.check_queue_limits("queue_limits", queue_limits)
         limited = {name: limits[name] for name in queue_names if name in limits}
     if hold:
-        _check_holdable(session)
-        if isinstance(session, Connection):
-            engine = session.engine
-        else:
-            bind = session.get_bind()
-            engine = bind.engine if isinstance(bind, Connection) else bind
+        engine = first_step_engine(session, model, call="claim(hold=True)", step="the attempt")
         with engine.begin() as connection:
             rows = _claim_rows(connection, table, params, queue_names, keys, limited)
     else:
@@ -280,20 +275,6 @@ def _claim_from(
         rest = params | {"limit": limit - len(rows)}
         rows.extend(_rows(session, statements.claim, table, rest, **options))
     return rows
-
-
-def _check_holdable(session: Executor) -> None:
-    """A lock-held claim commits the attempt on another connection and then locks the rows
-    in the caller's transaction: only a READ COMMITTED transaction sees that commit. Under
-    REPEATABLE READ or SERIALIZABLE, a snapshot taken earlier would not, and the job would
-    be left running with an attempt used up."""
-    level = session.execute(statements.transaction_isolation()).scalar()
-    if level != "read committed":
-        raise ConfigurationError(
-            f"claim(hold=True) needs a READ COMMITTED transaction, not {level!s}: the "
-            "attempt is committed on another connection, which an earlier snapshot would not "
-            "see; begin the transaction with isolation_level='READ COMMITTED'"
-        )
 
 
 def _log_exhausted(rows: Sequence[Any], running: str) -> None:
