@@ -26,7 +26,10 @@ How a job goes through it, one module per role:
 :mod:`~sqla_jobs.worker.heartbeat`
     extends the leases of the attempts the worker holds.
 :mod:`~sqla_jobs.worker.lifecycle`
-    :class:`Worker`: start, supervision, signals, shutdown, health.
+    :class:`Worker`: start, supervision, signals, shutdown; with its settings' rules
+    (:mod:`~sqla_jobs.worker.settings`), the restartable role threads
+    (:mod:`~sqla_jobs.worker.roles`) and how health is judged
+    (:mod:`~sqla_jobs.worker.health`).
 :mod:`~sqla_jobs.worker.state`
     what they share, with its locking rules, and where "one outcome per attempt" lives.
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import logging
 import os
 import re
@@ -35,7 +34,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -51,16 +49,24 @@ from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.events import describe
 from sqla_jobs.history.schema import has_history
 from sqla_jobs.pooler import POOLER_MODES, behind_pooler
-from sqla_jobs.queue import MAX_CLAIM_LIMIT, default_worker_name, vacuum
+from sqla_jobs.queue import default_worker_name, vacuum
 from sqla_jobs.registry import Registry
 from sqla_jobs.worker.fetcher import Fetcher
+from sqla_jobs.worker.health import WorkerHealth, assess
 from sqla_jobs.worker.heartbeat import Heartbeat
 from sqla_jobs.worker.link import Link, is_transient
 from sqla_jobs.worker.listener import Notifier
 from sqla_jobs.worker.maintenance import HistoryKeeper
 from sqla_jobs.worker.observer import NO_OBSERVER, Observer
+from sqla_jobs.worker.roles import DatabaseWatch, Role
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.scheduler import Scheduler
+from sqla_jobs.worker.settings import (
+    DEFAULT_BATCH_SIZE,
+    HISTORY_EVERY,
+    check_metrics,
+    check_numbers,
+)
 from sqla_jobs.worker.state import Attempt, State
 from sqla_jobs.worker.writer import OutcomeWriter
 
@@ -77,113 +83,11 @@ _SUPERVISE_EVERY: Final = 0.1
 _HEALTH_FILE_EVERY: Final = 1.0
 _STUCK_LOG_EVERY: Final = 10.0
 _DRAIN_TIMEOUT: Final = 5.0
-#: Seconds between two runs of the history role (partitions, mover, retention).
-HISTORY_EVERY: Final = 60.0
 # A connection refused by the server for good (not while it starts or stops): a wrong
 # database, role or password. The server sends no SQLSTATE the driver exposes at connect.
 _REFUSED_FOR_GOOD: Final = re.compile(
     r"does not exist|authentication failed|pg_hba\.conf|permission denied", re.IGNORECASE
 )
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerHealth:
-    """A snapshot of the worker's liveness.
-
-    ``healthy`` means the worker runs, every role thread is alive, the fetch loop went
-    round within ``stuck_after`` seconds, no claimed attempt waited that long for a handler
-    thread, and no outcome waited that long to be written; ``problems`` says which of these
-    failed. ``database_ok`` is whether the last database call succeeded: a worker waiting
-    out an outage is alive (restarting it would not help), but not doing work.
-    ``oldest_attempt_age`` is how long ago the oldest attempt still held was claimed (a
-    long-running handler shows here), ``outcomes_waiting`` how many finished attempts wait
-    for the outcome writer, and ``oldest_outcome_age`` how long the oldest of them waited.
-    """
-
-    healthy: bool
-    fetch_loop_age: float
-    database_ok: bool
-    listening: bool
-    in_flight: int
-    dead_threads: tuple[str, ...]
-    oldest_attempt_age: float | None = None
-    outcomes_waiting: int = 0
-    oldest_outcome_age: float | None = None
-    problems: tuple[str, ...] = ()
-
-
-class _Role:
-    """A named runtime thread the supervisor restarts if it dies."""
-
-    def __init__(self, name: str, prefix: str, target: Callable[[], None]) -> None:
-        self.name = name
-        self.target = target
-        self.thread_name = f"{prefix}-{name}"
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        def guarded() -> None:
-            try:
-                self.target()
-            except BaseException:
-                logger.critical(
-                    "worker thread %s crashed",
-                    self.name,
-                    exc_info=True,
-                    extra={"action": "thread_crashed", "thread_name": self.name},
-                )
-
-        self.thread = threading.Thread(target=guarded, name=self.thread_name, daemon=True)
-        self.thread.start()
-
-    def alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-    def join(self, timeout: float) -> None:
-        if self.thread is not None:
-            self.thread.join(timeout)
-
-
-class _DatabaseWatch:
-    """Each role's view of the database: logs failures with a backoff of its own and the
-    recovery after them; ``ok`` is whether the last call of any role succeeded."""
-
-    def __init__(self) -> None:
-        self.ok = True
-        self.observer: Observer = NO_OBSERVER
-
-    def role(self, what: str) -> tuple[Callable[[str, Exception], float], Callable[[], None]]:
-        backoff = Backoff()
-
-        def failed(operation: str, exc: Exception) -> float:
-            self.ok = False
-            self.observer.database_error(operation)
-            delay = backoff.next_delay()
-            logger.warning(
-                "database error in %s (%s); retrying in %.1fs",
-                operation,
-                describe(exc),
-                delay,
-                extra={
-                    "action": "database_error",
-                    "operation": operation,
-                    "error": describe(exc),
-                    "delay": round(delay, 3),
-                    "failures": backoff.failures,
-                },
-            )
-            return delay
-
-        def recovered() -> None:
-            self.ok = True
-            if backoff.reset():
-                logger.info(
-                    "the database answers again (%s)",
-                    what,
-                    extra={"action": "database_recovered", "operation": what},
-                )
-
-        return failed, recovered
 
 
 class Worker:
@@ -291,26 +195,18 @@ class Worker:
                 "of their own on any driver, and async_session_factory gives lock-mode coroutines "
                 "one"
             )
-        if not _positive_int(concurrency):
-            raise ConfigurationError(f"concurrency must be a positive integer, not {concurrency!r}")
-        if batch_size is not None and not (
-            _positive_int(batch_size) and batch_size <= MAX_CLAIM_LIMIT
-        ):
-            raise ConfigurationError(f"batch_size must be an integer in [1, {MAX_CLAIM_LIMIT}]")
-        if prefetch is not None and not _int_in(prefetch, 0, MAX_PREFETCH):
-            raise ConfigurationError(
-                f"prefetch must be an integer in [0, {MAX_PREFETCH}], not {prefetch!r}"
-            )
-        for label, value in (("poll_interval", poll_interval), ("grace", grace)):
-            if not value >= 0:
-                raise ConfigurationError(f"{label} must not be negative, got {value!r}")
-        if not 0 < lock_timeout < 3600:
-            raise ConfigurationError(
-                f"lock_timeout must be in (0, 3600) seconds, not {lock_timeout!r}"
-            )
+        check_numbers(
+            concurrency=concurrency,
+            batch_size=batch_size,
+            prefetch=prefetch,
+            poll_interval=poll_interval,
+            grace=grace,
+            lock_timeout=lock_timeout,
+            history_every=history_every,
+        )
         if pooler not in POOLER_MODES:
             raise ConfigurationError(f"pooler must be one of {POOLER_MODES}, not {pooler!r}")
-        _check_metrics(metrics_port, metrics_host, metrics_max_age)
+        check_metrics(metrics_port, metrics_host, metrics_max_age)
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
         self.metrics_max_age = metrics_max_age
@@ -325,8 +221,6 @@ class Worker:
             except InvalidJobError as exc:
                 raise ConfigurationError(str(exc)) from exc
         self.history_keeper: HistoryKeeper | None = None
-        if not history_every > 0:
-            raise ConfigurationError(f"history_every must be positive, not {history_every!r}")
         self.history_every = history_every
         self.registry = registry
         self.engine = engine
@@ -370,7 +264,7 @@ class Worker:
         self._stop_signal: int | None = None
         self._signals = 0
         self._running = False
-        self._database = _DatabaseWatch()
+        self._database = DatabaseWatch()
         self._last_stuck_log = 0.0
         self._runner = Runner(
             self._state,
@@ -384,7 +278,7 @@ class Worker:
         self._started = threading.Event()
         self._exit: list[int | BaseException] = []
         self._fetcher: Fetcher | None = None
-        self._roles: dict[str, _Role] = {}
+        self._roles: dict[str, Role] = {}
         self._notifier: Notifier | None = None
 
     # -- public -------------------------------------------------------------------------
@@ -496,35 +390,17 @@ class Worker:
         dead += tuple(t.name for t in self._runner.threads if not t.is_alive())
         if self._notifier is not None and not self._notifier.is_alive():
             dead += ("notifier",)
-        held = self._state.snapshot()
-        waiting = [a for a in held if a.outcome is None and not a.started_at]
-        settled = [a for a in held if a.outcome is not None]
-        problems = []
-        if not self._running:
-            problems.append("not running")
-        elif fetcher is None:
-            problems.append("starting: waiting for the database")
-        if dead:
-            problems.append(f"dead threads: {', '.join(dead)}")
-        if age >= self.stuck_after and not self._stopping.is_set():
-            problems.append(f"the fetch loop has not gone round for {age:.0f}s")
-        oldest_waiting = _oldest(now, [a.claimed_at for a in waiting])
-        if oldest_waiting is not None and oldest_waiting >= self.stuck_after:
-            problems.append(f"a claimed job waited {oldest_waiting:.0f}s for a handler thread")
-        oldest_outcome = _oldest(now, [a.settled_at for a in settled])
-        if oldest_outcome is not None and oldest_outcome >= self.stuck_after:
-            problems.append(f"an outcome has waited {oldest_outcome:.0f}s to be written")
-        return WorkerHealth(
-            healthy=not problems,
+        return assess(
+            now=now,
+            running=self._running,
+            started=fetcher is not None,
+            stopping=self._stopping.is_set(),
             fetch_loop_age=age,
+            stuck_after=self.stuck_after,
+            dead=dead,
+            held=self._state.snapshot(),
             database_ok=self._database.ok,
             listening=self._notifier is not None and self._notifier.connected,
-            in_flight=len(held),
-            dead_threads=dead,
-            oldest_attempt_age=_oldest(now, [a.claimed_at for a in held]),
-            outcomes_waiting=len(settled),
-            oldest_outcome_age=oldest_outcome,
-            problems=tuple(problems),
         )
 
     def is_healthy(self) -> bool:
@@ -660,10 +536,10 @@ class Worker:
             on_cancel_requested=self._runner.request_cancel,
         )
         self._roles = {
-            "fetch": _Role("fetch", self._prefix, self._fetcher.loop),
-            "outcomes": _Role("outcomes", self._prefix, writer.loop),
-            "heartbeat": _Role("heartbeat", self._prefix, heartbeat.loop),
-            "vacuum": _Role("vacuum", self._prefix, self._vacuum_loop),
+            "fetch": Role("fetch", self._prefix, self._fetcher.loop),
+            "outcomes": Role("outcomes", self._prefix, writer.loop),
+            "heartbeat": Role("heartbeat", self._prefix, heartbeat.loop),
+            "vacuum": Role("vacuum", self._prefix, self._vacuum_loop),
         }
         if self.scheduler:
             schedule_failed, schedule_ok = self._database.role("schedule")
@@ -674,7 +550,7 @@ class Worker:
                 on_database_error=schedule_failed,
                 on_database_ok=schedule_ok,
             )
-            self._roles["schedule"] = _Role("schedule", self._prefix, scheduler.loop)
+            self._roles["schedule"] = Role("schedule", self._prefix, scheduler.loop)
         if has_history(self.model):
             history_failed, history_ok = self._database.role("history")
             self.history_keeper = HistoryKeeper(
@@ -688,7 +564,7 @@ class Worker:
                 on_database_error=history_failed,
                 on_database_ok=history_ok,
             )
-            self._roles["history"] = _Role("history", self._prefix, self.history_keeper.loop)
+            self._roles["history"] = Role("history", self._prefix, self.history_keeper.loop)
         self._runner.start(self.concurrency)
         for role in self._roles.values():
             role.start()
@@ -938,42 +814,3 @@ class Worker:
                 describe(exc),
                 extra={"action": "database_error", "operation": "shutdown"},
             )
-
-
-def _check_metrics(port: object, host: object, max_age: object) -> None:
-    if port is None:
-        return
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigurationError(f"metrics_port must be an integer in [0, 65535], not {port!r}")
-    if not isinstance(host, str) or not host:
-        raise ConfigurationError(f"metrics_host must be a host name or address, not {host!r}")
-    if isinstance(max_age, bool) or not isinstance(max_age, int | float) or not 0 < max_age <= 3600:
-        raise ConfigurationError(f"metrics_max_age must be in (0, 3600] seconds, not {max_age!r}")
-    if importlib.util.find_spec("prometheus_client") is None:
-        raise ConfigurationError(
-            "metrics_port needs prometheus_client: pip install 'sqla-jobs[metrics]'"
-        )
-
-
-#: The default largest claim (``batch_size``), unless the concurrency is larger: the plain
-#: loop's best batch in the bench's sweeps.
-DEFAULT_BATCH_SIZE: Final = 500
-#: The most jobs a worker may claim beyond its free slots (``prefetch``).
-MAX_PREFETCH: Final = 10_000
-
-
-def _positive_int(value: object) -> bool:
-    return _int_in(value, 1, None)
-
-
-def _int_in(value: object, low: int, high: int | None) -> bool:
-    return (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and value >= low
-        and (high is None or value <= high)
-    )
-
-
-def _oldest(now: float, times: list[float]) -> float | None:
-    return now - min(times) if times else None
