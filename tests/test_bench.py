@@ -78,6 +78,8 @@ def test_quick_bench_writes_every_section(
         assert not cpu["higher_is_better"]
     assert metrics["async.cycle.single.session"]["ceiling"] == "async.cycle.single.connection"
     assert metrics["async.add_all.session"]["ceiling"] is None
+    # Keyed claims behind one busy key's burst: every claim walks past it (walk_keys).
+    assert metrics["keys.claim.behind_burst"]["ceiling"] == "keys.claim.plain"
     assert metrics["enqueue.bulk"]["ceiling"] == "ceiling.insert"
     assert metrics["enqueue.add_all"]["ceiling"] == "ceiling.orm_add_all"
     assert {row["metric"] for row in document["targets"]} >= {

@@ -257,3 +257,63 @@ def test_keys_of_any_text_reach_the_claim_as_they_were_written(queue_engine: sa.
     assert claim(queue_engine, limit=50) == []  # every key is busy
     finish(queue_engine, *claimed)
     assert sorted(job.id for job in claim(queue_engine, limit=50)) == sorted(second)
+
+
+def test_a_burst_of_one_key_does_not_hide_the_keys_behind_it(queue_engine: sa.Engine) -> None:
+    # One key's burst fills the claim's look-ahead (the first limit + 16 keyed jobs in
+    # claim order, rounded up to 16) with one key: the claim walks on past it, one key at a
+    # time in claim order, until its keys could start limit + 16 jobs.
+    burst = enqueue(queue_engine, *(EmailJob(task="hot", ordering_key="hot") for _ in range(300)))
+    others = enqueue(
+        queue_engine, *(EmailJob(task="other", ordering_key=f"k{i}") for i in range(30))
+    )
+    first = claim(queue_engine, limit=20)
+    assert sorted(job.id for job in first) == [burst[0], *others[:19]]
+    second = claim(queue_engine, limit=20)  # the hot key is busy: the rest of the others
+    assert sorted(job.id for job in second) == others[19:]
+    assert claim(queue_engine, limit=20) == []
+    finish(queue_engine, *(job for job in first if job.id == burst[0]))
+    assert [job.id for job in claim(queue_engine, limit=20)] == [burst[1]]
+
+
+def test_the_walk_past_bursts_keeps_claim_order_across_queues(queue_engine: sa.Engine) -> None:
+    # Each served queue's look-ahead is walked on its own; the keys found, in all queues,
+    # are locked in the order of their best job.
+    hot = enqueue(
+        queue_engine, *(EmailJob(task="h", queue="alpha", ordering_key="h1") for _ in range(100))
+    )
+    hot += enqueue(
+        queue_engine, *(EmailJob(task="h", queue="beta", ordering_key="h2") for _ in range(100))
+    )
+    alpha = enqueue(
+        queue_engine, *(EmailJob(task="a", queue="alpha", ordering_key=f"a{i}") for i in range(8))
+    )
+    beta = enqueue(
+        queue_engine, *(EmailJob(task="b", queue="beta", ordering_key=f"b{i}") for i in range(8))
+    )
+    jobs = claim(queue_engine, queues=["alpha", "beta"], limit=40)
+    assert sorted(job.id for job in jobs) == sorted([hot[0], hot[100], *alpha, *beta])
+    # The hot keys are busy now; their queues' other jobs are all running: nothing left.
+    assert claim(queue_engine, queues=["alpha", "beta"], limit=40) == []
+
+
+def test_the_walk_past_a_burst_keeps_a_queue_limit_and_skips_held_keys(
+    queue_engine: sa.Engine,
+) -> None:
+    # The keys the walk finds are try-locked like the others: one that another claim holds
+    # is skipped, never waited for; and a limited queue's claim takes no more than its
+    # free slots, whatever the walk found.
+    burst = enqueue(queue_engine, *(EmailJob(task="hot", ordering_key="hot") for _ in range(200)))
+    others = enqueue(
+        queue_engine, *(EmailJob(task="other", ordering_key=f"k{i}") for i in range(10))
+    )
+    space = sqla_jobs.statements.key_lock_space(EmailJob.__table__)  # type: ignore[arg-type]
+    with queue_engine.connect() as holder, holder.begin():
+        holder.execute(
+            sa.text("SELECT pg_advisory_xact_lock(:space, hashtext('k0'))"), {"space": space}
+        )
+        taken = claim(queue_engine, limit=20, queue_limits={"default": 4})
+        assert sorted(job.id for job in taken) == [burst[0], *others[1:4]]
+        rest = claim(queue_engine, limit=20)
+        assert sorted(job.id for job in rest) == others[4:]
+    assert [job.id for job in claim(queue_engine, limit=20)] == [others[0]]

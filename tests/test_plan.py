@@ -393,6 +393,49 @@ def test_the_keyed_claim_locks_the_keys_it_needs_for_its_batch(
     assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
 
 
+def test_the_walk_past_a_burst_reads_the_burst_once_and_no_further(
+    queue_engine: sa.Engine,
+) -> None:
+    # One key's 5,000 jobs come first in claim order, then 20,000 jobs of as many other
+    # keys: the lock statement's window holds one key, so the walk goes on past the burst
+    # (each of its jobs read once, and filtered out) to the next keys, and stops as soon as
+    # they could start ``scan`` jobs: nothing of the backlog behind them is read.
+    burst = 5_000
+    seed(
+        queue_engine,
+        "INSERT INTO email_jobs (queue, task, run_at, ordering_key) "
+        "SELECT 'q0', 'keyed', now() - interval '1 hour' + n * interval '1 ms', "
+        "CASE WHEN n <= :burst THEN 'hot' ELSE 'customer:' || n END "
+        "FROM generate_series(1, :burst + 20000) AS n",
+        burst=burst,
+    )
+    lock_params, lock_options = sqla_jobs.queue.key_lock_params(["q0"], LIMIT)
+    lock_sql = str(
+        statements.lock_keys(TABLE, **lock_options).compile(dialect=queue_engine.dialect)
+    )
+    walk = statements.walk_keys(TABLE, rows=lock_options["rows"], queue_count=1)
+    walk_sql = str(walk.compile(dialect=queue_engine.dialect))
+    walk_params = {name: lock_params[name] for name in ("queue_name", "scan", "per_key")}
+    scan = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
+    for generic in (False, True):
+        with queue_engine.connect() as connection:
+            transaction = connection.begin()
+            cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            if generic:
+                cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            locked, _, _, walk_further = cursor.execute(lock_sql, lock_params).fetchone()
+            assert (locked, walk_further) == (1, True)  # the hot key only: walk on
+            plan = explain_sql(cursor, walk_sql, walk_params, generic=generic)
+            (keys,) = cursor.execute(
+                "SELECT CAST(current_setting(%s) AS text[])", [statements.LOCKED_KEYS]
+            ).fetchone()
+            transaction.rollback()
+        assert keys == ["hot", *(f"customer:{n}" for n in range(burst + 1, burst + scan))]
+        reads = index_reads(plan, max_filtered=burst)
+        assert {r["Index Name"] for r in reads} == {N.keyed_pending_index}
+        assert sum(buffers(r) for r in reads) <= 2 * burst + 12 * scan, summary(reads)
+
+
 def test_the_keyed_claim_reads_no_other_keys_in_flight_whatever_the_statistics(
     queue_engine: sa.Engine,
 ) -> None:

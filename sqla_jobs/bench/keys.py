@@ -3,10 +3,11 @@ complete_many of ``--jobs`` plain jobs (``keys.claim.plain``), beside the same w
 ``keys=True`` on plain jobs, on keyed jobs over 1,000 keys with ``key_limit`` 1 and 3, and
 with a queue limit (``queue_limits``, as large as the batch, so that it costs its statements
 without holding a claim back) on plain jobs and on keyed jobs with ``key_limit`` 3 (ratios
-to the plain claim). Each on one Core connection, the path the worker's claims and
-completions take (an ORM ``Session`` sends every statement through SQLAlchemy's
-``execute``, which costs the keyed claim's extra statements more than the statements
-themselves)."""
+to the plain claim); and keyed claims behind a burst of 10,000 jobs of one busy key
+(``keys.claim.behind_burst``: each claim walks past the burst). Each on one Core
+connection, the path the worker's claims and completions take (an ORM ``Session`` sends
+every statement through SQLAlchemy's ``execute``, which costs the keyed claim's extra
+statements more than the statements themselves)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ __all__ = ["run_keys"]
 
 #: Distinct ordering keys of the section's keyed jobs.
 _KEYS: Final = 1_000
+#: The burst figure: one key's jobs first in line, then this many keys with a job each.
+_BURST: Final = 10_000
+_BEHIND: Final = 2_000
 
 
 def _claim_throughput(
@@ -56,6 +60,45 @@ def _claim_throughput(
         elapsed = time.perf_counter() - started
     if done != count:
         raise RuntimeError(f"claimed and completed {done} of {count} jobs")
+    return done / elapsed
+
+
+def _burst_throughput(engine: sa.Engine, batch: int) -> float:
+    """Claims of ``batch`` keyed jobs + complete_many behind a burst: ``_BURST`` jobs of one
+    key first in line, whose first job runs all along (so every claim must look past the
+    burst: :func:`sqla_jobs.statements.walk_keys`), then ``_BEHIND`` keys with one job each;
+    jobs/s until those are claimed and completed."""
+    with engine.begin() as connection:
+        connection.execute(
+            bench_sql.fill_burst(scratch.TABLE),
+            {
+                "queue": Q_KEYS,
+                "task": "bench_noop",
+                "count": _BURST + _BEHIND,
+                "burst": _BURST,
+                "key_limit": 1,
+            },
+        )
+    scratch.vacuum(engine)
+    with engine.begin() as connection:
+        (hot,) = claim(connection, Job, queues=Q_KEYS, limit=1, lease=LEASE_SECONDS, keys=True)
+    done = 0
+    with engine.connect() as connection:
+        started = time.perf_counter()
+        while done < _BEHIND:
+            with connection.begin():
+                jobs = claim(
+                    connection, Job, queues=Q_KEYS, limit=batch, lease=LEASE_SECONDS, keys=True
+                )
+            if not jobs:
+                break
+            with connection.begin():
+                done += len(jobs) - len(complete_many(connection, jobs))
+        elapsed = time.perf_counter() - started
+    if done != _BEHIND:
+        raise RuntimeError(f"claimed and completed {done} of {_BEHIND} jobs behind the burst")
+    with engine.begin() as connection:
+        complete_many(connection, [hot])
     return done / elapsed
 
 
@@ -96,4 +139,9 @@ def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
         with engine.begin() as connection:
             connection.execute(bench_sql.delete_queue(scratch.TABLE), {"queue": Q_KEYS})
         scratch.vacuum(engine)
+    value = _burst_throughput(engine, cfg.batch)
+    results.add("keys.claim.behind_burst", value, "jobs/s", "keys.claim.plain")
+    with engine.begin() as connection:
+        connection.execute(bench_sql.delete_queue(scratch.TABLE), {"queue": Q_KEYS})
+    scratch.vacuum(engine)
     scratch.progress("keys")

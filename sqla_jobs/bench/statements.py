@@ -15,9 +15,11 @@ against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 from sqlalchemy import (
+    BindParameter,
     ColumnElement,
     Delete,
     Exists,
@@ -28,6 +30,7 @@ from sqlalchemy import (
     Text,
     TextClause,
     bindparam,
+    case,
     delete,
     func,
     insert,
@@ -47,6 +50,7 @@ __all__ = [
     "delete_queue",
     "drop_database",
     "fill",
+    "fill_burst",
     "fill_history",
     "fill_keyed",
     "finished",
@@ -199,20 +203,33 @@ def fill_keyed(table: Table) -> Insert:
     """Insert ``:count`` no-op jobs of task ``:task`` in queue ``:queue``, job ``n`` with the
     ordering key ``'key:' || n % :keys`` (so the first ``:keys`` jobs in claim order have
     distinct keys) and the key limit ``:key_limit``, in one statement."""
-    series = (
-        func.generate_series(_ONE, bindparam("count", type_=Integer))
-        .table_valued("n")
-        .render_derived(name="s")
+    return _fill(table, lambda n: literal_column("'key:'") + func.cast(n % _param("keys"), Text))
+
+
+def fill_burst(table: Table) -> Insert:
+    """As :func:`fill_keyed`, but the first ``:burst`` jobs in claim order have one key,
+    ``'hot'``, and each job after them a key of its own."""
+    return _fill(
+        table,
+        lambda n: case(
+            (n <= _param("burst"), literal_column("'hot'")),
+            else_=literal_column("'key:'") + func.cast(n, Text),
+        ),
     )
-    key: ColumnElement[str] = literal_column("'key:'") + func.cast(
-        series.c.n % bindparam("keys", type_=Integer), Text
-    )
+
+
+def _param(name: str) -> BindParameter[int]:
+    return bindparam(name, type_=Integer)
+
+
+def _fill(table: Table, key: Callable[[ColumnElement[int]], ColumnElement[str]]) -> Insert:
+    series = func.generate_series(_ONE, _param("count")).table_valued("n").render_derived(name="s")
     values: list[ColumnElement[Any]] = [
         bindparam("queue", type_=Text),
         bindparam("task", type_=Text),
         literal_column("'{}'::jsonb"),
-        key,
-        bindparam("key_limit", type_=Integer),
+        key(series.c.n),
+        _param("key_limit"),
     ]
     return insert(table).from_select(
         ["queue", "task", "args", "ordering_key", "key_limit"],

@@ -248,19 +248,27 @@ def _claim_from(
     if limited:
         lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
         lock_options["limited"] = True
-    # The keys locked go from the first statement to the second inside the transaction
-    # (statements.lock_keys): of its one row, only the count (and a limited queue's free
-    # slots) is read here.
+    # The keys locked go from the first statement to the claim inside the transaction
+    # (statements.lock_keys): of its one row, only the count, whether to walk further
+    # (statements.walk_keys) and a limited queue's free slots are read here.
     (locked,) = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
     if limited:
         # The queue's free slots, a hint (the claims count exactly): none, or its lock is
         # another claim's (NULL; then no key was locked either); fewer than the limit, and
         # the claims ask for no more.
-        limit = min(limit, locked[3] or 0)
+        limit = min(limit, locked[4] or 0)
         if limit <= 0:
             return []
+    count = locked[0]
+    if locked[3]:
+        # The jobs in line belonged to too few keys (a burst of one): look further.
+        walk_params = {name: lock_params[name] for name in ("scan", "per_key")}
+        walk_params |= _queue_params(queue_names)
+        walk_options = {"rows": lock_options["rows"], "queue_count": lock_options["queue_count"]}
+        (walked,) = _rows(session, statements.walk_keys, table, walk_params, **walk_options)
+        count += walked[0]
     rows: list[Any] = []
-    if locked[0]:
+    if count:
         keyed = {
             "queue_names": queue_names,
             "limit": limit,

@@ -55,6 +55,7 @@ from sqla_jobs.statements.claims import (
     lock_keys,
     lock_queues,
     queue_lock_space,
+    walk_keys,
 )
 from sqla_jobs.statements.enqueueing import (
     CONTEXT_COLUMNS,
@@ -144,4 +145,5 @@ __all__ = [
     "transaction_isolation",
     "vacuum",
     "wakeup_trigger_exists",
+    "walk_keys",
 ]

@@ -246,8 +246,9 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     :data:`LOCKED_KEY_LIMITS`, arrays in their text form), where the next statement reads
     them: the keys never travel to the client and back (a claim of 50 locks some 66 keys,
     which the client would read as rows and send back as two arrays). Returns one row:
-    how many keys were locked, and the two settings' values (``locked, keys,
-    key_limits``).
+    how many keys were locked, the two settings' values, and whether the keys locked could
+    start fewer than ``:scan`` jobs though a queue had ``rows`` jobs in line, so that
+    :func:`walk_keys` should look further (``locked, keys, key_limits, walk``).
 
     The first statement of a keyed claim, and its only way to serialise claimers per key:
     for each served queue, the keys of its first runnable keyed jobs in claim order (the
@@ -280,7 +281,7 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     ``limited`` (one queue, whose limit is ``:queue_slots``): the statement first takes the
     queue's lock (as :func:`lock_queues` does); if it got it, it counts the queue's free
     slots (:func:`limited_count`, up to ``:limit``), and locks keys only if one is free. It
-    returns that count too (``locked, keys, key_limits, free``; ``free`` NULL when another
+    returns that count too (``locked, keys, key_limits, walk, free``; ``free`` NULL when another
     claim holds the queue, and then no key is locked). The count is a hint: it was read
     with a snapshot taken before the queue's lock was granted, so it may miss a claim
     committed meanwhile (the exact count is the claim's, :func:`claim_keyed` ``limited``),
@@ -307,12 +308,13 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
         served_by = bindparam("queue_names", type_=ARRAY(Text))
     # The CASE makes the cut come first: no key past it is locked.
     gate = "g.free > 0 AND " if limited else ""
-    keys = f"""SELECT k.ordering_key, k.key_limit, k.first FROM (
-    SELECT g.ordering_key, g.key_limit, g.first,
+    keys = f"""SELECT k.ordering_key, k.key_limit, k.first, k.last FROM (
+    SELECT g.ordering_key, g.key_limit, g.first, g.last,
         sum(least(g.key_limit, :per_key)) OVER (ORDER BY g.first ROWS UNBOUNDED PRECEDING)
             - least(g.key_limit, :per_key) AS ahead
     FROM (
-        SELECT c.ordering_key, max(coalesce(c.key_limit, 1)) AS key_limit, min(c.n) AS first
+        SELECT c.ordering_key, max(coalesce(c.key_limit, 1)) AS key_limit, min(c.n) AS first,
+            max(c.n) AS last
         FROM (
             SELECT u.ordering_key, u.key_limit,
                 row_number() OVER (ORDER BY u.priority, u.run_at, u.id) AS n
@@ -337,14 +339,18 @@ WHERE CASE WHEN {gate}k.ahead < :scan
     ELSE false END"""
     params = [served_by, bindparam("scan", type_=Integer), bindparam("per_key", type_=Integer)]
     # The keys and their limits go to claim_keyed through two transaction-local settings:
-    # array_agg skips no row, and the arrays' text form reads back exactly.
+    # array_agg skips no row, and the arrays' text form reads back exactly. ``walk``: the
+    # keys locked could start fewer than ``:scan`` jobs, though a queue had ``rows`` jobs
+    # in line: the jobs read belonged to too few keys (one key's burst), and other keys'
+    # jobs may wait behind them (walk_keys finds them).
     handed = f"""count(l.ordering_key) AS locked,
     set_config('{LOCKED_KEYS}',
         CAST(coalesce(array_agg(l.ordering_key ORDER BY l.first)
             FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS keys,
     set_config('{LOCKED_KEY_LIMITS}',
         CAST(coalesce(array_agg(l.key_limit ORDER BY l.first)
-            FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS key_limits"""
+            FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS key_limits,
+    coalesce(sum(least(l.key_limit, :per_key)) < :scan AND max(l.last) >= {limit}, false) AS walk"""
     if not limited:
         sql = f"SELECT {handed} FROM ({keys}) AS l"
         return text(sql).bindparams(*params)
@@ -357,6 +363,98 @@ FROM gate AS g LEFT JOIN LATERAL ({keys}) AS l ON true
 GROUP BY g.free"""
     counted = [param for param in _limited_params() if param.key != "queue_name"]
     return text(sql).bindparams(*params, *counted)
+
+
+def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
+    """Lock more keys after :func:`lock_keys`, when it says so (``walk``): the first ``rows``
+    jobs in line of a queue belonged to too few keys to fill a claim (a burst of one key),
+    and the keys behind them would otherwise wait until the burst has run.
+
+    Per served queue, from the last of its first ``rows`` runnable keyed jobs in claim order
+    on, it walks the keyed pending index to the next job of a key not seen yet (neither
+    among those ``rows`` jobs nor locked already), one key per step: a descent of the index
+    each, which skips the seen keys' jobs one by one (the burst's, read once per claim). A
+    queue's walk stops when the keys locked and found could start ``:scan`` jobs (a key
+    counts for its job's ``key_limit``, at most ``:per_key``), or at its last job. The keys
+    found, in claim order, are locked as :func:`lock_keys` locks them (a try-lock, skipped
+    when another claim holds it; no key past the cut) and added to the two settings.
+    Returns one row: how many keys it locked (``locked``).
+
+    Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key``.
+    """
+    t = qualified_name(table.name, table.schema)
+    pending = JobStatus.PENDING.value
+    columns = "j.ordering_key, j.key_limit, j.priority, j.run_at, j.id"
+    served_by: BindParameter[Any]
+    if queue_count == 1:
+        served = "SELECT CAST(:queue_name AS text) AS name"
+        served_by = bindparam("queue_name", type_=Text)
+    else:
+        served = "SELECT q.name FROM unnest(CAST(:queue_names AS text[])) AS q (name)"
+        served_by = bindparam("queue_names", type_=ARRAY(Text))
+
+    def runnable(queue: str) -> str:
+        return f"""j.status = '{pending}' AND j.ordering_key IS NOT NULL
+              AND j.queue = {queue} AND j.run_at <= statement_timestamp()"""
+
+    locked_keys = f"CAST(current_setting('{LOCKED_KEYS}', true) AS text[])"
+    locked_limits = f"CAST(current_setting('{LOCKED_KEY_LIMITS}', true) AS integer[])"
+    sql = f"""WITH RECURSIVE held AS MATERIALIZED (
+    SELECT coalesce({locked_keys}, '{{}}') AS keys,
+        coalesce((SELECT sum(least(h.reads, :per_key)) FROM unnest({locked_limits}) AS h (reads)),
+            0) AS capacity
+), walk AS (
+    SELECT q.name AS queue, CAST(NULL AS text) AS ordering_key, 1 AS key_limit,
+        e.priority, e.run_at, e.id, h.keys || e.keys AS keys, h.capacity
+    FROM held AS h CROSS JOIN ({served}) AS q
+    CROSS JOIN LATERAL (
+        SELECT w.priority, w.run_at, w.id, array_agg(w.ordering_key) OVER () AS keys
+        FROM (
+            SELECT CAST(j.ordering_key AS text) AS ordering_key, j.priority, j.run_at, j.id
+            FROM {t} AS j WHERE {runnable("q.name")}
+            ORDER BY j.priority, j.run_at, j.id LIMIT {int(rows)}
+        ) AS w
+        ORDER BY w.priority DESC, w.run_at DESC, w.id DESC LIMIT 1
+    ) AS e
+    UNION ALL
+    SELECT w.queue, CAST(x.ordering_key AS text), coalesce(x.key_limit, 1),
+        x.priority, x.run_at, x.id, w.keys || CAST(x.ordering_key AS text),
+        w.capacity + least(coalesce(x.key_limit, 1), :per_key)
+    FROM walk AS w CROSS JOIN LATERAL (
+        SELECT {columns} FROM {t} AS j
+        WHERE {runnable("w.queue")}
+          AND (j.priority, j.run_at, j.id) > (w.priority, w.run_at, w.id)
+          AND j.ordering_key <> ALL (w.keys)
+        ORDER BY j.priority, j.run_at, j.id LIMIT 1
+    ) AS x
+    WHERE w.capacity < :scan
+), found AS (
+    -- A key found in two queues' walks counts once, at its best job.
+    SELECT DISTINCT ON (w.ordering_key) w.ordering_key, w.key_limit, w.priority, w.run_at, w.id
+    FROM walk AS w WHERE w.ordering_key IS NOT NULL
+    ORDER BY w.ordering_key, w.priority, w.run_at, w.id
+), cut AS (
+    SELECT f.ordering_key, f.key_limit, f.priority, f.run_at, f.id,
+        h.capacity + sum(least(f.key_limit, :per_key)) OVER (
+            ORDER BY f.priority, f.run_at, f.id ROWS UNBOUNDED PRECEDING
+        ) - least(f.key_limit, :per_key) AS ahead
+    FROM found AS f CROSS JOIN held AS h
+), l AS (
+    SELECT c.* FROM cut AS c
+    WHERE CASE WHEN c.ahead < :scan
+        THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(c.ordering_key))
+        ELSE false END
+)
+SELECT count(l.ordering_key) AS locked,
+    set_config('{LOCKED_KEYS}', CAST(coalesce({locked_keys}, '{{}}')
+        || coalesce(array_agg(l.ordering_key ORDER BY l.priority, l.run_at, l.id), '{{}}')
+        AS text), true) AS keys,
+    set_config('{LOCKED_KEY_LIMITS}', CAST(coalesce({locked_limits}, '{{}}')
+        || coalesce(array_agg(l.key_limit ORDER BY l.priority, l.run_at, l.id), '{{}}')
+        AS text), true) AS key_limits
+FROM l"""
+    params = [served_by, bindparam("scan", type_=Integer), bindparam("per_key", type_=Integer)]
+    return text(sql).bindparams(*params)
 
 
 def claim_keyed(table: Table, *, limited: bool = False) -> Update:
