@@ -317,3 +317,33 @@ def test_the_walk_past_a_burst_keeps_a_queue_limit_and_skips_held_keys(
         rest = claim(queue_engine, limit=20)
         assert sorted(job.id for job in rest) == others[4:]
     assert [job.id for job in claim(queue_engine, limit=20)] == [others[0]]
+
+
+def test_busy_keys_in_line_do_not_hide_the_keys_behind_them(queue_engine: sa.Engine) -> None:
+    # Thirty keys with ten jobs each, interleaved, all busy (one job of each running): the
+    # first jobs in line are theirs, enough keys to fill a claim by count, none of which
+    # can start a job. The claim comes back short, walks on once past them to the keys
+    # behind, and claims from those.
+    enqueue(queue_engine, *(EmailJob(task="big", ordering_key=f"big{i % 30}") for i in range(300)))
+    running = claim(queue_engine, limit=30)
+    assert len(running) == 30
+    small = enqueue(
+        queue_engine, *(EmailJob(task="small", ordering_key=f"small{i}") for i in range(20))
+    )
+    first = claim(queue_engine, limit=10)
+    assert sorted(job.id for job in first) == small[:10]
+    second = claim(queue_engine, limit=10, queue_limits={"default": 45})
+    assert sorted(job.id for job in second) == small[10:15]  # 40 + 5 fill the limit of 45
+    finish(queue_engine, *running[:3])
+    third = claim(queue_engine, limit=10)  # three big keys are free again, then the rest
+    assert sorted(job.task for job in third) == ["big"] * 3 + ["small"] * 5
+
+
+def test_a_burst_enqueued_one_job_at_a_time_is_walked_past_too(queue_engine: sa.Engine) -> None:
+    # Each job its own transaction (its own run_at): no run to jump over, the walk reads
+    # the burst a step at a time (up to WALK_STEPS * WALK_STEP_ROWS jobs per claim).
+    burst = [enqueue(queue_engine, EmailJob(task="hot", ordering_key="hot"))[0] for _ in range(150)]
+    others = enqueue(
+        queue_engine, *(EmailJob(task="other", ordering_key=f"k{i}") for i in range(5))
+    )
+    assert sorted(job.id for job in claim(queue_engine, limit=10)) == [burst[0], *others]

@@ -393,19 +393,20 @@ def test_the_keyed_claim_locks_the_keys_it_needs_for_its_batch(
     assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
 
 
-def test_the_walk_past_a_burst_reads_the_burst_once_and_no_further(
+def test_the_walk_jumps_over_a_burst_and_reads_nothing_behind_the_keys_it_needs(
     queue_engine: sa.Engine,
 ) -> None:
-    # One key's 5,000 jobs come first in claim order, then 20,000 jobs of as many other
-    # keys: the lock statement's window holds one key, so the walk goes on past the burst
-    # (each of its jobs read once, and filtered out) to the next keys, and stops as soon as
-    # they could start ``scan`` jobs: nothing of the backlog behind them is read.
+    # One key's 5,000 jobs (enqueued together: one run_at) come first in claim order, then
+    # 20,000 jobs of as many other keys: the lock statement's window holds one key, so the
+    # walk goes on, jumps over the rest of the burst (to its last job, found through an
+    # index, not read job by job), to the next keys, and stops as soon as they could start
+    # ``scan`` jobs: a few pages per key, none per job of the burst or of the backlog.
     burst = 5_000
     seed(
         queue_engine,
         "INSERT INTO email_jobs (queue, task, run_at, ordering_key) "
-        "SELECT 'q0', 'keyed', now() - interval '1 hour' + n * interval '1 ms', "
-        "CASE WHEN n <= :burst THEN 'hot' ELSE 'customer:' || n END "
+        "SELECT 'q0', 'keyed', now() - interval '1 hour' + greatest(n - :burst, 0) * "
+        "interval '1 ms', CASE WHEN n <= :burst THEN 'hot' ELSE 'customer:' || n END "
         "FROM generate_series(1, :burst + 20000) AS n",
         burst=burst,
     )
@@ -416,6 +417,7 @@ def test_the_walk_past_a_burst_reads_the_burst_once_and_no_further(
     walk = statements.walk_keys(TABLE, rows=lock_options["rows"], queue_count=1)
     walk_sql = str(walk.compile(dialect=queue_engine.dialect))
     walk_params = {name: lock_params[name] for name in ("queue_name", "scan", "per_key")}
+    walk_params["keep"] = True
     scan = LIMIT + sqla_jobs.queue.KEY_SCAN_EXTRA
     for generic in (False, True):
         with queue_engine.connect() as connection:
@@ -423,17 +425,44 @@ def test_the_walk_past_a_burst_reads_the_burst_once_and_no_further(
             cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
             if generic:
                 cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            locked, _, _, walk_further = cursor.execute(lock_sql, lock_params).fetchone()
-            assert (locked, walk_further) == (1, True)  # the hot key only: walk on
+            locked, _, _, capacity, full = cursor.execute(lock_sql, lock_params).fetchone()
+            assert (locked, capacity, full) == (1, 1, True)  # the hot key only: walk on
+            walk_params["capacity"] = capacity
             plan = explain_sql(cursor, walk_sql, walk_params, generic=generic)
             (keys,) = cursor.execute(
                 "SELECT CAST(current_setting(%s) AS text[])", [statements.LOCKED_KEYS]
             ).fetchone()
             transaction.rollback()
         assert keys == ["hot", *(f"customer:{n}" for n in range(burst + 1, burst + scan))]
-        reads = index_reads(plan, max_filtered=burst)
-        assert {r["Index Name"] for r in reads} == {N.keyed_pending_index}
-        assert sum(buffers(r) for r in reads) <= 2 * burst + 12 * scan, summary(reads)
+        reads = index_reads(plan)
+        assert {r["Index Name"] for r in reads} <= {N.keyed_pending_index, N.key_index}
+        assert sum(buffers(r) for r in reads) <= PAGES_PER_QUEUE + 12 * scan, summary(reads)
+
+
+def test_the_walk_reads_a_bounded_number_of_jobs_per_claim(queue_engine: sa.Engine) -> None:
+    # A burst enqueued one job per transaction (a run_at each) cannot be jumped over: the
+    # walk reads it a step at a time, and gives up after WALK_STEPS steps, so that a claim
+    # behind a long one (or a key alone with a deep backlog) costs a bounded read.
+    burst = 5_000
+    seed(
+        queue_engine,
+        "INSERT INTO email_jobs (queue, task, run_at, ordering_key) "
+        "SELECT 'q0', 'keyed', now() - interval '1 hour' + n * interval '1 ms', "
+        "CASE WHEN n <= :burst THEN 'hot' ELSE 'customer:' || n END "
+        "FROM generate_series(1, :burst + 100) AS n",
+        burst=burst,
+    )
+    lock_params, lock_options = sqla_jobs.queue.key_lock_params(["q0"], LIMIT)
+    walk = statements.walk_keys(TABLE, rows=lock_options["rows"], queue_count=1)
+    params = {name: lock_params[name] for name in ("queue_name", "scan", "per_key")}
+    params |= {"capacity": 1, "keep": True}
+    sql = str(walk.compile(dialect=queue_engine.dialect))
+    for generic in (False, True):
+        plan = explain_rolled_back(queue_engine, sql, params, generic=generic)
+        reads = index_reads(plan)
+        read = sum(r["Actual Rows"] * r.get("Actual Loops", 1) for r in reads)
+        limit = statements.WALK_STEPS * statements.WALK_STEP_ROWS + lock_options["rows"]
+        assert read <= limit + 2 * statements.WALK_STEPS, summary(reads)
 
 
 def test_the_keyed_claim_reads_no_other_keys_in_flight_whatever_the_statistics(

@@ -249,36 +249,49 @@ def _claim_from(
         lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
         lock_options["limited"] = True
     # The keys locked go from the first statement to the claim inside the transaction
-    # (statements.lock_keys): of its one row, only the count, whether to walk further
-    # (statements.walk_keys) and a limited queue's free slots are read here.
+    # (statements.lock_keys): of its one row, only the count, the jobs its keys could start,
+    # whether a queue had more in line, and a limited queue's free slots are read here.
     (locked,) = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
+    count, capacity, full = locked[0], locked[3], locked[4]
     if limited:
         # The queue's free slots, a hint (the claims count exactly): none, or its lock is
         # another claim's (NULL; then no key was locked either); fewer than the limit, and
         # the claims ask for no more.
-        limit = min(limit, locked[4] or 0)
+        limit = min(limit, locked[5] or 0)
         if limit <= 0:
             return []
-    count = locked[0]
-    if locked[3]:
-        # The jobs in line belonged to too few keys (a burst of one): look further.
-        walk_params = {name: lock_params[name] for name in ("scan", "per_key")}
-        walk_params |= _queue_params(queue_names)
-        walk_options = {"rows": lock_options["rows"], "queue_count": lock_options["queue_count"]}
-        (walked,) = _rows(session, statements.walk_keys, table, walk_params, **walk_options)
-        count += walked[0]
+    keyed = {
+        "queue_names": queue_names,
+        "limit": limit,
+        "per_key": lock_params["per_key"],
+        "lease_seconds": params["lease_seconds"],
+        "worker": params["worker"],
+    }
+    if limited:
+        keyed |= {"queue_name": queue_names[0], "queue_slots": params["queue_slots"]}
+    walk = {
+        "scan": lock_params["scan"],
+        "per_key": lock_params["per_key"],
+        **_queue_params(queue_names),
+    }
+    walk_options = {"rows": lock_options["rows"], "queue_count": lock_options["queue_count"]}
+    walked = full and capacity < walk["scan"]
+    if walked:
+        # The jobs in line belonged to too few keys (a burst of one): look further, and
+        # claim from these keys and those together.
+        walk |= {"capacity": capacity, "keep": True}
+        count += _rows(session, statements.walk_keys, table, walk, **walk_options)[0][0]
     rows: list[Any] = []
     if count:
-        keyed = {
-            "queue_names": queue_names,
-            "limit": limit,
-            "per_key": lock_params["per_key"],
-            "lease_seconds": params["lease_seconds"],
-            "worker": params["worker"],
-        }
-        if limited:
-            keyed |= {"queue_name": queue_names[0], "queue_slots": params["queue_slots"]}
         rows.extend(_rows(session, statements.claim_keyed, table, keyed, limited=limited))
+    if full and not walked and len(rows) < limit:
+        # The keys in line were busy (their jobs in progress fill their limits): look
+        # further once, and claim from the keys found alone.
+        walk |= {"capacity": len(rows), "keep": False}
+        if _rows(session, statements.walk_keys, table, walk, **walk_options)[0][0]:
+            # (A limited queue's free slots are counted anew: what this claim took counts.)
+            more = keyed | {"limit": limit - len(rows)}
+            rows.extend(_rows(session, statements.claim_keyed, table, more, limited=limited))
     if len(rows) < limit:
         rest = params | {"limit": limit - len(rows)}
         rows.extend(_rows(session, statements.claim, table, rest, **options))

@@ -48,6 +48,8 @@ from sqla_jobs.statements.admin import (
 from sqla_jobs.statements.claims import (
     LOCKED_KEY_LIMITS,
     LOCKED_KEYS,
+    WALK_STEP_ROWS,
+    WALK_STEPS,
     claim,
     claim_keyed,
     key_lock_space,
@@ -98,6 +100,8 @@ __all__ = [
     "MANAGED_COLUMNS",
     "ORDERING_COLUMNS",
     "UNIQUE_COLUMNS",
+    "WALK_STEPS",
+    "WALK_STEP_ROWS",
     "WORKER_SETTINGS",
     "backend_transaction",
     "cancel",

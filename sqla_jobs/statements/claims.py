@@ -8,6 +8,7 @@ from typing import Any, Final
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     ColumnElement,
     Integer,
     Table,
@@ -226,6 +227,14 @@ LOCKED_KEYS: Final = "sqla_jobs.locked_keys"
 LOCKED_KEY_LIMITS: Final = "sqla_jobs.locked_key_limits"
 
 
+def _handed_over(kind: str) -> str:
+    """The keys (``text[]``) or their limits (``integer[]``) that :func:`lock_keys` left in its
+    settings for this transaction: NULL if it did not run (a setting once set in the
+    session reads back as an empty string afterwards, not as NULL)."""
+    name = LOCKED_KEYS if kind == "text[]" else LOCKED_KEY_LIMITS
+    return f"CAST(nullif(current_setting('{name}', true), '') AS {kind})"
+
+
 def _lock_space(name: str) -> int:
     digest = zlib.crc32(name.encode())
     return digest - (1 << 32) if digest >= 1 << 31 else digest
@@ -246,9 +255,10 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     :data:`LOCKED_KEY_LIMITS`, arrays in their text form), where the next statement reads
     them: the keys never travel to the client and back (a claim of 50 locks some 66 keys,
     which the client would read as rows and send back as two arrays). Returns one row:
-    how many keys were locked, the two settings' values, and whether the keys locked could
-    start fewer than ``:scan`` jobs though a queue had ``rows`` jobs in line, so that
-    :func:`walk_keys` should look further (``locked, keys, key_limits, walk``).
+    how many keys were locked, the two settings' values, how many jobs those keys could
+    start (a key counts for its ``key_limit``, at most ``:per_key``), and whether a queue
+    had ``rows`` jobs in line, so that more may wait behind them (``locked, keys,
+    key_limits, capacity, full``; see :func:`walk_keys`).
 
     The first statement of a keyed claim, and its only way to serialise claimers per key:
     for each served queue, the keys of its first runnable keyed jobs in claim order (the
@@ -281,7 +291,8 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     ``limited`` (one queue, whose limit is ``:queue_slots``): the statement first takes the
     queue's lock (as :func:`lock_queues` does); if it got it, it counts the queue's free
     slots (:func:`limited_count`, up to ``:limit``), and locks keys only if one is free. It
-    returns that count too (``locked, keys, key_limits, walk, free``; ``free`` NULL when another
+    returns that count too (``locked, keys, key_limits, capacity, full, free``; ``free`` NULL
+    when another
     claim holds the queue, and then no key is locked). The count is a hint: it was read
     with a snapshot taken before the queue's lock was granted, so it may miss a claim
     committed meanwhile (the exact count is the claim's, :func:`claim_keyed` ``limited``),
@@ -339,10 +350,9 @@ WHERE CASE WHEN {gate}k.ahead < :scan
     ELSE false END"""
     params = [served_by, bindparam("scan", type_=Integer), bindparam("per_key", type_=Integer)]
     # The keys and their limits go to claim_keyed through two transaction-local settings:
-    # array_agg skips no row, and the arrays' text form reads back exactly. ``walk``: the
-    # keys locked could start fewer than ``:scan`` jobs, though a queue had ``rows`` jobs
-    # in line: the jobs read belonged to too few keys (one key's burst), and other keys'
-    # jobs may wait behind them (walk_keys finds them).
+    # array_agg skips no row, and the arrays' text form reads back exactly. ``capacity``:
+    # how many jobs the keys locked could start; ``full``: a queue had ``rows`` jobs in
+    # line, and others may wait behind them (walk_keys finds their keys).
     handed = f"""count(l.ordering_key) AS locked,
     set_config('{LOCKED_KEYS}',
         CAST(coalesce(array_agg(l.ordering_key ORDER BY l.first)
@@ -350,7 +360,8 @@ WHERE CASE WHEN {gate}k.ahead < :scan
     set_config('{LOCKED_KEY_LIMITS}',
         CAST(coalesce(array_agg(l.key_limit ORDER BY l.first)
             FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS key_limits,
-    coalesce(sum(least(l.key_limit, :per_key)) < :scan AND max(l.last) >= {limit}, false) AS walk"""
+    coalesce(sum(least(l.key_limit, :per_key)), 0) AS capacity,
+    coalesce(max(l.last) >= {limit}, false) AS full"""
     if not limited:
         sql = f"SELECT {handed} FROM ({keys}) AS l"
         return text(sql).bindparams(*params)
@@ -365,26 +376,41 @@ GROUP BY g.free"""
     return text(sql).bindparams(*params, *counted)
 
 
+#: How many jobs in line one step of :func:`walk_keys` reads, and how many steps it takes
+#: at most per queue.
+WALK_STEP_ROWS: Final = 64
+WALK_STEPS: Final = 32
+
+
 def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
-    """Lock more keys after :func:`lock_keys`, when it says so (``walk``): the first ``rows``
-    jobs in line of a queue belonged to too few keys to fill a claim (a burst of one key),
-    and the keys behind them would otherwise wait until the burst has run.
+    """Lock more keys after :func:`lock_keys`, when a queue had ``rows`` jobs in line
+    (``full``) but their keys could not fill the claim: they were too few (``capacity`` under
+    ``:scan``: one key's burst), or too busy (the keyed claim came back short, each key's
+    jobs in progress filling its limit). The keys behind them would otherwise wait until
+    those jobs have run.
 
     Per served queue, from the last of its first ``rows`` runnable keyed jobs in claim order
-    on, it walks the keyed pending index to the next job of a key not seen yet (neither
-    among those ``rows`` jobs nor locked already), one key per step: a descent of the index
-    each, which skips the seen keys' jobs one by one (the burst's, read once per claim). A
-    queue's walk stops when the keys locked and found could start ``:scan`` jobs (a key
-    counts for its job's ``key_limit``, at most ``:per_key``), or at its last job. The keys
-    found, in claim order, are locked as :func:`lock_keys` locks them (a try-lock, skipped
-    when another claim holds it; no key past the cut) and added to the two settings.
-    Returns one row: how many keys it locked (``locked``).
+    on, it walks the keyed pending index :data:`WALK_STEP_ROWS` jobs a step (one range
+    each). The keys of a step's jobs not seen yet (neither among those ``rows`` jobs nor
+    locked already, nor found) are found. A step whose jobs all belong to keys seen is
+    inside a run of them (a burst): the walk jumps from its last job to the last job of
+    that key with the same ``(priority, run_at)`` (a descent of the key index, backwards),
+    so that a burst enqueued in one transaction is passed in a step or two, whatever its
+    size (another key's job inside that run is passed over too, for this claim). A queue's
+    walk stops when the keys found could start ``:scan`` jobs beyond ``:capacity`` (a key
+    counts for its job's ``key_limit``, at most ``:per_key``), after :data:`WALK_STEPS`
+    steps (a run of one key's jobs enqueued one per transaction is passed a step at a time:
+    up to ``WALK_STEPS * WALK_STEP_ROWS`` jobs), or at its last job. The
+    keys found, in claim order, are locked as :func:`lock_keys` locks them (a try-lock,
+    skipped when another claim holds it; no key past the cut) and go into the two
+    settings: after the keys there (``:keep``), or instead of them (their jobs were claimed
+    already). Returns one row: how many keys it locked (``locked``).
 
-    Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key``.
+    Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key``,
+    ``:capacity``, ``:keep``.
     """
     t = qualified_name(table.name, table.schema)
     pending = JobStatus.PENDING.value
-    columns = "j.ordering_key, j.key_limit, j.priority, j.run_at, j.id"
     served_by: BindParameter[Any]
     if queue_count == 1:
         served = "SELECT CAST(:queue_name AS text) AS name"
@@ -397,15 +423,12 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
         return f"""j.status = '{pending}' AND j.ordering_key IS NOT NULL
               AND j.queue = {queue} AND j.run_at <= statement_timestamp()"""
 
-    locked_keys = f"CAST(current_setting('{LOCKED_KEYS}', true) AS text[])"
-    locked_limits = f"CAST(current_setting('{LOCKED_KEY_LIMITS}', true) AS integer[])"
+    locked_keys, locked_limits = _handed_over("text[]"), _handed_over("integer[]")
     sql = f"""WITH RECURSIVE held AS MATERIALIZED (
-    SELECT coalesce({locked_keys}, '{{}}') AS keys,
-        coalesce((SELECT sum(least(h.reads, :per_key)) FROM unnest({locked_limits}) AS h (reads)),
-            0) AS capacity
+    SELECT coalesce({locked_keys}, '{{}}') AS keys, CAST(:capacity AS bigint) AS capacity
 ), walk AS (
-    SELECT q.name AS queue, CAST(NULL AS text) AS ordering_key, 1 AS key_limit,
-        e.priority, e.run_at, e.id, h.keys || e.keys AS keys, h.capacity
+    SELECT q.name AS queue, true AS cont, CAST(NULL AS text) AS ordering_key, 1 AS key_limit,
+        e.priority, e.run_at, e.id, h.keys || e.keys AS keys, h.capacity, 0 AS steps
     FROM held AS h CROSS JOIN ({served}) AS q
     CROSS JOIN LATERAL (
         SELECT w.priority, w.run_at, w.id, array_agg(w.ordering_key) OVER () AS keys
@@ -417,21 +440,45 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
         ORDER BY w.priority DESC, w.run_at DESC, w.id DESC LIMIT 1
     ) AS e
     UNION ALL
-    SELECT w.queue, CAST(x.ordering_key AS text), coalesce(x.key_limit, 1),
-        x.priority, x.run_at, x.id, w.keys || CAST(x.ordering_key AS text),
-        w.capacity + least(coalesce(x.key_limit, 1), :per_key)
+    SELECT w.queue, o.cont, o.ordering_key, o.key_limit, o.priority, o.run_at, o.id, o.keys,
+        o.capacity, w.steps + 1
     FROM walk AS w CROSS JOIN LATERAL (
-        SELECT {columns} FROM {t} AS j
-        WHERE {runnable("w.queue")}
-          AND (j.priority, j.run_at, j.id) > (w.priority, w.run_at, w.id)
-          AND j.ordering_key <> ALL (w.keys)
-        ORDER BY j.priority, j.run_at, j.id LIMIT 1
-    ) AS x
-    WHERE w.capacity < :scan
+        WITH a AS MATERIALIZED (
+            SELECT CAST(j.ordering_key AS text) AS ordering_key,
+                coalesce(j.key_limit, 1) AS key_limit, j.priority, j.run_at, j.id
+            FROM {t} AS j
+            WHERE {runnable("w.queue")}
+              AND (j.priority, j.run_at, j.id) > (w.priority, w.run_at, w.id)
+            ORDER BY j.priority, j.run_at, j.id LIMIT {WALK_STEP_ROWS}
+        ), fresh AS MATERIALIZED (
+            SELECT DISTINCT ON (a.ordering_key) a.* FROM a
+            WHERE a.ordering_key <> ALL (w.keys)
+            ORDER BY a.ordering_key, a.priority, a.run_at, a.id
+        ), z AS (
+            SELECT a.* FROM a ORDER BY a.priority DESC, a.run_at DESC, a.id DESC LIMIT 1
+        )
+        SELECT false AS cont, f.ordering_key, f.key_limit, f.priority, f.run_at, f.id,
+            CAST(NULL AS text[]) AS keys, CAST(NULL AS bigint) AS capacity
+        FROM fresh AS f
+        UNION ALL
+        SELECT true, NULL, 1, z.priority, z.run_at,
+            CASE WHEN EXISTS (SELECT FROM fresh) THEN z.id ELSE greatest(z.id, (
+                SELECT j.id FROM {t} AS j
+                WHERE j.ordering_key = z.ordering_key AND j.status = '{pending}'
+                  AND j.attempts = 0 AND j.priority = z.priority AND j.run_at = z.run_at
+                  AND j.queue = w.queue
+                ORDER BY j.id DESC LIMIT 1
+            )) END,
+            w.keys || coalesce((SELECT array_agg(f.ordering_key) FROM fresh AS f), '{{}}'),
+            w.capacity
+                + coalesce((SELECT sum(least(f.key_limit, :per_key)) FROM fresh AS f), 0)
+        FROM z
+    ) AS o
+    WHERE w.cont AND w.capacity < :scan AND w.steps < {WALK_STEPS}
 ), found AS (
     -- A key found in two queues' walks counts once, at its best job.
     SELECT DISTINCT ON (w.ordering_key) w.ordering_key, w.key_limit, w.priority, w.run_at, w.id
-    FROM walk AS w WHERE w.ordering_key IS NOT NULL
+    FROM walk AS w WHERE NOT w.cont
     ORDER BY w.ordering_key, w.priority, w.run_at, w.id
 ), cut AS (
     SELECT f.ordering_key, f.key_limit, f.priority, f.run_at, f.id,
@@ -446,14 +493,22 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
         ELSE false END
 )
 SELECT count(l.ordering_key) AS locked,
-    set_config('{LOCKED_KEYS}', CAST(coalesce({locked_keys}, '{{}}')
+    set_config('{LOCKED_KEYS}', CAST(
+        CASE WHEN :keep THEN coalesce({locked_keys}, '{{}}') ELSE '{{}}' END
         || coalesce(array_agg(l.ordering_key ORDER BY l.priority, l.run_at, l.id), '{{}}')
         AS text), true) AS keys,
-    set_config('{LOCKED_KEY_LIMITS}', CAST(coalesce({locked_limits}, '{{}}')
+    set_config('{LOCKED_KEY_LIMITS}', CAST(
+        CASE WHEN :keep THEN coalesce({locked_limits}, '{{}}') ELSE '{{}}' END
         || coalesce(array_agg(l.key_limit ORDER BY l.priority, l.run_at, l.id), '{{}}')
         AS text), true) AS key_limits
 FROM l"""
-    params = [served_by, bindparam("scan", type_=Integer), bindparam("per_key", type_=Integer)]
+    params = [
+        served_by,
+        bindparam("scan", type_=Integer),
+        bindparam("per_key", type_=Integer),
+        bindparam("capacity", type_=Integer),
+        bindparam("keep", type_=Boolean),
+    ]
     return text(sql).bindparams(*params)
 
 
@@ -515,8 +570,8 @@ def claim_keyed(table: Table, *, limited: bool = False) -> Update:
             f"""WITH member AS MATERIALIZED (
     SELECT m.*
     FROM unnest(
-        CAST(current_setting('{LOCKED_KEYS}', true) AS text[]),
-        CAST(current_setting('{LOCKED_KEY_LIMITS}', true) AS integer[])
+        {_handed_over("text[]")},
+        {_handed_over("integer[]")}
     ) AS k (ordering_key, reads)
     CROSS JOIN LATERAL (
         (SELECT {columns} FROM {t} AS j
