@@ -393,6 +393,21 @@ def test_the_keyed_claim_locks_the_keys_it_needs_for_its_batch(
     assert claim_plan_["Plan"]["Actual Rows"] == LIMIT
 
 
+def seed_burst(engine: sa.Engine, burst: int, others: int, *, together: bool) -> None:
+    """``burst`` jobs of the key ``hot`` first in line in q0, enqueued ``together`` (one
+    run_at) or one at a time (a run_at each), then ``others`` jobs of as many keys."""
+    run_at = "greatest(n - :burst, 0)" if together else "n"
+    seed(
+        engine,
+        "INSERT INTO email_jobs (queue, task, run_at, ordering_key) "
+        f"SELECT 'q0', 'keyed', now() - interval '1 hour' + {run_at} * interval '1 ms', "
+        "CASE WHEN n <= :burst THEN 'hot' ELSE 'customer:' || n END "
+        "FROM generate_series(1, :burst + :others) AS n",
+        burst=burst,
+        others=others,
+    )
+
+
 def test_the_walk_jumps_over_a_burst_and_reads_nothing_behind_the_keys_it_needs(
     queue_engine: sa.Engine,
 ) -> None:
@@ -402,14 +417,7 @@ def test_the_walk_jumps_over_a_burst_and_reads_nothing_behind_the_keys_it_needs(
     # index, not read job by job), to the next keys, and stops as soon as they could start
     # ``scan`` jobs: a few pages per key, none per job of the burst or of the backlog.
     burst = 5_000
-    seed(
-        queue_engine,
-        "INSERT INTO email_jobs (queue, task, run_at, ordering_key) "
-        "SELECT 'q0', 'keyed', now() - interval '1 hour' + greatest(n - :burst, 0) * "
-        "interval '1 ms', CASE WHEN n <= :burst THEN 'hot' ELSE 'customer:' || n END "
-        "FROM generate_series(1, :burst + 20000) AS n",
-        burst=burst,
-    )
+    seed_burst(queue_engine, burst, 20_000, together=True)
     lock_params, lock_options = sqla_jobs.queue.key_lock_params(["q0"], LIMIT)
     lock_sql = str(
         statements.lock_keys(TABLE, **lock_options).compile(dialect=queue_engine.dialect)
@@ -444,14 +452,7 @@ def test_the_walk_reads_a_bounded_number_of_jobs_per_claim(queue_engine: sa.Engi
     # walk reads it a step at a time, and gives up after WALK_STEPS steps, so that a claim
     # behind a long one (or a key alone with a deep backlog) costs a bounded read.
     burst = 5_000
-    seed(
-        queue_engine,
-        "INSERT INTO email_jobs (queue, task, run_at, ordering_key) "
-        "SELECT 'q0', 'keyed', now() - interval '1 hour' + n * interval '1 ms', "
-        "CASE WHEN n <= :burst THEN 'hot' ELSE 'customer:' || n END "
-        "FROM generate_series(1, :burst + 100) AS n",
-        burst=burst,
-    )
+    seed_burst(queue_engine, burst, 100, together=False)
     lock_params, lock_options = sqla_jobs.queue.key_lock_params(["q0"], LIMIT)
     walk = statements.walk_keys(TABLE, rows=lock_options["rows"], queue_count=1)
     params = {name: lock_params[name] for name in ("queue_name", "scan", "per_key")}
