@@ -291,13 +291,12 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     ``limited`` (one queue, whose limit is ``:queue_slots``): the statement first takes the
     queue's lock (as :func:`lock_queues` does); if it got it, it counts the queue's free
     slots (:func:`limited_count`, up to ``:limit``), and locks keys only if one is free. It
-    returns that count too (``locked, keys, key_limits, capacity, full, free``; ``free`` NULL
-    when another
-    claim holds the queue, and then no key is locked). The count is a hint: it was read
-    with a snapshot taken before the queue's lock was granted, so it may miss a claim
-    committed meanwhile (the exact count is the claim's, :func:`claim_keyed` ``limited``),
-    or a completion (then this claim skips a queue that had a free slot: the next one
-    takes it).
+    returns that count too (``locked, keys, key_limits, capacity, full, free``; ``free``
+    NULL when another claim holds the queue, and then no key is locked). The count is a
+    hint: it was read with a snapshot taken before the queue's lock was granted, so it may
+    miss a claim committed meanwhile (the exact count is the claim's, :func:`claim_keyed`
+    ``limited``), or a completion (then this claim skips a queue that had a free slot: the
+    next one takes it).
 
     Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key`` (and
     ``:queue_slots``, ``:limit``).
@@ -400,11 +399,11 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
     walk stops when the keys found could start ``:scan`` jobs beyond ``:capacity`` (a key
     counts for its job's ``key_limit``, at most ``:per_key``), after :data:`WALK_STEPS`
     steps (a run of one key's jobs enqueued one per transaction is passed a step at a time:
-    up to ``WALK_STEPS * WALK_STEP_ROWS`` jobs), or at its last job. The
-    keys found, in claim order, are locked as :func:`lock_keys` locks them (a try-lock,
-    skipped when another claim holds it; no key past the cut) and go into the two
-    settings: after the keys there (``:keep``), or instead of them (their jobs were claimed
-    already). Returns one row: how many keys it locked (``locked``).
+    up to ``WALK_STEPS * WALK_STEP_ROWS`` jobs), or at its last job. The keys found, in
+    claim order, are locked as :func:`lock_keys` locks them (a try-lock, skipped when
+    another claim holds it; no key past the cut) and go into the two settings: after the
+    keys there (``:keep``), or instead of them (their jobs were claimed already). Returns
+    one row: how many keys it locked (``locked``).
 
     Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key``,
     ``:capacity``, ``:keep``.
