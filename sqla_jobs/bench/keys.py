@@ -82,24 +82,10 @@ def _burst_throughput(engine: sa.Engine, batch: int) -> float:
     scratch.vacuum(engine)
     with engine.begin() as connection:
         (hot,) = claim(connection, Job, queues=Q_KEYS, limit=1, lease=LEASE_SECONDS, keys=True)
-    done = 0
-    with engine.connect() as connection:
-        started = time.perf_counter()
-        while done < _BEHIND:
-            with connection.begin():
-                jobs = claim(
-                    connection, Job, queues=Q_KEYS, limit=batch, lease=LEASE_SECONDS, keys=True
-                )
-            if not jobs:
-                break
-            with connection.begin():
-                done += len(jobs) - len(complete_many(connection, jobs))
-        elapsed = time.perf_counter() - started
-    if done != _BEHIND:
-        raise RuntimeError(f"claimed and completed {done} of {_BEHIND} jobs behind the burst")
+    rate = _claim_throughput(engine, batch, _BEHIND, keys=True, queue_limited=False)
     with engine.begin() as connection:
         complete_many(connection, [hot])
-    return done / elapsed
+    return rate
 
 
 def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
