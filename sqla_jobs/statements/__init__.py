@@ -14,9 +14,10 @@ names exactly one attempt. Every transition of a running job matches on that pai
 ``status = 'running'``; a stale attempt (its lease expired and another worker claimed the
 job) matches zero rows.
 
-The builders live in four modules, all re-exported here: :mod:`.enqueueing` (enqueue,
-unique enqueue, periodic slots), :mod:`.claims` (the plain claim, the keyed claim of
-ordering keys, the limited claim of queue limits), :mod:`.outcomes` (what an attempt and
+The builders live in five modules, all re-exported here: :mod:`.enqueueing` (enqueue,
+unique enqueue, periodic slots), :mod:`.claims` (the plain claim, the limited claim of
+queue limits), :mod:`.keyed` (the keyed claim of ordering keys: lock, walk, claim),
+:mod:`.outcomes` (what an attempt and
 a job become: lock, complete, fail, heartbeat, release, retry, cancel, delete) and
 :mod:`.admin` (status, pruning, vacuum, statistics, the worker's runtime). What they share
 (status literals, the database's clock, the fence of an attempt) is in :mod:`._sql`.
@@ -46,18 +47,10 @@ from sqla_jobs.statements.admin import (
     wakeup_trigger_exists,
 )
 from sqla_jobs.statements.claims import (
-    LOCKED_KEY_LIMITS,
-    LOCKED_KEYS,
-    WALK_STEP_ROWS,
-    WALK_STEPS,
     claim,
-    claim_keyed,
-    key_lock_space,
     limited_count,
-    lock_keys,
     lock_queues,
     queue_lock_space,
-    walk_keys,
 )
 from sqla_jobs.statements.enqueueing import (
     CONTEXT_COLUMNS,
@@ -71,6 +64,16 @@ from sqla_jobs.statements.enqueueing import (
     enqueue_unique,
     schedule_advance,
     schedule_create,
+)
+from sqla_jobs.statements.keyed import (
+    LOCKED_KEY_LIMITS,
+    LOCKED_KEYS,
+    WALK_STEP_ROWS,
+    WALK_STEPS,
+    claim_keyed,
+    key_lock_space,
+    lock_keys,
+    walk_keys,
 )
 from sqla_jobs.statements.outcomes import (
     CANCEL_PAYLOAD_PREFIX,
