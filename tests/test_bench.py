@@ -41,7 +41,11 @@ def test_quick_bench_writes_every_section(
         assert metric["runs"], name
         for value in metric["runs"]:
             assert math.isfinite(value), name
-            if metric["unit"] not in ("fraction", "rows"):  # rows: hot.*, may be none
+            # rows: hot.*, may be none; a hot table's heap: vacuum truncates an emptied one
+            # to no pages (the history run moves every job out).
+            if metric["unit"] in ("fraction", "rows") or name.endswith(".heap_mib"):
+                assert value >= 0, name
+            else:
                 assert value > 0, name
         if metric["ceiling"] is not None:
             assert metric["ceiling_median"] > 0, name
