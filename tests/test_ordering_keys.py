@@ -4,6 +4,7 @@ never takes a keyed job."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -347,3 +348,24 @@ def test_a_burst_enqueued_one_job_at_a_time_is_walked_past_too(queue_engine: sa.
         queue_engine, *(EmailJob(task="other", ordering_key=f"k{i}") for i in range(5))
     )
     assert sorted(job.id for job in claim(queue_engine, limit=10)) == [burst[0], *others]
+
+
+def test_concurrent_claims_walk_past_the_keys_other_claims_hold(queue_engine: sa.Engine) -> None:
+    # Four claims in open transactions at once, as four workers' claims overlap: the keys in
+    # line are the first claim's (its locks last until it commits). The others walk on past
+    # every key held (the lock statement's window, then the walk's steps, counting only the
+    # keys they lock) and each fills its batch from keys of its own, instead of coming back
+    # empty while hundreds of jobs wait.
+    ids = enqueue(queue_engine, *(EmailJob(task="k", ordering_key=f"k{i}") for i in range(400)))
+    with contextlib.ExitStack() as open_claims:
+        batches = []
+        for _ in range(4):
+            connection = open_claims.enter_context(queue_engine.connect())
+            open_claims.enter_context(connection.begin())
+            batches.append(sqla_jobs.claim(connection, EmailJob, limit=20, keys=True))
+    claimed = [job.id for batch in batches for job in batch]
+    assert [len(batch) for batch in batches] == [20, 20, 20, 20]
+    assert len(set(claimed)) == 80
+    assert sorted(job.id for job in batches[0]) == ids[:20]  # the first, in claim order
+    # Committed: every job claimed is running, once.
+    assert len(claim(queue_engine, limit=400)) == 320

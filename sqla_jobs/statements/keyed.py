@@ -124,9 +124,16 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
         )
         queue = "q.name"
         served_by = bindparam("queue_names", type_=ARRAY(Text))
-    # The CASE makes the cut come first: no key past it is locked.
+    # The CASE makes the cut come first: no key past it is locked. ``got`` is evaluated
+    # once per key (a subquery with a volatile function in its select list is not pulled
+    # up); ``full`` counts every key in line, locked or not: a claim whose keys in line are
+    # all held by other claims still walks on past them (walk_keys).
     gate = "g.free > 0 AND " if limited else ""
-    keys = f"""SELECT k.ordering_key, k.key_limit, k.first, k.last FROM (
+    keys = f"""SELECT k.ordering_key, k.key_limit, k.first, k.last,
+    CASE WHEN {gate}k.ahead < :scan
+        THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))
+        ELSE false END AS got
+FROM (
     SELECT g.ordering_key, g.key_limit, g.first, g.last,
         sum(least(g.key_limit, :per_key)) OVER (ORDER BY g.first ROWS UNBOUNDED PRECEDING)
             - least(g.key_limit, :per_key) AS ahead
@@ -151,23 +158,20 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
         ) AS c
         GROUP BY c.ordering_key
     ) AS g
-) AS k
-WHERE CASE WHEN {gate}k.ahead < :scan
-    THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))
-    ELSE false END"""
+) AS k"""
     params = [served_by, bindparam("scan", type_=Integer), bindparam("per_key", type_=Integer)]
     # The keys and their limits go to claim_keyed through two transaction-local settings:
     # array_agg skips no row, and the arrays' text form reads back exactly. ``capacity``:
     # how many jobs the keys locked could start; ``full``: a queue had ``rows`` jobs in
     # line, and others may wait behind them (walk_keys finds their keys).
-    handed = f"""count(l.ordering_key) AS locked,
+    handed = f"""count(*) FILTER (WHERE l.got) AS locked,
     set_config('{LOCKED_KEYS}',
         CAST(coalesce(array_agg(l.ordering_key ORDER BY l.first)
-            FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS keys,
+            FILTER (WHERE l.got), '{{}}') AS text), true) AS keys,
     set_config('{LOCKED_KEY_LIMITS}',
         CAST(coalesce(array_agg(l.key_limit ORDER BY l.first)
-            FILTER (WHERE l.ordering_key IS NOT NULL), '{{}}') AS text), true) AS key_limits,
-    coalesce(sum(least(l.key_limit, :per_key)), 0) AS capacity,
+            FILTER (WHERE l.got), '{{}}') AS text), true) AS key_limits,
+    coalesce(sum(least(l.key_limit, :per_key)) FILTER (WHERE l.got), 0) AS capacity,
     coalesce(max(l.last) >= {limit}, false) AS full"""
     if not limited:
         sql = f"SELECT {handed} FROM ({keys}) AS l"
@@ -191,27 +195,30 @@ WALK_STEPS: Final = 32
 
 def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
     """Lock more keys after :func:`lock_keys`, when a queue had ``rows`` jobs in line
-    (``full``) but their keys could not fill the claim: they were too few (``capacity`` under
-    ``:scan``: one key's burst), or too busy (the keyed claim came back short, each key's
-    jobs in progress filling its limit). The keys behind them would otherwise wait until
-    those jobs have run.
+    (``full``) but the keys it locked could not fill the claim: they were too few
+    (``capacity`` under ``:scan``: one key's burst, or keys in line that other claims hold),
+    or too busy (the keyed claim came back short, each key's jobs in progress filling its
+    limit). The keys behind them would otherwise wait until those jobs have run, or those
+    claims have ended.
 
     Per served queue, from the last of its first ``rows`` runnable keyed jobs in claim order
     on, it walks the keyed pending index :data:`WALK_STEP_ROWS` jobs a step (one range
     each). The keys of a step's jobs not seen yet (neither among those ``rows`` jobs nor
-    locked already, nor found) are found. A step whose jobs all belong to keys seen is
-    inside a run of them (a burst): the walk jumps from its last job to the last job of
-    that key with the same ``(priority, run_at)`` (a descent of the key index, backwards),
-    so that a burst enqueued in one transaction is passed in a step or two, whatever its
-    size (another key's job inside that run is passed over too, for this claim). A queue's
-    walk stops when the keys found could start ``:scan`` jobs beyond ``:capacity`` (a key
-    counts for its job's ``key_limit``, at most ``:per_key``), after :data:`WALK_STEPS`
-    steps (a run of one key's jobs enqueued one per transaction is passed a step at a time:
-    up to ``WALK_STEPS * WALK_STEP_ROWS`` jobs), or at its last job. The keys found, in
-    claim order, are locked as :func:`lock_keys` locks them (a try-lock, skipped when
-    another claim holds it; no key past the cut) and go into the two settings: after the
-    keys there (``:keep``), or instead of them (their jobs were claimed already). Returns
-    one row: how many keys it locked (``locked``).
+    locked already, nor seen in an earlier step) are locked in claim order as
+    :func:`lock_keys` locks them (a try-lock: a key another claim holds is skipped, never
+    waited for, and adds nothing), while the keys locked could start fewer than ``:scan``
+    jobs with ``:capacity`` (a key counts for its job's ``key_limit``, at most
+    ``:per_key``; the keys of a step past that cut are passed over). A step whose jobs all
+    belong to keys seen is inside a run of them (a burst): the walk jumps from its last job
+    to the last job of that key with the same ``(priority, run_at)`` (a descent of the key
+    index, backwards), so that a burst enqueued in one transaction is passed in a step or
+    two, whatever its size (another key's job inside that run is passed over too, for this
+    claim). A queue's walk stops when the keys locked reach ``:scan``, after
+    :data:`WALK_STEPS` steps (a run of one key's jobs enqueued one per transaction is
+    passed a step at a time: up to ``WALK_STEPS * WALK_STEP_ROWS`` jobs), or at its last
+    job. The keys locked, in claim order, go into the two settings: after the keys there
+    (``:keep``), or instead of them (their jobs were claimed already). Returns one row: how
+    many keys it locked (``locked``).
 
     Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key``,
     ``:capacity``, ``:keep``.
@@ -261,12 +268,22 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
             SELECT DISTINCT ON (a.ordering_key) a.* FROM a
             WHERE a.ordering_key <> ALL (w.keys)
             ORDER BY a.ordering_key, a.priority, a.run_at, a.id
+        ), tried AS MATERIALIZED (
+            SELECT t.*, CASE WHEN t.ahead < :scan
+                THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(t.ordering_key))
+                ELSE false END AS got
+            FROM (
+                SELECT f.*, w.capacity + sum(least(f.key_limit, :per_key)) OVER (
+                    ORDER BY f.priority, f.run_at, f.id ROWS UNBOUNDED PRECEDING
+                ) - least(f.key_limit, :per_key) AS ahead
+                FROM fresh AS f
+            ) AS t
         ), z AS (
             SELECT a.* FROM a ORDER BY a.priority DESC, a.run_at DESC, a.id DESC LIMIT 1
         )
-        SELECT false AS cont, f.ordering_key, f.key_limit, f.priority, f.run_at, f.id,
+        SELECT false AS cont, t.ordering_key, t.key_limit, t.priority, t.run_at, t.id,
             CAST(NULL AS text[]) AS keys, CAST(NULL AS bigint) AS capacity
-        FROM fresh AS f
+        FROM tried AS t WHERE t.got
         UNION ALL
         SELECT true, NULL, 1, z.priority, z.run_at,
             CASE WHEN EXISTS (SELECT FROM fresh) THEN z.id ELSE greatest(z.id, (
@@ -277,27 +294,17 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
                 ORDER BY j.id DESC LIMIT 1
             )) END,
             w.keys || coalesce((SELECT array_agg(f.ordering_key) FROM fresh AS f), '{{}}'),
-            w.capacity
-                + coalesce((SELECT sum(least(f.key_limit, :per_key)) FROM fresh AS f), 0)
+            w.capacity + coalesce((
+                SELECT sum(least(t.key_limit, :per_key)) FROM tried AS t WHERE t.got
+            ), 0)
         FROM z
     ) AS o
     WHERE w.cont AND w.capacity < :scan AND w.steps < {WALK_STEPS}
-), found AS (
-    -- A key found in two queues' walks counts once, at its best job.
+), l AS (
+    -- A key locked in two queues' walks counts once, at its best job.
     SELECT DISTINCT ON (w.ordering_key) w.ordering_key, w.key_limit, w.priority, w.run_at, w.id
     FROM walk AS w WHERE NOT w.cont
     ORDER BY w.ordering_key, w.priority, w.run_at, w.id
-), cut AS (
-    SELECT f.ordering_key, f.key_limit, f.priority, f.run_at, f.id,
-        h.capacity + sum(least(f.key_limit, :per_key)) OVER (
-            ORDER BY f.priority, f.run_at, f.id ROWS UNBOUNDED PRECEDING
-        ) - least(f.key_limit, :per_key) AS ahead
-    FROM found AS f CROSS JOIN held AS h
-), l AS (
-    SELECT c.* FROM cut AS c
-    WHERE CASE WHEN c.ahead < :scan
-        THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(c.ordering_key))
-        ELSE false END
 )
 SELECT count(l.ordering_key) AS locked,
     set_config('{LOCKED_KEYS}', CAST(
