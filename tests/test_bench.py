@@ -84,6 +84,9 @@ def test_quick_bench_writes_every_section(
     assert metrics["async.add_all.session"]["ceiling"] is None
     # Keyed claims behind one busy key's burst: every claim walks past it (walk_keys).
     assert metrics["keys.claim.behind_burst"]["ceiling"] == "keys.claim.plain"
+    # Keyed claims from several connections at once, beside plain ones the same way.
+    concurrent = metrics["keys.claim.keyed_concurrent"]
+    assert concurrent["ceiling"] == "keys.claim.plain_concurrent"
     assert metrics["enqueue.bulk"]["ceiling"] == "ceiling.insert"
     assert metrics["enqueue.add_all"]["ceiling"] == "ceiling.orm_add_all"
     assert {row["metric"] for row in document["targets"]} >= {
