@@ -266,7 +266,7 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
             ORDER BY j.priority, j.run_at, j.id LIMIT {WALK_STEP_ROWS}
         ), fresh AS MATERIALIZED (
             SELECT DISTINCT ON (a.ordering_key) a.* FROM a
-            WHERE a.ordering_key <> ALL (w.keys)
+            WHERE NOT EXISTS (SELECT FROM unnest(w.keys) AS s (key) WHERE s.key = a.ordering_key)
             ORDER BY a.ordering_key, a.priority, a.run_at, a.id
         ), tried AS MATERIALIZED (
             SELECT t.*, CASE WHEN t.ahead < :scan
