@@ -101,9 +101,12 @@ def claim(
     serialised per key by transaction-scoped advisory try-locks
     (:func:`sqla_jobs.statements.lock_keys`), taken in a statement before the claim's, so
     that the claim sees whatever the key's previous claimer committed; a key another claim
-    is locking is skipped, not waited for. The keyed jobs' batch is filled up with plain
-    jobs. Three statements instead of one (two when no key is free), in the same
-    transaction, and the key locks last until it ends: keep it short.
+    is locking is skipped, not waited for. When the keys of the jobs first in line cannot
+    fill the batch (one key's burst, keys whose jobs in progress fill their limits, or keys
+    that overlapping claims hold), the claim looks further along the line once
+    (:func:`sqla_jobs.statements.walk_keys`). The keyed jobs' batch is filled up with plain
+    jobs. Three statements instead of one (two when no key is free; two more when it looks
+    further), in the same transaction, and the key locks last until it ends: keep it short.
 
     **Queue limits** (``queue_limits={"emails": 3}``). At most that many jobs of a limited
     queue run at once, across all claimers that pass the same limits (declare them once,
