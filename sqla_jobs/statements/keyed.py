@@ -54,6 +54,12 @@ def key_lock_space(table: Table) -> int:
     return _lock_space(qualified_name(table.name, table.schema))
 
 
+def _key_lock(table: Table, key: str) -> str:
+    """The try-lock on the ordering key ``key`` (a SQL expression) of this table's jobs, as
+    every keyed statement takes it (:func:`_queue_lock`'s twin for keys)."""
+    return f"pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext({key}))"
+
+
 def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = False) -> TextClause:
     """Lock the ordering keys worth a keyed claim and hand them to :func:`claim_keyed`.
 
@@ -131,7 +137,7 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     gate = "g.free > 0 AND " if limited else ""
     keys = f"""SELECT k.ordering_key, k.key_limit, k.first, k.last,
     CASE WHEN {gate}k.ahead < :scan
-        THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(k.ordering_key))
+        THEN {_key_lock(table, "k.ordering_key")}
         ELSE false END AS got
 FROM (
     SELECT g.ordering_key, g.key_limit, g.first, g.last,
@@ -270,7 +276,7 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
             ORDER BY a.ordering_key, a.priority, a.run_at, a.id
         ), tried AS MATERIALIZED (
             SELECT t.*, CASE WHEN t.ahead < :scan
-                THEN pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext(t.ordering_key))
+                THEN {_key_lock(table, "t.ordering_key")}
                 ELSE false END AS got
             FROM (
                 SELECT f.*, w.capacity + sum(least(f.key_limit, :per_key)) OVER (
