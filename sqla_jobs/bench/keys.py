@@ -38,31 +38,43 @@ _BEHIND: Final = 2_000
 _CLAIMERS: Final = 4
 
 
+def _cycle(
+    connection: sa.Connection, batch: int, *, keys: bool, queue_limits: dict[str, int] | None
+) -> tuple[int, int]:
+    """One claim of ``batch`` and the complete_many of what it took, a transaction each, on
+    a Core connection, as the worker's fetch loop and outcome writer run them (the
+    statements' driver path, :func:`sqla_jobs.queue._plumbing._rows`): how many jobs were
+    claimed, and how many of them completed."""
+    with connection.begin():
+        jobs = claim(
+            connection,
+            Job,
+            queues=Q_KEYS,
+            limit=batch,
+            lease=LEASE_SECONDS,
+            keys=keys,
+            queue_limits=queue_limits,
+        )
+    if not jobs:
+        return 0, 0
+    with connection.begin():
+        return len(jobs), len(jobs) - len(complete_many(connection, jobs))
+
+
 def _claim_throughput(
     engine: sa.Engine, batch: int, count: int, *, keys: bool, queue_limited: bool
 ) -> float:
-    """The library's batched claim + complete_many, in this process, until ``count`` done:
-    a transaction each, on one Core connection, as the worker's fetch loop and outcome
-    writer run them (the statements' driver path, :func:`sqla_jobs.queue._plumbing._rows`)."""
+    """The library's batched claim + complete_many (:func:`_cycle`), in this process, on one
+    connection, until a claim comes back empty: jobs/s (all ``count`` must be done)."""
     done = 0
     queue_limits = {Q_KEYS: batch} if queue_limited else None
     with engine.connect() as connection:
         started = time.perf_counter()
         while True:
-            with connection.begin():
-                jobs = claim(
-                    connection,
-                    Job,
-                    queues=Q_KEYS,
-                    limit=batch,
-                    lease=LEASE_SECONDS,
-                    keys=keys,
-                    queue_limits=queue_limits,
-                )
-            if not jobs:
+            claimed, completed = _cycle(connection, batch, keys=keys, queue_limits=queue_limits)
+            if not claimed:
                 break
-            with connection.begin():
-                done += len(jobs) - len(complete_many(connection, jobs))
+            done += completed
         elapsed = time.perf_counter() - started
     if done != count:
         raise RuntimeError(f"claimed and completed {done} of {count} jobs")
@@ -70,9 +82,10 @@ def _claim_throughput(
 
 
 def _concurrent_throughput(engine: sa.Engine, batch: int, count: int, *, keys: bool) -> float:
-    """Claims of ``batch`` + complete_many from :data:`_CLAIMERS` threads at once, each in
-    a loop on its own connection, until ``count`` jobs are done in all: jobs/s. A thread
-    whose claim comes back empty (its keys held by the others) claims again at once."""
+    """Claims of ``batch`` + complete_many (:func:`_cycle`) from :data:`_CLAIMERS` threads at
+    once, each in a loop on its own connection, until ``count`` jobs are done in all:
+    jobs/s. A thread whose claim comes back empty (its keys held by the others) claims again
+    at once."""
     done = 0
     guard = threading.Lock()
     failures: list[BaseException] = []
@@ -83,15 +96,9 @@ def _concurrent_throughput(engine: sa.Engine, batch: int, count: int, *, keys: b
         try:
             with engine.connect() as connection:
                 while time.monotonic() < deadline:
-                    with connection.begin():
-                        jobs = claim(
-                            connection, Job, queues=Q_KEYS, limit=batch, lease=LEASE_SECONDS,
-                            keys=keys,
-                        )  # fmt: skip
-                    with connection.begin():
-                        finished = len(jobs) - len(complete_many(connection, jobs))
+                    _, completed = _cycle(connection, batch, keys=keys, queue_limits=None)
                     with guard:
-                        done += finished
+                        done += completed
                         if done >= count:
                             return
         except BaseException as exc:  # reported by the caller, in its thread
@@ -156,6 +163,13 @@ def _fill(engine: sa.Engine, count: int, key_limit: int | None) -> None:
     scratch.vacuum(engine)
 
 
+def _clear(engine: sa.Engine) -> None:
+    """Delete the section's queue and vacuum, for the next figure."""
+    with engine.begin() as connection:
+        connection.execute(bench_sql.delete_queue(scratch.TABLE), {"queue": Q_KEYS})
+    scratch.vacuum(engine)
+
+
 def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
     """One run of each figure, side by side; each run starts with another of them (the
     order rotates), so that none is always first after the previous run's clean-up."""
@@ -176,20 +190,14 @@ def run_keys(cfg: Config, engine: sa.Engine, results: Results) -> None:
         )
         ceiling = None if label == "plain" else "keys.claim.plain"
         results.add(f"keys.claim.{label}", value, "jobs/s", ceiling)
-        with engine.begin() as connection:
-            connection.execute(bench_sql.delete_queue(scratch.TABLE), {"queue": Q_KEYS})
-        scratch.vacuum(engine)
+        _clear(engine)
     value = _burst_throughput(engine, cfg.batch)
     results.add("keys.claim.behind_burst", value, "jobs/s", "keys.claim.plain")
-    with engine.begin() as connection:
-        connection.execute(bench_sql.delete_queue(scratch.TABLE), {"queue": Q_KEYS})
-    scratch.vacuum(engine)
+    _clear(engine)
     for label, keyed in (("plain_concurrent", False), ("keyed_concurrent", True)):
         _fill(engine, cfg.jobs, 1 if keyed else None)
         value = _concurrent_throughput(engine, cfg.batch, cfg.jobs, keys=keyed)
         ceiling = "keys.claim.plain_concurrent" if keyed else None
         results.add(f"keys.claim.{label}", value, "jobs/s", ceiling)
-        with engine.begin() as connection:
-            connection.execute(bench_sql.delete_queue(scratch.TABLE), {"queue": Q_KEYS})
-        scratch.vacuum(engine)
+        _clear(engine)
     scratch.progress("keys")
