@@ -261,9 +261,9 @@ def test_keys_of_any_text_reach_the_claim_as_they_were_written(queue_engine: sa.
 
 
 def test_a_burst_of_one_key_does_not_hide_the_keys_behind_it(queue_engine: sa.Engine) -> None:
-    # One key's burst fills the claim's look-ahead (the first limit + 16 keyed jobs in
-    # claim order, rounded up to 16) with one key: the claim walks on past it, one key at a
-    # time in claim order, until its keys could start limit + 16 jobs.
+    # One key's burst fills the claim's look-ahead (the first limit + KEY_SCAN_EXTRA keyed
+    # jobs in claim order, rounded up to 16) with one key: the claim walks on past it, one
+    # key at a time in claim order, until its keys could start limit + KEY_SCAN_EXTRA jobs.
     burst = enqueue(queue_engine, *(EmailJob(task="hot", ordering_key="hot") for _ in range(300)))
     others = enqueue(
         queue_engine, *(EmailJob(task="other", ordering_key=f"k{i}") for i in range(30))
@@ -296,6 +296,41 @@ def test_the_walk_past_bursts_keeps_claim_order_across_queues(queue_engine: sa.E
     assert sorted(job.id for job in jobs) == sorted([hot[0], hot[100], *alpha, *beta])
     # The hot keys are busy now; their queues' other jobs are all running: nothing left.
     assert claim(queue_engine, queues=["alpha", "beta"], limit=40) == []
+
+
+def test_keys_behind_more_busy_keys_than_a_walk_would_lock_are_found(
+    queue_engine: sa.Engine,
+) -> None:
+    # A hundred busy keys in line (each with a job running and four waiting), far more than
+    # the claim's window and its first walk could lock: the walk after the short claim
+    # counts each key's jobs in progress and passes the busy ones by, so the keys behind
+    # them start, not nothing.
+    enqueue(queue_engine, *(EmailJob(task="big", ordering_key=f"big{i % 100}") for i in range(500)))
+    running = claim(queue_engine, limit=100)
+    assert len(running) == 100
+    small = enqueue(
+        queue_engine, *(EmailJob(task="small", ordering_key=f"small{i}") for i in range(20))
+    )
+    first = claim(queue_engine, limit=10)
+    assert sorted(job.id for job in first) == small[:10]
+    finish(queue_engine, *running[:2])
+    second = claim(queue_engine, limit=10)  # two big keys are free again, then small ones
+    assert sorted(job.task for job in second) == ["big"] * 2 + ["small"] * 8
+
+
+def test_keys_behind_a_burst_and_busy_keys_are_found(queue_engine: sa.Engine) -> None:
+    # A busy key's burst first in line, then forty busy keys, then free ones: the walk past
+    # the burst locks busy keys (it counts none's jobs in progress), the claim comes back
+    # short, and the walk after it passes them by to the free keys.
+    burst = enqueue(queue_engine, *(EmailJob(task="hot", ordering_key="hot") for _ in range(200)))
+    busy = enqueue(
+        queue_engine, *(EmailJob(task="big", ordering_key=f"big{i % 40}") for i in range(80))
+    )
+    running = claim(queue_engine, limit=41)
+    assert sorted(job.id for job in running) == sorted([burst[0], *busy[:40]])
+    free = enqueue(queue_engine, *(EmailJob(task="free", ordering_key=f"f{i}") for i in range(10)))
+    taken = claim(queue_engine, limit=10)
+    assert sorted(job.id for job in taken) == free
 
 
 def test_the_walk_past_a_burst_keeps_a_queue_limit_and_skips_held_keys(

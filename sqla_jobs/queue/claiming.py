@@ -103,10 +103,12 @@ def claim(
     that the claim sees whatever the key's previous claimer committed; a key another claim
     is locking is skipped, not waited for. When the keys of the jobs first in line cannot
     fill the batch (one key's burst, keys whose jobs in progress fill their limits, or keys
-    that overlapping claims hold), the claim looks further along the line once
-    (:func:`sqla_jobs.statements.walk_keys`). The keyed jobs' batch is filled up with plain
-    jobs. Three statements instead of one (two when no key is free; two more when it looks
-    further), in the same transaction, and the key locks last until it ends: keep it short.
+    that overlapping claims hold), the claim looks further along the line
+    (:func:`sqla_jobs.statements.walk_keys`); when the keyed claim still comes back short,
+    it looks once more, past the keys that are busy too, and claims from the keys found.
+    The keyed jobs' batch is filled up with plain jobs. Three statements instead of one
+    (two when no key is free; two or four more when it looks further), in the same
+    transaction, and the key locks last until it ends: keep it short.
 
     **Queue limits** (``queue_limits={"emails": 3}``). At most that many jobs of a limited
     queue run at once, across all claimers that pass the same limits (declare them once,
@@ -169,8 +171,11 @@ def claim(
 
 
 #: How many keyed jobs per queue (and keys in all) a keyed claim of ``limit`` jobs looks at,
-#: beyond ``limit``: keys that are busy are passed over, so it looks a little further.
-KEY_SCAN_EXTRA: Final = 16
+#: beyond ``limit``: a few keys in line may be busy (their jobs in progress fill their
+#: limits), so it looks a little further. Each key looked at costs the claim two reads of the
+#: key index, so the margin is small: more busy keys than that make the claim come back
+#: short, and then it walks on past them (:func:`statements.walk_keys`) once.
+KEY_SCAN_EXTRA: Final = 4
 #: The most jobs of one key a keyed claim starts (a key whose ``key_limit`` is higher gets
 #: the rest in the next claims): each costs the claim a read of the job's row.
 KEY_CLAIM_MAX: Final = 16
@@ -279,19 +284,23 @@ def _claim_from(
     }
     walk_options = {"rows": lock_options["rows"], "queue_count": lock_options["queue_count"]}
     walked = full and capacity < walk["scan"]
+    further = full  # whether keys that could start a job may wait further along the line
     if walked:
         # The jobs in line belonged to too few keys (a burst of one): look further, and
         # claim from these keys and those together.
         walk |= {"capacity": capacity, "keep": True}
-        count += _rows(session, statements.walk_keys, table, walk, **walk_options)[0][0]
+        (found,) = _rows(session, statements.walk_keys, table, walk, **walk_options)
+        count += found[0]
+        further = found[3]  # it stopped at enough keys, not at the end of what it sees
     rows: list[Any] = []
     if count:
         rows.extend(_rows(session, statements.claim_keyed, table, keyed, limited=limited))
-    if full and not walked and len(rows) < limit:
-        # The keys in line were busy (their jobs in progress fill their limits): look
-        # further once, and claim from the keys found alone.
+    if further and len(rows) < limit:
+        # The keys locked were busy (their jobs in progress fill their limits): look
+        # further once, past the keys that are busy too, and claim from the keys found alone.
         walk |= {"capacity": len(rows), "keep": False}
-        if _rows(session, statements.walk_keys, table, walk, **walk_options)[0][0]:
+        busy = walk_options | {"busy": True}
+        if _rows(session, statements.walk_keys, table, walk, **busy)[0][0]:
             # (A limited queue's free slots are counted anew: what this claim took counts.)
             more = keyed | {"limit": limit - len(rows)}
             rows.extend(_rows(session, statements.claim_keyed, table, more, limited=limited))

@@ -67,7 +67,7 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
     brought it in (how many of its jobs :func:`claim_keyed` reads), go into two
     transaction-local settings (``set_config(..., true)``: :data:`LOCKED_KEYS` and
     :data:`LOCKED_KEY_LIMITS`, arrays in their text form), where the next statement reads
-    them: the keys never travel to the client and back (a claim of 50 locks some 66 keys,
+    them: the keys never travel to the client and back (a claim of 50 locks some 54 keys,
     which the client would read as rows and send back as two arrays). Returns one row:
     how many keys were locked, the two settings' values, how many jobs those keys could
     start (a key counts for its ``key_limit``, at most ``:per_key``), and whether a queue
@@ -199,7 +199,7 @@ WALK_STEP_ROWS: Final = 64
 WALK_STEPS: Final = 32
 
 
-def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
+def walk_keys(table: Table, *, rows: int, queue_count: int, busy: bool = False) -> TextClause:
     """Lock more keys after :func:`lock_keys`, when a queue had ``rows`` jobs in line
     (``full``) but the keys it locked could not fill the claim: they were too few
     (``capacity`` under ``:scan``: one key's burst, or keys in line that other claims hold),
@@ -224,13 +224,24 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
     passed a step at a time: up to ``WALK_STEPS * WALK_STEP_ROWS`` jobs), or at its last
     job. The keys locked, in claim order, go into the two settings: after the keys there
     (``:keep``), or instead of them (their jobs were claimed already). Returns one row: how
-    many keys it locked (``locked``).
+    many keys it locked, the two settings' values, and whether a queue's walk stopped
+    because its keys could start ``:scan`` jobs (``locked, keys, key_limits, reached``:
+    when they did not, the walk passed every key it could see).
+
+    ``busy`` (the walk after a keyed claim came back short: keys in line are busy, and
+    more may be behind them): each key found counts for the jobs it could start by its jobs
+    in progress (running on a live lease, or waiting for a retry; counted up to its
+    ``key_limit``, one range of the key index, read before the key's lock: a hint, the
+    claim decides), and a key that could start none is neither locked nor counted, so that
+    the walk goes on past busy keys to keys that can start a job. Without it a key counts
+    for its ``key_limit`` (no read per key: a walk past a burst or past other claims' keys
+    finds keys that are rarely busy).
 
     Parameters: ``:queue_name`` or ``:queue_names``, ``:scan``, ``:per_key``,
     ``:capacity``, ``:keep``.
     """
     t = qualified_name(table.name, table.schema)
-    pending = JobStatus.PENDING.value
+    pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
     served_by: BindParameter[Any]
     if queue_count == 1:
         served = "SELECT CAST(:queue_name AS text) AS name"
@@ -243,6 +254,23 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
         return f"""j.status = '{pending}' AND j.ordering_key IS NOT NULL
               AND j.queue = {queue} AND j.run_at <= statement_timestamp()"""
 
+    # A key's room: the jobs it could start, at most :per_key. After a short claim, its
+    # jobs in progress are counted (a hint, read before its lock: claim_keyed decides),
+    # and a key with none is passed over; else its key_limit, as lock_keys counts it.
+    room = "least(f.key_limit, :per_key)"
+    if busy:
+        room = f"""least(f.key_limit - (
+                        SELECT CAST(count(*) AS integer) FROM (
+                            SELECT FROM {t} AS j
+                            WHERE j.ordering_key = f.ordering_key
+                              AND j.status IN ('{pending}', '{running}')
+                              AND (j.status, j.attempts) > ('{pending}', 0)
+                              AND CASE WHEN j.status = '{running}'
+                                  THEN j.lease_expires_at > statement_timestamp()
+                                  ELSE j.run_at > statement_timestamp() END
+                            LIMIT f.key_limit
+                        ) AS b
+                    ), :per_key)"""
     locked_keys, locked_limits = _handed_over("text[]"), _handed_over("integer[]")
     sql = f"""WITH RECURSIVE held AS MATERIALIZED (
     SELECT coalesce({locked_keys}, '{{}}') AS keys, CAST(:capacity AS bigint) AS capacity
@@ -275,14 +303,14 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
             WHERE NOT EXISTS (SELECT FROM unnest(w.keys) AS s (key) WHERE s.key = a.ordering_key)
             ORDER BY a.ordering_key, a.priority, a.run_at, a.id
         ), tried AS MATERIALIZED (
-            SELECT t.*, CASE WHEN t.ahead < :scan
+            SELECT t.*, CASE WHEN t.room > 0 AND t.ahead < :scan
                 THEN {_key_lock(table, "t.ordering_key")}
                 ELSE false END AS got
             FROM (
-                SELECT f.*, w.capacity + sum(least(f.key_limit, :per_key)) OVER (
-                    ORDER BY f.priority, f.run_at, f.id ROWS UNBOUNDED PRECEDING
-                ) - least(f.key_limit, :per_key) AS ahead
-                FROM fresh AS f
+                SELECT r.*, w.capacity + sum(r.room) OVER (
+                    ORDER BY r.priority, r.run_at, r.id ROWS UNBOUNDED PRECEDING
+                ) - r.room AS ahead
+                FROM (SELECT f.*, {room} AS room FROM fresh AS f) AS r
             ) AS t
         ), z AS (
             SELECT a.* FROM a ORDER BY a.priority DESC, a.run_at DESC, a.id DESC LIMIT 1
@@ -300,9 +328,7 @@ def walk_keys(table: Table, *, rows: int, queue_count: int) -> TextClause:
                 ORDER BY j.id DESC LIMIT 1
             )) END,
             w.keys || coalesce((SELECT array_agg(f.ordering_key) FROM fresh AS f), '{{}}'),
-            w.capacity + coalesce((
-                SELECT sum(least(t.key_limit, :per_key)) FROM tried AS t WHERE t.got
-            ), 0)
+            w.capacity + coalesce((SELECT sum(t.room) FROM tried AS t WHERE t.got), 0)
         FROM z
     ) AS o
     WHERE w.cont AND w.capacity < :scan AND w.steps < {WALK_STEPS}
@@ -320,7 +346,9 @@ SELECT count(l.ordering_key) AS locked,
     set_config('{LOCKED_KEY_LIMITS}', CAST(
         CASE WHEN :keep THEN coalesce({locked_limits}, '{{}}') ELSE '{{}}' END
         || coalesce(array_agg(l.key_limit ORDER BY l.priority, l.run_at, l.id), '{{}}')
-        AS text), true) AS key_limits
+        AS text), true) AS key_limits,
+    (SELECT coalesce(bool_or(w.capacity >= :scan), false) FROM walk AS w WHERE w.cont)
+        AS reached
 FROM l"""
     params = [
         served_by,
