@@ -145,7 +145,10 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
             variants = [{}, {"history": history_table(ArchiveJob)}]
         if "rows" in parameters:  # lock_keys: the rows it reads per queue
             variants = [options | {"rows": 64} for options in variants]
+        if "busy" in parameters:  # walk_keys after a short claim
+            variants += [options | {"busy": True} for options in variants]
         known = set(tables) | {"queue_count", "limited", "rows", "local", "name", "history"}
+        known.add("busy")
         assert set(parameters) <= known, f"{name}: teach this test its parameters"
         for options in variants:
             built = builder(*args, **options)
