@@ -4,6 +4,7 @@ Importing this package defines the mixins and functions below and nothing else: 
 no thread, opens no connection, and does not import Alembic or the command line.
 """
 
+from sqla_jobs.context import JobContext
 from sqla_jobs.errors import (
     ConfigurationError,
     EmbeddedPostgresError,
@@ -55,7 +56,7 @@ from sqla_jobs.queue import (
     unique_key_of,
     vacuum,
 )
-from sqla_jobs.registry import JobContext, Registry, Task
+from sqla_jobs.registry import Registry, Task
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, ScheduleMixin, names
 from sqla_jobs.worker import Worker, WorkerHealth
 

@@ -35,8 +35,9 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import NullPool
 
+from sqla_jobs.context import JobContext
 from sqla_jobs.queue import queue_stats
-from sqla_jobs.registry import JobContext, Registry
+from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobStatus
 
 __all__ = ["DemoOrder", "DemoShipment", "registry", "run", "ship_order"]

@@ -27,9 +27,10 @@ from typing import Any, Final, TypeVar
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from sqla_jobs.context import JobContext
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, LeaseLostError
 from sqla_jobs.queue import ClaimedJob, claim, complete_attempts, fail
-from sqla_jobs.registry import JobContext, Registry
+from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobMixin, JobStatus
 
 __all__ = ["InlineRun", "assert_enqueued", "assert_not_enqueued", "enqueued", "run_inline"]

@@ -31,12 +31,13 @@ import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Session
 
 from sqla_jobs.bench import statements as bench_sql
+from sqla_jobs.context import JobContext
 from sqla_jobs.ddl import executable
 from sqla_jobs.history import create_partitions, history_table
 from sqla_jobs.history import statements as history_sql
 from sqla_jobs.history.schema import create_partition, partition_day
 from sqla_jobs.queue import claim, complete_many
-from sqla_jobs.registry import JobContext, Registry
+from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobMixin
 
 __all__ = [

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from typing import Final
 
+from sqla_jobs.context import JobContext
 from sqla_jobs.models import Job, JobResult
-from sqla_jobs.registry import JobContext, Registry
+from sqla_jobs.registry import Registry
 
 __all__ = [
     "LEASE_SECONDS",

@@ -95,11 +95,12 @@ from typing import TYPE_CHECKING, Any, Final
 from sqlalchemy.orm import Session, SessionTransaction
 
 from sqla_jobs import statements
+from sqla_jobs.context import JobContext
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.history.schema import has_history
 from sqla_jobs.queue import ClaimedJob, complete_held, job_columns, lock_one, lock_started
-from sqla_jobs.registry import JobContext, Registry, Task
+from sqla_jobs.registry import Registry, Task
 from sqla_jobs.worker.link import as_session
 from sqla_jobs.worker.state import Attempt, Kind, Outcome
 

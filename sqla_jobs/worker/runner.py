@@ -44,9 +44,10 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 from sqlalchemy.orm import Session
 
 from sqla_jobs import tracing, validation
+from sqla_jobs.context import JobContext
 from sqla_jobs.history.schema import has_history
 from sqla_jobs.queue import ClaimedJob, job_columns
-from sqla_jobs.registry import JobContext, Registry, Task
+from sqla_jobs.registry import Registry, Task
 from sqla_jobs.worker import locked
 from sqla_jobs.worker.observer import NO_OBSERVER
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State

@@ -1,0 +1,168 @@
+"""What a handler receives: :class:`JobContext`, one per attempt, built by the worker.
+
+Its own module because it is the handler's side of the worker (the attempt, the claim's
+session in lock mode, the job's own columns, its cancel flag), while :mod:`sqla_jobs.registry`
+is the application's side (tasks and their options); the registry re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from sqla_jobs.errors import ConfigurationError, JobCancelledError
+from sqla_jobs.queue import ClaimedJob, job_columns
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
+__all__ = ["CancelFlag", "ColumnLoader", "JobContext"]
+
+
+class CancelFlag(Protocol):
+    """Where a :class:`JobContext` reads whether its job's cancel was requested (the
+    worker's attempt: it sets ``cancel_requested`` when it hears of the request)."""
+
+    cancel_requested: bool
+
+
+class ColumnLoader(Protocol):
+    """How a :class:`JobContext` reads its job row's own columns: once, when first asked."""
+
+    def __call__(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class JobContext:
+    """What a handler receives: the claimed attempt, and in lock mode the claim's session.
+
+    ``job`` is the attempt (a :class:`~sqla_jobs.queue.ClaimedJob`); ``id``, ``args``,
+    ``attempt``, ``task`` and ``queue`` are shortcuts to its fields. ``ctx.job.id`` (or
+    ``ctx.id``) is the job's id, the same on every attempt: the key to make a side effect
+    outside the database idempotent. ``worker`` is the name of the worker running it.
+
+    ``session`` is the :class:`~sqlalchemy.orm.Session` whose transaction holds the job's
+    row lock and will commit its completion. Write through it; never commit, roll back or
+    close it (the worker does). Asking for it in lease mode raises
+    :class:`~sqla_jobs.errors.ConfigurationError`. A coroutine handler in lock mode, run by
+    a worker given an ``async_session_factory``, gets ``async_session`` instead: an
+    :class:`~sqlalchemy.ext.asyncio.AsyncSession` holding the lock, with the same rules.
+
+    ``columns`` holds the values of the job model's own columns (those you added to your
+    :class:`~sqla_jobs.JobMixin` subclass, such as ``order_id``), by column name, read
+    with one query the first time it is asked for (through ``session`` in lock mode, so
+    under the job's row lock), never when it is not: a handler that does not ask pays
+    nothing.
+
+    ``cancelled`` turns true once :func:`sqla_jobs.cancel` asked for this running job to
+    stop and the worker heard of it (within about a second, by a notification; at the next
+    heartbeat otherwise); :meth:`raise_if_cancelled` raises
+    :class:`~sqla_jobs.errors.JobCancelledError` then. A coroutine handler is cancelled
+    instead (``asyncio.CancelledError`` at its current ``await``). Either way the job ends
+    ``cancelled``, and a handler that ignores the request and returns ends cancelled too
+    (its result is not stored): check it between steps of a long thread handler.
+    """
+
+    job: ClaimedJob
+    worker: str
+    _session: Session | None = field(default=None, repr=False)
+    _async_session: AsyncSession | None = field(default=None, repr=False)
+    _cancel: CancelFlag | None = field(default=None, repr=False)
+    _loader: ColumnLoader | None = field(default=None, repr=False)
+    _columns: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    def __init__(
+        self,
+        job: ClaimedJob,
+        worker: str,
+        _session: Session | None = None,
+        _async_session: AsyncSession | None = None,
+        _cancel: CancelFlag | None = None,
+        _loader: ColumnLoader | None = None,
+        _columns: dict[str, Any] | None = None,
+    ) -> None:
+        # The dataclass's own __init__ for a frozen class, but through the slots' setters
+        # bound once (_SET_*) instead of object.__setattr__ by name: a worker builds one
+        # context per job, and this costs it half as much.
+        _SET_JOB(self, job)
+        _SET_WORKER(self, worker)
+        _SET_SESSION(self, _session)
+        _SET_ASYNC_SESSION(self, _async_session)
+        _SET_CANCEL(self, _cancel)
+        _SET_LOADER(self, _loader)
+        _SET_COLUMNS(self, _columns)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether this job's cancel was requested (see the class docstring)."""
+        return self._cancel is not None and self._cancel.cancel_requested
+
+    def raise_if_cancelled(self) -> None:
+        """Raise :class:`~sqla_jobs.errors.JobCancelledError` if this job's cancel was
+        requested; call it between the steps of a long handler and let it propagate."""
+        if self._cancel is not None and self._cancel.cancel_requested:
+            raise JobCancelledError(f"job {self.job.id} was cancelled while it ran")
+
+    @property
+    def columns(self) -> dict[str, Any]:
+        """The job row's own columns (not the mixin's), by name; read once, when first
+        asked for. Empty for a model without columns of its own."""
+        columns = self._columns
+        if columns is None:
+            loader = self._loader or job_columns
+            columns = loader(self.job, self._session)
+            object.__setattr__(self, "_columns", columns)
+        return columns
+
+    @property
+    def id(self) -> int:
+        return self.job.id
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return self.job.args
+
+    @property
+    def attempt(self) -> int:
+        return self.job.attempt
+
+    @property
+    def task(self) -> str:
+        return self.job.task
+
+    @property
+    def queue(self) -> str:
+        return self.job.queue
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            raise ConfigurationError(self._no_session("session", "async_session"))
+        return self._session
+
+    @property
+    def async_session(self) -> AsyncSession:
+        if self._async_session is None:
+            raise ConfigurationError(self._no_session("async_session", "session"))
+        return self._async_session
+
+    def _no_session(self, asked: str, other: str) -> str:
+        if self._session is None and self._async_session is None:
+            return (
+                f"task {self.job.task!r} runs in lease mode and has no claim session; "
+                "register it with mode='lock' to write through the claim's transaction"
+            )
+        return (
+            f"task {self.job.task!r} has ctx.{other}, not ctx.{asked}: a coroutine handler in "
+            "lock mode gets an AsyncSession when the worker has an async_session_factory"
+        )
+
+
+_SET_JOB: Final = JobContext.__dict__["job"].__set__
+_SET_WORKER: Final = JobContext.__dict__["worker"].__set__
+_SET_SESSION: Final = JobContext.__dict__["_session"].__set__
+_SET_ASYNC_SESSION: Final = JobContext.__dict__["_async_session"].__set__
+_SET_CANCEL: Final = JobContext.__dict__["_cancel"].__set__
+_SET_LOADER: Final = JobContext.__dict__["_loader"].__set__
+_SET_COLUMNS: Final = JobContext.__dict__["_columns"].__set__
