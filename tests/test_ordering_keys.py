@@ -298,26 +298,6 @@ def test_the_walk_past_bursts_keeps_claim_order_across_queues(queue_engine: sa.E
     assert claim(queue_engine, queues=["alpha", "beta"], limit=40) == []
 
 
-def test_keys_behind_more_busy_keys_than_a_walk_would_lock_are_found(
-    queue_engine: sa.Engine,
-) -> None:
-    # A hundred busy keys in line (each with a job running and four waiting), far more than
-    # the claim's window and its first walk could lock: the walk after the short claim
-    # counts each key's jobs in progress and passes the busy ones by, so the keys behind
-    # them start, not nothing.
-    enqueue(queue_engine, *(EmailJob(task="big", ordering_key=f"big{i % 100}") for i in range(500)))
-    running = claim(queue_engine, limit=100)
-    assert len(running) == 100
-    small = enqueue(
-        queue_engine, *(EmailJob(task="small", ordering_key=f"small{i}") for i in range(20))
-    )
-    first = claim(queue_engine, limit=10)
-    assert sorted(job.id for job in first) == small[:10]
-    finish(queue_engine, *running[:2])
-    second = claim(queue_engine, limit=10)  # two big keys are free again, then small ones
-    assert sorted(job.task for job in second) == ["big"] * 2 + ["small"] * 8
-
-
 def test_keys_behind_a_burst_and_busy_keys_are_found(queue_engine: sa.Engine) -> None:
     # A busy key's burst first in line, then forty busy keys, then free ones: the walk past
     # the burst locks busy keys (it counts none's jobs in progress), the claim comes back
@@ -355,21 +335,26 @@ def test_the_walk_past_a_burst_keeps_a_queue_limit_and_skips_held_keys(
     assert [job.id for job in claim(queue_engine, limit=20)] == [others[0]]
 
 
-def test_busy_keys_in_line_do_not_hide_the_keys_behind_them(queue_engine: sa.Engine) -> None:
-    # Thirty keys with ten jobs each, interleaved, all busy (one job of each running): the
-    # first jobs in line are theirs, enough keys to fill a claim by count, none of which
-    # can start a job. The claim comes back short, walks on once past them to the keys
-    # behind, and claims from those.
-    enqueue(queue_engine, *(EmailJob(task="big", ordering_key=f"big{i % 30}") for i in range(300)))
-    running = claim(queue_engine, limit=30)
-    assert len(running) == 30
+@pytest.mark.parametrize("busy", [30, 100])
+def test_busy_keys_in_line_do_not_hide_the_keys_behind_them(
+    queue_engine: sa.Engine, busy: int
+) -> None:
+    # Thirty (or a hundred) keys with five jobs each, interleaved, all busy (one job of each
+    # running): the first jobs in line are theirs, enough keys to fill a claim by count,
+    # none of which can start a job, and more of them than the claim's window and a walk
+    # that counted them as free could lock. The claim comes back short, walks on once past
+    # them (counting each key's jobs in progress) to the keys behind, and claims from those.
+    keys = (f"big{i % busy}" for i in range(5 * busy))
+    enqueue(queue_engine, *(EmailJob(task="big", ordering_key=key) for key in keys))
+    running = claim(queue_engine, limit=busy)
+    assert len(running) == busy
     small = enqueue(
         queue_engine, *(EmailJob(task="small", ordering_key=f"small{i}") for i in range(20))
     )
     first = claim(queue_engine, limit=10)
     assert sorted(job.id for job in first) == small[:10]
-    second = claim(queue_engine, limit=10, queue_limits={"default": 45})
-    assert sorted(job.id for job in second) == small[10:15]  # 40 + 5 fill the limit of 45
+    second = claim(queue_engine, limit=10, queue_limits={"default": busy + 15})
+    assert sorted(job.id for job in second) == small[10:15]  # busy + 10 + 5 fill the limit
     finish(queue_engine, *running[:3])
     third = claim(queue_engine, limit=10)  # three big keys are free again, then the rest
     assert sorted(job.task for job in third) == ["big"] * 3 + ["small"] * 5
