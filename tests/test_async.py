@@ -147,8 +147,7 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
             variants = [options | {"rows": 64} for options in variants]
         if "busy" in parameters:  # walk_keys after a short claim
             variants += [options | {"busy": True} for options in variants]
-        known = set(tables) | {"queue_count", "limited", "rows", "local", "name", "history"}
-        known.add("busy")
+        known = set(tables) | {"queue_count", "limited", "rows", "local", "name", "history", "busy"}
         assert set(parameters) <= known, f"{name}: teach this test its parameters"
         for options in variants:
             built = builder(*args, **options)

@@ -60,6 +60,18 @@ def _key_lock(table: Table, key: str) -> str:
     return f"pg_try_advisory_xact_lock({key_lock_space(table)}, hashtext({key}))"
 
 
+def _after_new_jobs(key: str) -> str:
+    """The condition on ``j`` (a job row) for the key ``key``'s jobs other than its new ones:
+    its running attempts and its retries, everything after ``('pending', 0)`` in ``(status,
+    attempts)``: one range of the key index (see :func:`claim_keyed`), where a key's jobs in
+    progress are."""
+    pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
+    return (
+        f"j.ordering_key = {key} AND j.status IN ('{pending}', '{running}') "
+        f"AND (j.status, j.attempts) > ('{pending}', 0)"
+    )
+
+
 def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = False) -> TextClause:
     """Lock the ordering keys worth a keyed claim and hand them to :func:`claim_keyed`.
 
@@ -262,9 +274,7 @@ def walk_keys(table: Table, *, rows: int, queue_count: int, busy: bool = False) 
         room = f"""least(f.key_limit - (
                         SELECT CAST(count(*) AS integer) FROM (
                             SELECT FROM {t} AS j
-                            WHERE j.ordering_key = f.ordering_key
-                              AND j.status IN ('{pending}', '{running}')
-                              AND (j.status, j.attempts) > ('{pending}', 0)
+                            WHERE {_after_new_jobs("f.ordering_key")}
                               AND CASE WHEN j.status = '{running}'
                                   THEN j.lease_expires_at > statement_timestamp()
                                   ELSE j.run_at > statement_timestamp() END
@@ -423,8 +433,7 @@ def claim_keyed(table: Table, *, limited: bool = False) -> Update:
     ) AS k (ordering_key, reads)
     CROSS JOIN LATERAL (
         (SELECT {columns} FROM {t} AS j
-         WHERE j.ordering_key = k.ordering_key
-           AND j.status IN ('{pending}', '{running}') AND (j.status, j.attempts) > ('{pending}', 0))
+         WHERE {_after_new_jobs("k.ordering_key")})
         UNION ALL
         (SELECT {columns} FROM {t} AS j
          WHERE j.ordering_key = k.ordering_key AND j.status = '{pending}' AND j.attempts = 0
