@@ -4,17 +4,21 @@ transition, the claim's takeover included, respects a cancel request; fenced by 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import models
 import pytest
 import sqlalchemy as sa
+from conftest import FreshDatabase
 from models import EmailJob, EmailJobResult, Order, ReportJob
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 from worker_harness import wait_until
 
 import sqla_jobs
@@ -30,6 +34,7 @@ from sqla_jobs import (
     Worker,
 )
 from sqla_jobs.queue import cancel_attempts
+from sqla_jobs.schema import names
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
 #: How long a handler waits for its cancel before giving up (a failing test, not a hang).
@@ -163,6 +168,24 @@ def test_a_cancel_request_is_final_for_every_transition_of_its_attempt(
         with pytest.raises(LeaseLostError):
             sqla_jobs.fail(session, completing, "late")
         assert cancel_attempts(session, [failing]) == [failing]
+
+
+def test_a_worker_cannot_cancel_a_job_whose_cancel_was_not_requested(
+    queue_engine: sa.Engine,
+) -> None:
+    # The cancelled outcome is written only where the row holds a request: a worker that
+    # believed a forged notification would leave the job running, never end it cancelled.
+    (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        assert cancel_attempts(session, [job]) == [job]  # refused: nothing was requested
+    assert (status(queue_engine, job_id), row(queue_engine, job_id).cancel_requested_at) == (
+        "running",
+        None,
+    )
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.complete(session, job)
+    assert status(queue_engine, job_id) == "succeeded"
 
 
 def test_a_delete_on_success_job_whose_cancel_was_requested_is_kept_cancelled(
@@ -337,6 +360,131 @@ def test_a_missed_notification_is_made_up_for_by_the_heartbeat(queue_engine: sa.
         wait_until(
             lambda: status(queue_engine, job_id) == "cancelled", timeout=10, message="cancelled"
         )
+
+
+# -- a cancel is what the row says, never a notification alone -------------------------
+
+
+def _channel(engine: sa.Engine) -> str:
+    return names(EmailJob.__tablename__).channel
+
+
+def _blocked_pair(
+    registry: Registry,
+) -> tuple[dict[str, threading.Event], threading.Event, dict[str, bool]]:
+    """Two tasks on the ``cancel`` queue: ``target`` runs until released and records whether
+    it saw a cancel; ``witness`` runs until it is cancelled."""
+    started = {"target": threading.Event(), "witness": threading.Event()}
+    release = threading.Event()
+    seen: dict[str, bool] = {}
+
+    @registry.task(queue="cancel", lease=60)
+    def target(ctx: JobContext) -> None:
+        started["target"].set()
+        release.wait(HANDLER_PATIENCE)
+        seen["target_cancelled"] = ctx.cancelled
+
+    @registry.task(queue="cancel", lease=60)
+    def witness(ctx: JobContext) -> None:
+        started["witness"].set()
+        seen["witness_cancelled"] = wait_for(lambda: ctx.cancelled)
+        ctx.raise_if_cancelled()
+
+    return started, release, seen
+
+
+@pytest.mark.direct_only
+def test_a_notification_from_a_role_without_privileges_cancels_nothing(
+    queue_engine: sa.Engine,
+) -> None:
+    # NOTIFY needs no privilege: a role that may not even read the job table sends the
+    # payload a cancel would send. The worker reads the row, which holds no request.
+    registry = Registry(EmailJob)
+    started, release, seen = _blocked_pair(registry)
+    nobody = f"sqla_jobs_nobody_{secrets.token_hex(4)}"
+    with queue_engine.begin() as connection:
+        connection.execute(sa.text(f"CREATE ROLE {nobody} LOGIN"))
+    forger = sa.create_engine(
+        queue_engine.url.set(username=nobody, password=None), poolclass=NullPool
+    )
+    try:
+        with running(registry, queue_engine, concurrency=2):
+            (target_id,) = enqueue(queue_engine, registry["target"].job())
+            (witness_id,) = enqueue(queue_engine, registry["witness"].job())
+            assert started["target"].wait(10)
+            assert started["witness"].wait(10)
+            with forger.begin() as connection:
+                # It may not read the table.
+                with pytest.raises(sa.exc.ProgrammingError), connection.begin_nested():
+                    connection.execute(sa.text("SELECT 1 FROM email_jobs"))
+                connection.execute(
+                    sa.select(sa.func.pg_notify(_channel(queue_engine), f"!cancel:{target_id}:1"))
+                )
+            # A genuine cancel on the same channel, delivered after the forged one: once it
+            # took effect, the forged one was heard and judged.
+            assert cancel(queue_engine, witness_id) is JobStatus.RUNNING
+            wait_until(
+                lambda: status(queue_engine, witness_id) == "cancelled",
+                timeout=10,
+                message="the genuine cancel takes effect",
+            )
+            release.set()
+            wait_until(
+                lambda: status(queue_engine, target_id) != "running",
+                timeout=10,
+                message="the target finishes",
+            )
+        assert status(queue_engine, target_id) == "succeeded"
+        assert row(queue_engine, target_id).cancel_requested_at is None
+        assert seen == {"target_cancelled": False, "witness_cancelled": True}
+    finally:
+        forger.dispose()
+        with queue_engine.begin() as connection:
+            connection.execute(sa.text(f"DROP ROLE {nobody}"))
+
+
+@pytest.mark.direct_only
+def test_a_cancel_in_one_schema_leaves_the_same_job_id_of_another_schema_running(
+    fresh_database: FreshDatabase,
+) -> None:
+    # Schema per tenant: tenant_a.email_jobs and tenant_b.email_jobs share the notification
+    # channel (named from the table), and their ids both start at 1.
+    url = fresh_database("sqla_jobs_tenants")
+    engines = {
+        tenant: sa.create_engine(url, connect_args={"options": f"-c search_path={tenant}"})
+        for tenant in ("tenant_a", "tenant_b")
+    }
+    try:
+        for tenant, engine in engines.items():
+            with engine.begin() as connection:
+                connection.execute(sa.text(f"CREATE SCHEMA {tenant}"))
+            models.Base.metadata.create_all(engine)
+        registry = Registry(EmailJob)
+        started, release, seen = _blocked_pair(registry)
+        a, b = engines["tenant_a"], engines["tenant_b"]
+        (b_job,) = enqueue(b, registry["target"].job())
+        assert [job.id for job in claim(b, queues="cancel")] == [b_job]
+        with running(registry, a, concurrency=2):
+            (a_job,) = enqueue(a, registry["target"].job())
+            (witness_id,) = enqueue(a, registry["witness"].job())
+            assert a_job == b_job == 1
+            assert started["target"].wait(10)
+            assert started["witness"].wait(10)
+            assert cancel(b, b_job) is JobStatus.RUNNING  # tenant_b's job 1
+            assert cancel(a, witness_id) is JobStatus.RUNNING  # heard after tenant_b's
+            wait_until(
+                lambda: status(a, witness_id) == "cancelled",
+                timeout=10,
+                message="tenant_a's witness is cancelled",
+            )
+            release.set()
+            wait_until(lambda: status(a, a_job) != "running", timeout=10, message="a_job finishes")
+        assert status(a, a_job) == "succeeded"
+        assert row(b, b_job).cancel_requested_at is not None  # tenant_b's request stays there
+        assert seen == {"target_cancelled": False, "witness_cancelled": True}
+    finally:
+        for engine in engines.values():
+            engine.dispose()
 
 
 # -- the rest of the handler's view ------------------------------------------------------

@@ -368,7 +368,10 @@ def request_cancel(table: Table) -> Update:
 
 
 def cancel_attempts(table: Table) -> Update:
-    """End the given attempts' jobs ``cancelled`` (a worker's cancel outcome). Fenced.
+    """End the given attempts' jobs ``cancelled`` (a worker's cancel outcome). Fenced, and
+    only where a cancel was requested in the row (``cancel_requested_at`` set, by
+    :func:`request_cancel`): a worker's word alone (a notification anyone may send) never
+    cancels a job.
 
     Returns ``id, attempts`` of the cancelled jobs.
     Parameters: ``:fence_ids``, ``:fence_attempts``.
@@ -376,7 +379,7 @@ def cancel_attempts(table: Table) -> Update:
     _, match = _fences(table)
     return (
         update(table)
-        .where(match)
+        .where(match, _cancel_requested(table))
         .values(
             status=_lit(JobStatus.CANCELLED),
             finished_at=_now(),

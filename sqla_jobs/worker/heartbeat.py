@@ -18,6 +18,12 @@ Each beat also asks, in the same transaction, which held attempts have a cancel 
 fallback for a cancel notification the worker missed (sent while its listener was
 reconnecting, or a worker without LISTEN). So a cancel reaches a handler within about a
 second through the notification, and within a third of the lease without it.
+
+The row decides, never the notification: a ``!cancel`` notification only wakes the heartbeat
+early (:meth:`Heartbeat.wake`), and the handler is stopped when this read finds the request
+in the worker's own table. ``NOTIFY`` needs no privilege and a channel is shared by every
+schema's table of that name, so a notification proves nothing; a request written in the row
+(by a role that may update the job) is what a cancel is.
 """
 
 from __future__ import annotations
@@ -58,10 +64,21 @@ class Heartbeat:
         self.finished = finished
         self.on_database_error = on_database_error
         self.on_database_ok = on_database_ok
+        # Set to beat now rather than at the next period: a cancel notification, or the
+        # worker finishing (then the loop ends).
+        self.woken = threading.Event()
+
+    def wake(self) -> None:
+        """Beat now (a cancel notification arrived: the beat reads whether it is real)."""
+        self.woken.set()
 
     def loop(self) -> None:
         try:
-            while not self.finished.wait(self.every):
+            while True:
+                self.woken.wait(self.every)
+                self.woken.clear()
+                if self.finished.is_set():
+                    return
                 self.beat()
         finally:
             self.link.close()

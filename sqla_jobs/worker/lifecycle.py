@@ -260,6 +260,7 @@ class Worker:
         self._state = State(concurrency)
         self._stopping = threading.Event()  # no more claims
         self._finished = threading.Event()  # the writer and the heartbeat end
+        self._heartbeat: Heartbeat | None = None
         self._stop_requested = False
         self._stop_signal: int | None = None
         self._signals = 0
@@ -526,7 +527,7 @@ class Worker:
         )
         leases = [t.lease.total_seconds() for t in self.registry.tasks_in(self.queues)]
         beat_failed, beat_ok = self._database.role("heartbeat")
-        heartbeat = Heartbeat(
+        self._heartbeat = Heartbeat(
             state,
             self._link(),
             every=max(0.05, min(leases or [self.registry.default_lease.total_seconds()]) / 3),
@@ -538,7 +539,7 @@ class Worker:
         self._roles = {
             "fetch": Role("fetch", self._prefix, self._fetcher.loop),
             "outcomes": Role("outcomes", self._prefix, writer.loop),
-            "heartbeat": Role("heartbeat", self._prefix, heartbeat.loop),
+            "heartbeat": Role("heartbeat", self._prefix, self._heartbeat.loop),
             "vacuum": Role("vacuum", self._prefix, self._vacuum_loop),
         }
         if self.scheduler:
@@ -653,9 +654,16 @@ class Worker:
         if payload in self.queues:
             self._state.wake()
         elif payload.startswith(statements.CANCEL_PAYLOAD_PREFIX):  # cancel() of a running job
+            # A hint only: anyone may NOTIFY, and the channel is shared by the tables of that
+            # name in every schema. The heartbeat reads the row, which decides.
             job_id, _, attempt = payload[len(statements.CANCEL_PAYLOAD_PREFIX) :].partition(":")
-            if job_id.isdigit() and attempt.isdigit():
-                self._runner.request_cancel((int(job_id), int(attempt)))
+            if (
+                job_id.isdigit()
+                and attempt.isdigit()
+                and self._heartbeat is not None
+                and self._state.runs((int(job_id), int(attempt)))
+            ):
+                self._heartbeat.wake()
 
     # -- supervise --------------------------------------------------------------------------
 
@@ -767,6 +775,8 @@ class Worker:
         while self._state.snapshot() and time.monotonic() < drain_until:
             time.sleep(0.02)
         self._finished.set()
+        if self._heartbeat is not None:
+            self._heartbeat.wake()  # its loop ends at once instead of at its next beat
         for name in ("outcomes", "heartbeat", "vacuum", "schedule", "history"):
             if name in self._roles:
                 self._roles[name].join(_DRAIN_TIMEOUT)
