@@ -463,7 +463,7 @@ class JobResultMixin:
 # passed, the size limit it was checked against).
 _CHECKED_ARGS = "_sqla_jobs_checked_args"
 _UNIQUE_FIELDS = frozenset({"unique_key", "unique_statuses"})
-_CHECKED_FIELDS = validation.JOB_FIELDS | {"status"} | _UNIQUE_FIELDS
+_CHECKED_FIELDS = validation.JOB_FIELDS | {"status", "trace_context"} | _UNIQUE_FIELDS
 _STATUS_VALUES = frozenset(s.value for s in JobStatus)
 
 
@@ -486,6 +486,8 @@ def _checked(job: JobMixin, key: str, value: object) -> object:
         if not isinstance(value, str) or value not in _STATUS_VALUES:
             raise InvalidJobError(key, f"must be one of {[s.value for s in JobStatus]}")
         return value
+    if key == "trace_context":
+        return validation.check_trace_context(key, value)
     limit = job.max_args_bytes
     if key == "args":
         # Remember what passed, so that the flush can tell cheaply that it is unchanged.

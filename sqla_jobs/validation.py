@@ -25,10 +25,13 @@ __all__ = [
     "JOB_FIELDS",
     "MAX_ATTEMPTS_LIMIT",
     "MAX_DURATION_SECONDS",
+    "MAX_JSON_DEPTH",
     "MAX_KEY_LENGTH",
     "MAX_KEY_LIMIT",
     "MAX_NAME_LENGTH",
     "MAX_QUEUE_LIMIT",
+    "MAX_TRACE_ENTRIES",
+    "MAX_TRACE_VALUE_LENGTH",
     "NAME_RULE",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
@@ -44,7 +47,9 @@ __all__ = [
     "check_priority",
     "check_queue_limits",
     "check_run_at",
+    "check_trace_context",
     "checked_args",
+    "text_problem",
 ]
 
 DEFAULT_MAX_ARGS_BYTES = 256 * 1024
@@ -60,6 +65,11 @@ MAX_QUEUE_LIMIT = 1_000_000
 #: The longest duration a lease, delay or age may be: past it, a timestamp computed from it
 #: would overflow.
 MAX_DURATION_SECONDS = 100 * 365 * 86_400
+#: The deepest nesting of arrays and objects in job arguments and stored results. Python's
+#: json reads a value by recursion, a frame per level, under the interpreter's recursion
+#: limit (1,000, less what the reading thread's stack holds already): a worker must always
+#: be able to read back what was enqueued, so the limit is well below it.
+MAX_JSON_DEPTH: Final = 100
 PRIORITY_MIN = -100
 PRIORITY_MAX = 100
 
@@ -172,15 +182,25 @@ def _walk(field: str, value: Any, path: str) -> None:
     raise JobArgumentsError(field, f"{path} is a {type(value).__name__}, which is not JSON")
 
 
-def _check_text(field: str, text: str, path: str) -> None:
+def text_problem(text: str) -> str | None:
+    """Why PostgreSQL would refuse ``text`` in a text or jsonb value, or None: a NUL
+    character, or a lone surrogate (not valid UTF-8, which the driver cannot encode: the
+    error would come at the flush, and abort the caller's transaction). The one rule for
+    every string sqla_jobs writes."""
     if "\x00" in text:
-        raise JobArgumentsError(field, f"{path} contains a NUL character, which jsonb rejects")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise JobArgumentsError(
-            field, f"{path} contains a lone surrogate, which is not valid UTF-8"
-        ) from exc
+        return "contains a NUL character, which PostgreSQL rejects"
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return "contains a lone surrogate, which is not valid UTF-8"
+    return None
+
+
+def _check_text(field: str, text: str, path: str) -> None:
+    problem = text_problem(text)
+    if problem is not None:
+        raise JobArgumentsError(field, f"{path} {problem}")
 
 
 # Built once: json.dumps() with options other than the defaults builds an encoder per call.
@@ -255,10 +275,41 @@ def check_json(field: str, value: object, *, max_bytes: int = DEFAULT_MAX_ARGS_B
             size = _exact_size(field, value)
     except RecursionError:
         # Nesting deeper than Python's recursion limit: json cannot encode it either.
-        raise JobArgumentsError(field, "is nested too deeply to encode as JSON") from None
+        size = None
+    # Each level of nesting takes at least 2 bytes of JSON ("[]"): a smaller value cannot
+    # be too deep, and is not walked again.
+    if size is None or (size >= 2 * (MAX_JSON_DEPTH + 1) and _too_deep(value)):
+        raise JobArgumentsError(
+            field,
+            f"is nested more than {MAX_JSON_DEPTH} levels deep (arrays and objects), which "
+            "a worker could not be sure to read back",
+        )
     if size > max_bytes:
         raise JobArgumentsError(field, f"is {size} bytes as JSON, the limit is {max_bytes}")
     return size
+
+
+def _too_deep(value: object) -> bool:
+    """Whether arrays and objects nest more than :data:`MAX_JSON_DEPTH` levels in ``value``
+    (an iterative walk: it must not hit the recursion limit it guards against)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Mapping):
+            children: Any = node.values()
+        elif isinstance(node, list | tuple):
+            children = node
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return True
+        stack.extend((child, depth + 1) for child in children if type(child) not in _SCALARS)
+    return False
+
+
+# Each level of nesting takes at least this many bytes of marshal format 2 (a list or tuple:
+# a type byte and a 4-byte length; a dict more): a smaller snapshot cannot be too deep.
+_SNAPSHOT_BYTES_PER_LEVEL: Final = 5
 
 
 def args_snapshot(value: object) -> bytes | None:
@@ -302,6 +353,7 @@ def checked_args(field: str, value: object, *, max_bytes: int) -> bytes | None:
         or type(value) is not dict
         or _JSON_BYTES_PER_SNAPSHOT_BYTE * len(snapshot) > max_bytes
         or not _plain_json(value)
+        or (len(snapshot) > _SNAPSHOT_BYTES_PER_LEVEL * MAX_JSON_DEPTH and _too_deep(value))
     ):
         check_args(field, value, max_bytes=max_bytes)
     return snapshot
@@ -347,9 +399,48 @@ def check_ordering_key(field: str, value: object) -> str:
         raise InvalidJobError(field, "must not be empty")
     if len(value) > MAX_KEY_LENGTH:
         raise InvalidJobError(field, f"is {len(value)} characters, the limit is {MAX_KEY_LENGTH}")
-    if "\x00" in value:
-        raise InvalidJobError(field, "must not contain NUL characters")
+    problem = text_problem(value)
+    if problem is not None:
+        raise InvalidJobError(field, problem)
     return value
+
+
+#: The most entries of a stored trace context, and the longest of its values (characters):
+#: a propagator writes two or three short headers (traceparent, tracestate, baggage).
+MAX_TRACE_ENTRIES: Final = 16
+MAX_TRACE_VALUE_LENGTH: Final = 8192
+
+
+def check_trace_context(field: str, value: object) -> dict[str, str] | None:
+    """A stored trace context (:mod:`sqla_jobs.tracing`): None, or a mapping of strings to
+    strings as a propagator writes it (``{"traceparent": "00-...", ...}``), at most
+    :data:`MAX_TRACE_ENTRIES` entries of at most :data:`MAX_TRACE_VALUE_LENGTH` characters.
+    Returns a plain ``dict`` copy."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidJobError(
+            field, f"must be a mapping of strings to strings, not {type(value).__name__}"
+        )
+    if len(value) > MAX_TRACE_ENTRIES:
+        raise InvalidJobError(field, f"has {len(value)} entries, the limit is {MAX_TRACE_ENTRIES}")
+    carrier: dict[str, str] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, str):
+            raise InvalidJobError(
+                field,
+                f"must map strings to strings; {key!r}: {type(item).__name__} is not "
+                f"(a {type(key).__name__} key)",
+            )
+        if len(item) > MAX_TRACE_VALUE_LENGTH:
+            raise InvalidJobError(
+                field, f"{key!r} is {len(item)} characters, the limit is {MAX_TRACE_VALUE_LENGTH}"
+            )
+        problem = text_problem(key) or text_problem(item)
+        if problem is not None:
+            raise InvalidJobError(field, f"entry {key!r} {problem}")
+        carrier[key] = item
+    return carrier
 
 
 def check_key_limit(field: str, value: object) -> int:

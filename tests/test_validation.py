@@ -23,6 +23,7 @@ from sqla_jobs import (
     validation,
 )
 from sqla_jobs.queue import DEFAULT_LEASE
+from sqla_jobs.validation import MAX_JSON_DEPTH
 
 
 class Unserialisable:
@@ -56,16 +57,46 @@ def test_bad_arguments_raise_before_any_sql(
     assert isinstance(info.value, ValueError)
 
 
-def test_arguments_nested_too_deeply_raise_a_typed_error(queue_engine: sa.Engine) -> None:
+def _nested(depth: int) -> dict[str, Any]:
+    """A dict holding dicts ``depth`` levels deep in all (itself the first)."""
     deep: dict[str, Any] = {}
     node = deep
-    for _ in range(5000):  # past Python's recursion limit: json itself cannot encode it
+    for _ in range(depth - 1):
         node["a"] = {}
         node = node["a"]
-    with no_sql(queue_engine), pytest.raises(JobArgumentsError, match="nested too deeply"):
+    return deep
+
+
+# 101: just past the limit; 1,500: what json encodes but a worker's json may not decode (it
+# reached the driver before: a bare RecursionError at flush); 5,000: past json's own limit.
+@pytest.mark.parametrize("depth", [101, 1500, 5000])
+def test_arguments_nested_too_deeply_raise_a_typed_error(
+    queue_engine: sa.Engine, depth: int
+) -> None:
+    deep = _nested(depth)
+    too_deep = f"nested more than {MAX_JSON_DEPTH} levels deep"
+    with no_sql(queue_engine), pytest.raises(JobArgumentsError, match=too_deep):
         EmailJob(task="t", args=deep)
-    with no_sql(queue_engine), pytest.raises(JobArgumentsError, match="nested too deeply"):
+    with no_sql(queue_engine), pytest.raises(JobArgumentsError, match=too_deep):
         sqla_jobs.validation.check_json("result", [deep])
+    with no_sql(queue_engine), pytest.raises(JobArgumentsError, match=too_deep):
+        sqla_jobs.validation.check_json("result", [[deep]] * 3)
+    # Changed in place after it was assigned: the flush refuses it, before any SQL.
+    with Session(queue_engine) as session:
+        job = EmailJob(task="t", args={"a": {}})
+        job.args["a"] = deep
+        session.add(job)
+        with no_sql(queue_engine), pytest.raises(JobArgumentsError, match=too_deep):
+            session.flush()
+
+
+def test_arguments_at_the_depth_limit_are_stored_and_read_back(queue_engine: sa.Engine) -> None:
+    args = _nested(MAX_JSON_DEPTH)
+    with Session(queue_engine) as session, session.begin():
+        session.add(EmailJob(task="t", args=args))
+    with Session(queue_engine) as session, session.begin():
+        (job,) = sqla_jobs.claim(session, EmailJob)
+    assert job.args == args
 
 
 def test_arguments_over_the_size_limit(queue_engine: sa.Engine) -> None:

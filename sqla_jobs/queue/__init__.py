@@ -43,6 +43,7 @@ from sqla_jobs.queue._plumbing import (
     Executor,
     FailOutcome,
     QueueStat,
+    UnreadableJson,
     default_worker_name,
 )
 from sqla_jobs.queue.admin import (
@@ -102,6 +103,7 @@ __all__ = [
     "Executor",
     "FailOutcome",
     "QueueStat",
+    "UnreadableJson",
     "cancel",
     "cancel_attempts",
     "cancel_requests",

@@ -192,7 +192,62 @@ def _rows(
                     return cursor.execute(sql, params).fetchall()
             except psycopg.Error as exc:
                 raise _wrapped(session, exc, sql, params) from exc
-    return session.execute(_statement(builder, table, **options), params).all()
+    statement = _statement(builder, table, **options)
+    driver = _psycopg_driver(session, statement)
+    if driver is None or not _stock_jsonb(driver):
+        return session.execute(statement, params).all()
+    # The same loader as the fast path's, so that no row of another program's can fail the
+    # statement (see UnreadableJson); for this statement only.
+    adapters = driver.adapters
+    adapters.register_loader(_JSONB_OID, _JsonbLoader)
+    try:
+        return session.execute(statement, params).all()
+    finally:
+        adapters.register_loader(_JSONB_OID, JsonbLoader)
+
+
+def _psycopg_driver(session: Executor, statement: Executable) -> psycopg.Connection[Any] | None:
+    """The psycopg connection ``session`` runs ``statement`` on, or None (another driver)."""
+    connection = (
+        session
+        if isinstance(session, Connection)
+        else session.connection(bind_arguments={"clause": statement})
+    )
+    driver = connection.connection.driver_connection
+    return driver if isinstance(driver, psycopg.Connection) else None
+
+
+class UnreadableJson:
+    """A jsonb value that Python's json cannot decode, where the hot path's statements read
+    one (a claimed job's ``args`` or ``trace_context``): nested deeper than the recursion
+    limit lets it go, or a number with more digits than ``int()`` converts. Jobs enqueued
+    through sqla_jobs never hold one (:func:`sqla_jobs.validation.check_json` refuses them);
+    a row written by another program (psql, a trigger, another service) may.
+
+    The rule it carries: **no row can fail a claim**. The loader gives this value instead of
+    raising, the claim returns the job like any other, and the worker ends that job alone,
+    dead with the reason (:meth:`sqla_jobs.worker.runner.Runner.admit`), while the other jobs
+    of the claim run. Raising would fail the whole claim, every time: its queue would stop.
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<UnreadableJson: {self.reason}>"
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return UnreadableJson(
+            f"nested deeper than Python's json can decode ({len(text)} characters of JSON)"
+        )
+    except ValueError as exc:  # a number too long for int() (sys.set_int_max_str_digits)
+        return UnreadableJson(f"Python's json cannot decode it: {exc}")
 
 
 _JSONB_OID: Final = psycopg.postgres.types["jsonb"].oid
@@ -203,7 +258,8 @@ _SCAN: Final = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg
 class _JsonbLoader(Loader):
     """psycopg's own jsonb loader (``json.loads`` of the text) in fewer Python calls, for
     the hot path's statements: a claim decodes every job's ``args``, and the stock loader
-    costs more CPU than the rest of the row. The text goes straight to json's C scanner;
+    costs more CPU than the rest of the row. A value json cannot decode becomes an
+    :class:`UnreadableJson` instead of an error. The text goes straight to json's C scanner;
     anything it does not take whole (surrounding whitespace, which jsonb output never
     has, or an error) goes to ``json.loads``, which gives the same value or the same error.
     :func:`_rows` uses it only where the stock loader is in place: a connection given a
@@ -213,9 +269,9 @@ class _JsonbLoader(Loader):
         text = bytes(data).decode()
         try:
             value, end = _SCAN(text, 0)
-        except StopIteration:
-            return json.loads(text)
-        return value if end == len(text) else json.loads(text)
+        except (StopIteration, RecursionError, ValueError):
+            return _loads(text)  # the value, or an UnreadableJson saying why
+        return value if end == len(text) else _loads(text)
 
 
 def _stock_jsonb(driver: psycopg.Connection[Any]) -> bool:

@@ -80,9 +80,10 @@ def enqueue_context() -> dict[str, str] | None:
     return otel.enqueue_context()
 
 
-def attempt_span(job: ClaimedJob) -> AttemptSpan:
-    """The span to run ``job``'s attempt in (a no-op unless OpenTelemetry is loaded)."""
-    if _API_MODULE not in sys.modules:
+def attempt_span(job: ClaimedJob | None) -> AttemptSpan:
+    """The span to run ``job``'s attempt in (a no-op unless OpenTelemetry is loaded, and
+    for None)."""
+    if job is None or _API_MODULE not in sys.modules:
         return _NO_SPAN
     from sqla_jobs.tracing import otel
 

@@ -53,6 +53,10 @@ def enqueue_context() -> dict[str, str] | None:
     return carrier or None
 
 
+def _carrier(stored: dict[Any, Any]) -> bool:
+    return all(type(key) is str and type(value) is str for key, value in stored.items())
+
+
 class AttemptSpanImpl:
     """The CONSUMER span of one attempt (see the module docstring), current inside ``with``."""
 
@@ -65,10 +69,13 @@ class AttemptSpanImpl:
 
     def __enter__(self) -> AttemptSpanImpl:
         job = self._job
-        stored = job.trace_context
+        stored: object = job.trace_context  # whatever the row holds
         parent = None
         links: list[Link] = []
-        if stored:
+        # Only a mapping of strings is a carrier: the column may hold anything another
+        # program wrote, and a malformed carrier is ignored (a new trace), as propagators
+        # ignore malformed headers.
+        if stored and isinstance(stored, dict) and _carrier(stored):
             parent = propagate.extract(stored)
             enqueued = trace.get_current_span(parent).get_span_context()
             if enqueued.is_valid:

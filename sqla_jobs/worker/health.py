@@ -24,6 +24,11 @@ class WorkerHealth:
     ``oldest_attempt_age`` is how long ago the oldest attempt still held was claimed (a
     long-running handler shows here), ``outcomes_waiting`` how many finished attempts wait
     for the outcome writer, and ``oldest_outcome_age`` how long the oldest of them waited.
+    ``unreadable_jobs`` counts the jobs this worker ended dead because their row could not
+    be read (args that Python's json cannot decode, written by another program): each is
+    logged (``action="unreadable_row"``) with its job id, and the row's ``last_error`` says
+    why. They leave the worker healthy (a restart would not help), but a monitor can alert
+    on them.
     """
 
     healthy: bool
@@ -36,6 +41,7 @@ class WorkerHealth:
     outcomes_waiting: int = 0
     oldest_outcome_age: float | None = None
     problems: tuple[str, ...] = ()
+    unreadable_jobs: int = 0
 
 
 def assess(
@@ -50,6 +56,7 @@ def assess(
     held: Sequence[Attempt],
     database_ok: bool,
     listening: bool,
+    unreadable_jobs: int = 0,
 ) -> WorkerHealth:
     """The health of a worker that ``running`` (and whose roles have ``started``, the
     fetch loop among them), whose fetch loop last went round ``fetch_loop_age`` seconds
@@ -83,6 +90,7 @@ def assess(
         outcomes_waiting=len(settled),
         oldest_outcome_age=oldest_outcome,
         problems=tuple(problems),
+        unreadable_jobs=unreadable_jobs,
     )
 
 

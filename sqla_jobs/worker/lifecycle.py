@@ -402,6 +402,7 @@ class Worker:
             held=self._state.snapshot(),
             database_ok=self._database.ok,
             listening=self._notifier is not None and self._notifier.connected,
+            unreadable_jobs=self._runner.unreadable,
         )
 
     def is_healthy(self) -> bool:

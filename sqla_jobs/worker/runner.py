@@ -46,7 +46,7 @@ from sqlalchemy.orm import Session
 from sqla_jobs import tracing, validation
 from sqla_jobs.context import JobContext
 from sqla_jobs.history.schema import has_history
-from sqla_jobs.queue import ClaimedJob, job_columns
+from sqla_jobs.queue import ClaimedJob, UnreadableJson, job_columns
 from sqla_jobs.registry import Registry, Task
 from sqla_jobs.worker import locked
 from sqla_jobs.worker.observer import NO_OBSERVER
@@ -111,8 +111,18 @@ class Settling:
 
     def __enter__(self) -> Settling:
         # A no-op unless OpenTelemetry is loaded: it records an error that escapes, and is
-        # told the outcome of an attempt that ends without one.
-        self._span = tracing.attempt_span(self.attempt.job).__enter__()
+        # told the outcome of an attempt that ends without one. Entering it must not fail:
+        # an exception here would skip __exit__, and the attempt would never be settled.
+        try:
+            self._span = tracing.attempt_span(self.attempt.job).__enter__()
+        except Exception:
+            logger.warning(
+                "job %d: its trace span could not be started; it runs untraced",
+                self.attempt.job.id,
+                exc_info=True,
+                extra=job_extra(self.attempt, "trace_span_failed"),
+            )
+            self._span = tracing.attempt_span(None)
         return self
 
     def __exit__(
@@ -157,6 +167,7 @@ class Runner:
         self.session_factory = session_factory
         self.async_session_factory = async_session_factory
         self.pooled = False  # behind a transaction pooler (set by the worker at start)
+        self.unreadable = 0  # jobs ended dead because their row could not be read (admit)
         self.observer = NO_OBSERVER  # set by the worker (its metrics)
         self._queue: collections.deque[Attempt] = collections.deque()
         # One lock for the queue and its two conditions, taken directly where no wait
@@ -312,8 +323,20 @@ class Runner:
             return queue.popleft()
 
     def _thread_main(self) -> None:
+        # A handler thread lives as long as the runner: whatever one attempt does, the
+        # thread goes on to the next. run() settles every attempt it is given (Settling);
+        # should it raise all the same (a defect), the attempt is failed here, never left
+        # held without an outcome, and the thread is not lost.
         while (attempt := self._next()) is not None:
-            self.run(attempt)
+            try:
+                self.run(attempt)
+            except BaseException as error:  # noqa: PERF203 (free in 3.11+; needed per attempt)
+                logger.exception(
+                    "job %d: the handler thread failed outside the handler",
+                    attempt.job.id,
+                    extra=job_extra(attempt, "handler_thread_error"),
+                )
+                self.state.settle(attempt, Outcome(Kind.FAIL, error=error))
 
     def close(self, timeout: float) -> None:
         """Stop the handler threads (queued attempts were settled by shutdown) and the
@@ -378,6 +401,17 @@ class Runner:
             )
             logger.error(message, extra=job_extra(attempt, "unknown_task"))
             return Outcome(Kind.FAIL, error=message, retry=False, action="unknown_task")
+        args: object = job.args  # typed as a dict; a row written by another program may not be
+        if type(args) is UnreadableJson:
+            # A row no handler can be given (written by another program: see
+            # UnreadableJson). It ends alone, dead: a retry would read the same row.
+            message = (
+                f"the job's args cannot be read: {args.reason}; it is kept as dead (fix "
+                "or delete the row; retrying it as it is would fail the same way)"
+            )
+            self.unreadable += 1
+            logger.error(message, extra=job_extra(attempt, "unreadable_row"))
+            return Outcome(Kind.FAIL, error=message, retry=False, action="unreadable_row")
         if job.attempt > job.max_attempts:
             message = (
                 f"attempt {job.attempt} exceeds max_attempts {job.max_attempts}: earlier "
