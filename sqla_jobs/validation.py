@@ -39,6 +39,7 @@ __all__ = [
     "check_args",
     "check_duration",
     "check_field",
+    "check_job_id",
     "check_json",
     "check_key_limit",
     "check_max_attempts",
@@ -102,6 +103,21 @@ def _check_name_text(field: str, value: str) -> str:
         raise InvalidJobError(field, f"is {len(value)} characters, the limit is {MAX_NAME_LENGTH}")
     if not _NAME.fullmatch(value):
         raise InvalidJobError(field, f"{value!r} is malformed: a name is {NAME_RULE}")
+    return value
+
+
+#: The range of a job id (a bigint identity column).
+BIGINT_MIN: Final = -(2**63)
+BIGINT_MAX: Final = 2**63 - 1
+
+
+def check_job_id(field: str, value: object) -> int:
+    """A job id: an integer within bigint's range (one outside it would reach PostgreSQL
+    and fail there, aborting the caller's transaction, instead of being merely not found)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidJobError(field, f"must be an integer, not {type(value).__name__}")
+    if not BIGINT_MIN <= value <= BIGINT_MAX:
+        raise InvalidJobError(field, f"must be within bigint's range, got {value}")
     return value
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from models import EmailJob, EmailJobResult, Order
+from models import ArchiveJob, EmailJob, EmailJobResult, Order
 from no_sql import no_sql
 from sqlalchemy import event
 from sqlalchemy.orm import DeclarativeBase, Session, validates
@@ -349,3 +349,59 @@ def test_a_models_own_validator_runs_after_the_mixins_check() -> None:
     with pytest.raises(InvalidJobError) as info:
         LowerQueueJob(task="t", queue="")
     assert info.value.field == "queue"
+
+
+# -- values that reached the driver or the server: refused before any SQL, and the caller's
+# -- transaction goes on (issue 29, finding 8) ---------------------------------------------
+
+
+def _still_usable(session: Session, engine: sa.Engine, order_id: int) -> None:
+    """The caller's transaction was not aborted: its business row commits."""
+    session.add(Order(id=order_id, customer="ada"))
+    session.commit()
+    with Session(engine) as check:
+        assert check.get(Order, order_id) is not None
+
+
+PAST_BIGINT = 2**63
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        lambda s, i: sqla_jobs.cancel(s, EmailJob, i),
+        lambda s, i: sqla_jobs.retry(s, EmailJob, i),
+        lambda s, i: sqla_jobs.delete(s, EmailJob, i),
+        lambda s, i: sqla_jobs.history.job_record(s, ArchiveJob, i),
+    ],
+    ids=["cancel", "retry", "delete", "job_record"],
+)
+@pytest.mark.parametrize("job_id", [PAST_BIGINT, -PAST_BIGINT - 1])
+def test_an_id_past_bigint_is_refused_and_the_transaction_goes_on(
+    queue_engine: sa.Engine, operation: Any, job_id: int
+) -> None:
+    with Session(queue_engine) as session:
+        session.add(Order(id=1, customer="before"))
+        session.flush()
+        with no_sql(queue_engine), pytest.raises(InvalidJobError, match="bigint") as info:
+            operation(session, job_id)
+        assert info.value.field == "job_id"
+        _still_usable(session, queue_engine, 2)
+    with Session(queue_engine) as check:
+        assert check.get(Order, 1) is not None
+
+
+@pytest.mark.parametrize("text", ["a\ud800b", "a\x00b"])
+def test_keys_the_driver_cannot_send_are_refused_and_the_transaction_goes_on(
+    queue_engine: sa.Engine, text: str
+) -> None:
+    with Session(queue_engine) as session:
+        with no_sql(queue_engine), pytest.raises(InvalidJobError) as info:
+            EmailJob(task="t", ordering_key=text)
+        assert info.value.field == "ordering_key"
+        with no_sql(queue_engine), pytest.raises(sqla_jobs.UniqueJobError) as unique:
+            sqla_jobs.enqueue_unique(session, EmailJob(task="t"), key=text)
+        assert unique.value.field == "unique_key"
+        with no_sql(queue_engine), pytest.raises(sqla_jobs.UniqueJobError):
+            sqla_jobs.enqueue_unique_many(session, EmailJob, [{"task": "t", "unique_key": text}])
+        _still_usable(session, queue_engine, 3)

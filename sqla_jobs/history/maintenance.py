@@ -376,8 +376,7 @@ def job_record(
     whether it is still in the job table or in the history; None when it is in neither.
     Reads in the caller's transaction."""
     table = _history_model(model)
-    if isinstance(job_id, bool) or not isinstance(job_id, int):
-        raise InvalidJobError("job_id", f"must be an integer, not {type(job_id).__name__}")
+    validation.check_job_id("job_id", job_id)
     row = session.execute(statements.record(table), {"job_id": job_id}).mappings().first()
     if row is None:
         return None

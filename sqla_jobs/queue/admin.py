@@ -18,7 +18,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from sqla_jobs import statements
+from sqla_jobs import statements, validation
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -61,8 +61,7 @@ def _admin(
     builder: Callable[..., Executable],
     expected: str,
 ) -> None:
-    if isinstance(job_id, bool) or not isinstance(job_id, int):
-        raise InvalidJobError("job_id", f"must be an integer, not {type(job_id).__name__}")
+    validation.check_job_id("job_id", job_id)
     table = _job_table(model)
     params = {"job_id": job_id}
     history = has_history(model)
@@ -124,8 +123,7 @@ def cancel(session: Executor, model: type[JobMixin], job_id: int) -> JobStatus:
     :class:`JobNotFoundError` when there is no such job, and :class:`JobStateError` when it
     already succeeded or is dead (use :func:`retry` first for a dead one).
     """
-    if isinstance(job_id, bool) or not isinstance(job_id, int):
-        raise InvalidJobError("job_id", f"must be an integer, not {type(job_id).__name__}")
+    validation.check_job_id("job_id", job_id)
     table = _job_table(model)
     params = {"job_id": job_id}
     history = has_history(model)

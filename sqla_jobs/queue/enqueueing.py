@@ -248,8 +248,9 @@ def _check_unique_key(key: object) -> str:
         raise UniqueJobError(
             "unique_key", f"must be 1 to {MAX_UNIQUE_KEY_LENGTH} characters, got {len(key)}"
         )
-    if "\x00" in key:
-        raise UniqueJobError("unique_key", "must not contain NUL characters")
+    problem = validation.text_problem(key)
+    if problem is not None:
+        raise UniqueJobError("unique_key", problem)
     return key
 
 
