@@ -75,6 +75,19 @@ def test_python_dash_m_help(tmp_path: Path) -> None:
         (["status"], "no database URL: pass --database-url or set SQLA_JOBS_DATABASE_URL"),
         (["status", "--database-url", "mysql://x@y/z"], "needs PostgreSQL, not 'mysql'"),
         (["status", "--database-url", "not a url"], "is not a database URL"),
+        # A password is never printed (issue 29, finding 9).
+        (
+            ["status", "--database-url", "postgresql+asyncpg://u:s3cret@h/db"],
+            "not 'postgresql+asyncpg://u:***@h/db'",
+        ),
+        (
+            ["status", "--database-url", "postgresql+psycopg2://u:s3cret@h/db"],
+            "not 'postgresql+psycopg2://u:***@h/db'",
+        ),
+        (
+            ["status", "--database-url", "postgresql://u:s3cret@h:abc/db"],
+            "'postgresql://u:***@h:abc/db' is not a database URL",
+        ),
         (
             ["status", "--database-url", "postgresql://nobody@127.0.0.1:1/x"],
             "cannot reach the database",
@@ -102,6 +115,7 @@ def test_mistakes_are_one_line_errors(
     assert message in err
     assert err.count("\n") == 1
     assert "Traceback" not in err
+    assert "s3cret" not in err
 
 
 @pytest.mark.parametrize(
@@ -114,6 +128,13 @@ def test_mistakes_are_one_line_errors(
         ["prune", "--older-than", "soon"],
         ["retry", "abc"],
         ["frobnicate"],
+        # Past what the options take (issue 29, finding 9): one line, not a traceback.
+        ["prune", "--older-than", "99999999999999d"],
+        ["status", "--timeout", "99999999999999999999d"],
+        ["worker", "m:r", "--grace", "99999999999999999999w"],
+        ["status", "--dead", "99999999999999999999"],
+        ["history", "keep", "--days-ahead", "99999999999999999999"],
+        ["retry", "99999999999999999999"],
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(tmp_path: Path, args: list[str]) -> None:

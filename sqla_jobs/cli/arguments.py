@@ -9,6 +9,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Final
 
+from sqla_jobs.validation import BIGINT_MAX, MAX_DURATION_SECONDS
+
 
 class CommandError(Exception):
     """A mistake on the command line or in what it names: reported as one line."""
@@ -26,7 +28,16 @@ def parse_duration(text: str) -> timedelta:
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 30s, 15m, 2h or 7d")
     seconds = float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    if seconds > MAX_DURATION_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is longer than the longest duration sqla_jobs takes (100 years)"
+        )
     return timedelta(seconds=seconds)
+
+
+#: The largest count an option takes (a PostgreSQL integer): past it, a value would fail
+#: further on, with a traceback, instead of here with one line.
+_MAX_COUNT: Final = 2**31 - 1
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -35,8 +46,10 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if not minimum <= value <= _MAX_COUNT:
+            raise argparse.ArgumentTypeError(
+                f"must be in [{minimum}, {_MAX_COUNT}], got {text.strip()}"
+            )
         return value
 
     return parse
@@ -46,6 +59,16 @@ _positive_int = _int_at_least(1)
 
 
 _count = _int_at_least(0)
+
+
+def _job_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"must be a job id in [1, {BIGINT_MAX}], got {value}")
+    return value
 
 
 def _seconds(text: str) -> float:

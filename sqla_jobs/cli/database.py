@@ -4,6 +4,7 @@ engine made for it."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Final
 
 from sqlalchemy import Engine, create_engine
@@ -28,15 +29,27 @@ def database_url(value: str | None, variable: str = DATABASE_URL_VARIABLE) -> UR
             f"no database URL: pass --database-url or set {variable} "
             "(e.g. postgresql://user@localhost/app)"
         )
+    # Never print the password: an error shows the URL as hidden_password() leaves it.
     try:
         url = psycopg_url(raw)
-    except ArgumentError:
-        raise CommandError(f"{raw!r} is not a database URL") from None
+        url.port  # noqa: B018  (parsed when read: a port that is not a number raises here)
+    except (ArgumentError, ValueError):
+        raise CommandError(f"{hidden_password(raw)!r} is not a database URL") from None
     if url.get_backend_name() != "postgresql":
         raise CommandError(f"sqla_jobs needs PostgreSQL, not {url.get_backend_name()!r}")
     if url.get_driver_name() != "psycopg":
-        raise CommandError(f"use the psycopg (3) driver: postgresql+psycopg://, not {raw!r}")
+        shown = url.render_as_string(hide_password=True)
+        raise CommandError(f"use the psycopg (3) driver: postgresql+psycopg://, not {shown!r}")
     return url
+
+
+_PASSWORD = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
+
+
+def hidden_password(raw: str) -> str:
+    """``raw`` (a URL, perhaps malformed) with the password of its user part replaced by
+    ``***``; the text as it is when it has none."""
+    return _PASSWORD.sub(r"\1***@", raw)
 
 
 def make_engine(

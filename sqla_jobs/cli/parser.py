@@ -7,7 +7,15 @@ from typing import NoReturn
 
 from sqla_jobs import history
 from sqla_jobs.cli.admin import cmd_cancel, cmd_prune, cmd_retry
-from sqla_jobs.cli.arguments import _count, _port, _positive_int, _seconds, _timeout, parse_duration
+from sqla_jobs.cli.arguments import (
+    _count,
+    _job_id,
+    _port,
+    _positive_int,
+    _seconds,
+    _timeout,
+    parse_duration,
+)
 from sqla_jobs.cli.dashboard import DASHBOARD_TOKEN_VARIABLE, cmd_dashboard
 from sqla_jobs.cli.database import DATABASE_URL_VARIABLE, LISTEN_URL_VARIABLE
 from sqla_jobs.cli.history import cmd_history
@@ -190,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("cancel", cmd_cancel, "cancel a pending job, or ask a running one's worker to stop it"),
     ):
         sub = commands.add_parser(name, parents=[db, which], help=text, description=text)
-        sub.add_argument("job_id", metavar="ID", type=_positive_int)
+        sub.add_argument("job_id", metavar="ID", type=_job_id)
         sub.set_defaults(handler=handler)
 
     prune = commands.add_parser(
@@ -250,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     keep.add_argument("--retention", type=parse_duration, help="drop partitions older, e.g. 30d")
     keep.add_argument(
         "--days-ahead",
-        type=int,
+        type=_count,
         metavar="N",
         default=history.DEFAULT_DAYS_AHEAD,
         help=f"day partitions made ahead of today ({history.DEFAULT_DAYS_AHEAD})",
