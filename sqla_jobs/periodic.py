@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _AHEAD: Final = timedelta(minutes=1)
-_CRON_FIELDS: Final = 5
 #: The shortest interval: a slot per second.
 MIN_INTERVAL: Final = timedelta(seconds=1)
 
@@ -94,15 +93,6 @@ class Schedule:
         if self.cron is not None:
             if not isinstance(self.cron, str):
                 raise ScheduleError(f"cron must be a string, not {self.cron!r}")
-            fields = len(self.cron.split())
-            if fields != _CRON_FIELDS:
-                # cronsim reads a sixth field as seconds: a schedule that runs 60 times as
-                # often as the five fields it was meant to be would say.
-                raise ScheduleError(
-                    f"bad cron expression {self.cron!r}: it has {fields} fields, a cron "
-                    "expression has five (minute hour day-of-month month day-of-week); for "
-                    "a schedule in seconds use every="
-                )
             try:
                 CronSim(self.cron, datetime.now(zone))
             except CronSimError as exc:
@@ -207,26 +197,6 @@ def enqueue_due(
         )
         return None
     if session.execute(_statement(statements.schedule_advance, table), params).first() is None:
-        # Not won: another worker's, or this slot was run. Or the last slot lies in the
-        # future, recorded by a clock that was ahead: then it comes back to now, loudly.
-        rewind = _statement(statements.schedule_rewind, table)
-        rewound = session.execute(rewind, {**params, "now": now}).first()
-        if rewound is not None:
-            logger.warning(
-                "periodic task %s: its last slot %s is later than the database's clock (%s): "
-                "recorded by a clock that was ahead; the schedule resumes from slot %s, which "
-                "is not run (a job enqueued for the future slot waits for its run_at)",
-                task,
-                rewound.recorded.isoformat(),
-                now.isoformat(),
-                slot.isoformat(),
-                extra={
-                    "action": "schedule_rewound",
-                    "task": task,
-                    "recorded_slot": rewound.recorded.isoformat(),
-                    "slot": slot.isoformat(),
-                },
-            )
         return None
     late = now - slot
     if schedule.max_delay is not None and late > cast(timedelta, schedule.max_delay):

@@ -53,7 +53,7 @@ from typing import (
 
 from sqla_jobs import validation
 from sqla_jobs.context import CancelFlag, ColumnLoader, JobContext
-from sqla_jobs.errors import ConfigurationError, InvalidJobError, ScheduleError
+from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.periodic import Schedule
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import DEFAULT_LEASE, Enqueued, enqueue_unique
@@ -323,7 +323,7 @@ class Registry:
         """The model whose table records the slots of the periodic tasks."""
         if self._schedule_model is None:
             if not self._default_model:
-                raise ScheduleError(
+                raise ConfigurationError(
                     "periodic tasks need a table for their slots: pass "
                     "schedule_model=<a ScheduleMixin model> to the Registry"
                 )

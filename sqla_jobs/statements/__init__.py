@@ -64,7 +64,6 @@ from sqla_jobs.statements.enqueueing import (
     enqueue_unique,
     schedule_advance,
     schedule_create,
-    schedule_rewind,
 )
 from sqla_jobs.statements.keyed import (
     LOCKED_KEY_LIMITS,
@@ -143,7 +142,6 @@ __all__ = [
     "retry",
     "schedule_advance",
     "schedule_create",
-    "schedule_rewind",
     "set_setting",
     "statement_timeout",
     "status_of",

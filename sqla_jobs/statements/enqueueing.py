@@ -263,33 +263,3 @@ def schedule_advance(schedule_table: Table) -> Update:
         .values(last_slot=slot, updated_at=_now())
         .returning(schedule_table.c.name)
     )
-
-
-def schedule_rewind(schedule_table: Table) -> Update:
-    """Bring periodic task ``:schedule_name`` back to ``:slot`` when its last slot is later
-    than ``:now`` (the database's clock, as the scheduler read it for ``:slot``); return its
-    name and the slot it held (``recorded``) when it did.
-
-    A slot is always recorded at or after its time, by the database's clock, so a last slot
-    in the future was recorded by a clock that was ahead (a step back of the server's clock,
-    a failover to a server whose clock ran ahead). Left there, :func:`schedule_advance`
-    would refuse every slot until the clock caught up: the task would go silent. ``:slot``
-    is the latest slot due now; it is recorded, not run (it may have run before the clock
-    went back). Uses the primary key; concurrent schedulers queue on the row lock and one
-    gets a row back.
-    """
-    slot = bindparam("slot", type_=schedule_table.c.last_slot.type)
-    ahead = (
-        select(schedule_table.c.last_slot)
-        .where(schedule_table.c.name == bindparam("schedule_name", type_=Text))
-        .scalar_subquery()
-    )
-    return (
-        update(schedule_table)
-        .where(
-            schedule_table.c.name == bindparam("schedule_name", type_=Text),
-            schedule_table.c.last_slot > bindparam("now", type_=schedule_table.c.last_slot.type),
-        )
-        .values(last_slot=slot, updated_at=_now())
-        .returning(schedule_table.c.name, ahead.label("recorded"))
-    )
