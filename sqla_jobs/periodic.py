@@ -48,6 +48,9 @@ _EPOCH: Final = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _AHEAD: Final = timedelta(minutes=1)
 #: The shortest interval: a slot per second.
 MIN_INTERVAL: Final = timedelta(seconds=1)
+#: A cron expression's fields: cronsim would read a sixth as seconds (first), and other
+#: counts are refused by it with a less helpful message.
+_CRON_FIELDS: Final = ("minute", "hour", "day-of-month", "month", "day-of-week")
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,9 @@ class Schedule:
     ``cron``
         Five fields, ``minute hour day-of-month month day-of-week`` (parsed by
         `cronsim <https://pypi.org/project/cronsim/>`_: ranges, steps, names, ``L``,
-        ``#``), evaluated in ``timezone`` (an IANA name, default ``"UTC"``), daylight
-        saving time included: ``"0 3 * * *"`` with ``timezone="Europe/Paris"`` is 03:00
-        Paris time all year round.
+        ``#``; a sixth field, for seconds, is refused), evaluated in ``timezone`` (an
+        IANA name, default ``"UTC"``), daylight saving time included: ``"0 3 * * *"``
+        with ``timezone="Europe/Paris"`` is 03:00 Paris time all year round.
     ``every``
         A fixed interval (a ``timedelta`` or seconds, whole seconds, at least 1): slots at
         every multiple of it since the Unix epoch (UTC), so that every worker computes the
@@ -93,6 +96,12 @@ class Schedule:
         if self.cron is not None:
             if not isinstance(self.cron, str):
                 raise ScheduleError(f"cron must be a string, not {self.cron!r}")
+            if len(self.cron.split()) != len(_CRON_FIELDS):
+                raise ScheduleError(
+                    f"bad cron expression {self.cron!r}: five fields are expected "
+                    f"({' '.join(_CRON_FIELDS)}), not {len(self.cron.split())} "
+                    "(no seconds field)"
+                )
             try:
                 CronSim(self.cron, datetime.now(zone))
             except CronSimError as exc:

@@ -55,6 +55,10 @@ def test_a_cron_schedule_follows_its_timezone_through_daylight_saving() -> None:
         ({"cron": "* * * * *", "every": 60}, "either cron or every"),
         ({"cron": "61 * * * *"}, "bad cron expression '61 * * * *'"),
         ({"cron": "* * *"}, "bad cron expression"),
+        # cronsim reads six fields as seconds first: a every-10-seconds schedule, not what
+        # the five-field docs promise.
+        ({"cron": "*/10 * * * * *"}, "five fields are expected"),
+        ({"cron": "0 30 3 * * *"}, "five fields are expected (minute hour day-of-month"),
         ({"cron": 5}, "cron must be a string"),
         ({"cron": "0 3 * * *", "timezone": "Mars/Olympus"}, "unknown timezone 'Mars/Olympus'"),
         ({"cron": "0 3 * * *", "timezone": "../etc/passwd"}, "unknown timezone"),
@@ -78,9 +82,12 @@ def test_a_periodic_task_needs_a_schedule_table(queue_engine: sa.Engine) -> None
     def noop(ctx: object) -> None:
         pass
 
-    with pytest.raises(ConfigurationError, match="schedule_model"):
+    # ScheduleError, as documented; a ConfigurationError too, for except clauses written
+    # for it.
+    with pytest.raises(ScheduleError, match="schedule_model"):
         Registry(EmailJob).add(noop, schedule=Schedule(every=60))
-    with pytest.raises(ConfigurationError, match=r"sqla_jobs\.Schedule"):
+    assert issubclass(ScheduleError, ConfigurationError)
+    with pytest.raises(ScheduleError, match=r"sqla_jobs\.Schedule"):
         Registry(EmailJob, schedule_model=EmailJobSchedule).add(noop, schedule="* * * * *")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="ScheduleMixin"):
         Registry(EmailJob, schedule_model=EmailJob)  # type: ignore[arg-type]
