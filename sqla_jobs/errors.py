@@ -142,9 +142,10 @@ class ConfigurationError(SqlaJobsError, TypeError):
 
 
 class ScheduleError(ConfigurationError):
-    """A periodic task's schedule cannot be used: a malformed cron expression, an unknown
-    timezone, an interval that is not a positive whole number of seconds, or both a cron
-    expression and an interval (or neither). Raised when the task is declared."""
+    """A periodic task's schedule cannot be used: a malformed cron expression (five fields
+    are expected), an unknown timezone, an interval that is not a positive whole number of
+    seconds, both a cron expression and an interval (or neither), or a registry without a
+    ``schedule_model``. Raised when the task is declared."""
 
 
 class EmbeddedPostgresError(SqlaJobsError, RuntimeError):

@@ -53,7 +53,7 @@ from typing import (
 
 from sqla_jobs import validation
 from sqla_jobs.context import CancelFlag, ColumnLoader, JobContext
-from sqla_jobs.errors import ConfigurationError, InvalidJobError
+from sqla_jobs.errors import ConfigurationError, InvalidJobError, ScheduleError
 from sqla_jobs.periodic import Schedule
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import DEFAULT_LEASE, Enqueued, enqueue_unique
@@ -320,10 +320,11 @@ class Registry:
 
     @property
     def schedule_model(self) -> type[ScheduleMixin]:
-        """The model whose table records the slots of the periodic tasks."""
+        """The model whose table records the slots of the periodic tasks; raises
+        :class:`~sqla_jobs.errors.ScheduleError` when the registry has none."""
         if self._schedule_model is None:
             if not self._default_model:
-                raise ConfigurationError(
+                raise ScheduleError(
                     "periodic tasks need a table for their slots: pass "
                     "schedule_model=<a ScheduleMixin model> to the Registry"
                 )
@@ -381,7 +382,10 @@ class Registry:
         ``__name__``; a name registered twice raises
         :class:`~sqla_jobs.errors.ConfigurationError`. ``schedule=Schedule(cron=...)``
         (or ``every=...``) makes it a periodic task, which every worker of the registry
-        enqueues when a slot is due (:mod:`sqla_jobs.periodic`).
+        enqueues when a slot is due (:mod:`sqla_jobs.periodic`); a schedule that is not a
+        :class:`~sqla_jobs.Schedule`, or a registry without ``schedule_model`` (unless it
+        uses the default tables), raises :class:`~sqla_jobs.errors.ScheduleError` (a
+        :class:`~sqla_jobs.errors.ConfigurationError`).
         """
 
         def register(fn: Callable[[JobContext], Any]) -> Task[Any]:
@@ -421,7 +425,7 @@ class Registry:
             raise ConfigurationError(f"a task must be a function, not {function!r}")
         if schedule is not None:
             if not isinstance(schedule, Schedule):
-                raise ConfigurationError(f"schedule must be a sqla_jobs.Schedule, not {schedule!r}")
+                raise ScheduleError(f"schedule must be a sqla_jobs.Schedule, not {schedule!r}")
             self.schedule_model  # noqa: B018 (raises now, not in the worker, if there is none)
         task_name = validation.check_name("name", name or getattr(function, "__name__", ""))
         if task_name in self._tasks:

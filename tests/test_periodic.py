@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -17,7 +19,15 @@ from periodic_tasks import Run
 from sqlalchemy.orm import Session
 from worker_harness import Workers, wait_until
 
-from sqla_jobs import ConfigurationError, Registry, Schedule, ScheduleError
+from sqla_jobs import (
+    ConfigurationError,
+    InvalidJobError,
+    JobContext,
+    Registry,
+    Schedule,
+    ScheduleError,
+    Worker,
+)
 from sqla_jobs.periodic import enqueue_due, slot_key
 
 UTC = timezone.utc
@@ -55,6 +65,10 @@ def test_a_cron_schedule_follows_its_timezone_through_daylight_saving() -> None:
         ({"cron": "* * * * *", "every": 60}, "either cron or every"),
         ({"cron": "61 * * * *"}, "bad cron expression '61 * * * *'"),
         ({"cron": "* * *"}, "bad cron expression"),
+        # cronsim reads six fields as seconds first: a every-10-seconds schedule, not what
+        # the five-field docs promise.
+        ({"cron": "*/10 * * * * *"}, "five fields are expected"),
+        ({"cron": "0 30 3 * * *"}, "five fields are expected (minute hour day-of-month"),
         ({"cron": 5}, "cron must be a string"),
         ({"cron": "0 3 * * *", "timezone": "Mars/Olympus"}, "unknown timezone 'Mars/Olympus'"),
         ({"cron": "0 3 * * *", "timezone": "../etc/passwd"}, "unknown timezone"),
@@ -78,9 +92,12 @@ def test_a_periodic_task_needs_a_schedule_table(queue_engine: sa.Engine) -> None
     def noop(ctx: object) -> None:
         pass
 
-    with pytest.raises(ConfigurationError, match="schedule_model"):
+    # ScheduleError, as documented; a ConfigurationError too, for except clauses written
+    # for it.
+    with pytest.raises(ScheduleError, match="schedule_model"):
         Registry(EmailJob).add(noop, schedule=Schedule(every=60))
-    with pytest.raises(ConfigurationError, match=r"sqla_jobs\.Schedule"):
+    assert issubclass(ScheduleError, ConfigurationError)
+    with pytest.raises(ScheduleError, match=r"sqla_jobs\.Schedule"):
         Registry(EmailJob, schedule_model=EmailJobSchedule).add(noop, schedule="* * * * *")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="ScheduleMixin"):
         Registry(EmailJob, schedule_model=EmailJob)  # type: ignore[arg-type]
@@ -167,6 +184,201 @@ def test_a_rolled_back_win_leaves_the_slot_to_the_next_try(queue_engine: sa.Engi
         assert _due(session, every, start + timedelta(minutes=1)) is not None
 
 
+def _recorded(engine: sa.Engine, task: str = "tick") -> datetime:
+    with engine.connect() as connection:
+        slot: datetime = connection.execute(
+            sa.select(EmailJobSchedule.last_slot).where(EmailJobSchedule.name == task)
+        ).scalar_one()
+    return slot
+
+
+def _runs(engine: sa.Engine) -> list[datetime]:
+    with engine.connect() as connection:
+        return list(connection.execute(sa.select(EmailJob.run_at).order_by(EmailJob.id)).scalars())
+
+
+def _resets(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "action", None) == "schedule_reset"]
+
+
+def test_a_slot_recorded_by_a_clock_read_ahead_does_not_silence_the_schedule(
+    queue_engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    every = Schedule(every=60)
+    start = datetime(2030, 1, 1, 10, 0, 30, tzinfo=UTC)
+    caplog.set_level(logging.INFO, logger="sqla_jobs.periodic")
+    with Session(queue_engine) as session:
+        _due(session, every, start)  # recorded at 10:00
+        # One read of a clock a day ahead wins its slot, 10:01 tomorrow, and enqueues it.
+        ahead = _due(session, every, start + timedelta(days=1, seconds=40))
+        assert ahead is not None
+        assert not _resets(caplog)
+        # The clock is right again (10:01:15 today): the slot recorded a day ahead is taken
+        # for what it is, the schedule starts again at today's slot (recorded, not run:
+        # it may have run before the clock went wrong), loudly.
+        assert _due(session, every, start + timedelta(seconds=45)) is None
+        (reset,) = _resets(caplog)
+        assert reset.levelno == logging.WARNING
+        assert (reset.task, reset.recorded_slot, reset.now, reset.slot) == (  # type: ignore[attr-defined]
+            "tick",
+            "2030-01-02T10:01:00+00:00",
+            "2030-01-01T10:01:15+00:00",
+            "2030-01-01T10:01:00+00:00",
+        )
+        assert _recorded(queue_engine) == datetime(2030, 1, 1, 10, 1, tzinfo=UTC)
+        # The next slot runs, on time.
+        won = _due(session, every, start + timedelta(seconds=91))
+        assert won is not None
+        assert won.inserted
+        assert _due(session, every, start + timedelta(seconds=92)) is None  # once
+        # When real time reaches the slot read ahead, its job (still pending) is the one:
+        # that slot does not run twice.
+        again = _due(session, every, start + timedelta(days=1, seconds=31))
+        assert again is not None
+        assert (again.inserted, again.id) == (False, ahead.id)
+    assert _runs(queue_engine) == [
+        datetime(2030, 1, 2, 10, 1, tzinfo=UTC),
+        datetime(2030, 1, 1, 10, 2, tzinfo=UTC),
+    ]
+    assert len(_resets(caplog)) == 1
+
+
+def test_a_clock_read_ahead_by_less_than_a_slot_or_a_minute_is_waited_out(
+    queue_engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A short step back of the clock (NTP) is waited out: the slots run while the clock was
+    ahead do not run again, and nothing is reset."""
+    caplog.set_level(logging.INFO, logger="sqla_jobs.periodic")
+    per_second = Schedule(every=1)
+    start = datetime(2030, 1, 1, 10, 0, 0, tzinfo=UTC)
+    with Session(queue_engine) as session:
+        _due(session, per_second, start, task="second")
+        assert _due(session, per_second, start + timedelta(seconds=30), task="second")
+        # The clock steps back 25 s: 30 s of recorded slot ahead, under a minute.
+        for back in (5, 6, 29, 30):
+            assert _due(session, per_second, start + timedelta(seconds=back), task="second") is None
+        assert _recorded(queue_engine, "second") == start + timedelta(seconds=30)
+        assert _due(session, per_second, start + timedelta(seconds=31), task="second")
+
+        # A daily schedule whose clock read a day ahead recorded tomorrow's slot, which is
+        # its next slot anyway: its job runs tomorrow, nothing is lost, nothing to reset.
+        daily = Schedule(cron="0 3 * * *")
+        day = datetime(2030, 1, 1, 5, 0, tzinfo=UTC)
+        _due(session, daily, day, task="daily")
+        assert _due(session, daily, day + timedelta(days=1), task="daily")
+        assert _due(session, daily, day + timedelta(minutes=1), task="daily") is None
+        assert _due(session, daily, day + timedelta(hours=22, seconds=1), task="daily") is None
+        assert _recorded(queue_engine, "daily") == datetime(2030, 1, 2, 3, tzinfo=UTC)
+    assert not _resets(caplog)
+    assert _runs(queue_engine) == [
+        start + timedelta(seconds=30),
+        start + timedelta(seconds=31),
+        datetime(2030, 1, 2, 3, tzinfo=UTC),
+    ]
+
+
+_NOW = datetime(2030, 1, 1, 10, 0, 30, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"now": datetime(2030, 1, 1, 10)}, InvalidJobError, "now: must be a timezone-aware"),  # noqa: DTZ001
+        ({"now": "2030-01-01T10:00:00Z"}, InvalidJobError, "now: must be a timezone-aware"),
+        ({"now": datetime.max.replace(tzinfo=UTC)}, InvalidJobError, "now: is out of range"),
+        ({"schedule": "* * * * *"}, ScheduleError, "must be a sqla_jobs.Schedule"),
+        ({"task": ""}, InvalidJobError, "task"),
+        ({"task": "tick\x00"}, InvalidJobError, "task"),
+        ({"task": 7}, InvalidJobError, "task"),
+        ({"job": {"bogus": 1}}, InvalidJobError, "job: takes"),
+        ({"job": {"unique_key": "mine"}}, InvalidJobError, "not 'unique_key'"),
+        ({"job": {"run_at": _NOW}}, InvalidJobError, "not 'run_at'"),
+        ({"job": {"priority": "high"}}, InvalidJobError, "priority"),
+        ({"job": {"queue": ""}}, InvalidJobError, "queue"),
+        ({"job": [("queue", "q")]}, InvalidJobError, "job: must be a mapping"),
+        ({"model": EmailJobSchedule}, ConfigurationError, "JobMixin"),
+        ({"schedule_model": EmailJob}, ConfigurationError, "ScheduleMixin"),
+    ],
+)
+def test_enqueue_due_refuses_bad_arguments_before_any_sql(
+    queue_engine: sa.Engine, changes: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    good: dict[str, Any] = {
+        "model": EmailJob,
+        "schedule_model": EmailJobSchedule,
+        "task": "tick",
+        "schedule": Schedule(every=60),
+        "now": _NOW,
+        "job": {"queue": "reports", "priority": 5},
+    }
+    statements: list[str] = []
+
+    def count(*args: Any) -> None:
+        statements.append(args[2])
+
+    with Session(queue_engine) as session:
+        _due(session, Schedule(every=60), _NOW - timedelta(minutes=5))  # an existing row
+        sa.event.listen(queue_engine, "before_cursor_execute", count)
+        try:
+            with pytest.raises(error, match=re.escape(message)):
+                enqueue_due(session, **{**good, **changes})
+        finally:
+            sa.event.remove(queue_engine, "before_cursor_execute", count)
+        assert statements == []
+        with session.begin():  # the session is usable, nothing was written
+            assert session.execute(sa.select(sa.func.count()).select_from(EmailJob)).scalar() == 0
+        assert _recorded(queue_engine) == _NOW - timedelta(minutes=5, seconds=30)
+    with Session(queue_engine) as session, session.begin():
+        assert enqueue_due(session, **good)  # the same call with good arguments
+
+
+def test_concurrent_tries_of_one_slot_queue_on_its_row_and_one_wins(
+    queue_engine: sa.Engine,
+) -> None:
+    every = Schedule(every=60)
+    start = datetime(2030, 1, 1, 10, 0, 30, tzinfo=UTC)
+    with Session(queue_engine) as session:
+        _due(session, every, start)
+    results: list[Any] = []
+    with Session(queue_engine) as first:
+        first.begin()
+        assert enqueue_due(
+            first, EmailJob, EmailJobSchedule, task="tick", schedule=every, now=start + _MINUTE
+        )
+
+        def second() -> None:
+            with Session(queue_engine) as session:
+                results.append(_due(session, every, start + _MINUTE + timedelta(seconds=5)))
+
+        thread = threading.Thread(target=second)
+        thread.start()
+        try:
+            wait_until(
+                lambda: _waiting_on_a_lock(queue_engine),
+                timeout=20,
+                message="the second try waits for the first one's row lock",
+            )
+        finally:
+            first.commit()
+            thread.join(20)
+    assert results == [None]
+    assert _runs(queue_engine) == [datetime(2030, 1, 1, 10, 1, tzinfo=UTC)]
+
+
+_MINUTE = timedelta(minutes=1)
+
+
+def _waiting_on_a_lock(engine: sa.Engine) -> bool:
+    with engine.connect() as connection:
+        waiting = connection.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        ).scalar_one()
+    return bool(waiting)
+
+
 # -- workers --------------------------------------------------------------------------------
 
 
@@ -177,6 +389,51 @@ def periodic_url(fresh_database: FreshDatabase) -> str:
     PeriodicBase.metadata.create_all(engine)
     engine.dispose()
     return url
+
+
+def test_a_worker_whose_schedule_was_recorded_ahead_of_the_clock_keeps_scheduling(
+    queue_engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a read of a database clock a day ahead leaves behind (the schedule's row a day
+    ahead, written here by SQL) does not silence the worker's scheduler: it resets the
+    schedule, says so, and enqueues the next slots."""
+    registry = Registry(EmailJob, schedule_model=EmailJobSchedule)
+
+    @registry.task(queue="clock", schedule=Schedule(every=1))
+    def clock(ctx: JobContext) -> None:
+        pass
+
+    with queue_engine.begin() as connection:
+        connection.execute(
+            sa.insert(EmailJobSchedule).values(
+                name="clock", last_slot=sa.func.statement_timestamp() + timedelta(days=1)
+            )
+        )
+
+    def due_jobs() -> int:
+        with queue_engine.connect() as connection:
+            count: int = connection.execute(
+                sa.select(sa.func.count())
+                .select_from(EmailJob)
+                .where(EmailJob.task == "clock", EmailJob.run_at <= sa.func.statement_timestamp())
+            ).scalar_one()
+        return count
+
+    caplog.set_level(logging.INFO, logger="sqla_jobs.periodic")
+    # The worker serves another queue: the periodic jobs stay in the table to be counted.
+    with Worker(registry, queue_engine, queues=["elsewhere"], concurrency=1, poll_interval=0.1):
+        wait_until(due_jobs, timeout=30, message="the scheduler enqueued a slot due now")
+    with queue_engine.connect() as connection:
+        assert connection.execute(
+            sa.select(EmailJobSchedule.last_slot <= sa.func.statement_timestamp())
+        ).scalar_one()
+    resets = _resets(caplog)
+    assert resets
+    assert resets[0].levelno == logging.WARNING
+    assert resets[0].task == "clock"  # type: ignore[attr-defined]
+    assert datetime.fromisoformat(resets[0].recorded_slot) > datetime.fromisoformat(  # type: ignore[attr-defined]
+        resets[0].now  # type: ignore[attr-defined]
+    ) + timedelta(hours=23)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from sqlalchemy import (
     column,
     func,
     literal_column,
+    or_,
     select,
     text,
     update,
@@ -244,22 +245,31 @@ def schedule_create(schedule_table: Table) -> Insert:
 
 
 def schedule_advance(schedule_table: Table) -> Update:
-    """Move periodic task ``:schedule_name`` to ``:slot`` if its last slot is earlier;
-    return its name when it moved.
+    """Move periodic task ``:schedule_name`` to ``:slot`` if its last slot is earlier, or
+    later than ``:horizon`` (the mark of a clock read that was ahead, see
+    :func:`sqla_jobs.periodic.enqueue_due`); return the last slot it moved from, as
+    ``recorded``.
 
-    The slot's one winner: concurrent schedulers updating the same row queue on its row
-    lock, and each re-checks ``last_slot < :slot`` on the version the previous one
-    committed, so exactly one transaction gets a row back per slot. Run it in the
-    transaction that enqueues the slot's job: if that rolls back, the slot is free again.
-    Uses the primary key.
+    The slot's one winner: the row is locked first (``SELECT ... FOR UPDATE`` in a CTE), so
+    concurrent schedulers queue on its lock, and each compares the version the previous one
+    committed (a locking read returns the latest one), so exactly one transaction gets a
+    row back per slot. Run it in the transaction that enqueues the slot's job: if that
+    rolls back, the slot is free again. Uses the primary key.
     """
     slot = bindparam("slot", type_=schedule_table.c.last_slot.type)
+    horizon = bindparam("horizon", type_=schedule_table.c.last_slot.type)
+    recorded = (
+        select(schedule_table.c.name, schedule_table.c.last_slot)
+        .where(schedule_table.c.name == bindparam("schedule_name", type_=Text))
+        .with_for_update()
+        .cte("recorded")
+    )
     return (
         update(schedule_table)
         .where(
-            schedule_table.c.name == bindparam("schedule_name", type_=Text),
-            schedule_table.c.last_slot < slot,
+            schedule_table.c.name == recorded.c.name,
+            or_(recorded.c.last_slot < slot, recorded.c.last_slot > horizon),
         )
         .values(last_slot=slot, updated_at=_now())
-        .returning(schedule_table.c.name)
+        .returning(recorded.c.last_slot.label("recorded"))
     )
