@@ -105,3 +105,20 @@ def test_a_claim_on_a_session_reads_an_unreadable_row_without_failing(
 def test_a_malformed_trace_context_is_refused_at_construction(value: Any) -> None:
     with pytest.raises(InvalidJobError, match="trace_context"):
         EmailJob(task="t", trace_context=value)
+
+
+def test_the_dashboard_shows_a_job_whose_args_cannot_be_read(queue_engine: sa.Engine) -> None:
+    from starlette.testclient import TestClient
+
+    from sqla_jobs.dashboard import create_app
+
+    with Session(queue_engine) as session, session.begin():
+        session.add(EmailJob(task="t"))
+    with queue_engine.begin() as connection:
+        connection.execute(sa.text(f"UPDATE email_jobs SET args = {DEEP_ARGS} WHERE id = 1"))
+    with TestClient(create_app(queue_engine, EmailJob)) as client:
+        page = client.get("/jobs/1")
+        listing = client.get("/jobs")
+    assert page.status_code == 200
+    assert "UnreadableJson: nested deeper than Python" in page.text
+    assert listing.status_code == 200

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Connection, RowMapping, Select, Table
 
 from sqla_jobs.dashboard import statements
+from sqla_jobs.queue import readable_jsonb
 from sqla_jobs.schema import JobStatus
 
 __all__ = ["ListQuery", "Page", "TableSource", "built", "find_job", "read_page"]
@@ -118,9 +119,11 @@ def read_page(
 def find_job(
     connection: Connection, sources: Sequence[TableSource], job_id: int
 ) -> RowMapping | None:
-    """Job ``job_id`` from the first source that has it."""
-    for source in sources:
-        row = source.job(connection, job_id)
-        if row is not None:
-            return row
+    """Job ``job_id`` from the first source that has it. A jsonb value Python cannot decode
+    (a row another program wrote) shows as an :class:`~sqla_jobs.queue.UnreadableJson`."""
+    with readable_jsonb(connection):
+        for source in sources:
+            row = source.job(connection, job_id)
+            if row is not None:
+                return row
     return None

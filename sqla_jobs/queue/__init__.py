@@ -45,6 +45,7 @@ from sqla_jobs.queue._plumbing import (
     QueueStat,
     UnreadableJson,
     default_worker_name,
+    readable_jsonb,
 )
 from sqla_jobs.queue.admin import (
     DeadJob,
@@ -127,6 +128,7 @@ __all__ = [
     "lock_started",
     "prune",
     "queue_stats",
+    "readable_jsonb",
     "release",
     "retry",
     "storable_text",

@@ -4,13 +4,14 @@ hot path's driver shortcut (:func:`_rows`), and the checks of their arguments (s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import json.scanner
 import operator
 import os
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
@@ -193,28 +194,32 @@ def _rows(
             except psycopg.Error as exc:
                 raise _wrapped(session, exc, sql, params) from exc
     statement = _statement(builder, table, **options)
-    driver = _psycopg_driver(session, statement)
-    if driver is None or not _stock_jsonb(driver):
-        return session.execute(statement, params).all()
-    # The same loader as the fast path's, so that no row of another program's can fail the
-    # statement (see UnreadableJson); for this statement only.
-    adapters = driver.adapters
-    adapters.register_loader(_JSONB_OID, _JsonbLoader)
-    try:
-        return session.execute(statement, params).all()
-    finally:
-        adapters.register_loader(_JSONB_OID, JsonbLoader)
-
-
-def _psycopg_driver(session: Executor, statement: Executable) -> psycopg.Connection[Any] | None:
-    """The psycopg connection ``session`` runs ``statement`` on, or None (another driver)."""
     connection = (
         session
         if isinstance(session, Connection)
         else session.connection(bind_arguments={"clause": statement})
     )
+    with readable_jsonb(connection):
+        return connection.execute(statement, params).all()
+
+
+@contextlib.contextmanager
+def readable_jsonb(connection: Connection) -> Iterator[None]:
+    """Inside the block, jsonb values that Python's json cannot decode are read as an
+    :class:`UnreadableJson` instead of failing the statement: on a psycopg connection that
+    reads jsonb with psycopg's own loader (one given ``set_json_loads`` keeps its own). For
+    the statements that read rows other programs may have written: a claim, a dashboard's
+    job page."""
     driver = connection.connection.driver_connection
-    return driver if isinstance(driver, psycopg.Connection) else None
+    if not isinstance(driver, psycopg.Connection) or not _stock_jsonb(driver):
+        yield
+        return
+    adapters = driver.adapters
+    adapters.register_loader(_JSONB_OID, _JsonbLoader)
+    try:
+        yield
+    finally:
+        adapters.register_loader(_JSONB_OID, JsonbLoader)
 
 
 class UnreadableJson:
