@@ -895,3 +895,25 @@ def test_the_0003_revisions_add_the_trace_context_column_in_place(db_engine: sa.
     command.downgrade(config, "0002_claim_indexes")
     command.downgrade(config, "sqla_jobs_0002")
     assert catalog(db_engine) == version_2
+
+
+def test_drop_job_table_undoes_a_table_made_with_its_history(db_engine: sa.Engine) -> None:
+    # A revision whose downgrade is the mirror of create_job_table(..., history=True)
+    # (issue 29, finding 13): before, the history table was left, and the next upgrade
+    # failed with DuplicateTable.
+    def create() -> None:
+        migrations.create_job_table("cycle_jobs", version=3, history=True)
+
+    def tables() -> set[str]:
+        with db_engine.connect() as connection:
+            return set(sa.inspect(connection).get_table_names())
+
+    migrate(db_engine, create)
+    assert {"cycle_jobs", "cycle_jobs_history", "cycle_jobs_history_pdefault"} <= tables()
+    migrate(db_engine, lambda: migrations.drop_job_table("cycle_jobs"))
+    assert {name for name in tables() if name.startswith("cycle_jobs")} == set()
+    migrate(db_engine, create)  # the cycle starts again
+    # drop_history first, as the example's revision does, still works.
+    migrate(db_engine, lambda: migrations.drop_history("cycle_jobs"))
+    migrate(db_engine, lambda: migrations.drop_job_table("cycle_jobs"))
+    assert {name for name in tables() if name.startswith("cycle_jobs")} == set()

@@ -56,7 +56,7 @@ def add_history(table_name: str, *extra: SchemaItem, schema: str | None = None) 
     live version-2 table it takes no lock of the job table. The job table's finished rows
     stay where they are until the maintenance moves them in batches
     (:func:`sqla_jobs.history.move_finished`: the worker's ``history`` role, or ``sqla-jobs
-    history maintain``); the day partitions are made by the maintenance too, and until they
+    history``); the day partitions are made by the maintenance too, and until they
     exist finished jobs land in the ``DEFAULT`` partition (the maintenance moves them into
     their day's partition when it creates it).
 

@@ -59,6 +59,7 @@ from alembic import op
 from sqlalchemy.schema import SchemaItem
 
 from sqla_jobs import ddl
+from sqla_jobs.history.schema import history_names
 from sqla_jobs.migrations.history_table import add_history
 from sqla_jobs.migrations.steps import _create_index, _execute
 from sqla_jobs.migrations.v1 import (
@@ -160,9 +161,13 @@ def create_job_table(
 
 
 def drop_job_table(table_name: str, *, schema: str | None = None) -> None:
-    """Drop a job table with its trigger and trigger function (whether or not it had them).
-    Its history table, if it has one, is dropped with :func:`drop_history`."""
+    """Drop a job table with its trigger and trigger function (whether or not it had them),
+    and its partitioned history table with its partitions, if it has one (``DROP TABLE IF
+    EXISTS``: so that it undoes ``create_job_table(..., history=True)`` whole, and a
+    downgrade that called :func:`drop_history` first still runs)."""
     drop_notify_trigger(table_name, schema=schema)
+    history = sa.Table(history_names(table_name, schema).table, sa.MetaData(), schema=schema)
+    op.execute(sa.schema.DropTable(history, if_exists=True))
     op.drop_table(table_name, schema=schema)
 
 
