@@ -133,7 +133,6 @@ def test_mistakes_are_one_line_errors(
         ["status", "--timeout", "99999999999999999999d"],
         ["worker", "m:r", "--grace", "99999999999999999999w"],
         ["status", "--dead", "99999999999999999999"],
-        ["history", "--days-ahead", "99999999999999999999"],
         ["retry", "99999999999999999999"],
     ],
 )

@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     keep.add_argument("--retention", type=parse_duration, help="drop partitions older, e.g. 30d")
     keep.add_argument(
         "--days-ahead",
-        type=_count,
+        type=int,  # its range, [0, 366], is checked by sqla_jobs.history
         metavar="N",
         default=history.DEFAULT_DAYS_AHEAD,
         help=f"day partitions made ahead of today ({history.DEFAULT_DAYS_AHEAD})",
