@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,7 +15,9 @@ import pytest
 import sqlalchemy as sa
 from models import EmailJob, EmailJobResult, Order, ReportJob
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
-from sqlalchemy.orm import Session
+from conftest import FreshDatabase
+from sqlalchemy.orm import DeclarativeBase, Session
+from sqlalchemy.pool import NullPool
 from worker_harness import wait_until
 
 import sqla_jobs
@@ -22,6 +25,7 @@ from sqla_jobs import (
     InvalidJobError,
     JobCancelledError,
     JobContext,
+    JobMixin,
     JobNotFoundError,
     JobStateError,
     JobStatus,
@@ -30,6 +34,7 @@ from sqla_jobs import (
     Worker,
 )
 from sqla_jobs.queue import cancel_attempts
+from sqla_jobs.schema import names
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
 #: How long a handler waits for its cancel before giving up (a failing test, not a hang).
@@ -336,6 +341,204 @@ def test_a_missed_notification_is_made_up_for_by_the_heartbeat(queue_engine: sa.
         cancel(queue_engine, job_id)
         wait_until(
             lambda: status(queue_engine, job_id) == "cancelled", timeout=10, message="cancelled"
+        )
+
+
+# -- a cancel is the row's, not the notification's (issue 29, 1 and 2) -------------------
+
+
+def _channel(model: Any) -> str:
+    return names(model.__table__.name).channel
+
+
+@contextmanager
+def role_without_grants(engine: sa.Engine) -> Iterator[sa.Engine]:
+    """An engine logged in as a fresh role with LOGIN and no grant at all."""
+    role = f"sqla_jobs_nobody_{uuid.uuid4().hex[:12]}"
+    with engine.begin() as connection:
+        connection.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+    nobody = sa.create_engine(engine.url.set(username=role, password=None), poolclass=NullPool)
+    try:
+        yield nobody
+    finally:
+        nobody.dispose()
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :r"
+                ),
+                {"r": role},
+            )
+            connection.execute(sa.text(f"DROP ROLE {role}"))
+
+
+def _victim_and_witness(registry: Registry, mode: str) -> tuple[Any, Any, dict[str, Any]]:
+    """Two tasks with a long lease (the heartbeat's own read comes after 20 s, so only a
+    notification can act in time). The victim runs until the test lets it go, recording
+    whether it was ever told it is cancelled (and writes an order in lock mode); the
+    witness waits for its cancel."""
+    seen: dict[str, Any] = {"victim started": threading.Event(), "go": threading.Event()}
+    seen["witness started"] = threading.Event()
+
+    @registry.task(queue="cancel", lease=60, mode=mode)  # type: ignore[call-overload]
+    def victim(ctx: JobContext) -> str:
+        if mode == "lock":
+            ctx.session.add(Order(id=ctx.args["order"], customer="ada"))
+            ctx.session.flush()
+        seen["victim started"].set()
+        deadline = time.monotonic() + HANDLER_PATIENCE
+        while not seen["go"].is_set() and time.monotonic() < deadline:
+            seen.setdefault("victim told cancelled", False)
+            if ctx.cancelled:
+                seen["victim told cancelled"] = True
+            time.sleep(0.01)
+        return "done"
+
+    @registry.task(queue="cancel", lease=60)
+    def witness(ctx: JobContext) -> None:
+        seen["witness started"].set()
+        wait_for(lambda: ctx.cancelled)
+        ctx.raise_if_cancelled()
+
+    return victim, witness, seen
+
+
+@pytest.mark.parametrize("mode", ["lease", "lock"])
+def test_a_forged_cancel_notification_from_a_role_without_grants_changes_nothing(
+    queue_engine: sa.Engine, mode: str
+) -> None:
+    registry = Registry(EmailJob)
+    victim, witness, seen = _victim_and_witness(registry, mode)
+    with role_without_grants(queue_engine) as nobody, running(registry, queue_engine, concurrency=2):
+        victim_id, witness_id = enqueue(queue_engine, victim.job({"order": 7}), witness.job())
+        assert seen["victim started"].wait(10) and seen["witness started"].wait(10)
+        with nobody.connect() as connection:
+            # The role may not even read the job table ...
+            with pytest.raises(sa.exc.ProgrammingError, match="permission denied"):
+                connection.execute(sa.text("SELECT 1 FROM email_jobs"))
+            connection.rollback()
+            # ... but any role may NOTIFY, with the payload of a real cancel.
+            connection.execute(
+                sa.text("SELECT pg_notify(:channel, :payload)"),
+                {"channel": _channel(EmailJob), "payload": f"!cancel:{victim_id}:1"},
+            )
+            connection.commit()
+        # A genuine cancel, notified after the forged one: once it took effect, the worker
+        # has heard the forged one too (a listener gets notifications in commit order).
+        assert cancel(queue_engine, witness_id) is JobStatus.RUNNING
+        wait_until(
+            lambda: status(queue_engine, witness_id) == "cancelled",
+            timeout=5,
+            message="the genuine cancel took effect",
+        )
+        assert seen["victim told cancelled"] is False
+        assert status(queue_engine, victim_id) == "running"
+        seen["go"].set()
+        wait_until(
+            lambda: status(queue_engine, victim_id) == "succeeded",
+            timeout=10,
+            message="the victim succeeds",
+        )
+    ended = row(queue_engine, victim_id)
+    assert (ended.status, ended.attempts, ended.cancel_requested_at) == ("succeeded", 1, None)
+    assert seen["victim told cancelled"] is False
+    assert orders(queue_engine) == ([7] if mode == "lock" else [])
+
+
+def test_the_cancelled_outcome_needs_a_cancel_request_in_the_row(queue_engine: sa.Engine) -> None:
+    # The statement that writes ``cancelled`` holds the rule by itself, whoever calls it.
+    (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        assert cancel_attempts(session, [job]) == [job]  # no request: not cancelled
+    assert status(queue_engine, job_id) == "running"
+    cancel(queue_engine, job_id)
+    with Session(queue_engine) as session, session.begin():
+        assert cancel_attempts(session, [job]) == []
+    assert status(queue_engine, job_id) == "cancelled"
+
+
+class _TenantA(DeclarativeBase):
+    metadata = sa.MetaData(schema="tenant_a")
+
+
+class _TenantB(DeclarativeBase):
+    metadata = sa.MetaData(schema="tenant_b")
+
+
+class TenantAJob(JobMixin, _TenantA):
+    __tablename__ = "jobs"
+
+
+class TenantBJob(JobMixin, _TenantB):
+    __tablename__ = "jobs"
+
+
+def test_a_cancel_in_one_schema_leaves_the_same_job_of_another_schema_running(
+    fresh_database: FreshDatabase,
+) -> None:
+    engine = sa.create_engine(fresh_database("sqla_jobs_tenants"), pool_size=20)
+    try:
+        with engine.begin() as connection:
+            connection.execute(sa.text("CREATE SCHEMA tenant_a"))
+            connection.execute(sa.text("CREATE SCHEMA tenant_b"))
+        _TenantA.metadata.create_all(engine)
+        _TenantB.metadata.create_all(engine)
+        assert _channel(TenantAJob) == _channel(TenantBJob)  # one channel: only a hint
+        registry_a, registry_b = Registry(TenantAJob), Registry(TenantBJob)
+
+        @registry_a.task(queue="cancel", lease=60)
+        def doomed(ctx: JobContext) -> None:
+            wait_for(lambda: ctx.cancelled)
+            ctx.raise_if_cancelled()
+
+        victim, witness, seen = _victim_and_witness(registry_b, "lease")
+        with (
+            running(registry_a, engine, concurrency=1),
+            running(registry_b, engine, concurrency=2),
+        ):
+            (a_id,) = enqueue(engine, doomed.job())
+            b_id, b_witness = enqueue(engine, victim.job({"order": 1}), witness.job())
+            assert a_id == b_id == 1
+            assert seen["victim started"].wait(10) and seen["witness started"].wait(10)
+            wait_until(
+                lambda: _status_in(engine, "tenant_a", a_id) == "running",
+                timeout=10,
+                message="tenant_a's job 1 runs",
+            )
+            with Session(engine) as session, session.begin():
+                assert sqla_jobs.cancel(session, TenantAJob, a_id) is JobStatus.RUNNING
+            wait_until(
+                lambda: _status_in(engine, "tenant_a", a_id) == "cancelled",
+                timeout=5,
+                message="tenant_a's job 1 is cancelled",
+            )
+            # tenant_b's worker heard tenant_a's notification before this one of its own.
+            with Session(engine) as session, session.begin():
+                assert sqla_jobs.cancel(session, TenantBJob, b_witness) is JobStatus.RUNNING
+            wait_until(
+                lambda: _status_in(engine, "tenant_b", b_witness) == "cancelled",
+                timeout=5,
+                message="tenant_b's witness is cancelled",
+            )
+            assert seen["victim told cancelled"] is False
+            seen["go"].set()
+            wait_until(
+                lambda: _status_in(engine, "tenant_b", b_id) == "succeeded",
+                timeout=10,
+                message="tenant_b's job 1 succeeds",
+            )
+        assert seen["victim told cancelled"] is False
+    finally:
+        engine.dispose()
+
+
+def _status_in(engine: sa.Engine, schema: str, job_id: int) -> str:
+    with engine.connect() as connection:
+        return str(
+            connection.execute(
+                sa.text(f"SELECT status FROM {schema}.jobs WHERE id = :id"), {"id": job_id}
+            ).scalar_one()
         )
 
 

@@ -280,6 +280,7 @@ class Worker:
         self._fetcher: Fetcher | None = None
         self._roles: dict[str, Role] = {}
         self._notifier: Notifier | None = None
+        self._heartbeat: Heartbeat | None = None
 
     # -- public -------------------------------------------------------------------------
 
@@ -535,6 +536,7 @@ class Worker:
             on_database_ok=beat_ok,
             on_cancel_requested=self._runner.request_cancel,
         )
+        self._heartbeat = heartbeat
         self._roles = {
             "fetch": Role("fetch", self._prefix, self._fetcher.loop),
             "outcomes": Role("outcomes", self._prefix, writer.loop),
@@ -653,9 +655,12 @@ class Worker:
         if payload in self.queues:
             self._state.wake()
         elif payload.startswith(statements.CANCEL_PAYLOAD_PREFIX):  # cancel() of a running job
+            # Only a hint: the heartbeat reads the job's row and stops the handler only if
+            # its cancel was requested there (any role may NOTIFY, from any schema).
             job_id, _, attempt = payload[len(statements.CANCEL_PAYLOAD_PREFIX) :].partition(":")
-            if job_id.isdigit() and attempt.isdigit():
-                self._runner.request_cancel((int(job_id), int(attempt)))
+            heartbeat = self._heartbeat
+            if _decimal(job_id) and _decimal(attempt) and heartbeat is not None:
+                heartbeat.hint((int(job_id), int(attempt)))
 
     # -- supervise --------------------------------------------------------------------------
 
@@ -767,6 +772,8 @@ class Worker:
         while self._state.snapshot() and time.monotonic() < drain_until:
             time.sleep(0.02)
         self._finished.set()
+        if self._heartbeat is not None:
+            self._heartbeat.wake()
         for name in ("outcomes", "heartbeat", "vacuum", "schedule", "history"):
             if name in self._roles:
                 self._roles[name].join(_DRAIN_TIMEOUT)
@@ -814,3 +821,8 @@ class Worker:
                 describe(exc),
                 extra={"action": "database_error", "operation": "shutdown"},
             )
+
+
+def _decimal(text: str) -> bool:
+    # ASCII only: "²".isdigit() is true, but int("²") raises (on the notifier's thread).
+    return text.isascii() and text.isdigit()
