@@ -9,13 +9,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import sqlalchemy as sa
+from conftest import FreshDatabase
 from models import EmailJob, EmailJobResult, Order, ReportJob
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
-from conftest import FreshDatabase
 from sqlalchemy.orm import DeclarativeBase, Session
 from sqlalchemy.pool import NullPool
 from worker_harness import wait_until
@@ -372,7 +372,9 @@ def role_without_grants(engine: sa.Engine) -> Iterator[sa.Engine]:
             connection.execute(sa.text(f"DROP ROLE {role}"))
 
 
-def _victim_and_witness(registry: Registry, mode: str) -> tuple[Any, Any, dict[str, Any]]:
+def _victim_and_witness(
+    registry: Registry, mode: Literal["lease", "lock"]
+) -> tuple[Any, Any, dict[str, Any]]:
     """Two tasks with a long lease (the heartbeat's own read comes after 20 s, so only a
     notification can act in time). The victim runs until the test lets it go, recording
     whether it was ever told it is cancelled (and writes an order in lock mode); the
@@ -380,7 +382,7 @@ def _victim_and_witness(registry: Registry, mode: str) -> tuple[Any, Any, dict[s
     seen: dict[str, Any] = {"victim started": threading.Event(), "go": threading.Event()}
     seen["witness started"] = threading.Event()
 
-    @registry.task(queue="cancel", lease=60, mode=mode)  # type: ignore[call-overload]
+    @registry.task(queue="cancel", lease=60, mode=mode)
     def victim(ctx: JobContext) -> str:
         if mode == "lock":
             ctx.session.add(Order(id=ctx.args["order"], customer="ada"))
@@ -405,13 +407,17 @@ def _victim_and_witness(registry: Registry, mode: str) -> tuple[Any, Any, dict[s
 
 @pytest.mark.parametrize("mode", ["lease", "lock"])
 def test_a_forged_cancel_notification_from_a_role_without_grants_changes_nothing(
-    queue_engine: sa.Engine, mode: str
+    queue_engine: sa.Engine, mode: Literal["lease", "lock"]
 ) -> None:
     registry = Registry(EmailJob)
     victim, witness, seen = _victim_and_witness(registry, mode)
-    with role_without_grants(queue_engine) as nobody, running(registry, queue_engine, concurrency=2):
+    with (
+        role_without_grants(queue_engine) as nobody,
+        running(registry, queue_engine, concurrency=2),
+    ):
         victim_id, witness_id = enqueue(queue_engine, victim.job({"order": 7}), witness.job())
-        assert seen["victim started"].wait(10) and seen["witness started"].wait(10)
+        assert seen["victim started"].wait(10)
+        assert seen["witness started"].wait(10)
         with nobody.connect() as connection:
             # The role may not even read the job table ...
             with pytest.raises(sa.exc.ProgrammingError, match="permission denied"):
@@ -500,7 +506,8 @@ def test_a_cancel_in_one_schema_leaves_the_same_job_of_another_schema_running(
             (a_id,) = enqueue(engine, doomed.job())
             b_id, b_witness = enqueue(engine, victim.job({"order": 1}), witness.job())
             assert a_id == b_id == 1
-            assert seen["victim started"].wait(10) and seen["witness started"].wait(10)
+            assert seen["victim started"].wait(10)
+            assert seen["witness started"].wait(10)
             wait_until(
                 lambda: _status_in(engine, "tenant_a", a_id) == "running",
                 timeout=10,

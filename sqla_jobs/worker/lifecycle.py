@@ -100,12 +100,15 @@ class Worker:
     seconds as their ``lock_timeout``; after a server restart each is replaced at its first
     failure without an error logged.
 
-    Run it in the foreground with :meth:`run` (the ``sqla-jobs worker`` command does, with
-    ``handle_signals=True``: SIGTERM/SIGINT stop it), or inside an application: in a
-    background thread with :meth:`start` / :meth:`stop` or ``with worker:``, or on the
+    Run it in the foreground with :meth:`run` (the ``sqla-jobs worker`` command does):
+    SIGTERM and SIGINT stop it gracefully, a second one at once. Or inside an application:
+    in a background thread with :meth:`start` / :meth:`stop` or ``with worker:``, or on the
     application's event loop with ``async with worker:`` (coroutine handlers then run on
-    that loop; FastAPI's lifespan, for example). Signal handlers are installed only when
-    ``handle_signals`` is true and :meth:`run` is called from the main thread.
+    that loop; FastAPI's lifespan, for example), which install no signal handler: the
+    application owns its signals. ``handle_signals`` (default None: :meth:`run` yes, the
+    embedding APIs no) says whether :meth:`run` installs them; Python lets only the main
+    thread install them, so a :meth:`run` off the main thread that would logs once that it
+    does not (``signals_not_handled``).
 
     ``session_factory`` (e.g. the application's ``sessionmaker``) makes the sessions of
     lock-mode handlers, configured like the rest of the application (default: a plain
@@ -172,7 +175,7 @@ class Worker:
         name: str | None = None,
         stuck_after: float | None = None,
         health_file: str | os.PathLike[str] | None = None,
-        handle_signals: bool = False,
+        handle_signals: bool | None = None,
         lock_timeout: float = 5.0,
         session_factory: Callable[[], Session] | None = None,
         async_session_factory: Callable[[], AsyncSession] | None = None,
@@ -287,17 +290,22 @@ class Worker:
     def run(self) -> int:
         """Run until stopped; return the exit status (0 after a graceful stop).
 
+        The call that owns the process: SIGTERM and SIGINT stop it gracefully (unless
+        ``handle_signals=False``; see the class docstring), a second one at once.
         Raises :class:`~sqla_jobs.errors.ConfigurationError` at once when the database
         refuses the worker for good (no such database, role or table, a wrong password);
         a server that is down or restarting is waited for.
         """
+        return self._run(embedded=False)
+
+    def _run(self, *, embedded: bool) -> int:
         if self._running:
             raise ConfigurationError("this worker is already running")
         self._running = True
         try:
             self._preflight()
             self._start_metrics()
-            previous = self._install_signal_handlers()
+            previous = self._install_signal_handlers(embedded)
             try:
                 self._start()
                 self._started.set()
@@ -351,7 +359,7 @@ class Worker:
 
         def main() -> None:
             try:
-                self._exit.append(self.run())
+                self._exit.append(self._run(embedded=True))
             except BaseException as exc:
                 self._exit.append(exc)
 
@@ -714,9 +722,20 @@ class Worker:
 
     # -- signals ------------------------------------------------------------------------------
 
-    def _install_signal_handlers(self) -> dict[int, Any]:
+    def _install_signal_handlers(self, embedded: bool) -> dict[int, Any]:
+        """SIGTERM and SIGINT stop the worker: by default for :meth:`run` (it owns the
+        process), not for the embedding APIs (the application owns its signals)."""
         previous: dict[int, Any] = {}
-        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+        wanted = self.handle_signals if self.handle_signals is not None else not embedded
+        if not wanted:
+            return previous
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning(
+                "the worker runs off the main thread (%s), where Python cannot install "
+                "signal handlers: SIGTERM and SIGINT do not stop it; call worker.stop()",
+                threading.current_thread().name,
+                extra={"action": "signals_not_handled"},
+            )
             return previous
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, self._on_signal)
