@@ -16,6 +16,8 @@ behind_pooler          INFO     the engine goes through a connection pooler (PgB
 prepared_behind_pooler WARNING  behind a pooler, psycopg prepares statements: the engine needs
                                 ``connect_args={"prepare_threshold": None}``
 worker_stopping        INFO     a signal or ``stop()`` asked it to stop; no more claims
+signals_not_handled    WARNING  ``Worker.run()`` runs off the main thread, where signal handlers
+                                cannot be installed: SIGTERM/SIGINT do not stop it
 worker_stopped         INFO     it stopped; ``released`` jobs were given back unfinished
 job_claimed            DEBUG    a batch was claimed (``count``)
 job_started            DEBUG    a handler started
@@ -46,7 +48,8 @@ database_error         WARNING  a database call failed; retried with backoff (``
 database_reconnect     DEBUG    a kept connection was gone (a server restart); replaced at once
 database_recovered     INFO     the database answers again after errors
 listener_connected     INFO     LISTEN is (again) in place; a catch-up claim follows
-listener_error         WARNING  the LISTEN connection failed; reconnecting with backoff
+listener_error         WARNING  the LISTEN connection failed; reconnecting at once if it was up,
+                                else with backoff (``delay``)
 fetch_loop_stuck       ERROR    the fetch loop has not gone round for ``seconds``
 worker_unhealthy       ERROR    something else is stuck (``problems``): a claimed job waits for
                                 a handler thread, or an outcome waits to be written

@@ -4,20 +4,19 @@ transition, the claim's takeover included, respects a cancel request; fenced by 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
-import models
 import pytest
 import sqlalchemy as sa
 from conftest import FreshDatabase
 from models import EmailJob, EmailJobResult, Order, ReportJob
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Session
 from sqlalchemy.pool import NullPool
 from worker_harness import wait_until
 
@@ -26,6 +25,7 @@ from sqla_jobs import (
     InvalidJobError,
     JobCancelledError,
     JobContext,
+    JobMixin,
     JobNotFoundError,
     JobStateError,
     JobStatus,
@@ -168,24 +168,6 @@ def test_a_cancel_request_is_final_for_every_transition_of_its_attempt(
         with pytest.raises(LeaseLostError):
             sqla_jobs.fail(session, completing, "late")
         assert cancel_attempts(session, [failing]) == [failing]
-
-
-def test_a_worker_cannot_cancel_a_job_whose_cancel_was_not_requested(
-    queue_engine: sa.Engine,
-) -> None:
-    # The cancelled outcome is written only where the row holds a request: a worker that
-    # believed a forged notification would leave the job running, never end it cancelled.
-    (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
-    (job,) = claim(queue_engine)
-    with Session(queue_engine) as session, session.begin():
-        assert cancel_attempts(session, [job]) == [job]  # refused: nothing was requested
-    assert (status(queue_engine, job_id), row(queue_engine, job_id).cancel_requested_at) == (
-        "running",
-        None,
-    )
-    with Session(queue_engine) as session, session.begin():
-        sqla_jobs.complete(session, job)
-    assert status(queue_engine, job_id) == "succeeded"
 
 
 def test_a_delete_on_success_job_whose_cancel_was_requested_is_kept_cancelled(
@@ -362,129 +344,209 @@ def test_a_missed_notification_is_made_up_for_by_the_heartbeat(queue_engine: sa.
         )
 
 
-# -- a cancel is what the row says, never a notification alone -------------------------
+# -- a cancel is the row's, not the notification's (issue 29, 1 and 2) -------------------
 
 
-def _channel(engine: sa.Engine) -> str:
-    return names(EmailJob.__tablename__).channel
+def _channel(model: Any) -> str:
+    return names(model.__table__.name).channel
 
 
-def _blocked_pair(
-    registry: Registry,
-) -> tuple[dict[str, threading.Event], threading.Event, dict[str, bool]]:
-    """Two tasks on the ``cancel`` queue: ``target`` runs until released and records whether
-    it saw a cancel; ``witness`` runs until it is cancelled."""
-    started = {"target": threading.Event(), "witness": threading.Event()}
-    release = threading.Event()
-    seen: dict[str, bool] = {}
+@contextmanager
+def role_without_grants(engine: sa.Engine) -> Iterator[sa.Engine]:
+    """An engine logged in as a fresh role with LOGIN and no grant at all."""
+    role = f"sqla_jobs_nobody_{uuid.uuid4().hex[:12]}"
+    with engine.begin() as connection:
+        connection.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+    nobody = sa.create_engine(engine.url.set(username=role, password=None), poolclass=NullPool)
+    try:
+        yield nobody
+    finally:
+        nobody.dispose()
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :r"
+                ),
+                {"r": role},
+            )
+            connection.execute(sa.text(f"DROP ROLE {role}"))
 
-    @registry.task(queue="cancel", lease=60)
-    def target(ctx: JobContext) -> None:
-        started["target"].set()
-        release.wait(HANDLER_PATIENCE)
-        seen["target_cancelled"] = ctx.cancelled
+
+def _victim_and_witness(
+    registry: Registry, mode: Literal["lease", "lock"]
+) -> tuple[Any, Any, dict[str, Any]]:
+    """Two tasks with a long lease (the heartbeat's own read comes after 20 s, so only a
+    notification can act in time). The victim runs until the test lets it go, recording
+    whether it was ever told it is cancelled (and writes an order in lock mode); the
+    witness waits for its cancel."""
+    seen: dict[str, Any] = {"victim started": threading.Event(), "go": threading.Event()}
+    seen["witness started"] = threading.Event()
+
+    @registry.task(queue="cancel", lease=60, mode=mode)
+    def victim(ctx: JobContext) -> str:
+        if mode == "lock":
+            ctx.session.add(Order(id=ctx.args["order"], customer="ada"))
+            ctx.session.flush()
+        seen["victim started"].set()
+        deadline = time.monotonic() + HANDLER_PATIENCE
+        while not seen["go"].is_set() and time.monotonic() < deadline:
+            seen.setdefault("victim told cancelled", False)
+            if ctx.cancelled:
+                seen["victim told cancelled"] = True
+            time.sleep(0.01)
+        return "done"
 
     @registry.task(queue="cancel", lease=60)
     def witness(ctx: JobContext) -> None:
-        started["witness"].set()
-        seen["witness_cancelled"] = wait_for(lambda: ctx.cancelled)
+        seen["witness started"].set()
+        wait_for(lambda: ctx.cancelled)
         ctx.raise_if_cancelled()
 
-    return started, release, seen
+    return victim, witness, seen
 
 
-@pytest.mark.direct_only
-def test_a_notification_from_a_role_without_privileges_cancels_nothing(
-    queue_engine: sa.Engine,
+@pytest.mark.parametrize("mode", ["lease", "lock"])
+def test_a_forged_cancel_notification_from_a_role_without_grants_changes_nothing(
+    queue_engine: sa.Engine, mode: Literal["lease", "lock"]
 ) -> None:
-    # NOTIFY needs no privilege: a role that may not even read the job table sends the
-    # payload a cancel would send. The worker reads the row, which holds no request.
     registry = Registry(EmailJob)
-    started, release, seen = _blocked_pair(registry)
-    nobody = f"sqla_jobs_nobody_{secrets.token_hex(4)}"
-    with queue_engine.begin() as connection:
-        connection.execute(sa.text(f"CREATE ROLE {nobody} LOGIN"))
-    forger = sa.create_engine(
-        queue_engine.url.set(username=nobody, password=None), poolclass=NullPool
-    )
-    try:
-        with running(registry, queue_engine, concurrency=2):
-            (target_id,) = enqueue(queue_engine, registry["target"].job())
-            (witness_id,) = enqueue(queue_engine, registry["witness"].job())
-            assert started["target"].wait(10)
-            assert started["witness"].wait(10)
-            with forger.begin() as connection:
-                # It may not read the table.
-                with pytest.raises(sa.exc.ProgrammingError), connection.begin_nested():
-                    connection.execute(sa.text("SELECT 1 FROM email_jobs"))
-                connection.execute(
-                    sa.select(sa.func.pg_notify(_channel(queue_engine), f"!cancel:{target_id}:1"))
-                )
-            # A genuine cancel on the same channel, delivered after the forged one: once it
-            # took effect, the forged one was heard and judged.
-            assert cancel(queue_engine, witness_id) is JobStatus.RUNNING
-            wait_until(
-                lambda: status(queue_engine, witness_id) == "cancelled",
-                timeout=10,
-                message="the genuine cancel takes effect",
+    victim, witness, seen = _victim_and_witness(registry, mode)
+    with (
+        role_without_grants(queue_engine) as nobody,
+        running(registry, queue_engine, concurrency=2),
+    ):
+        victim_id, witness_id = enqueue(queue_engine, victim.job({"order": 7}), witness.job())
+        assert seen["victim started"].wait(10)
+        assert seen["witness started"].wait(10)
+        with nobody.connect() as connection:
+            # The role may not even read the job table ...
+            with pytest.raises(sa.exc.ProgrammingError, match="permission denied"):
+                connection.execute(sa.text("SELECT 1 FROM email_jobs"))
+            connection.rollback()
+            # ... but any role may NOTIFY, with the payload of a real cancel.
+            connection.execute(
+                sa.text("SELECT pg_notify(:channel, :payload)"),
+                {"channel": _channel(EmailJob), "payload": f"!cancel:{victim_id}:1"},
             )
-            release.set()
-            wait_until(
-                lambda: status(queue_engine, target_id) != "running",
-                timeout=10,
-                message="the target finishes",
-            )
-        assert status(queue_engine, target_id) == "succeeded"
-        assert row(queue_engine, target_id).cancel_requested_at is None
-        assert seen == {"target_cancelled": False, "witness_cancelled": True}
-    finally:
-        forger.dispose()
-        with queue_engine.begin() as connection:
-            connection.execute(sa.text(f"DROP ROLE {nobody}"))
+            connection.commit()
+        # A genuine cancel, notified after the forged one: once it took effect, the worker
+        # has heard the forged one too (a listener gets notifications in commit order).
+        assert cancel(queue_engine, witness_id) is JobStatus.RUNNING
+        wait_until(
+            lambda: status(queue_engine, witness_id) == "cancelled",
+            timeout=5,
+            message="the genuine cancel took effect",
+        )
+        assert seen["victim told cancelled"] is False
+        assert status(queue_engine, victim_id) == "running"
+        seen["go"].set()
+        wait_until(
+            lambda: status(queue_engine, victim_id) == "succeeded",
+            timeout=10,
+            message="the victim succeeds",
+        )
+    ended = row(queue_engine, victim_id)
+    assert (ended.status, ended.attempts, ended.cancel_requested_at) == ("succeeded", 1, None)
+    assert seen["victim told cancelled"] is False
+    assert orders(queue_engine) == ([7] if mode == "lock" else [])
 
 
-@pytest.mark.direct_only
-def test_a_cancel_in_one_schema_leaves_the_same_job_id_of_another_schema_running(
+def test_the_cancelled_outcome_needs_a_cancel_request_in_the_row(queue_engine: sa.Engine) -> None:
+    # The statement that writes ``cancelled`` holds the rule by itself, whoever calls it.
+    (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
+    (job,) = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        assert cancel_attempts(session, [job]) == [job]  # no request: not cancelled
+    assert status(queue_engine, job_id) == "running"
+    cancel(queue_engine, job_id)
+    with Session(queue_engine) as session, session.begin():
+        assert cancel_attempts(session, [job]) == []
+    assert status(queue_engine, job_id) == "cancelled"
+
+
+class _TenantA(DeclarativeBase):
+    metadata = sa.MetaData(schema="tenant_a")
+
+
+class _TenantB(DeclarativeBase):
+    metadata = sa.MetaData(schema="tenant_b")
+
+
+class TenantAJob(JobMixin, _TenantA):
+    __tablename__ = "jobs"
+
+
+class TenantBJob(JobMixin, _TenantB):
+    __tablename__ = "jobs"
+
+
+def test_a_cancel_in_one_schema_leaves_the_same_job_of_another_schema_running(
     fresh_database: FreshDatabase,
 ) -> None:
-    # Schema per tenant: tenant_a.email_jobs and tenant_b.email_jobs share the notification
-    # channel (named from the table), and their ids both start at 1.
-    url = fresh_database("sqla_jobs_tenants")
-    engines = {
-        tenant: sa.create_engine(url, connect_args={"options": f"-c search_path={tenant}"})
-        for tenant in ("tenant_a", "tenant_b")
-    }
+    engine = sa.create_engine(fresh_database("sqla_jobs_tenants"), pool_size=20)
     try:
-        for tenant, engine in engines.items():
-            with engine.begin() as connection:
-                connection.execute(sa.text(f"CREATE SCHEMA {tenant}"))
-            models.Base.metadata.create_all(engine)
-        registry = Registry(EmailJob)
-        started, release, seen = _blocked_pair(registry)
-        a, b = engines["tenant_a"], engines["tenant_b"]
-        (b_job,) = enqueue(b, registry["target"].job())
-        assert [job.id for job in claim(b, queues="cancel")] == [b_job]
-        with running(registry, a, concurrency=2):
-            (a_job,) = enqueue(a, registry["target"].job())
-            (witness_id,) = enqueue(a, registry["witness"].job())
-            assert a_job == b_job == 1
-            assert started["target"].wait(10)
-            assert started["witness"].wait(10)
-            assert cancel(b, b_job) is JobStatus.RUNNING  # tenant_b's job 1
-            assert cancel(a, witness_id) is JobStatus.RUNNING  # heard after tenant_b's
+        with engine.begin() as connection:
+            connection.execute(sa.text("CREATE SCHEMA tenant_a"))
+            connection.execute(sa.text("CREATE SCHEMA tenant_b"))
+        _TenantA.metadata.create_all(engine)
+        _TenantB.metadata.create_all(engine)
+        assert _channel(TenantAJob) == _channel(TenantBJob)  # one channel: only a hint
+        registry_a, registry_b = Registry(TenantAJob), Registry(TenantBJob)
+
+        @registry_a.task(queue="cancel", lease=60)
+        def doomed(ctx: JobContext) -> None:
+            wait_for(lambda: ctx.cancelled)
+            ctx.raise_if_cancelled()
+
+        victim, witness, seen = _victim_and_witness(registry_b, "lease")
+        with (
+            running(registry_a, engine, concurrency=1),
+            running(registry_b, engine, concurrency=2),
+        ):
+            (a_id,) = enqueue(engine, doomed.job())
+            b_id, b_witness = enqueue(engine, victim.job({"order": 1}), witness.job())
+            assert a_id == b_id == 1
+            assert seen["victim started"].wait(10)
+            assert seen["witness started"].wait(10)
             wait_until(
-                lambda: status(a, witness_id) == "cancelled",
+                lambda: _status_in(engine, "tenant_a", a_id) == "running",
                 timeout=10,
-                message="tenant_a's witness is cancelled",
+                message="tenant_a's job 1 runs",
             )
-            release.set()
-            wait_until(lambda: status(a, a_job) != "running", timeout=10, message="a_job finishes")
-        assert status(a, a_job) == "succeeded"
-        assert row(b, b_job).cancel_requested_at is not None  # tenant_b's request stays there
-        assert seen == {"target_cancelled": False, "witness_cancelled": True}
+            with Session(engine) as session, session.begin():
+                assert sqla_jobs.cancel(session, TenantAJob, a_id) is JobStatus.RUNNING
+            wait_until(
+                lambda: _status_in(engine, "tenant_a", a_id) == "cancelled",
+                timeout=5,
+                message="tenant_a's job 1 is cancelled",
+            )
+            # tenant_b's worker heard tenant_a's notification before this one of its own.
+            with Session(engine) as session, session.begin():
+                assert sqla_jobs.cancel(session, TenantBJob, b_witness) is JobStatus.RUNNING
+            wait_until(
+                lambda: _status_in(engine, "tenant_b", b_witness) == "cancelled",
+                timeout=5,
+                message="tenant_b's witness is cancelled",
+            )
+            assert seen["victim told cancelled"] is False
+            seen["go"].set()
+            wait_until(
+                lambda: _status_in(engine, "tenant_b", b_id) == "succeeded",
+                timeout=10,
+                message="tenant_b's job 1 succeeds",
+            )
+        assert seen["victim told cancelled"] is False
     finally:
-        for engine in engines.values():
-            engine.dispose()
+        engine.dispose()
+
+
+def _status_in(engine: sa.Engine, schema: str, job_id: int) -> str:
+    with engine.connect() as connection:
+        return str(
+            connection.execute(
+                sa.text(f"SELECT status FROM {schema}.jobs WHERE id = :id"), {"id": job_id}
+            ).scalar_one()
+        )
 
 
 # -- the rest of the handler's view ------------------------------------------------------

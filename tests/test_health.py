@@ -300,7 +300,7 @@ def test_health_exits_3_with_one_line_when_a_threshold_is_crossed(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--max-dead", "-1"], "--max-dead: must be at least 0, got -1"),
+        (["--max-dead", "-1"], "--max-dead: must be in [0, 2147483647], got -1"),
         (["--max-runnable", "many"], "--max-runnable: 'many' is not an integer"),
         (["--max-oldest-runnable", "soon"], "'soon' is not a duration"),
         (["--timeout", "0s"], "--timeout: must be more than 0"),

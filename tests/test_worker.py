@@ -7,11 +7,14 @@ back from the database.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
-from worker_harness import JobDatabase, Workers, wait_until
+from worker_harness import JobDatabase, WorkerProcess, Workers, subprocess_env, wait_until
 
 from sqla_jobs.embedded import EmbeddedPostgres
 
@@ -226,3 +229,45 @@ def test_workers_survive_a_database_restart(
         process.send(signal.SIGTERM)
     for process in pool:
         assert process.wait(15) == 0
+
+
+_PLAIN_RUN = """
+import logging, sys
+import sqlalchemy as sa
+from worker_tasks import registry
+from sqla_jobs import Worker
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+engine = sa.create_engine(sys.argv[1])
+# What an application's own entry point does: no handle_signals, no command line.
+sys.exit(Worker(registry, engine, queues=["work"], poll_interval=0.2, grace=0.5).run())
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_plain_run_stops_gracefully_on_a_signal_mid_job(
+    db: JobDatabase, workers: Workers, tmp_path: Path, signum: int
+) -> None:
+    script = tmp_path / "plain_run.py"
+    script.write_text(_PLAIN_RUN)
+    log = tmp_path / "plain_run.log"
+    with log.open("wb") as handle:
+        popen = subprocess.Popen(
+            [sys.executable, str(script), db.url],
+            cwd=tmp_path,
+            env=subprocess_env(db.url),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+    worker = WorkerProcess(popen, log)
+    workers.started.append(worker)  # killed at the end if it is still there
+    job_id = db.enqueue("sleepy", {"sleep": 60})
+    wait_until(lambda: db.started(job_id), timeout=15, message="the job started")
+    worker.send(signum)
+    assert worker.wait(15) == 0
+    # The shutdown's rules, not a lease expiry: past the grace, given back at once.
+    job = db.job(job_id)
+    assert (job.status, job.attempts, job.max_attempts) == ("pending", 1, 21)
+    assert job.lease_expires_at is None
+    assert job.leased_by is None
+    assert "stopping: no more claims" in worker.log_text()

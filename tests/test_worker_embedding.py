@@ -5,6 +5,7 @@ TestClient."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import signal
 import threading
@@ -76,6 +77,42 @@ def test_with_worker_runs_in_a_thread_and_installs_no_signal_handler(engine: sa.
     assert not worker.is_healthy()  # stopped, and the with block returned
     assert len(threads) == 1
     assert threads[0].startswith("sqla-jobs-embedded-handler-")
+
+
+def test_run_off_the_main_thread_says_once_that_signals_do_not_stop_it(
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = Registry(WorkerJob)
+
+    @registry.task(queue="embed")
+    def noop(ctx: JobContext) -> None:
+        pass
+
+    def signal_lines() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.__dict__.get("action") == "signals_not_handled"
+        ]
+
+    caplog.set_level(logging.INFO, logger="sqla_jobs")
+    with Worker(registry, engine, poll_interval=0.1):  # start(): embedding, signals opt-in
+        pass
+    assert signal_lines() == []
+    before = signal.getsignal(signal.SIGTERM)
+    worker = Worker(registry, engine, poll_interval=0.1)
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(worker.run()))
+    thread.start()
+    try:
+        wait_until(lambda: worker.is_healthy(), timeout=10, message="the worker runs")
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        worker.stop()
+        thread.join(15)
+    assert status == [0]
+    (line,) = signal_lines()
+    assert "SIGTERM and SIGINT do not stop it" in line
 
 
 def test_start_raises_what_kept_the_worker_from_starting(db: JobDatabase) -> None:

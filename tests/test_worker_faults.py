@@ -22,8 +22,9 @@ from worker_tasks import WorkerJob, registry
 
 import sqla_jobs
 from sqla_jobs import ConfigurationError, RetryPolicy, statements
+from sqla_jobs.backoff import Backoff
 from sqla_jobs.embedded import EmbeddedPostgres
-from sqla_jobs.worker import Worker
+from sqla_jobs.worker import Worker, listener
 from sqla_jobs.worker.heartbeat import Heartbeat
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.state import Attempt
@@ -445,6 +446,36 @@ def test_a_server_restart_costs_no_spurious_error_after_it_is_back(
         after = caplog.records[back:]
     errors = [r for r in after if r.__dict__.get("action") == "database_error"]
     assert [r.__dict__.get("operation") for r in errors] == []
+
+
+def test_the_first_claim_after_lost_connections_comes_within_one_connect(
+    db: JobDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 29, 15: a lost LISTEN connection waited a backoff step before reconnecting, and
+    # an idle fetch loop waits for the listener (or its poll). With a backoff and a poll far
+    # longer than the deadline, the job enqueued right after every backend of the worker is
+    # ended must be claimed within one reconnect.
+    backoff = 30.0
+    monkeypatch.setattr(
+        listener, "Backoff", lambda **_: Backoff(initial=backoff, cap=backoff, jitter=0.0)
+    )
+    with running(db, poll_interval=60.0) as worker:
+        wait_until(lambda: worker.health().listening, timeout=10, message="listening")
+        with db.engine.connect() as connection:
+            ended = connection.execute(
+                sa.text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                    "AND backend_type = 'client backend'"
+                )
+            ).scalar_one()
+        assert ended >= 2  # the listener's and the fetch loop's, at least
+        job_id = db.enqueue("sleepy")
+        wait_until(
+            lambda: db.status(job_id) == "succeeded",
+            timeout=backoff / 3,
+            message="the job is claimed and runs",
+        )
 
 
 def test_a_lock_mode_write_refused_at_flush_fails_the_job(db: JobDatabase) -> None:

@@ -145,7 +145,8 @@ def cancel(session: Executor, model: type[JobMixin], job_id: int) -> JobStatus:
 
 def cancel_attempts(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     """End these attempts' jobs ``cancelled`` (the worker's outcome for an attempt whose
-    cancel was requested). Fenced: returns the attempts that had lost their job."""
+    cancel was requested). Fenced: returns the attempts that had lost their job, or
+    whose job has no cancel request (those are left as they are)."""
     if not jobs:
         return []
     table = _job_table(_one_model(jobs))

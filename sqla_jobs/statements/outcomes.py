@@ -368,10 +368,13 @@ def request_cancel(table: Table) -> Update:
 
 
 def cancel_attempts(table: Table) -> Update:
-    """End the given attempts' jobs ``cancelled`` (a worker's cancel outcome). Fenced, and
-    only where a cancel was requested in the row (``cancel_requested_at`` set, by
-    :func:`request_cancel`): a worker's word alone (a notification anyone may send) never
-    cancels a job.
+    """End the given attempts' jobs ``cancelled`` (a worker's cancel outcome). Fenced.
+
+    Only a job whose cancel was requested in the database (:func:`request_cancel`, by a
+    role that may write the row; :func:`_cancel_requested`) is cancelled: this statement is
+    where that rule lives. A notification on the table's channel is no proof of a request
+    (any role that can connect may send one, from any schema), so an attempt without one
+    comes back unmatched, like an attempt fenced out, and its job is left as it is.
 
     Returns ``id, attempts`` of the cancelled jobs.
     Parameters: ``:fence_ids``, ``:fence_attempts``.
@@ -394,7 +397,8 @@ def cancel_requests(table: Table) -> Select[Any]:
     """Which of the given attempts have a cancel request: ``id, attempts``. Fenced.
 
     A plain read (no row lock, so it also sees the rows that lock-held handlers hold):
-    the heartbeat's fallback for a cancel notification the worker missed.
+    what the worker acts on before it stops a handler, whether a cancel notification
+    woke it or its heartbeat asks (the fallback for a notification it missed).
     Parameters: ``:fence_ids``, ``:fence_attempts``.
     """
     pairs, match = _fences(table)

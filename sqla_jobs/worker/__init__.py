@@ -2,7 +2,7 @@
 
 ::
 
-    worker = Worker(registry, engine, queues=["email"], concurrency=8, handle_signals=True)
+    worker = Worker(registry, engine, queues=["email"], concurrency=8)
     worker.run()          # blocks; SIGTERM/SIGINT stop it gracefully, a second one at once
 
     with Worker(registry, engine) as worker:   # or: async with, inside an application
@@ -34,7 +34,8 @@ How a job goes through it, one module per role:
     what they share, with its locking rules, and where "one outcome per attempt" lives.
 
 Shutdown
-    The first SIGTERM or SIGINT (with ``handle_signals=True``), :meth:`Worker.stop` or the
+    The first SIGTERM or SIGINT (to :meth:`Worker.run` on the main thread, unless
+    ``handle_signals=False``), :meth:`Worker.stop` or the
     end of a ``with`` block stops the claiming; running jobs
     get ``grace`` seconds to finish. The jobs still running then are given back (runnable at
     once, the attempt not charged) after the worker has ended its own lock-mode

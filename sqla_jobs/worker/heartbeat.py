@@ -13,17 +13,18 @@ the outcome writer; a lock-mode attempt's row lock keeps other claims away meanw
 an attempt whose outcome is being written is no longer at risk. Only a lease-mode attempt
 whose handler still runs is taken for lost when its lease was not extended.
 
-Each beat also asks, in the same transaction, which held attempts have a cancel request
-(:func:`sqla_jobs.queue.cancel_requests`, a plain read that sees lock-held rows too): the
-fallback for a cancel notification the worker missed (sent while its listener was
-reconnecting, or a worker without LISTEN). So a cancel reaches a handler within about a
-second through the notification, and within a third of the lease without it.
-
-The row decides, never the notification: a ``!cancel`` notification only wakes the heartbeat
-early (:meth:`Heartbeat.wake`), and the handler is stopped when this read finds the request
-in the worker's own table. ``NOTIFY`` needs no privilege and a channel is shared by every
-schema's table of that name, so a notification proves nothing; a request written in the row
-(by a role that may update the job) is what a cancel is.
+Cancels. The heartbeat is the one place where the worker learns that a held attempt's
+cancel was requested: only from the job's row in its own table
+(:func:`sqla_jobs.queue.cancel_requests`, a plain read, fenced by attempt, that sees
+lock-held rows too), never from a notification alone. A ``!cancel:<id>:<attempt>``
+notification is a hint (any role that can connect may send one, and the channel is shared
+by tables of the same name in other schemas): :meth:`Heartbeat.hint` wakes this thread,
+which reads the rows of the hinted attempts it holds at once, and stops only those whose
+row says so. Each beat also reads the rows of every running attempt: the fallback for a
+notification the worker missed (sent while its listener was reconnecting, or a worker
+without LISTEN). So a cancel reaches a handler within a round trip of the notification,
+and within a third of the lease without it. The cancelled outcome itself is written only
+for a row with a cancel request (:func:`sqla_jobs.statements.cancel_attempts`).
 """
 
 from __future__ import annotations
@@ -64,24 +65,59 @@ class Heartbeat:
         self.finished = finished
         self.on_database_error = on_database_error
         self.on_database_ok = on_database_ok
-        # Set to beat now rather than at the next period: a cancel notification, or the
-        # worker finishing (then the loop ends).
-        self.woken = threading.Event()
+
+        # Attempts named by cancel notifications, not read yet (under _hint_lock).
+        self._hinted: set[tuple[int, int]] = set()
+        self._hint_lock = threading.Lock()
+        self._wake = threading.Event()  # a hint, or the end (wake())
+
+    def hint(self, key: tuple[int, int]) -> None:
+        """A notification says attempt ``key``'s cancel was requested: read its row now (on
+        this thread, not the caller's). Cheap for an attempt this worker does not hold."""
+        with self._hint_lock:
+            self._hinted.add(key)
+        self._wake.set()
 
     def wake(self) -> None:
-        """Beat now (a cancel notification arrived: the beat reads whether it is real)."""
-        self.woken.set()
+        """Wake the loop (to see that ``finished`` is set)."""
+        self._wake.set()
 
     def loop(self) -> None:
         try:
-            while True:
-                self.woken.wait(self.every)
-                self.woken.clear()
-                if self.finished.is_set():
-                    return
-                self.beat()
+            next_beat = time.monotonic() + self.every
+            while not self.finished.is_set():
+                if self._wake.wait(max(0.0, next_beat - time.monotonic())):
+                    self._wake.clear()
+                    if self.finished.is_set():
+                        break
+                    self.confirm_cancels()
+                if time.monotonic() >= next_beat:
+                    self.beat()
+                    next_beat = time.monotonic() + self.every
         finally:
             self.link.close()
+
+    def confirm_cancels(self) -> None:
+        """Read the rows of the hinted attempts this worker holds and runs; stop those whose
+        cancel was requested (see the module docstring)."""
+        with self._hint_lock:
+            hinted, self._hinted = self._hinted, set()
+        running = [
+            a.job
+            for a in self.state.snapshot()
+            if a.key in hinted and a.outcome is None and not a.cancel_requested and not a.lost
+        ]
+        if not running:
+            return
+        try:
+            cancels = self.link.transaction(lambda c: cancel_requests(as_session(c), running))
+        except Exception as exc:
+            # The next beat reads every running attempt's row anyway.
+            self.on_database_error("heartbeat", exc)
+            return
+        self.on_database_ok()
+        for job in cancels:
+            self.on_cancel_requested((job.id, job.attempt))
 
     def beat(self) -> None:
         held = [a for a in self.state.snapshot() if not a.lost and a.task is not None]

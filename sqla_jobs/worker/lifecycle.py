@@ -100,12 +100,15 @@ class Worker:
     seconds as their ``lock_timeout``; after a server restart each is replaced at its first
     failure without an error logged.
 
-    Run it in the foreground with :meth:`run` (the ``sqla-jobs worker`` command does, with
-    ``handle_signals=True``: SIGTERM/SIGINT stop it), or inside an application: in a
-    background thread with :meth:`start` / :meth:`stop` or ``with worker:``, or on the
+    Run it in the foreground with :meth:`run` (the ``sqla-jobs worker`` command does):
+    SIGTERM and SIGINT stop it gracefully, a second one at once. Or inside an application:
+    in a background thread with :meth:`start` / :meth:`stop` or ``with worker:``, or on the
     application's event loop with ``async with worker:`` (coroutine handlers then run on
-    that loop; FastAPI's lifespan, for example). Signal handlers are installed only when
-    ``handle_signals`` is true and :meth:`run` is called from the main thread.
+    that loop; FastAPI's lifespan, for example), which install no signal handler: the
+    application owns its signals. ``handle_signals`` (default None: :meth:`run` yes, the
+    embedding APIs no) says whether :meth:`run` installs them; Python lets only the main
+    thread install them, so a :meth:`run` off the main thread that would logs once that it
+    does not (``signals_not_handled``).
 
     ``session_factory`` (e.g. the application's ``sessionmaker``) makes the sessions of
     lock-mode handlers, configured like the rest of the application (default: a plain
@@ -172,7 +175,7 @@ class Worker:
         name: str | None = None,
         stuck_after: float | None = None,
         health_file: str | os.PathLike[str] | None = None,
-        handle_signals: bool = False,
+        handle_signals: bool | None = None,
         lock_timeout: float = 5.0,
         session_factory: Callable[[], Session] | None = None,
         async_session_factory: Callable[[], AsyncSession] | None = None,
@@ -260,7 +263,6 @@ class Worker:
         self._state = State(concurrency)
         self._stopping = threading.Event()  # no more claims
         self._finished = threading.Event()  # the writer and the heartbeat end
-        self._heartbeat: Heartbeat | None = None
         self._stop_requested = False
         self._stop_signal: int | None = None
         self._signals = 0
@@ -281,23 +283,29 @@ class Worker:
         self._fetcher: Fetcher | None = None
         self._roles: dict[str, Role] = {}
         self._notifier: Notifier | None = None
+        self._heartbeat: Heartbeat | None = None
 
     # -- public -------------------------------------------------------------------------
 
     def run(self) -> int:
         """Run until stopped; return the exit status (0 after a graceful stop).
 
+        The call that owns the process: SIGTERM and SIGINT stop it gracefully (unless
+        ``handle_signals=False``; see the class docstring), a second one at once.
         Raises :class:`~sqla_jobs.errors.ConfigurationError` at once when the database
         refuses the worker for good (no such database, role or table, a wrong password);
         a server that is down or restarting is waited for.
         """
+        return self._run(embedded=False)
+
+    def _run(self, *, embedded: bool) -> int:
         if self._running:
             raise ConfigurationError("this worker is already running")
         self._running = True
         try:
             self._preflight()
             self._start_metrics()
-            previous = self._install_signal_handlers()
+            previous = self._install_signal_handlers(embedded)
             try:
                 self._start()
                 self._started.set()
@@ -351,7 +359,7 @@ class Worker:
 
         def main() -> None:
             try:
-                self._exit.append(self.run())
+                self._exit.append(self._run(embedded=True))
             except BaseException as exc:
                 self._exit.append(exc)
 
@@ -528,7 +536,7 @@ class Worker:
         )
         leases = [t.lease.total_seconds() for t in self.registry.tasks_in(self.queues)]
         beat_failed, beat_ok = self._database.role("heartbeat")
-        self._heartbeat = Heartbeat(
+        heartbeat = Heartbeat(
             state,
             self._link(),
             every=max(0.05, min(leases or [self.registry.default_lease.total_seconds()]) / 3),
@@ -537,10 +545,11 @@ class Worker:
             on_database_ok=beat_ok,
             on_cancel_requested=self._runner.request_cancel,
         )
+        self._heartbeat = heartbeat
         self._roles = {
             "fetch": Role("fetch", self._prefix, self._fetcher.loop),
             "outcomes": Role("outcomes", self._prefix, writer.loop),
-            "heartbeat": Role("heartbeat", self._prefix, self._heartbeat.loop),
+            "heartbeat": Role("heartbeat", self._prefix, heartbeat.loop),
             "vacuum": Role("vacuum", self._prefix, self._vacuum_loop),
         }
         if self.scheduler:
@@ -655,16 +664,12 @@ class Worker:
         if payload in self.queues:
             self._state.wake()
         elif payload.startswith(statements.CANCEL_PAYLOAD_PREFIX):  # cancel() of a running job
-            # A hint only: anyone may NOTIFY, and the channel is shared by the tables of that
-            # name in every schema. The heartbeat reads the row, which decides.
+            # Only a hint: the heartbeat reads the job's row and stops the handler only if
+            # its cancel was requested there (any role may NOTIFY, from any schema).
             job_id, _, attempt = payload[len(statements.CANCEL_PAYLOAD_PREFIX) :].partition(":")
-            if (
-                job_id.isdigit()
-                and attempt.isdigit()
-                and self._heartbeat is not None
-                and self._state.runs((int(job_id), int(attempt)))
-            ):
-                self._heartbeat.wake()
+            heartbeat = self._heartbeat
+            if _decimal(job_id) and _decimal(attempt) and heartbeat is not None:
+                heartbeat.hint((int(job_id), int(attempt)))
 
     # -- supervise --------------------------------------------------------------------------
 
@@ -718,9 +723,20 @@ class Worker:
 
     # -- signals ------------------------------------------------------------------------------
 
-    def _install_signal_handlers(self) -> dict[int, Any]:
+    def _install_signal_handlers(self, embedded: bool) -> dict[int, Any]:
+        """SIGTERM and SIGINT stop the worker: by default for :meth:`run` (it owns the
+        process), not for the embedding APIs (the application owns its signals)."""
         previous: dict[int, Any] = {}
-        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+        wanted = self.handle_signals if self.handle_signals is not None else not embedded
+        if not wanted:
+            return previous
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning(
+                "the worker runs off the main thread (%s), where Python cannot install "
+                "signal handlers: SIGTERM and SIGINT do not stop it; call worker.stop()",
+                threading.current_thread().name,
+                extra={"action": "signals_not_handled"},
+            )
             return previous
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, self._on_signal)
@@ -777,7 +793,7 @@ class Worker:
             time.sleep(0.02)
         self._finished.set()
         if self._heartbeat is not None:
-            self._heartbeat.wake()  # its loop ends at once instead of at its next beat
+            self._heartbeat.wake()
         for name in ("outcomes", "heartbeat", "vacuum", "schedule", "history"):
             if name in self._roles:
                 self._roles[name].join(_DRAIN_TIMEOUT)
@@ -825,3 +841,8 @@ class Worker:
                 describe(exc),
                 extra={"action": "database_error", "operation": "shutdown"},
             )
+
+
+def _decimal(text: str) -> bool:
+    # ASCII only: "²".isdigit() is true, but int("²") raises (on the notifier's thread).
+    return text.isascii() and text.isdigit()

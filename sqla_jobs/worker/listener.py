@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import Engine, Table
 
@@ -26,14 +26,22 @@ __all__ = ["Notifier"]
 
 logger = logging.getLogger(__name__)
 
+#: A lost connection is connected again at once, unless the last reconnect was at once
+#: too and its connection failed within this many seconds: then it waits a backoff step.
+STEADY: Final = 1.0
+
 
 class Notifier:
     """A thread that LISTENs on a job table's channel, on a connection of its own.
 
     ``on_notify(payload)`` runs for each notification and ``on_connect()`` after each
     successful (re)connection; both run on the notifier's thread and must be quick. A lost
-    connection is logged and retried with exponential backoff; a half-open one is found by a
-    ``SELECT 1`` every ``check_interval`` seconds.
+    connection is logged and connected again at once (a backend ended, a server
+    restarted: the first claim after it comes within one connect, not one backoff step;
+    ``on_connect`` wakes the fetch loop); a connect that fails, or a connection made at
+    once that failed again within :data:`STEADY` seconds, is retried with exponential
+    backoff. A half-open
+    connection is found by a ``SELECT 1`` every ``check_interval`` seconds.
     """
 
     def __init__(
@@ -58,6 +66,10 @@ class Notifier:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._connection: Any = None
+        self._lost = False  # a session failed before: the next connect is a reconnect
+        # Whether the last reconnect was at once: the next one is too only after a session
+        # that lasted STEADY seconds (never a reconnect loop at full speed).
+        self._reconnected_at_once = False
 
     def start(self) -> None:
         self._thread.start()
@@ -92,10 +104,16 @@ class Notifier:
     def _run(self) -> None:
         backoff = Backoff(initial=0.2, cap=5.0)
         while not self._stop.is_set():
-            exc = self._session(backoff)
+            exc, connected_at = self._session(backoff)
             self._close()
             if exc is not None and not self._stop.is_set():
-                delay = backoff.next_delay()
+                steady = connected_at is not None and time.monotonic() - connected_at >= STEADY
+                if connected_at is not None and (steady or not self._reconnected_at_once):
+                    # It was up: the server is likely there (a backend ended, a restart).
+                    delay = 0.0
+                    self._reconnected_at_once = True
+                else:
+                    delay = backoff.next_delay()
                 logger.warning(
                     "listener connection failed (%s); reconnecting in %.1fs",
                     describe(exc),
@@ -107,14 +125,19 @@ class Notifier:
                         "delay": round(delay, 3),
                     },
                 )
+                self._lost = True
                 self._stop.wait(delay)
 
-    def _session(self, backoff: Backoff) -> Exception | None:
-        """Connect, LISTEN and deliver notifications until stopped or the connection fails."""
+    def _session(self, backoff: Backoff) -> tuple[Exception | None, float | None]:
+        """Connect, LISTEN and deliver notifications until stopped or the connection fails.
+        Returns the error that ended it, and when it connected (None: it did not)."""
+        connected_at = None
         try:
             self._connection = self._connect()
             self.connected = True
-            recovered = backoff.reset()
+            connected_at = time.monotonic()
+            recovered = backoff.reset() or self._lost
+            self._lost = False
             logger.info(
                 "listening on channel %s%s",
                 self.channel,
@@ -124,8 +147,8 @@ class Notifier:
             self.on_connect()
             self._listen(self._connection)
         except Exception as exc:
-            return exc
-        return None
+            return exc, connected_at
+        return None, connected_at
 
     def _listen(self, connection: Any) -> None:
         last_check = time.monotonic()

@@ -194,10 +194,11 @@ class Runner:
         self._stores = registry.result_model is not None or has_history(registry.model)
 
     def request_cancel(self, key: tuple[int, int]) -> None:
-        """The cancel of attempt ``key`` (job id, attempt) was requested (a notification,
-        or the heartbeat's answer): a handler not started is settled as a cancel at once;
-        a running thread handler sees ``ctx.cancelled``; a running coroutine handler is
-        cancelled on its event loop. Nothing for an attempt this worker does not hold."""
+        """The cancel of attempt ``key`` (job id, attempt) was requested (the heartbeat read
+        it in the job's row; a notification alone never gets here): a handler not started
+        is settled as a cancel at once; a running thread handler sees ``ctx.cancelled``; a
+        running coroutine handler is cancelled on its event loop. Nothing for an attempt
+        this worker does not hold."""
         attempt = self.state.request_cancel(key)
         if attempt is None:
             return

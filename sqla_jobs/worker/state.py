@@ -263,12 +263,6 @@ class State:
                 self.changed.notify_all()
             return True
 
-    def runs(self, key: tuple[int, int]) -> bool:
-        """Whether attempt ``key`` is held here, unsettled, with no cancel heard of yet."""
-        with self.lock:
-            attempt = self.held.get(key)
-            return attempt is not None and attempt.outcome is None and not attempt.cancel_requested
-
     def request_cancel(self, key: tuple[int, int]) -> Attempt | None:
         """The job's cancel was requested: mark the attempt so that its handler can see it
         and its outcome is a cancel; settle it as a cancel at once if its handler has not
