@@ -37,6 +37,7 @@ from sqla_jobs import (
 from sqla_jobs import migrations as jobs
 from sqla_jobs.ddl import executable
 from sqla_jobs.history import (
+    MaintenanceReport,
     create_partitions,
     drop_partitions,
     history_names,
@@ -573,3 +574,64 @@ def test_the_commands_make_list_and_prune_partitions(
     assert status == 1
     assert "days_ahead" in err
     assert len(err.splitlines()) == 1
+
+
+# -- partitions made under load (issue 29, finding 5) ---------------------------------------
+
+
+def test_partitions_are_made_under_a_load_of_completions_and_none_is_refused(
+    queue_engine: sa.Engine,
+) -> None:
+    today = db_today(queue_engine)
+    # Today's jobs finished before its partition existed: in DEFAULT (the crowded path).
+    early = [enqueue(queue_engine) for _ in range(30)]
+    for job in claim(queue_engine, limit=30):
+        with Session(queue_engine) as session, session.begin():
+            sqla_jobs.complete(session, job)
+    with Session(queue_engine) as session, session.begin():
+        session.add_all([ArchiveJob(task="t") for _ in range(600)])
+    errors: list[BaseException] = []
+    completed: list[int] = []
+    lock = threading.Lock()
+
+    def complete_all() -> None:
+        try:
+            while jobs := claim(queue_engine, limit=3):
+                for job in jobs:
+                    with Session(queue_engine) as session, session.begin():
+                        sqla_jobs.complete(session, job)
+                    with lock:
+                        completed.append(job.id)
+        except BaseException as exc:  # any refused completion fails the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=complete_all) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(completed) >= 60, timeout=30, message="completions are landing")
+    reports: list[MaintenanceReport] = []
+    # Completions keep landing in DEFAULT meanwhile; a run may skip today (its locks not
+    # had in time): the next one makes it. The days ahead are made by the first run.
+    while len(completed) < 600 and not any(NAMES.partition(today) in r.created for r in reports):
+        reports.append(create_partitions(queue_engine, ArchiveJob, days_ahead=2, lock_timeout=1))
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert {NAMES.partition(today + timedelta(days=d)) for d in (1, 2)} <= set(reports[0].created)
+    if not any(NAMES.partition(today) in r.created for r in reports):  # the load ended first
+        reports.append(create_partitions(queue_engine, ArchiveJob, days_ahead=2))
+    assert NAMES.partition(today) in {p for r in reports for p in r.created}
+    with queue_engine.connect() as connection:
+        rows = connection.execute(
+            sa.text(
+                "SELECT id, attempts, tableoid::regclass::text AS part FROM archive_jobs_history"
+            )
+        ).all()
+        hot = connection.scalar(sa.text("SELECT count(*) FROM archive_jobs"))
+    # Every job finished once, in the history, in today's partition: none ran twice, none
+    # was refused, nothing of today is left in DEFAULT.
+    assert hot == 0
+    assert sorted(row.id for row in rows) == sorted(early + completed)
+    assert len(rows) == 630
+    assert {row.attempts for row in rows} == {1}
+    assert {row.part for row in rows} == {NAMES.partition(today)}

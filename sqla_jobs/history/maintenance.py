@@ -33,12 +33,13 @@ from datetime import date, datetime, timedelta, timezone
 from typing import Any, Final, TypeVar
 
 from sqlalchemy import Connection, Engine, Table
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
 from sqla_jobs import validation
 from sqla_jobs.ddl import executable, qualified_name
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
+from sqla_jobs.events import describe
 from sqla_jobs.history import statements
 from sqla_jobs.history.schema import (
     RESULT_COLUMN,
@@ -49,6 +50,7 @@ from sqla_jobs.history.schema import (
     drop_partition,
     has_history,
     history_names,
+    hold_inserts,
     partition_day,
 )
 from sqla_jobs.schema import JobMixin, JobResultMixin
@@ -211,7 +213,14 @@ def create_partitions(
     """Create the missing day partitions from today (the database's clock, UTC) to
     ``days_ahead`` days ahead; one transaction each. Rows of a day that finished before its
     partition existed (in the ``DEFAULT`` partition) move into it as it is made
-    (``moved_from_default``)."""
+    (``moved_from_default``).
+
+    Each day is made on its own: the days ahead first (they hold no rows yet: cheap, and
+    never held up by today's), and a day that cannot be made now (its locks not had within
+    ``lock_timeout``, an error) is logged and left for the next run (``skipped``), never in
+    the way of the others. While a partition is made, inserts into the history wait
+    (:func:`~sqla_jobs.history.schema.hold_inserts`): a completion then is late, never
+    refused."""
     table = _history_model(model)
     days = _check_days("days_ahead", days_ahead)
     timeout = _check_timeout(lock_timeout)
@@ -220,7 +229,7 @@ def create_partitions(
     today = _today(engine)
     with engine.connect() as connection:
         existing = {p.name for p in _partitions(connection, table)}
-    for offset in range(days + 1):
+    for offset in [*range(1, days + 1), 0]:
         day = today + timedelta(days=offset)
         name = n.partition(day)
         if name in existing:
@@ -228,6 +237,8 @@ def create_partitions(
 
         def make(connection: Connection, day: date = day, name: str = name) -> int:
             bounds = dict(zip(("start", "end"), day_bounds(day), strict=True))
+            # First, so that no row of the day can reach DEFAULT after the look below.
+            connection.execute(executable(hold_inserts(table.name, table.schema)))
             crowded = statements.default_rows_between(table)
             if not connection.execute(crowded, bounds).scalar_one():
                 connection.execute(executable(create_partition(table.name, day, table.schema)))
@@ -242,12 +253,22 @@ def create_partitions(
             connection.execute(executable(attach_partition(table.name, day, schema)))
             return count
 
-        done, moved = _locked(engine, table, timeout, make)
+        try:
+            done, moved = _locked(engine, table, timeout, make)
+        except DBAPIError as exc:
+            logger.warning(
+                "history partition %s not made: %s; the next run tries again",
+                name,
+                describe(exc),
+                extra={"action": "history_partition_failed", "partition": name},
+            )
+            done, moved = False, None
         if not done:
             report.skipped.append(f"create {name}")
         else:
             report.created.append(name)
             report.moved_from_default += moved or 0
+    report.created.sort()  # by day (their names end in it), whatever the order made
     if report.created:
         logger.info(
             "created history partitions %s",

@@ -206,6 +206,18 @@ def create_detached_partition(job_table: str, day: date, schema: str | None = No
     )
 
 
+def hold_inserts(job_table: str, schema: str | None = None) -> str:
+    """``LOCK TABLE <history> IN SHARE ROW EXCLUSIVE MODE``: until the transaction ends, no
+    row can be inserted into the history (an insert waits), while reads go on. A partition
+    made beside a ``DEFAULT`` one needs it: an insert routes its row to a partition before
+    it locks that partition, so a row of the new partition's day routed to ``DEFAULT`` just
+    before the partition is made would fail its ``DEFAULT`` constraint (a completion
+    refused), or make the partition's ``ATTACH`` fail. Taken on the history table itself,
+    which every insert locks before it routes."""
+    n = history_names(job_table, schema)
+    return f"LOCK TABLE {qualified_name(n.table, schema)} IN SHARE ROW EXCLUSIVE MODE"
+
+
 def attach_partition(job_table: str, day: date, schema: str | None = None) -> str:
     """``ALTER TABLE <history> ATTACH PARTITION <partition of day> FOR VALUES ...``.
     Takes a ``SHARE UPDATE EXCLUSIVE`` lock on the history table and an ``ACCESS
