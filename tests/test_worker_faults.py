@@ -489,3 +489,27 @@ def test_a_lock_mode_write_refused_at_flush_fails_the_job(db: JobDatabase) -> No
     assert job.last_error is not None
     assert "IntegrityError" in job.last_error
     assert db.effects(job_id) == []
+
+
+@pytest.mark.embedded_only
+def test_the_first_claim_after_an_outage_comes_within_one_connect(
+    db: JobDatabase, embedded_server: EmbeddedPostgres, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 29, 15: during an outage the listener's tries grew to a backoff step (5 s), and
+    # the first claim after PostgreSQL was back waited for it. With a backoff and a poll far
+    # longer than the deadline, only a try every PROBE_EVERY seconds meets it.
+    backoff = 30.0
+    monkeypatch.setattr(
+        listener, "Backoff", lambda **_: Backoff(initial=backoff, cap=backoff, jitter=0.0)
+    )
+    with running(db, poll_interval=60.0) as worker:
+        wait_until(lambda: worker.health().listening, timeout=10, message="listening")
+        embedded_server.kill()  # down (its data kept); start() recovers it
+        wait_until(lambda: not worker.health().listening, timeout=10, message="down")
+        embedded_server.start()
+        job_id = db.enqueue("sleepy")
+        wait_until(
+            lambda: db.status(job_id) == "succeeded",
+            timeout=backoff / 3,
+            message="the job is claimed and runs",
+        )

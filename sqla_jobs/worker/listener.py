@@ -29,6 +29,47 @@ logger = logging.getLogger(__name__)
 #: A lost connection is connected again at once, unless the last reconnect was at once
 #: too and its connection failed within this many seconds: then it waits a backoff step.
 STEADY: Final = 1.0
+#: While the server is down (it refuses connections, or says it is starting or shutting
+#: down), a connect is tried this often (seconds), not on the growing backoff: such a try
+#: costs the server nothing, and the first one after it is back reconnects the listener,
+#: which wakes the fetch loop. Other failures (a wrong password, too many connections) wait
+#: the backoff, so a fleet of workers does not press on a server that is up but refusing.
+PROBE_EVERY: Final = 0.25
+#: During an outage, the listener logs its first failure, then at most one line this often
+#: (seconds).
+LOG_EVERY: Final = 30.0
+#: cannot_connect_now: the server is starting up, shutting down or in recovery.
+_CANNOT_CONNECT_NOW: Final = "57P03"
+
+
+#: What a connect's error says when the server is not there: no one listens at its address
+#: (TCP, or its Unix socket), a pooled connection of before the outage is dead, or the
+#: server is shutting down or starting up.
+_DOWN_MESSAGES: Final = (
+    "Connection refused",
+    "No such file or directory",
+    "server closed the connection",
+    "terminating connection",
+    # The server's own words for 57P03, which a failed connect carries without its code.
+    "the database system is shutting down",
+    "the database system is starting up",
+    "the database system is in recovery mode",
+    "the database system is not yet accepting connections",
+)
+
+
+def _server_down(exc: Exception) -> bool:
+    """Whether ``exc`` says the server is not there yet: no one listens at its address, it is
+    starting up, shutting down or in recovery, or the connection was one of before."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if getattr(cause, "sqlstate", None) == _CANNOT_CONNECT_NOW:
+            return True
+        text = str(cause)
+        if any(message in text for message in _DOWN_MESSAGES):
+            return True
+        cause = cause.__cause__ or getattr(cause, "orig", None)
+    return False
 
 
 class Notifier:
@@ -38,10 +79,12 @@ class Notifier:
     successful (re)connection; both run on the notifier's thread and must be quick. A lost
     connection is logged and connected again at once (a backend ended, a server
     restarted: the first claim after it comes within one connect, not one backoff step;
-    ``on_connect`` wakes the fetch loop); a connect that fails, or a connection made at
+    ``on_connect`` wakes the fetch loop). While the server is down (refused, starting up),
+    a connect is tried every :data:`PROBE_EVERY` seconds, so the first claim after it is
+    back comes within one connect too; any other failed connect, or a connection made at
     once that failed again within :data:`STEADY` seconds, is retried with exponential
-    backoff. A half-open
-    connection is found by a ``SELECT 1`` every ``check_interval`` seconds.
+    backoff. A half-open connection is found by a ``SELECT 1`` every ``check_interval``
+    seconds.
     """
 
     def __init__(
@@ -70,6 +113,7 @@ class Notifier:
         # Whether the last reconnect was at once: the next one is too only after a session
         # that lasted STEADY seconds (never a reconnect loop at full speed).
         self._reconnected_at_once = False
+        self._logged_at = -LOG_EVERY  # when a failure was last logged
 
     def start(self) -> None:
         self._thread.start()
@@ -112,19 +156,27 @@ class Notifier:
                     # It was up: the server is likely there (a backend ended, a restart).
                     delay = 0.0
                     self._reconnected_at_once = True
+                elif connected_at is None and _server_down(exc):
+                    delay = PROBE_EVERY  # the first try after it is back reconnects
                 else:
                     delay = backoff.next_delay()
-                logger.warning(
-                    "listener connection failed (%s); reconnecting in %.1fs",
-                    describe(exc),
-                    delay,
-                    extra={
-                        "action": "listener_error",
-                        "channel": self.channel,
-                        "error": describe(exc),
-                        "delay": round(delay, 3),
-                    },
+                now = time.monotonic()
+                logger.debug(
+                    "listener connect failed (%s); next try in %.2fs", describe(exc), delay
                 )
+                if connected_at is not None or now - self._logged_at >= LOG_EVERY:
+                    self._logged_at = now
+                    logger.warning(
+                        "listener connection failed (%s); reconnecting in %.1fs",
+                        describe(exc),
+                        delay,
+                        extra={
+                            "action": "listener_error",
+                            "channel": self.channel,
+                            "error": describe(exc),
+                            "delay": round(delay, 3),
+                        },
+                    )
                 self._lost = True
                 self._stop.wait(delay)
 
