@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
 import pytest
 import sqlalchemy as sa
@@ -455,11 +455,8 @@ def test_the_first_claim_after_lost_connections_comes_within_one_connect(
     # an idle fetch loop waits for the listener (or its poll). With a backoff and a poll far
     # longer than the deadline, the job enqueued right after every backend of the worker is
     # ended must be claimed within one reconnect.
-    backoff = 30.0
-    monkeypatch.setattr(
-        listener, "Backoff", lambda **_: Backoff(initial=backoff, cap=backoff, jitter=0.0)
-    )
-    with running(db, poll_interval=60.0) as worker:
+    _slow_listener_backoff(monkeypatch)
+    with running(db, poll_interval=2 * _SLOW) as worker:
         wait_until(lambda: worker.health().listening, timeout=10, message="listening")
         with db.engine.connect() as connection:
             ended = connection.execute(
@@ -470,12 +467,26 @@ def test_the_first_claim_after_lost_connections_comes_within_one_connect(
                 )
             ).scalar_one()
         assert ended >= 2  # the listener's and the fetch loop's, at least
-        job_id = db.enqueue("sleepy")
-        wait_until(
-            lambda: db.status(job_id) == "succeeded",
-            timeout=backoff / 3,
-            message="the job is claimed and runs",
-        )
+        _claimed_within_one_connect(db)
+
+
+#: The listener's backoff and the poll in the reconnect tests: far longer than their deadline.
+_SLOW: Final = 30.0
+
+
+def _slow_listener_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        listener, "Backoff", lambda **_: Backoff(initial=_SLOW, cap=_SLOW, jitter=0.0)
+    )
+
+
+def _claimed_within_one_connect(db: JobDatabase) -> None:
+    job_id = db.enqueue("sleepy")
+    wait_until(
+        lambda: db.status(job_id) == "succeeded",
+        timeout=_SLOW / 3,
+        message="the job is claimed and runs",
+    )
 
 
 def test_a_lock_mode_write_refused_at_flush_fails_the_job(db: JobDatabase) -> None:
@@ -498,18 +509,10 @@ def test_the_first_claim_after_an_outage_comes_within_one_connect(
     # Issue 29, 15: during an outage the listener's tries grew to a backoff step (5 s), and
     # the first claim after PostgreSQL was back waited for it. With a backoff and a poll far
     # longer than the deadline, only a try every PROBE_EVERY seconds meets it.
-    backoff = 30.0
-    monkeypatch.setattr(
-        listener, "Backoff", lambda **_: Backoff(initial=backoff, cap=backoff, jitter=0.0)
-    )
-    with running(db, poll_interval=60.0) as worker:
+    _slow_listener_backoff(monkeypatch)
+    with running(db, poll_interval=2 * _SLOW) as worker:
         wait_until(lambda: worker.health().listening, timeout=10, message="listening")
         embedded_server.kill()  # down (its data kept); start() recovers it
         wait_until(lambda: not worker.health().listening, timeout=10, message="down")
         embedded_server.start()
-        job_id = db.enqueue("sleepy")
-        wait_until(
-            lambda: db.status(job_id) == "succeeded",
-            timeout=backoff / 3,
-            message="the job is claimed and runs",
-        )
+        _claimed_within_one_connect(db)

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from sqlalchemy import Connection
 
@@ -42,6 +43,8 @@ from sqla_jobs.worker.runner import job_extra
 from sqla_jobs.worker.state import Attempt, State
 
 __all__ = ["Heartbeat"]
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger("sqla_jobs.worker")
 
@@ -109,13 +112,22 @@ class Heartbeat:
         ]
         if not running:
             return
+        # After a database error, the next beat reads every running attempt's row anyway.
+        cancels = self._transaction(lambda c: cancel_requests(as_session(c), running))
+        self._cancel(cancels or [])
+
+    def _transaction(self, work: Callable[[Connection], _T]) -> _T | None:
+        """``work`` in a transaction on the heartbeat's connection; None after a database
+        error (reported to the role's watch: the next beat tries again)."""
         try:
-            cancels = self.link.transaction(lambda c: cancel_requests(as_session(c), running))
+            result = self.link.transaction(work)
         except Exception as exc:
-            # The next beat reads every running attempt's row anyway.
             self.on_database_error("heartbeat", exc)
-            return
+            return None
         self.on_database_ok()
+        return result
+
+    def _cancel(self, cancels: list[ClaimedJob]) -> None:
         for job in cancels:
             self.on_cancel_requested((job.id, job.attempt))
 
@@ -133,14 +145,11 @@ class Heartbeat:
             session = as_session(connection)
             return heartbeat(session, jobs, lease=leases), cancel_requests(session, running)
 
-        try:
-            refused, cancels = self.link.transaction(extend)
-        except Exception as exc:
-            self.on_database_error("heartbeat", exc)
+        read = self._transaction(extend)
+        if read is None:
             return
-        self.on_database_ok()
-        for job in cancels:
-            self.on_cancel_requested((job.id, job.attempt))
+        refused, cancels = read
+        self._cancel(cancels)
         refused_keys = {(job.id, job.attempt) for job in refused}
         for attempt in held:
             if attempt.key not in refused_keys:
