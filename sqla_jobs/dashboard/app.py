@@ -9,17 +9,12 @@ Pages (every one plain HTML, no JavaScript):
 ``POST /jobs/{id}/retry`` ``.../cancel``, ``.../delete``: the admin actions
 ``GET|POST /login``       the access token form (only with a token)
 
-Every POST carries a CSRF token bound to the server and to the browser's session: the form
-field must be the server's HMAC of the ``SameSite=Strict`` CSRF cookie's random value (and,
-with a token, of the login session), so a cookie planted by a sibling site or another
-service of the host is useless without the server's key. With ``read_only=True`` the
-actions are not shown and every POST but the login is refused (403). With a ``token``, every
-page needs it: an ``Authorization: Bearer`` header or the cookie that the login form sets
-(missing: 401, with the form; wrong or expired: 403). The login cookie is signed, holds no
-token, expires after :data:`LOGIN_LIFETIME` and is re-issued once half of it has passed;
-both cookies are ``HttpOnly`` and ``Secure`` when the request came over HTTPS. Bad input
-(an unknown job id, a filter that is not a queue name, a cursor that is not an id) gets an
-error page and changes nothing.
+Every POST carries a CSRF token (double submit: a ``SameSite=Strict`` cookie and a form
+field that must be equal). With ``read_only=True`` the actions are not shown and every POST
+but the login is refused (403). With a ``token``, every page needs it: an
+``Authorization: Bearer`` header or the cookie that the login form sets (missing: 401, with
+the form; wrong: 403). Bad input (an unknown job id, a filter that is not a queue name, a
+cursor that is not an id) gets an error page and changes nothing.
 
 The database work runs in Starlette's thread pool on the sync engine, each request in one
 short transaction of its own.
@@ -31,7 +26,6 @@ import hashlib
 import hmac
 import json
 import secrets
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -79,8 +73,6 @@ DEFAULT_SCAN: Final = 20_000
 MIN_TOKEN_LENGTH: Final = 16
 CSRF_COOKIE: Final = "sqla_jobs_csrf"
 AUTH_COOKIE: Final = "sqla_jobs_auth"
-#: How long a login lasts (seconds); its cookie is re-issued once half of it has passed.
-LOGIN_LIFETIME: Final = 12 * 3600
 _TEMPLATES: Final = Path(__file__).resolve().parent / "templates"
 _DONE: Final = {
     "retried": "pending again",
@@ -289,15 +281,13 @@ class _Dashboard:
         # What the overview counts: the statuses queue_stats reads from its partial indexes
         # (succeeded and cancelled jobs are history; the throughput columns show them).
         self.counted = [s.value for s in (JobStatus.PENDING, JobStatus.RUNNING, JobStatus.DEAD)]
-        # The server's key, which signs the login cookie and the CSRF tokens: derived from
-        # the token (the same in every replica and across restarts), else random per process
-        # (a restart or another replica asks for a reload of the form).
-        self.key = (
-            secrets.token_bytes(32)
+        # The login cookie holds a digest of the token, never the token.
+        self.auth_digest = (
+            None
             if settings.token is None
             else hmac.new(
-                settings.token.encode(), b"sqla_jobs dashboard key", hashlib.sha256
-            ).digest()
+                settings.token.encode(), b"sqla_jobs dashboard", hashlib.sha256
+            ).hexdigest()
         )
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -314,47 +304,16 @@ class _Dashboard:
             table=self.s.table.fullname,
             read_only=self.s.read_only,
             statuses=self.statuses,
-            csrf=self.form_token(csrf, self._login_of(request)),
+            csrf=csrf,
             url=url,
             **context,
         )
         response = HTMLResponse(body, status_code=status, headers=_HEADERS)
         if request.cookies.get(CSRF_COOKIE) != csrf:
-            _set_cookie(response, request, CSRF_COOKIE, csrf)
+            response.set_cookie(
+                CSRF_COOKIE, csrf, httponly=True, samesite="strict", path=_cookie_path(request)
+            )
         return response
-
-    # -- signing ----------------------------------------------------------------------------
-
-    def _sign(self, *parts: str) -> str:
-        return hmac.new(self.key, "|".join(parts).encode(), hashlib.sha256).hexdigest()
-
-    def form_token(self, csrf: str, login: str) -> str:
-        """The form's CSRF token for the CSRF cookie's value ``csrf`` and the login session
-        ``login`` (its id, or "" without one): the server's HMAC of both."""
-        return self._sign("csrf", csrf, login)
-
-    def login_cookie(self, login: str, issued: int) -> str:
-        """The login cookie's value: ``issued.login.signature`` (no token in it)."""
-        return f"{issued}.{login}.{self._sign('login', str(issued), login)}"
-
-    def _login(self, request: Request) -> tuple[str, int] | None:
-        """The login session (id, issue time) of a valid, unexpired login cookie, or None."""
-        issued_text, _, rest = request.cookies.get(AUTH_COOKIE, "").partition(".")
-        login, _, signature = rest.partition(".")
-        if not (issued_text.isdigit() and login and signature):
-            return None
-        if not hmac.compare_digest(
-            signature.encode(), self._sign("login", issued_text, login).encode()
-        ):
-            return None
-        issued = int(issued_text)
-        if not issued - 60 <= time.time() <= issued + LOGIN_LIFETIME:
-            return None
-        return login, issued
-
-    def _login_of(self, request: Request) -> str:
-        session = self._login(request)
-        return "" if session is None else session[0]
 
     def error(self, request: Request, status: int, message: str) -> HTMLResponse:
         return self.render(
@@ -367,7 +326,7 @@ class _Dashboard:
         return self.error(request, exc.status_code, message)
 
     def _authorized(self, request: Request) -> PageError | None:
-        if self.s.token is None:
+        if self.s.token is None or self.auth_digest is None:
             return None
         header = request.headers.get("authorization")
         if header is not None:
@@ -377,11 +336,12 @@ class _Dashboard:
             ):
                 return None
             return PageError(403, "wrong access token")
-        if request.cookies.get(AUTH_COOKIE) is None:
+        cookie = request.cookies.get(AUTH_COOKIE)
+        if cookie is None:
             return PageError(401, "this dashboard needs its access token")
-        if self._login(request) is not None:
+        if hmac.compare_digest(cookie.encode(), self.auth_digest.encode()):
             return None
-        return PageError(403, "wrong or expired login (log in again)")
+        return PageError(403, "wrong access token (log in again)")
 
     def page(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
@@ -390,18 +350,12 @@ class _Dashboard:
             if denied is not None:
                 return self.login_page(request, csrf, denied.status, denied.message)
             try:
-                response = await handler(request, csrf)
+                return await handler(request, csrf)
             except PageError as exc:
                 return self.error(request, exc.status, exc.message)
             except SQLAlchemyError as exc:
                 message = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
                 return self.error(request, 503, f"database error: {message}")
-            session = self._login(request)
-            if session is not None and time.time() - session[1] > LOGIN_LIFETIME / 2:
-                # Rotated: a new cookie, the same login session (forms stay valid).
-                value = self.login_cookie(session[0], int(time.time()))
-                _set_cookie(response, request, AUTH_COOKIE, value, max_age=LOGIN_LIFETIME)
-            return response
 
         return endpoint
 
@@ -422,7 +376,7 @@ class _Dashboard:
 
     async def login(self, request: Request) -> Response:
         csrf = _csrf(request)
-        if self.s.token is None:
+        if self.s.token is None or self.auth_digest is None:
             return self.error(request, 404, "this dashboard has no access token to log in with")
         if request.method == "GET":
             return self.login_page(request, csrf, 401, "this dashboard needs its access token")
@@ -437,8 +391,9 @@ class _Dashboard:
                 request, "login.html", csrf, status=403, message="wrong access token", next=target
             )
         response = RedirectResponse(target, status_code=303, headers=_HEADERS)
-        login = self.login_cookie(secrets.token_urlsafe(16), int(time.time()))
-        _set_cookie(response, request, AUTH_COOKIE, login, max_age=LOGIN_LIFETIME)
+        response.set_cookie(
+            AUTH_COOKIE, self.auth_digest, httponly=True, samesite="strict", path=root
+        )
         return response
 
     # -- pages ------------------------------------------------------------------------------
@@ -563,8 +518,7 @@ class _Dashboard:
         form = await request.form()
         sent = str(form.get("csrf", ""))
         cookie = request.cookies.get(CSRF_COOKIE, "")
-        expected = self.form_token(cookie, self._login_of(request))
-        if not (cookie and sent and hmac.compare_digest(sent.encode(), expected.encode())):
+        if not (cookie and sent and hmac.compare_digest(sent.encode(), cookie.encode())):
             raise PageError(403, "the form's CSRF token did not match: nothing was changed")
         operation, done = _ACTIONS[action]
 
@@ -606,23 +560,6 @@ def _csrf(request: Request) -> str:
     if len(cookie) == 43 and cookie.replace("-", "").replace("_", "").isalnum():
         return cookie
     return secrets.token_urlsafe(32)
-
-
-def _set_cookie(
-    response: Response, request: Request, name: str, value: str, *, max_age: int | None = None
-) -> None:
-    # Secure over HTTPS. Behind a TLS-terminating proxy the scheme is the proxy's when the
-    # server trusts its X-Forwarded-Proto: `sqla-jobs dashboard` (uvicorn) trusts it from
-    # 127.0.0.1, and from the addresses in FORWARDED_ALLOW_IPS.
-    response.set_cookie(
-        name,
-        value,
-        max_age=max_age,
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-        path=_cookie_path(request),
-    )
 
 
 def _cookie_path(request: Request) -> str:
