@@ -693,6 +693,15 @@ def test_the_command_serves_the_dashboard(
                 time.sleep(0.1)
         assert "R-77" in page
         assert 'id="read-only"' in page
+        # A TLS proxy on this machine says the request came over HTTPS: uvicorn believes it
+        # (FORWARDED_ALLOW_IPS: 127.0.0.1 by default), so the cookie is Secure.
+        for proto, secure in (("https", True), ("http", False)):
+            forwarded = urllib.request.Request(
+                f"http://127.0.0.1:{port}/", headers={"X-Forwarded-Proto": proto}
+            )
+            with urllib.request.urlopen(forwarded) as r:
+                (nonce,) = [c for c in r.headers.get_all("Set-Cookie") if CSRF_COOKIE in c]
+            assert ("; Secure" in nonce) is secure, nonce
         assert f"sqla-jobs dashboard on http://127.0.0.1:{port}/ (read-only)" in log.read_text()
         # Another name for this machine's address (DNS rebinding) is refused.
         request = urllib.request.Request(
