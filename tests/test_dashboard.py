@@ -6,6 +6,8 @@ are in test_dashboard_browser.py.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import re
 import socket
@@ -15,23 +17,26 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import cast
 
 import pytest
 import sqlalchemy as sa
 from dashboard_data import Seeded, seed, statuses
-from dashboard_pages import csrf_of, ids_on
+from dashboard_pages import Browser, csrf_of, ids_on, set_cookies
 from models import EmailJob, EmailJobResult, ReportJob
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 from test_cli import run_cli
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from worker_harness import subprocess_env
 
 import sqla_jobs
-from sqla_jobs.dashboard import create_app
-from sqla_jobs.dashboard.app import CSRF_COOKIE
+from sqla_jobs.dashboard import access, create_app
+from sqla_jobs.dashboard.access import SESSION_LIFETIME, SESSION_MAX_AGE
+from sqla_jobs.dashboard.app import AUTH_COOKIE, CSRF_COOKIE
 from sqla_jobs.dashboard.sources import ListQuery, TableSource, find_job, read_page
 from sqla_jobs.dashboard.statements import MAX_ID
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, JobNotFoundError, JobStateError
@@ -224,6 +229,269 @@ def test_read_only(queue_engine: sa.Engine, seeded: Seeded) -> None:
     assert statuses(queue_engine) == before
 
 
+# -- CSRF and the login cookie -----------------------------------------------------------
+
+#: A well-formed CSRF nonce that someone else chose, and set as a cookie for the dashboard's
+#: host (another service on the same host, whatever its port; a sibling subdomain).
+FORGED_NONCE = "Forged-by-another-service-on-this-host-0123"
+
+
+def job_rows(engine: sa.Engine) -> dict[int, tuple[str, bool]]:
+    """Each job's status and whether a cancel was requested, from the table."""
+    with engine.connect() as connection:
+        rows = connection.execute(
+            sa.text("SELECT id, status, cancel_requested_at IS NOT NULL FROM email_jobs")
+        )
+        return {job_id: (status, requested) for job_id, status, requested in rows}
+
+
+def actions(seeded: Seeded) -> list[tuple[int, str]]:
+    """One of each action, each on a job whose status allows it."""
+    return [
+        (seeded.dead, "retry"),
+        (seeded.pending, "cancel"),
+        (seeded.running, "cancel"),
+        (seeded.succeeded, "delete"),
+    ]
+
+
+def test_a_csrf_token_someone_else_chose_is_refused(
+    queue_engine: sa.Engine, seeded: Seeded
+) -> None:
+    """Double submit is not enough: whoever can set a cookie for the host sets the nonce
+    cookie and sends the same value in the field; or sends the pair another dashboard process
+    made (another service on this host). Neither changes anything."""
+    assert len(FORGED_NONCE) == 43
+    before = job_rows(queue_engine)
+    app = create_app(queue_engine, EmailJob)
+    with TestClient(app) as client, TestClient(create_app(queue_engine, EmailJob)) as other:
+        browser = Browser(client)
+        legit = browser.csrf(f"/jobs/{seeded.dead}")
+        own_nonce = browser.cookies[CSRF_COOKIE]
+        elsewhere = Browser(other)
+        made_elsewhere = elsewhere.csrf(f"/jobs/{seeded.dead}")
+        for job_id, action in actions(seeded):
+            path = f"/jobs/{job_id}/{action}"
+            forged_pairs = [
+                # The forged cookie alone, and after the dashboard's own: the server reads
+                # the last of duplicate cookies.
+                (f"{CSRF_COOKIE}={FORGED_NONCE}", FORGED_NONCE),
+                (f"{CSRF_COOKIE}={own_nonce}; {CSRF_COOKIE}={FORGED_NONCE}", FORGED_NONCE),
+                # The dashboard's own cookie, repeated in the field (double submit).
+                (f"{CSRF_COOKIE}={own_nonce}", own_nonce),
+                # A pair another dashboard process made, with a key of its own.
+                (f"{CSRF_COOKIE}={elsewhere.cookies[CSRF_COOKIE]}", made_elsewhere),
+                # The right token with another nonce.
+                (f"{CSRF_COOKIE}={FORGED_NONCE}", legit),
+            ]
+            for cookie, field in forged_pairs:
+                refused = browser.post(path, {"csrf": field}, cookie=cookie)
+                assert refused.status_code == 403, (path, cookie)
+                assert "CSRF token did not match" in refused.text
+        assert job_rows(queue_engine) == before
+        # The dashboard's own pair still works.
+        retried = browser.post(f"/jobs/{seeded.dead}/retry", {"csrf": legit})
+        assert retried.status_code == 303
+    assert job_rows(queue_engine)[seeded.dead] == ("pending", False)
+
+
+def login(browser: Browser, token: str = TOKEN) -> None:
+    done = browser.post("/login", {"token": token, "next": "/"})
+    assert done.status_code == 303, done.text
+
+
+def test_a_csrf_token_is_bound_to_the_login(queue_engine: sa.Engine, seeded: Seeded) -> None:
+    """With a token, a form's CSRF token holds only for the login that drew it, and a login
+    cookie that the server did not sign is refused, whatever CSRF pair comes with it."""
+    before = job_rows(queue_engine)
+    with TestClient(create_app(queue_engine, EmailJob, token=TOKEN)) as client:
+        first = Browser(client)
+        login(first)
+        first_csrf = first.csrf(f"/jobs/{seeded.dead}")
+        second = Browser(client)
+        login(second)
+        assert second.cookies[AUTH_COOKIE] != first.cookies[AUTH_COOKIE]
+        second.csrf(f"/jobs/{seeded.dead}")  # its own nonce cookie
+        old_cookie = hmac.new(TOKEN.encode(), b"sqla_jobs dashboard", hashlib.sha256).hexdigest()
+        session, started, issued, _ = second.cookies[AUTH_COOKIE].split(".")[1:]
+        for job_id, action in actions(seeded):
+            path = f"/jobs/{job_id}/{action}"
+            # The first login's form (its nonce too) with the second login's cookie.
+            mixed = (
+                f"{CSRF_COOKIE}={first.cookies[CSRF_COOKIE]}; "
+                f"{AUTH_COOKIE}={second.cookies[AUTH_COOKIE]}"
+            )
+            refused = second.post(path, {"csrf": first_csrf}, cookie=mixed)
+            assert refused.status_code == 403, path
+            assert "CSRF token did not match" in refused.text
+            # Login cookies someone else made: the cookie of 7df56fb (a digest of the token,
+            # the same for ever), a well-formed one with another signature, one with its
+            # times pushed on: each with a double-submit pair.
+            for forged in (
+                old_cookie,
+                f"1.{session}.{started}.{issued}.{'A' * 43}",
+                f"1.{session}.{started}.{int(issued) + 10 * 86400}.{'A' * 43}",
+            ):
+                cookie = f"{AUTH_COOKIE}={forged}; {CSRF_COOKIE}={FORGED_NONCE}"
+                refused = second.post(path, {"csrf": FORGED_NONCE}, cookie=cookie)
+                assert refused.status_code == 403, (path, forged)
+                assert "wrong access token" in refused.text
+        assert job_rows(queue_engine) == before
+        # Each login's own form works.
+        done = first.post(f"/jobs/{seeded.dead}/retry", {"csrf": first_csrf})
+        assert done.status_code == 303
+    assert job_rows(queue_engine)[seeded.dead] == ("pending", False)
+
+
+def test_the_login_cookie_expires_and_rotates(
+    queue_engine: sa.Engine, seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A login lasts session_lifetime (12 hours) after its last use and session_max_age (7
+    days) at most; its cookie is re-issued (a new value, the same session: forms drawn before
+    still post) once a quarter of its lifetime has passed; expired, it is refused 401 and
+    changes nothing."""
+    lifetime, max_age = (int(t.total_seconds()) for t in (SESSION_LIFETIME, SESSION_MAX_AGE))
+    assert (lifetime, max_age) == (12 * 3600, 7 * 86400)
+    clock = [1_900_000_000]
+    monkeypatch.setattr(access, "now", lambda: clock[0])
+    app = create_app(queue_engine, EmailJob, token=TOKEN)  # 12 hours, 7 days
+    start = clock[0]
+    with TestClient(app) as client:
+        browser = Browser(client)
+        logged_in = browser.post("/login", {"token": TOKEN, "next": "/"})
+        cookie = set_cookies(logged_in)[AUTH_COOKIE]
+        assert cookie["httponly"] is True
+        assert cookie["samesite"] == "strict"
+        assert cookie["path"] == "/"
+        assert cookie["max-age"] == str(lifetime)
+        assert not cookie["secure"]  # plain http here; see the https test
+        assert TOKEN not in cookie.value
+        issued_first = cookie.value
+        csrf = browser.csrf(f"/jobs/{seeded.dead}")
+        assert AUTH_COOKIE not in set_cookies(browser.get("/"))  # too new to re-issue
+
+        clock[0] = start + lifetime // 4 + 1  # a quarter of the lifetime: re-issued on use
+        page = browser.get("/")
+        assert page.status_code == 200
+        rotated = set_cookies(page)[AUTH_COOKIE]
+        assert rotated.value != issued_first
+        assert rotated["max-age"] == str(lifetime)
+        assert browser.cookies[AUTH_COOKIE] == rotated.value
+        # The form drawn before the rotation still posts.
+        retried = browser.post(f"/jobs/{seeded.dead}/retry", {"csrf": csrf})
+        assert retried.status_code == 303
+        assert job_rows(queue_engine)[seeded.dead] == ("pending", False)
+
+        clock[0] = start + lifetime + 1  # the first cookie went unused for its whole lifetime
+        expired = browser.request("GET", "/", cookie=f"{AUTH_COOKIE}={issued_first}")
+        assert expired.status_code == 401
+        assert "expired" in expired.text
+        assert 'id="token"' in expired.text
+        assert browser.get("/").status_code == 200  # the re-issued one was used since
+
+        # Used twice a lifetime, a login still ends session_max_age after it began.
+        while clock[0] < start + max_age:
+            assert browser.get("/").status_code == 200
+            clock[0] += lifetime // 2
+        before = job_rows(queue_engine)
+        for job_id, action in actions(seeded):
+            refused = browser.post(f"/jobs/{job_id}/{action}", {"csrf": csrf})
+            assert refused.status_code == 401, (job_id, action)
+            assert "expired" in refused.text
+        assert job_rows(queue_engine) == before
+
+        # Logging in again starts a new session: the old session's form is refused.
+        login(browser)
+        assert browser.post(f"/jobs/{seeded.pending}/cancel", {"csrf": csrf}).status_code == 403
+        assert job_rows(queue_engine) == before
+        cancelled = browser.post(
+            f"/jobs/{seeded.pending}/cancel", {"csrf": browser.csrf(f"/jobs/{seeded.pending}")}
+        )
+        assert cancelled.status_code == 303
+    assert job_rows(queue_engine)[seeded.pending] == ("cancelled", False)
+
+    # Other lifetimes: a timedelta or seconds.
+    short = create_app(
+        queue_engine,
+        EmailJob,
+        token=TOKEN,
+        session_lifetime=timedelta(minutes=30),
+        session_max_age=3600,
+    )
+    with TestClient(short) as client:
+        browser = Browser(client)
+        assert set_cookies(browser.post("/login", {"token": TOKEN}))[AUTH_COOKIE]["max-age"] == (
+            "1800"
+        )
+        clock[0] += 1801
+        assert browser.get("/").status_code == 401
+
+
+def test_cookies_are_secure_over_https(queue_engine: sa.Engine, seeded: Seeded) -> None:
+    """Served over HTTPS (or behind a proxy that says so, trusted by uvicorn's proxy-headers
+    middleware), both cookies are Secure; over plain HTTP they cannot be."""
+    app = create_app(queue_engine, EmailJob, token=TOKEN)
+    with TestClient(app, base_url="https://dashboard.example") as client:
+        browser = Browser(client)
+        cookie = set_cookies(browser.post("/login", {"token": TOKEN, "next": "/"}))[AUTH_COOKIE]
+        assert cookie["secure"] is True
+        assert cookie["httponly"] is True
+        assert cookie["samesite"] == "strict"
+        page = browser.get(f"/jobs/{seeded.dead}")
+        nonce = set_cookies(page)[CSRF_COOKIE]
+        assert nonce["secure"] is True
+        assert nonce["httponly"] is True
+        retried = browser.post(
+            f"/jobs/{seeded.dead}/retry", {"csrf": browser.csrf(f"/jobs/{seeded.dead}")}
+        )
+        assert retried.status_code == 303
+    assert job_rows(queue_engine)[seeded.dead] == ("pending", False)
+    proxied = ProxyHeadersMiddleware(app, trusted_hosts="*")  # type: ignore[arg-type]
+    with TestClient(proxied) as client:  # type: ignore[arg-type]
+        forwarded = client.post(
+            "/login",
+            data={"token": TOKEN, "next": "/"},
+            headers={"X-Forwarded-Proto": "https"},
+            follow_redirects=False,
+        )
+        assert set_cookies(forwarded)[AUTH_COOKIE]["secure"] is True
+        plain = client.post("/login", data={"token": TOKEN, "next": "/"}, follow_redirects=False)
+        assert not set_cookies(plain)[AUTH_COOKIE]["secure"]
+
+
+def test_processes_with_the_same_keys_accept_each_others_cookies(
+    queue_engine: sa.Engine, seeded: Seeded
+) -> None:
+    """Replicas behind a load balancer: the same token (or secret) signs the same, so a login
+    and a form of one are good on the other; another token or secret is not."""
+    secret = "a-secret-shared-by-the-replicas"
+    replicas = [create_app(queue_engine, EmailJob, secret=secret) for _ in range(2)]
+    with TestClient(replicas[0]) as first, TestClient(replicas[1]) as second:
+        browser = Browser(first)
+        csrf = browser.csrf(f"/jobs/{seeded.dead}")
+        browser.client = second
+        assert browser.post(f"/jobs/{seeded.dead}/retry", {"csrf": csrf}).status_code == 303
+    assert job_rows(queue_engine)[seeded.dead] == ("pending", False)
+
+    with (
+        TestClient(create_app(queue_engine, EmailJob, token=TOKEN)) as first,
+        TestClient(create_app(queue_engine, EmailJob, token=TOKEN)) as second,
+        TestClient(create_app(queue_engine, EmailJob, token=TOKEN + "-new")) as renewed,
+        TestClient(create_app(queue_engine, EmailJob, token=TOKEN, secret=secret)) as salted,
+    ):
+        browser = Browser(first)
+        login(browser)
+        csrf = browser.csrf(f"/jobs/{seeded.pending}")
+        before = job_rows(queue_engine)
+        for other in (renewed, salted):  # a new token or secret ends every login
+            browser.client = other
+            assert browser.get("/").status_code == 403
+        assert job_rows(queue_engine) == before
+        browser.client = second
+        assert browser.post(f"/jobs/{seeded.pending}/cancel", {"csrf": csrf}).status_code == 303
+    assert job_rows(queue_engine)[seeded.pending] == ("cancelled", False)
+
+
 # -- bad input ----------------------------------------------------------------------------
 
 
@@ -321,6 +589,11 @@ def test_mounted_inside_an_app(queue_engine: sa.Engine, seeded: Seeded) -> None:
         ({"token": "short"}, "at least 16"),
         ({"page_size": 0}, "page_size"),
         ({"scan": True}, "scan"),
+        ({"secret": "short"}, "secret"),
+        ({"secret": 12345678901234567}, "secret"),
+        ({"session_lifetime": 10}, "session_lifetime"),
+        ({"session_lifetime": "1h"}, "session_lifetime"),
+        ({"session_lifetime": 7200, "session_max_age": 3600}, "session_max_age"),
     ],
 )
 def test_create_app_checks_its_arguments(
@@ -420,6 +693,15 @@ def test_the_command_serves_the_dashboard(
                 time.sleep(0.1)
         assert "R-77" in page
         assert 'id="read-only"' in page
+        # A TLS proxy on this machine says the request came over HTTPS: uvicorn believes it
+        # (FORWARDED_ALLOW_IPS: 127.0.0.1 by default), so the cookie is Secure.
+        for proto, secure in (("https", True), ("http", False)):
+            forwarded = urllib.request.Request(
+                f"http://127.0.0.1:{port}/", headers={"X-Forwarded-Proto": proto}
+            )
+            with urllib.request.urlopen(forwarded) as r:
+                (nonce,) = [c for c in r.headers.get_all("Set-Cookie") if CSRF_COOKIE in c]
+            assert ("; Secure" in nonce) is secure, nonce
         assert f"sqla-jobs dashboard on http://127.0.0.1:{port}/ (read-only)" in log.read_text()
         # Another name for this machine's address (DNS rebinding) is refused.
         request = urllib.request.Request(

@@ -9,12 +9,14 @@ Pages (every one plain HTML, no JavaScript):
 ``POST /jobs/{id}/retry`` ``.../cancel``, ``.../delete``: the admin actions
 ``GET|POST /login``       the access token form (only with a token)
 
-Every POST carries a CSRF token (double submit: a ``SameSite=Strict`` cookie and a form
-field that must be equal). With ``read_only=True`` the actions are not shown and every POST
-but the login is refused (403). With a ``token``, every page needs it: an
-``Authorization: Bearer`` header or the cookie that the login form sets (missing: 401, with
-the form; wrong: 403). Bad input (an unknown job id, a filter that is not a queue name, a
-cursor that is not an id) gets an error page and changes nothing.
+Every POST carries a CSRF token: a form field signed by the server for the browser's
+``SameSite=Strict`` nonce cookie and its login (:mod:`.access`), so a cookie and field that
+someone else chose are refused (403). With ``read_only=True`` the actions are not shown and
+every POST but the login is refused (403). With a ``token``, every page needs it: an
+``Authorization: Bearer`` header or the signed login cookie that the login form sets, which
+expires (missing or expired: 401, with the form; wrong: 403). Bad input (an unknown job id, a
+filter that is not a queue name, a cursor that is not an id) gets an error page and changes
+nothing.
 
 The database work runs in Starlette's thread pool on the sync engine, each request in one
 short transaction of its own.
@@ -22,13 +24,11 @@ short transaction of its own.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
-import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlencode
@@ -46,7 +46,8 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from sqla_jobs import queue, validation
-from sqla_jobs.dashboard import statements
+from sqla_jobs.dashboard import access, statements
+from sqla_jobs.dashboard.access import AUTH_COOKIE, CSRF_COOKIE, SESSION_LIFETIME, SESSION_MAX_AGE
 from sqla_jobs.dashboard.sources import (
     ListQuery,
     Page,
@@ -65,14 +66,21 @@ from sqla_jobs.errors import (
 from sqla_jobs.history.schema import RESULT_COLUMN, has_history, history_table
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
 
-__all__ = ["DEFAULT_PAGE_SIZE", "DEFAULT_SCAN", "MIN_TOKEN_LENGTH", "create_app"]
+__all__ = [
+    "AUTH_COOKIE",
+    "CSRF_COOKIE",
+    "DEFAULT_PAGE_SIZE",
+    "DEFAULT_SCAN",
+    "MIN_TOKEN_LENGTH",
+    "SESSION_LIFETIME",
+    "SESSION_MAX_AGE",
+    "create_app",
+]
 
 DEFAULT_PAGE_SIZE: Final = 50
 #: Primary-key entries one list page reads at most (see :mod:`.statements`).
 DEFAULT_SCAN: Final = 20_000
 MIN_TOKEN_LENGTH: Final = 16
-CSRF_COOKIE: Final = "sqla_jobs_csrf"
-AUTH_COOKIE: Final = "sqla_jobs_auth"
 _TEMPLATES: Final = Path(__file__).resolve().parent / "templates"
 _DONE: Final = {
     "retried": "pending again",
@@ -115,6 +123,7 @@ class _Settings:
     result_table: Table | None
     read_only: bool
     token: str | None
+    keys: access.Keys
     title: str
     page_size: int
     scan: int
@@ -197,6 +206,9 @@ def create_app(
     title: str = "sqla_jobs",
     page_size: int = DEFAULT_PAGE_SIZE,
     scan: int = DEFAULT_SCAN,
+    secret: str | bytes | None = None,
+    session_lifetime: timedelta | float = SESSION_LIFETIME,
+    session_max_age: timedelta | float = SESSION_MAX_AGE,
 ) -> Starlette:
     """The dashboard of ``model``'s job table as a Starlette (ASGI) application.
 
@@ -205,7 +217,14 @@ def create_app(
     without one, anyone who reaches the app can use it, so either keep it on loopback (as
     ``sqla-jobs dashboard`` does) or mount it behind your own authentication.
     ``allowed_hosts`` restricts the ``Host`` header (against DNS rebinding on a loopback
-    dashboard). Mount it in an application of your own::
+    dashboard).
+
+    The login cookie and the forms' CSRF tokens are signed with keys derived from ``secret``
+    (16+ characters) and ``token``: processes given the same ones accept each other's. With
+    neither, the key is random per process, so run several processes (replicas, workers)
+    with a ``secret``. A login lasts ``session_lifetime`` (a ``timedelta`` or seconds; 12 hours)
+    after its last use and ``session_max_age`` (7 days) at most; see
+    :mod:`sqla_jobs.dashboard.access`. Mount it in an application of your own::
 
         app = Starlette(routes=[Mount("/jobs-admin", create_app(engine, EmailJob))])
 
@@ -229,6 +248,9 @@ def create_app(
         result_table=result_table,
         read_only=bool(read_only),
         token=token,
+        keys=access.Keys(
+            secret=secret, token=token, lifetime=session_lifetime, max_age=session_max_age
+        ),
         title=str(title),
         page_size=_check_positive("page_size", page_size, 1000),
         scan=_check_positive("scan", scan, 1_000_000),
@@ -281,14 +303,7 @@ class _Dashboard:
         # What the overview counts: the statuses queue_stats reads from its partial indexes
         # (succeeded and cancelled jobs are history; the throughput columns show them).
         self.counted = [s.value for s in (JobStatus.PENDING, JobStatus.RUNNING, JobStatus.DEAD)]
-        # The login cookie holds a digest of the token, never the token.
-        self.auth_digest = (
-            None
-            if settings.token is None
-            else hmac.new(
-                settings.token.encode(), b"sqla_jobs dashboard", hashlib.sha256
-            ).hexdigest()
-        )
+        self.keys = settings.keys
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -308,25 +323,20 @@ class _Dashboard:
             url=url,
             **context,
         )
-        response = HTMLResponse(body, status_code=status, headers=_HEADERS)
-        if request.cookies.get(CSRF_COOKIE) != csrf:
-            response.set_cookie(
-                CSRF_COOKIE, csrf, httponly=True, samesite="strict", path=_cookie_path(request)
-            )
-        return response
+        return HTMLResponse(body, status_code=status, headers=_HEADERS)
 
     def error(self, request: Request, status: int, message: str) -> HTMLResponse:
-        return self.render(
-            request, "error.html", _csrf(request), status=status, code=status, message=message
-        )
+        return self.render(request, "error.html", "", status=status, code=status, message=message)
 
     async def http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         message = "no such page" if exc.status_code == 404 else str(exc.detail)
         return self.error(request, exc.status_code, message)
 
-    def _authorized(self, request: Request) -> PageError | None:
-        if self.s.token is None or self.auth_digest is None:
+    def _authorized(self, request: Request, at: int) -> access.Login | None:
+        """The request's login (from its cookie), or None when it needs none (no token, or a
+        bearer token); raises :class:`~.access.Denied` (401 or 403) without a valid one."""
+        if self.s.token is None:
             return None
         header = request.headers.get("authorization")
         if header is not None:
@@ -335,27 +345,34 @@ class _Dashboard:
                 presented.strip().encode(), self.s.token.encode()
             ):
                 return None
-            return PageError(403, "wrong access token")
+            raise access.Denied(403, "wrong access token")
         cookie = request.cookies.get(AUTH_COOKIE)
         if cookie is None:
-            return PageError(401, "this dashboard needs its access token")
-        if hmac.compare_digest(cookie.encode(), self.auth_digest.encode()):
-            return None
-        return PageError(403, "wrong access token (log in again)")
+            raise access.Denied(401, "this dashboard needs its access token")
+        return self.keys.read_login(cookie, at)
 
     def page(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        """``handler`` behind the access check, given the request's CSRF token (bound to the
+        browser's nonce cookie and its login); the response sets those cookies as needed."""
+
         async def endpoint(request: Request) -> Response:
-            csrf = _csrf(request)
-            denied = self._authorized(request)
-            if denied is not None:
-                return self.login_page(request, csrf, denied.status, denied.message)
+            at = access.now()
             try:
-                return await handler(request, csrf)
+                login = self._authorized(request, at)
+            except access.Denied as denied:
+                return self.login_page(request, denied.status, denied.message)
+            nonce = access.csrf_nonce(request)
+            csrf = self.keys.csrf_token(nonce, "" if login is None else login.session)
+            try:
+                response = await handler(request, csrf)
             except PageError as exc:
-                return self.error(request, exc.status, exc.message)
+                response = self.error(request, exc.status, exc.message)
             except SQLAlchemyError as exc:
                 message = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-                return self.error(request, 503, f"database error: {message}")
+                response = self.error(request, 503, f"database error: {message}")
+            renewed = None if login is None else self.keys.renewed(login, at)
+            self.keys.set_cookies(request, response, nonce=nonce, login=renewed, at=at)
+            return response
 
         return endpoint
 
@@ -368,32 +385,30 @@ class _Dashboard:
 
     # -- login ------------------------------------------------------------------------------
 
-    def login_page(self, request: Request, csrf: str, status: int, message: str) -> Response:
+    def login_page(self, request: Request, status: int, message: str) -> Response:
         target = request.url.path
         if request.url.query:
             target += "?" + request.url.query
-        return self.render(request, "login.html", csrf, status=status, message=message, next=target)
+        return self.render(request, "login.html", "", status=status, message=message, next=target)
 
     async def login(self, request: Request) -> Response:
-        csrf = _csrf(request)
-        if self.s.token is None or self.auth_digest is None:
+        if self.s.token is None:
             return self.error(request, 404, "this dashboard has no access token to log in with")
         if request.method == "GET":
-            return self.login_page(request, csrf, 401, "this dashboard needs its access token")
+            return self.login_page(request, 401, "this dashboard needs its access token")
         form = await request.form()
         presented = str(form.get("token", ""))
         target = str(form.get("next", ""))
-        root = _cookie_path(request)
+        root = access.cookie_path(request)
         if not (target.startswith(root) and not target.startswith("//")):
             target = request.url_for("overview").path
         if not hmac.compare_digest(presented.encode(), self.s.token.encode()):
             return self.render(
-                request, "login.html", csrf, status=403, message="wrong access token", next=target
+                request, "login.html", "", status=403, message="wrong access token", next=target
             )
         response = RedirectResponse(target, status_code=303, headers=_HEADERS)
-        response.set_cookie(
-            AUTH_COOKIE, self.auth_digest, httponly=True, samesite="strict", path=root
-        )
+        at = access.now()
+        self.keys.set_cookies(request, response, login=self.keys.new_login(at), at=at)
         return response
 
     # -- pages ------------------------------------------------------------------------------
@@ -516,10 +531,12 @@ class _Dashboard:
         if self.s.read_only:
             raise PageError(403, "this dashboard is read-only: nothing was changed")
         form = await request.form()
-        sent = str(form.get("csrf", ""))
-        cookie = request.cookies.get(CSRF_COOKIE, "")
-        if not (cookie and sent and hmac.compare_digest(sent.encode(), cookie.encode())):
-            raise PageError(403, "the form's CSRF token did not match: nothing was changed")
+        if not access.csrf_matches(request, csrf, str(form.get("csrf", ""))):
+            raise PageError(
+                403,
+                "the form's CSRF token did not match (reload the page and try again): "
+                "nothing was changed",
+            )
         operation, done = _ACTIONS[action]
 
         history = self.history
@@ -553,18 +570,6 @@ class _Dashboard:
         else:
             target = request.url_for("job", job_id=str(job_id)).path + f"?done={done}"
         return RedirectResponse(target, status_code=303, headers=_HEADERS)
-
-
-def _csrf(request: Request) -> str:
-    cookie = request.cookies.get(CSRF_COOKIE, "")
-    if len(cookie) == 43 and cookie.replace("-", "").replace("_", "").isalnum():
-        return cookie
-    return secrets.token_urlsafe(32)
-
-
-def _cookie_path(request: Request) -> str:
-    root = str(request.scope.get("root_path", "")).rstrip("/")
-    return root + "/"
 
 
 def _when(value: datetime | None) -> str:
