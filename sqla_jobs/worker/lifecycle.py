@@ -413,11 +413,15 @@ class Worker:
         if self.metrics_port is None:
             return
         from sqla_jobs.health import GaugeCache  # only with metrics: never for a plain worker
-        from sqla_jobs.metrics import MetricsServer, WorkerMetrics
+        from sqla_jobs.metrics import LabelValues, MetricsServer, WorkerMetrics
 
         metrics = WorkerMetrics(
             in_flight=lambda: len(self._state.snapshot()),
             gauges=GaugeCache(self.engine, self.model, max_age=self.metrics_max_age),
+            # Bounded label values: the registry's tasks, the queues served or registered.
+            labels=LabelValues(
+                tasks=self.registry, queues=frozenset((*self.queues, *self.registry.queues))
+            ),
         )
         try:
             self._metrics_server = MetricsServer(
