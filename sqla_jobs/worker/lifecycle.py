@@ -64,6 +64,7 @@ from sqla_jobs.worker.scheduler import Scheduler
 from sqla_jobs.worker.settings import (
     DEFAULT_BATCH_SIZE,
     HISTORY_EVERY,
+    check_history_partitions,
     check_metrics,
     check_numbers,
 )
@@ -117,7 +118,12 @@ class Worker:
     (:mod:`sqla_jobs.history`): at start and every ``history_every`` seconds it makes the
     day partitions a week ahead and moves finished jobs left in the job table into the
     history, and with ``history_retention`` (a duration) drops the partitions older than
-    it. Every worker does it; runs of several never collide.
+    it. Every worker does it; runs of several never collide. Making and dropping partitions
+    is DDL that PostgreSQL allows to the history table's owner only: with
+    ``history_partitions=False`` the worker only moves finished jobs and leaves the
+    partitions (and retention) to the owner's ``sqla-jobs history``; a worker that finds its
+    role refused says so once and does the same until it restarts
+    (:mod:`sqla_jobs.worker.maintenance`, docs/privileges.md).
 
     ``synchronous_commit=False`` lets the worker's own claim, outcome and heartbeat
     transactions commit without waiting for the WAL flush (PostgreSQL's
@@ -185,6 +191,7 @@ class Worker:
         scheduler: bool = True,
         history_retention: timedelta | float | None = None,
         history_every: float = HISTORY_EVERY,
+        history_partitions: bool = True,
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -220,6 +227,9 @@ class Worker:
                 )
             except InvalidJobError as exc:
                 raise ConfigurationError(str(exc)) from exc
+        self.history_partitions = check_history_partitions(
+            history_partitions, self.history_retention
+        )
         self.history_keeper: HistoryKeeper | None = None
         self.history_every = history_every
         self.registry = registry
@@ -567,6 +577,7 @@ class Worker:
                 stopping=self._stopping,
                 on_database_error=history_failed,
                 on_database_ok=history_ok,
+                partitions=self.history_partitions,
             )
             self._roles["history"] = Role("history", self._prefix, self.history_keeper.loop)
         self._runner.start(self.concurrency)
