@@ -8,25 +8,34 @@ and histograms updated as events happen, in the worker's own threads. The health
 :class:`~sqla_jobs.health.GaugeCache` (at most one read per ``max_age`` seconds, and a scrape
 never waits more than its ``timeout`` for the database). The metric names are listed in the
 README ("Metrics").
+
+Label values are bounded by the code, never by the data (:class:`LabelValues`): a task label
+is a task of the worker's registry, a queue label a queue the worker serves or its registry
+names, and every other name a row carries (a job of a task no handler knows, the gauges of a
+queue of another application sharing the table) is counted under :data:`OTHER`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sqla_jobs.health import GaugeCache
+from sqla_jobs.health import GaugeCache, QueueGauges
 from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.worker.observer import Finish, Observer
 
-__all__ = ["GaugeCollector", "MetricsServer", "WorkerMetrics"]
+__all__ = ["OTHER", "GaugeCollector", "LabelValues", "MetricsServer", "WorkerMetrics"]
 
 _JOB: Final = ("queue", "task")
+#: The label value of every task and queue name that :class:`LabelValues` does not know.
+#: Parentheses are not allowed in a task or queue name (``validation.NAME_RULE``), so it
+#: never collides with one.
+OTHER: Final = "(other)"
 #: Handler durations: from 5 ms to 10 minutes.
 HANDLER_BUCKETS: Final = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
@@ -35,9 +44,31 @@ HANDLER_BUCKETS: Final = (
 CLAIM_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
+class LabelValues:
+    """The one home of the rule that keeps the metrics' cardinality bounded: the label
+    value of a task or queue name is the name itself when it is in ``tasks`` (a
+    :class:`~sqla_jobs.Registry` will do: its task names) or ``queues``, and :data:`OTHER`
+    for any other. Each time series costs the scraper memory for as long as it exists, and
+    the names come from rows anyone with INSERT on the table can write; so a worker's
+    series are at most a few per registered task and queue (and one ``OTHER`` each),
+    whatever lands in its queues. The default knows no name: everything is ``OTHER``."""
+
+    def __init__(self, *, tasks: Container[str] = (), queues: Container[str] = ()) -> None:
+        self.tasks = tasks
+        self.queues = queues
+
+    def task(self, name: str) -> str:
+        return name if name in self.tasks else OTHER
+
+    def queue(self, name: str) -> str:
+        return name if name in self.queues else OTHER
+
+
 class WorkerMetrics(Observer):
     """The worker's events as Prometheus metrics in ``registry`` (a new one by default);
-    ``in_flight`` gives the attempts the worker holds, ``gauges`` the health gauges."""
+    ``in_flight`` gives the attempts the worker holds, ``gauges`` the health gauges,
+    ``labels`` the task and queue names that get label values of their own (see
+    :class:`LabelValues`; the others are counted as :data:`OTHER`)."""
 
     def __init__(
         self,
@@ -45,8 +76,10 @@ class WorkerMetrics(Observer):
         *,
         in_flight: Callable[[], int] | None = None,
         gauges: GaugeCache | None = None,
+        labels: LabelValues | None = None,
     ) -> None:
         self.registry = registry = registry if registry is not None else CollectorRegistry()
+        self.labels = labels = labels if labels is not None else LabelValues()
 
         def counter(name: str, text: str, labels: Sequence[str] = _JOB) -> Counter:
             return Counter(name, text, labels, registry=registry)
@@ -99,24 +132,28 @@ class WorkerMetrics(Observer):
             )
             held.set_function(lambda: float(in_flight()))
         if gauges is not None:
-            registry.register(GaugeCollector(gauges))
+            registry.register(GaugeCollector(gauges, labels))
 
     # -- Observer -----------------------------------------------------------------------
+
+    def _job(self, job: ClaimedJob) -> tuple[str, str]:
+        return self.labels.queue(job.queue), self.labels.task(job.task)
 
     def claimed(self, jobs: Sequence[ClaimedJob], seconds: float) -> None:
         self._claim.observe(seconds)
         for job in jobs:
-            self._claimed.labels(job.queue).inc()
+            self._claimed.labels(self.labels.queue(job.queue)).inc()
 
     def started(self, job: ClaimedJob) -> None:
-        self._started.labels(job.queue, job.task).inc()
+        self._started.labels(*self._job(job)).inc()
 
     def finished(self, job: ClaimedJob, how: Finish, handler_seconds: float | None) -> None:
-        self._outcomes[how].labels(job.queue, job.task).inc()
+        labels = self._job(job)
+        self._outcomes[how].labels(*labels).inc()
         if how == "dead":
-            self._outcomes["failed"].labels(job.queue, job.task).inc()
+            self._outcomes["failed"].labels(*labels).inc()
         if handler_seconds is not None:
-            self._handler.labels(job.queue, job.task).observe(handler_seconds)
+            self._handler.labels(*labels).observe(handler_seconds)
 
     def database_error(self, operation: str) -> None:
         self._errors.labels(operation).inc()
@@ -125,13 +162,47 @@ class WorkerMetrics(Observer):
         self._reconnects.inc()
 
 
+def fold_queues(queues: Sequence[QueueGauges], labels: LabelValues) -> list[QueueGauges]:
+    """The queues' gauges by label value: a known queue's as read, the others' added up
+    into one :data:`OTHER` queue (counts summed, the oldest wait the longest of theirs)."""
+    folded: dict[str, QueueGauges] = {}
+    for queue in queues:
+        label = labels.queue(queue.queue)
+        seen = folded.get(label)
+        if seen is None:
+            folded[label] = QueueGauges(
+                label,
+                pending=queue.pending,
+                runnable=queue.runnable,
+                running=queue.running,
+                expired_leases=queue.expired_leases,
+                dead=queue.dead,
+                oldest_runnable_seconds=queue.oldest_runnable_seconds,
+            )
+            continue
+        waits = (seen.oldest_runnable_seconds, queue.oldest_runnable_seconds)
+        ages = [age for age in waits if age is not None]
+        folded[label] = QueueGauges(
+            label,
+            pending=seen.pending + queue.pending,
+            runnable=seen.runnable + queue.runnable,
+            running=seen.running + queue.running,
+            expired_leases=seen.expired_leases + queue.expired_leases,
+            dead=seen.dead + queue.dead,
+            oldest_runnable_seconds=max(ages) if ages else None,
+        )
+    return list(folded.values())
+
+
 class GaugeCollector(Collector):
     """The health gauges (:func:`sqla_jobs.health.read_gauges`), read on scrape through
     ``cache``. ``sqla_jobs_gauges_up`` is 0 when the last read failed or timed out; the
-    other values are then the last ones read (``sqla_jobs_gauges_age_seconds`` old)."""
+    other values are then the last ones read (``sqla_jobs_gauges_age_seconds`` old). The
+    queues ``labels`` does not know are added up under :data:`OTHER`."""
 
-    def __init__(self, cache: GaugeCache) -> None:
+    def __init__(self, cache: GaugeCache, labels: LabelValues | None = None) -> None:
         self.cache = cache
+        self.labels = labels if labels is not None else LabelValues()
 
     def collect(self) -> Iterator[Any]:
         reading = self.cache.read()
@@ -163,7 +234,7 @@ class GaugeCollector(Collector):
         expired = family(
             "sqla_jobs_queue_expired_leases", "Running jobs whose lease ran out.", ["queue"]
         )
-        for queue in gauges.queues:
+        for queue in fold_queues(gauges.queues, self.labels):
             for status, count in (
                 ("pending", queue.pending),
                 ("running", queue.running),

@@ -12,7 +12,12 @@ so nothing may rely on the state of a session. What sqla_jobs does about each ki
   behind one needs ``connect_args={"prepare_threshold": None}``; the driver path of
   :func:`sqla_jobs.claim` respects it, and the command line sets it itself
   (:func:`unprepared_behind_pooler`).
-* Advisory locks, temporary tables, session ``SET``: sqla_jobs uses none.
+* Advisory locks: only transaction-scoped try-locks (``pg_try_advisory_xact_lock``: keyed
+  claims, limited queues, history partition maintenance; docs/privileges.md lists them),
+  released when their transaction ends, so a pooler may hand the connection on; never a
+  session-level ``pg_advisory_lock``.
+* Temporary tables, session ``SET``: none that outlives a transaction (settings are made
+  with ``set_config(..., true)``, like ``SET LOCAL``).
 
 How the worker and the command line know they are behind a pooler: :func:`behind_pooler`.
 """

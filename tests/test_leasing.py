@@ -155,6 +155,23 @@ def test_where_may_read_another_table_in_a_subquery(engine: sa.Engine) -> None:
     assert sorted(lease.key for lease in leases) == list(range(11, 21))
 
 
+def test_where_and_order_by_built_from_the_models_columns(engine: sa.Engine) -> None:
+    # Functions, casts, bound values, constants and an IN subquery on another table: all
+    # built from SQLAlchemy's expressions, so checked; none of it is raw SQL.
+    eight = sa.select(Show.id).where(Show.on_sale, Show.id == 8).scalar_subquery()
+    where = (
+        sa.and_(
+            sa.func.coalesce(Seat.sold_to, sa.literal("")) == "",
+            sa.cast(Seat.number, sa.String).in_([str(n) for n in range(1, 21)]),
+            Seat.show_id.in_(sa.select(Show.id).where(Show.id == 8)),
+            Seat.show_id == eight,
+        )
+        | sa.false()
+    ) & sa.true()
+    leases = acquire(engine, where=where, order_by=sa.func.abs(Seat.number - 15), limit=3)
+    assert [lease.key for lease in leases] == [15, 14, 16]
+
+
 def test_concurrent_acquirers_take_disjoint_rows_without_waiting(engine: sa.Engine) -> None:
     with Session(engine) as first, first.begin():
         held = acquire_leases(
@@ -431,6 +448,16 @@ BAD_ACQUIRES: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"where": True}, InvalidLeaseError, "where"),
     ({"where": Seat.number}, InvalidLeaseError, "where"),
     ({"where": Seat.number + 1}, InvalidLeaseError, "where"),
+    # Raw SQL cannot be checked, and a column of no table is not the model's: refused.
+    ({"where": sa.literal_column("show_id = 7", sa.Boolean)}, InvalidLeaseError, "where"),
+    ({"where": sa.literal_column("true")}, InvalidLeaseError, "where"),
+    ({"where": Seat.show_id == sa.literal_column("7")}, InvalidLeaseError, "where"),
+    ({"where": (Seat.show_id == 7) & sa.text("true")}, InvalidLeaseError, "where"),
+    ({"where": sa.column("show_id") == 7}, InvalidLeaseError, "where"),
+    ({"where": sa.table("shows", sa.column("id")).c.id == 7}, InvalidLeaseError, "where"),
+    ({"where": sa.func.coalesce(Show.on_sale, True)}, InvalidLeaseError, "where"),
+    ({"order_by": sa.literal_column("number")}, InvalidLeaseError, "order_by"),
+    ({"order_by": [Seat.number, sa.column("id").desc()]}, InvalidLeaseError, "order_by"),
     ({"order_by": Show.id}, InvalidLeaseError, "order_by"),
     ({"order_by": [Seat.number, Show.id.desc()]}, InvalidLeaseError, "order_by"),
     ({"order_by": []}, InvalidLeaseError, "order_by"),
@@ -489,7 +516,13 @@ BAD_BATCHES: list[tuple[Callable[[Session], object], type[Exception], str]] = [
     (lambda s: release_leases(s, A_LEASE), InvalidLeaseError, "leases"),  # type: ignore[arg-type]
     (lambda s: release_leases(s, [object()]), InvalidLeaseError, "leases"),  # type: ignore[list-item]
     (lambda s: release_leases(s, [(Seat, 1, 1, "h", None)]), InvalidLeaseError, "leases"),  # type: ignore[list-item]
-    (lambda s: release_leases(s, [A_LEASE, AN_ADDRESS]), ConfigurationError, ""),
+    (lambda s: release_leases(s, [A_LEASE, AN_ADDRESS]), InvalidLeaseError, "leases"),
+    (lambda s: renew_leases(s, [AN_ADDRESS, A_LEASE], duration=9), InvalidLeaseError, "leases"),
+    (
+        lambda s: release_leases(s, [A_LEASE, A_LEASE._replace(model=Show)]),  # type: ignore[arg-type]
+        InvalidLeaseError,
+        "leases",
+    ),
     (lambda s: release_leases(s, [A_LEASE._replace(model=Show)]), ConfigurationError, ""),  # type: ignore[arg-type]
     (
         lambda s: release_leases(s, [AN_ADDRESS._replace(key="10.0.0.1")]),

@@ -20,6 +20,7 @@ from worker_harness import JobDatabase, wait_until
 from worker_tasks import FAST_RETRY, WorkerJob
 
 from sqla_jobs import ConfigurationError, JobContext, Registry, Worker, cli
+from sqla_jobs.metrics import OTHER
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -35,12 +36,19 @@ def engine(fresh_database: FreshDatabase) -> Iterator[sa.Engine]:
         database.dispose()
 
 
-def scrape(worker: Worker) -> Samples:
+def exposition(worker: Worker) -> str:
     address = worker.metrics_address
     assert address is not None
     host, port = address
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as response:
-        text = response.read().decode()
+        return str(response.read().decode())
+
+
+def scrape(worker: Worker) -> Samples:
+    return scrape_text(exposition(worker))
+
+
+def scrape_text(text: str) -> Samples:
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -243,3 +251,74 @@ def test_the_worker_command_refuses_a_bad_metrics_port(
         cli.main(["worker", "nowhere:registry", "--metrics-port", port])
     assert exited.value.code == 2
     assert "--metrics-port" in capsys.readouterr().err
+
+
+def test_label_values_are_bounded_by_the_registry_not_the_rows(engine: sa.Engine) -> None:
+    """500 jobs of 500 task names no handler knows reach a served queue, and 40 jobs wait in
+    40 queues nobody serves or registers: every one of those names is counted under one
+    label value, so the worker's series stay a few per registered task and queue."""
+    registry = Registry(WorkerJob)
+    q = "metered"
+
+    @registry.task(queue=q)
+    def ok(ctx: JobContext) -> None:
+        pass
+
+    @registry.task(queue="elsewhere")
+    def elsewhere(ctx: JobContext) -> None:  # pragma: no cover - its queue is not served
+        pass
+
+    strangers = [f"stranger-{n}" for n in range(500)]
+    unserved = [f"foreign-{n}" for n in range(40)]
+    with Session(engine) as session, session.begin():
+        session.add_all([WorkerJob(task=name, queue=q) for name in strangers])
+        session.add_all([WorkerJob(task="ok", queue=q) for _ in range(3)])
+        session.add_all([WorkerJob(task="x", queue=name) for name in unserved])
+        session.add(WorkerJob(task="elsewhere", queue="elsewhere"))
+
+    def statuses() -> dict[tuple[str, str], int]:
+        query = sa.select(WorkerJob.queue, WorkerJob.status, sa.func.count()).group_by(
+            WorkerJob.queue, WorkerJob.status
+        )
+        with engine.connect() as connection:
+            return {(row[0], row[1]): row[2] for row in connection.execute(query)}
+
+    worker = Worker(
+        registry, engine, queues=[q], poll_interval=0.1, metrics_port=0, metrics_max_age=0.1
+    )
+    with worker:
+        # The rows decide when the worker is done: every stranger dead, every "ok" succeeded.
+        wait_until(
+            lambda: statuses().get((q, "dead")) == 500 and statuses().get((q, "succeeded")) == 3,
+            timeout=120,
+            message="the worker ran its jobs and made the strangers dead",
+        )
+
+        def counted() -> str | None:
+            text = exposition(worker)
+            samples = scrape_text(text)
+            dead = value(samples, "sqla_jobs_jobs_dead_total", queue=q, task=OTHER)
+            done = value(samples, "sqla_jobs_jobs_succeeded_total", queue=q, task="ok")
+            foreign = value(
+                samples,
+                "sqla_jobs_queue_jobs",
+                queue=OTHER,
+                status="pending",
+                table=WorkerJob.__tablename__,
+            )
+            return text if (dead, done, foreign) == (500, 3, 40) else None
+
+        text = wait_until(counted, timeout=30, message="the outcomes and gauges are exported")
+    families = list(text_string_to_metric_families(text))
+    series = [sample for family in families for sample in family.samples]
+    tasks = {sample.labels["task"] for sample in series if "task" in sample.labels}
+    queues = {sample.labels["queue"] for sample in series if "queue" in sample.labels}
+    assert tasks == {"ok", OTHER}  # registered tasks keep their own series
+    assert queues == {q, "elsewhere", OTHER}
+    # A registered queue nobody serves here keeps its own gauges too.
+    samples = scrape_text(text)
+    labels = {"table": WorkerJob.__tablename__, "status": "pending"}
+    assert value(samples, "sqla_jobs_queue_jobs", queue="elsewhere", **labels) == 1
+    # Bounded: the count does not grow with the 540 names (before, about 4 series per name).
+    assert len(series) < 100, len(series)
+    assert len(text) < 40_000, len(text)

@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_duration,
         help="for a model with partitioned_history: drop history partitions older, e.g. 30d",
     )
+    worker.add_argument(
+        "--no-history-partitions",
+        action="store_true",
+        help=(
+            "for a model with partitioned_history: only move finished jobs, and leave making "
+            "and dropping partitions to the history table's owner (sqla-jobs history)"
+        ),
+    )
     worker.set_defaults(handler=cmd_worker)
 
     status = commands.add_parser(

@@ -52,6 +52,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             history_retention=args.history_retention,
+            history_partitions=not args.no_history_partitions,
         )
         return worker.run()
     finally:

@@ -32,6 +32,8 @@ from typing import Any, Final, NamedTuple, TypeAlias, cast
 
 from sqlalchemy import Boolean, ColumnElement, Connection, Executable, Table, inspect
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ClauseElement, ColumnClause, TextClause
+from sqlalchemy.sql.selectable import SelectBase
 from sqlalchemy.types import NullType
 
 from sqla_jobs import validation
@@ -133,7 +135,14 @@ def _limit(value: object) -> int:
 
 
 def _element(field: str, value: object, table: Table, model: type[Any]) -> ColumnElement[Any]:
-    """``value`` as a SQL expression that reads ``table`` alone (subqueries aside)."""
+    """``value`` as a SQL expression on ``table``'s own columns: the one home of the rule
+    ``where`` and ``order_by`` share. Outside its subqueries, the expression may hold the
+    model's columns, bound values, operators and functions, and nothing else: no column of
+    another table or alias (it would join that table to every row), no column bound to no
+    table (``sqlalchemy.column("x")``: its name is resolved by PostgreSQL, not checked
+    here) and no raw SQL (``text()``, ``literal_column()``), which cannot be checked at all.
+    A subquery (``exists()``, ``column.in_(select(...))``) may read any table: its rows are
+    its own business."""
     clause = getattr(value, "__clause_element__", None)
     element = clause() if callable(clause) else value
     if not isinstance(element, ColumnElement):
@@ -143,14 +152,36 @@ def _element(field: str, value: object, table: Table, model: type[Any]) -> Colum
             f"{model.__name__}.{table.primary_key.columns[0].key} == 1), "
             f"not {type(value).__name__}",
         )
-    # The tables the expression would add to the statement's FROM (a subquery's own tables
-    # are its business): anything but the model's table would join it to every row.
-    others = sorted(
-        {
-            str(getattr(source, "description", source))
-            for source in element._from_objects
-            if source._deannotate() is not table
-        }
+    others: set[str] = set()
+    stack: list[ClauseElement] = [element]
+    while stack:
+        part = stack.pop()
+        if isinstance(part, SelectBase):
+            continue  # a subquery: not walked
+        if isinstance(part, TextClause) or (isinstance(part, ColumnClause) and part.is_literal):
+            raise InvalidLeaseError(
+                field,
+                f"holds raw SQL ({str(part)[:80]!r}), which cannot be checked: build it from "
+                f"{model.__name__}'s columns, operators and functions "
+                f"({model.__name__}.{table.primary_key.columns[0].key} == 1, sqlalchemy.func)",
+            )
+        if isinstance(part, ColumnClause):
+            source = part.table
+            if source is None:
+                raise InvalidLeaseError(
+                    field,
+                    f"names a column {part.name!r} of no table: use {model.__name__}'s own "
+                    f"attribute ({model.__name__}.{part.name}), which is checked",
+                )
+            if source._deannotate() is not table:
+                others.add(str(getattr(source, "description", source)))
+            continue
+        stack.extend(part.get_children())
+    # Any other FROM the expression would add (a table-valued function, ...), as above.
+    others.update(
+        str(getattr(source, "description", source))
+        for source in element._from_objects
+        if source._deannotate() is not table
     )
     if others:
         hint = (
@@ -161,8 +192,8 @@ def _element(field: str, value: object, table: Table, model: type[Any]) -> Colum
         )
         raise InvalidLeaseError(
             field,
-            f"reads {', '.join(others)}, not only {table.name}: acquire leases rows of "
-            f"{model.__name__} alone; {hint}",
+            f"reads {', '.join(sorted(others))}, not only {table.name}: acquire leases rows "
+            f"of {model.__name__} alone; {hint}",
         )
     return element
 
@@ -218,8 +249,13 @@ def _batch(leases: object) -> tuple[Table | None, list[Lease]]:
         if not isinstance(lease, Lease):
             raise InvalidLeaseError("leases", f"holds a {type(lease).__name__}, not a Lease")
     model = batch[0].model
-    if any(lease.model is not model for lease in batch):
-        raise ConfigurationError("a batch must hold leases of one model; split it by model")
+    others = sorted({_name(lease.model) for lease in batch if lease.model is not model})
+    if others:
+        raise InvalidLeaseError(
+            "leases",
+            f"holds leases of {_name(model)} and of {', '.join(others)}: a batch is of one "
+            "model; split it by model",
+        )
     table = _lease_table(model)
     width = len(table.primary_key.columns)
     for lease in batch:
@@ -228,6 +264,10 @@ def _batch(leases: object) -> tuple[Table | None, list[Lease]]:
             raise InvalidLeaseError("leases", f"holds a fence {lease.fence!r}; fences are >= 1")
         _holder(lease.holder)
     return table, batch
+
+
+def _name(model: object) -> str:
+    return str(getattr(model, "__name__", repr(model)))
 
 
 # -- plumbing ---------------------------------------------------------------------------
@@ -296,7 +336,8 @@ def acquire_leases(
     at the cost of sorting the acquirable rows that ``where`` matches.
 
     ``where`` is a condition on the model's own columns (``Seat.show_id == 7``); another
-    table may only appear inside a subquery. Each acquired row's ``lease_fence`` grows by
+    table may only appear inside a subquery, and raw SQL (``text()``, ``literal_column()``)
+    is refused, since it cannot be checked. Each acquired row's ``lease_fence`` grows by
     one: the new value is the lease's ``fence``.
 
     **Lease mode** (``hold=False``, the default). The acquire runs in the caller's

@@ -64,6 +64,7 @@ from sqla_jobs.worker.scheduler import Scheduler
 from sqla_jobs.worker.settings import (
     DEFAULT_BATCH_SIZE,
     HISTORY_EVERY,
+    check_history_partitions,
     check_metrics,
     check_numbers,
 )
@@ -120,7 +121,12 @@ class Worker:
     (:mod:`sqla_jobs.history`): at start and every ``history_every`` seconds it makes the
     day partitions a week ahead and moves finished jobs left in the job table into the
     history, and with ``history_retention`` (a duration) drops the partitions older than
-    it. Every worker does it; runs of several never collide.
+    it. Every worker does it; runs of several never collide. Making and dropping partitions
+    is DDL that PostgreSQL allows to the history table's owner only: with
+    ``history_partitions=False`` the worker only moves finished jobs and leaves the
+    partitions (and retention) to the owner's ``sqla-jobs history``; a worker that finds its
+    role refused says so once and does the same until it restarts
+    (:mod:`sqla_jobs.worker.maintenance`, docs/privileges.md).
 
     ``synchronous_commit=False`` lets the worker's own claim, outcome and heartbeat
     transactions commit without waiting for the WAL flush (PostgreSQL's
@@ -188,6 +194,7 @@ class Worker:
         scheduler: bool = True,
         history_retention: timedelta | float | None = None,
         history_every: float = HISTORY_EVERY,
+        history_partitions: bool = True,
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -223,6 +230,9 @@ class Worker:
                 )
             except InvalidJobError as exc:
                 raise ConfigurationError(str(exc)) from exc
+        self.history_partitions = check_history_partitions(
+            history_partitions, self.history_retention
+        )
         self.history_keeper: HistoryKeeper | None = None
         self.history_every = history_every
         self.registry = registry
@@ -423,11 +433,15 @@ class Worker:
         if self.metrics_port is None:
             return
         from sqla_jobs.health import GaugeCache  # only with metrics: never for a plain worker
-        from sqla_jobs.metrics import MetricsServer, WorkerMetrics
+        from sqla_jobs.metrics import LabelValues, MetricsServer, WorkerMetrics
 
         metrics = WorkerMetrics(
             in_flight=lambda: len(self._state.snapshot()),
             gauges=GaugeCache(self.engine, self.model, max_age=self.metrics_max_age),
+            # Bounded label values: the registry's tasks, the queues served or registered.
+            labels=LabelValues(
+                tasks=self.registry, queues=frozenset((*self.queues, *self.registry.queues))
+            ),
         )
         try:
             self._metrics_server = MetricsServer(
@@ -574,6 +588,7 @@ class Worker:
                 stopping=self._stopping,
                 on_database_error=history_failed,
                 on_database_ok=history_ok,
+                partitions=self.history_partitions,
             )
             self._roles["history"] = Role("history", self._prefix, self.history_keeper.loop)
         self._runner.start(self.concurrency)

@@ -14,6 +14,7 @@ __all__ = [
     "DEFAULT_BATCH_SIZE",
     "HISTORY_EVERY",
     "MAX_PREFETCH",
+    "check_history_partitions",
     "check_metrics",
     "check_numbers",
     "int_in",
@@ -55,6 +56,20 @@ def check_numbers(
         raise ConfigurationError(f"lock_timeout must be in (0, 3600) seconds, not {lock_timeout!r}")
     if not history_every > 0:
         raise ConfigurationError(f"history_every must be positive, not {history_every!r}")
+
+
+def check_history_partitions(partitions: object, retention: object) -> bool:
+    """``history_partitions``: a bool; False (partition DDL left to the history table's
+    owner) cannot go with a ``history_retention``, since retention drops partitions."""
+    if not isinstance(partitions, bool):
+        raise ConfigurationError(f"history_partitions must be True or False, not {partitions!r}")
+    if not partitions and retention is not None:
+        raise ConfigurationError(
+            "history_retention drops partitions, which history_partitions=False leaves to "
+            "the history table's owner: give the retention to its `sqla-jobs history "
+            "--retention` instead"
+        )
+    return partitions
 
 
 def check_metrics(port: object, host: object, max_age: object) -> None:
