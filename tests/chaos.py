@@ -53,7 +53,10 @@ The checks (each must hold; the exit status is 1 when one does not, and the repo
                                         the harness cut off (it SIGKILLed the worker that
                                         ran the last attempt, after that attempt started:
                                         the kill may land between the death's commit and
-                                        its log line) is counted apart
+                                        its log line), or the restart cut off (the death
+                                        committed as the server went down; the retry after
+                                        it found the job dead and logged lease_lost), is
+                                        counted apart
     ``workers_survived``                no worker exited but those the harness killed, and none
                                         logged ``thread_crashed``
     ``workers_stopped_cleanly``         every worker exited 0 after the final SIGTERM
@@ -503,6 +506,8 @@ class Logs:
     by_job: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))
     crashes: list[str] = field(default_factory=list)
     not_json: list[str] = field(default_factory=list)
+    # When each (job, attempt)'s own outcome came back fenced out (action lease_lost).
+    fenced: dict[tuple[int, int], list[datetime]] = field(default_factory=lambda: defaultdict(list))
 
 
 def read_logs(procs: Sequence[WorkerProc]) -> Logs:
@@ -542,6 +547,14 @@ def read_logs(procs: Sequence[WorkerProc]) -> Logs:
                         logs.released[listed] += 1
             if action == "thread_crashed":
                 logs.crashes.append(shown)
+            attempt, at = entry.get("attempt"), entry.get("time")
+            if (
+                action == "lease_lost"
+                and isinstance(job_id, int)
+                and isinstance(attempt, int)
+                and isinstance(at, str)
+            ):
+                logs.fenced[(job_id, attempt)].append(datetime.fromisoformat(at))
     return logs
 
 
@@ -1197,6 +1210,19 @@ class _Accounting:
             for i in dead
             if i not in deaths and self.killed_while_running(i, self.jobs[i].attempts)
         ]
+        # The restart can cut off a death too: the last attempt's death committed just before
+        # the server went down, its acknowledgment was lost with the connection, and the
+        # writer's retry after the restart found the job dead already (its own write) and
+        # logged lease_lost. Explained when the attempt started before the server came back
+        # and its outcome came back fenced after the server went down.
+        acked = [
+            i
+            for i in dead
+            if i not in deaths
+            and i not in killed
+            and self.ack_lost_in_restart(i, self.jobs[i].attempts)
+        ]
+        killed += acked
         unlogged = [i for i in dead if i not in deaths and i not in killed]
         twice = sorted(i for i, n in deaths.items() if n > 1)
         phantom = sorted(i for i in deaths if i not in self.jobs or self.jobs[i].status != "dead")
@@ -1214,7 +1240,8 @@ class _Accounting:
         if killed:
             summary += (
                 f", {len(killed)} not logged because the harness killed the worker that ran "
-                f"the last attempt: {killed[:50]}"
+                f"the last attempt, or restarted the server as its death committed: "
+                f"{killed[:50]}"
             )
         if problems:
             summary += "; " + "; ".join(problems)
@@ -1224,6 +1251,16 @@ class _Accounting:
             summary,
             self.details(sorted({*unlogged, *twice, *phantom})),
         )
+
+    def ack_lost_in_restart(self, job_id: int, attempt: int) -> bool:
+        """Whether this attempt's own outcome came back fenced out after the server went
+        down, the attempt having started before it came back (see deaths_logged)."""
+        restart, start = self.state.restart, self.starts.get((job_id, attempt))
+        if not restart.get("done") or start is None:
+            return False
+        down = datetime.fromisoformat(restart["down_at"])
+        up = datetime.fromisoformat(restart["up_at"])
+        return start.at <= up and any(at >= down for at in self.logs.fenced[(job_id, attempt)])
 
     def killed_while_running(self, job_id: int, attempt: int) -> bool:
         """Whether the harness SIGKILLed the process that ran this attempt, after it started."""
