@@ -1253,10 +1253,15 @@ class _Accounting:
         )
 
     def ack_lost_in_restart(self, job_id: int, attempt: int) -> bool:
-        """Whether this attempt's own outcome came back fenced out after the server went
-        down, the attempt having started before it came back (see deaths_logged)."""
+        """Whether this attempt's own death was written (the row holds its error) and its
+        outcome came back fenced out after the server went down, the attempt having started
+        before it came back (see deaths_logged)."""
         restart, start = self.state.restart, self.starts.get((job_id, attempt))
         if not restart.get("done") or start is None:
+            return False
+        # The death is that attempt's own write: the row holds its error.
+        error = (self.jobs[job_id].last_error or "").strip()
+        if not error.endswith(f"poisoned on attempt {attempt}"):
             return False
         down = datetime.fromisoformat(restart["down_at"])
         up = datetime.fromisoformat(restart["up_at"])
