@@ -40,35 +40,29 @@ def parse_duration(text: str) -> timedelta:
 _MAX_COUNT: Final = 2**31 - 1
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
+def _int_between(minimum: int, maximum: int = _MAX_COUNT) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not minimum <= value <= _MAX_COUNT:
+        if not minimum <= value <= maximum:
             raise argparse.ArgumentTypeError(
-                f"must be in [{minimum}, {_MAX_COUNT}], got {text.strip()}"
+                f"must be in [{minimum}, {maximum}], got {text.strip()}"
             )
         return value
 
     return parse
 
 
-_positive_int = _int_at_least(1)
+_positive_int = _int_between(1)
 
 
-_count = _int_at_least(0)
+_count = _int_between(0)
 
 
-def _job_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 1 <= value <= BIGINT_MAX:
-        raise argparse.ArgumentTypeError(f"must be a job id in [1, {BIGINT_MAX}], got {value}")
-    return value
+#: A job id: bigint's range (the ids a sequence gives start at 1).
+_job_id = _int_between(1, BIGINT_MAX)
 
 
 def _seconds(text: str) -> float:
