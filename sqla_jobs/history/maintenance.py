@@ -77,6 +77,18 @@ DEFAULT_DAYS_AHEAD: Final = 7
 DEFAULT_LOCK_TIMEOUT: Final = 0.2
 _BOUND: Final = re.compile(r"FROM \('([^']+)'\) TO \('([^']+)'\)")
 _LOCK_NOT_AVAILABLE: Final = "55P03"
+#: SQLSTATE insufficient_privilege: "must be owner of table", "permission denied for ...".
+_INSUFFICIENT_PRIVILEGE: Final = "42501"
+
+
+def refused_privilege(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL refusing a statement for want of a privilege."""
+    return (
+        isinstance(exc, DBAPIError)
+        and getattr(exc.orig, "sqlstate", None) == _INSUFFICIENT_PRIVILEGE
+    )
+
+
 _T = TypeVar("_T")
 
 
@@ -256,6 +268,11 @@ def create_partitions(
         try:
             done, moved = _locked(engine, table, timeout, make)
         except DBAPIError as exc:
+            # Only a failure of this day's own is left for the next run: a missing privilege
+            # (the worker's maintenance says so once and stops trying) and a lost connection
+            # are the caller's.
+            if refused_privilege(exc) or exc.connection_invalidated:
+                raise
             logger.warning(
                 "history partition %s not made: %s; the next run tries again",
                 name,

@@ -30,19 +30,16 @@ from datetime import timedelta
 from typing import Final
 
 from sqlalchemy import Engine, TextClause, text
-from sqlalchemy.exc import DBAPIError
 
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.events import describe
 from sqla_jobs.history import MaintenanceReport, history_table, maintain, move_finished
+from sqla_jobs.history.maintenance import refused_privilege
 from sqla_jobs.schema import JobMixin, JobResultMixin
 
 __all__ = ["MAY_KEEP_PARTITIONS", "HistoryKeeper", "refused_privilege"]
 
 logger = logging.getLogger("sqla_jobs.worker")
-
-#: SQLSTATE insufficient_privilege: "must be owner of table", "permission denied for ...".
-_INSUFFICIENT_PRIVILEGE: Final = "42501"
 
 #: Whether this role may make and drop partitions of the history table ``:history``:
 #: PostgreSQL allows partition DDL to its owner, or a role that has the owner's privileges
@@ -54,14 +51,6 @@ MAY_KEEP_PARTITIONS: Final[TextClause] = text(
     "has_schema_privilege(c.relnamespace, 'CREATE') AS may_create "
     "FROM pg_class c WHERE c.oid = to_regclass(:history)"
 )
-
-
-def refused_privilege(exc: BaseException) -> bool:
-    """Whether ``exc`` is PostgreSQL refusing a statement for want of a privilege."""
-    return (
-        isinstance(exc, DBAPIError)
-        and getattr(exc.orig, "sqlstate", None) == _INSUFFICIENT_PRIVILEGE
-    )
 
 
 class HistoryKeeper:
