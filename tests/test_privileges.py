@@ -53,7 +53,7 @@ from sqla_jobs.dashboard import create_app
 from sqla_jobs.health import read_gauges
 from sqla_jobs.history.schema import create_partition
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "privileges.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "operations" / "privileges.md"
 ROLES = ("owner", "app", "worker", "maintainer", "dashboard", "operator")
 
 
