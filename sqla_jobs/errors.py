@@ -16,7 +16,9 @@ The tree::
     ├── JobCancelledError          raised inside a handler by ctx.raise_if_cancelled(): its
     │                              job's cancel was requested
     ├── ConfigurationError         the library was set up wrongly (a model without the mixin, ...)
-    │   └── ScheduleError          a periodic task's schedule is malformed (cron, timezone, ...)
+    │   ├── ScheduleError          a periodic task's schedule is malformed (cron, timezone, ...)
+    │   └── SchemaVersionError     the job table is at an older schema version than the worker
+    │                              needs: the message names the migration helpers to run
     └── EmbeddedPostgresError      the throwaway PostgreSQL server could not be set up
 
 Errors raised by the database inside the caller's own transaction (a unique violation in
@@ -38,6 +40,7 @@ __all__ = [
     "JobStateError",
     "LeaseLostError",
     "ScheduleError",
+    "SchemaVersionError",
     "SqlaJobsError",
     "UniqueJobError",
 ]
@@ -146,6 +149,24 @@ class ScheduleError(ConfigurationError):
     are expected), an unknown timezone, an interval that is not a positive whole number of
     seconds, both a cron expression and an interval (or neither), or a registry without a
     ``schedule_model``. Raised when the task is declared."""
+
+
+class SchemaVersionError(ConfigurationError):
+    """The job table is at an older schema version than this sqla_jobs needs; upgrade it
+    with the migration helpers the message names, in that order.
+
+    Raised by :meth:`Worker.run() <sqla_jobs.worker.Worker.run>` and :meth:`Worker.start()
+    <sqla_jobs.worker.Worker.start>` before the worker claims anything (its claims would
+    fail on the columns the table lacks). ``table`` names the table, ``version`` is its
+    schema version (1 or 2), ``helpers`` are the calls of :mod:`sqla_jobs.migrations` that
+    upgrade it, in order, for a revision of yours; the upgrade guide tells the rest.
+    """
+
+    def __init__(self, message: str, *, table: str, version: int, helpers: tuple[str, ...]) -> None:
+        self.table = table
+        self.version = version
+        self.helpers = helpers
+        super().__init__(message)
 
 
 class EmbeddedPostgresError(SqlaJobsError, RuntimeError):

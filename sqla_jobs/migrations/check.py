@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqla_jobs import ddl, statements
 from sqla_jobs.history.schema import PARTITION_KEY, history_names, is_history_partition
 from sqla_jobs.schema import names
+from sqla_jobs.worker.table_version import helper_call, partial_indexes
 
 __all__ = ["check_claim_indexes", "check_job_tables", "include_name"]
 
@@ -130,8 +131,7 @@ def _problems(connection: sa.Connection, table: sa.Table, index: sa.Index) -> li
         if _is_job_table(table) and index.name == names(table.name).unique_index:
             problem = (
                 f"{label}: missing from the database (a job table of schema version 2); "
-                "upgrade it from a new revision with "
-                f"sqla_jobs.migrations.add_unique_keys{_arguments(table)}"
+                f"upgrade it from a new revision with {helper_call('add_unique_keys', table)}"
             )
             return [problem]
         return [f"{label}: missing from the database"]
@@ -178,16 +178,16 @@ def _version_1_problems(connection: sa.Connection, table: sa.Table) -> list[str]
     problem = (
         f"index {n.claim_index} on {table.fullname}: the claim index of schema version 1, "
         "which the model no longer has; upgrade the table from a new revision with "
-        f"sqla_jobs.migrations.upgrade_job_table_to_v2{_arguments(table)}"
+        f"{helper_call('upgrade_job_table_to_v2', table)}"
     )
     return [problem]
 
 
 def _index_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
     problems: list[str] = []
-    for index in sorted(table.indexes, key=lambda i: str(i.name)):
-        if index.dialect_options["postgresql"]["where"] is not None:
-            problems.extend(_problems(connection, table, index))
+    indexes = {str(index.name): index for index in table.indexes}
+    for name in partial_indexes(table):
+        problems.extend(_problems(connection, table, indexes[name]))
     return problems + _version_1_problems(connection, table)
 
 
@@ -199,7 +199,7 @@ def _wakeup_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
         f"wake-up trigger {names(table.name).notify_trigger} on {table.fullname}: missing, "
         "disabled or not the one sqla_jobs creates (autogenerate and a plain create_table "
         "make none), so workers see new jobs only when they poll; add it from a revision "
-        f"with sqla_jobs.migrations.create_notify_trigger{arguments} (after "
+        f"with {helper_call('create_notify_trigger', table)} (after "
         f"drop_notify_trigger{arguments} to replace one that is there but wrong)"
     )
     return [problem]
@@ -213,7 +213,7 @@ def _history_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
     if declared is None or declared.info.get("sqla_jobs_history_of") != table.name:
         return []
     label = f"history table {n.table} of {table.fullname}"
-    fix = f"sqla_jobs.migrations.add_history{_arguments(table)} (with your own columns)"
+    fix = f"{helper_call('add_history', table)} (with your own columns)"
     row = connection.execute(
         _HISTORY_SHAPE,
         {

@@ -80,8 +80,10 @@ from sqla_jobs.migrations.v3 import (
     create_claim_indexes,
 )
 from sqla_jobs.schema import names
+from sqla_jobs.worker import table_version
 
-SCHEMA_VERSION = 3
+# One source for the worker's check at start (sqla_jobs.worker.table_version) and this.
+SCHEMA_VERSION = table_version.SCHEMA_VERSION
 """The latest version of the job and result tables: the one the mixins declare."""
 
 

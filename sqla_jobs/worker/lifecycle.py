@@ -69,6 +69,7 @@ from sqla_jobs.worker.settings import (
     check_numbers,
 )
 from sqla_jobs.worker.state import Attempt, State
+from sqla_jobs.worker.table_version import check_table_version, table_layout
 from sqla_jobs.worker.writer import OutcomeWriter
 
 if TYPE_CHECKING:
@@ -303,7 +304,9 @@ class Worker:
         The call that owns the process: SIGTERM and SIGINT stop it gracefully (unless
         ``handle_signals=False``; see the class docstring), a second one at once.
         Raises :class:`~sqla_jobs.errors.ConfigurationError` at once when the database
-        refuses the worker for good (no such database, role or table, a wrong password);
+        refuses the worker for good (no such database, role or table, a wrong password),
+        and its :class:`~sqla_jobs.errors.SchemaVersionError` when the job table is at an
+        older schema version (the message names the migration helpers that upgrade it);
         a server that is down or restarting is waited for.
         """
         return self._run(embedded=False)
@@ -467,8 +470,9 @@ class Worker:
         self._observer = self._runner.observer = self._database.observer = NO_OBSERVER
 
     def _preflight(self) -> None:
-        """Fail at once on a database that refuses the worker for good; wait for one that
-        is down (a worker may start before its server)."""
+        """Fail at once on a database that refuses the worker for good, or on a job table
+        of an older schema version (:mod:`~sqla_jobs.worker.table_version`); wait for one
+        that is down (a worker may start before its server)."""
         backoff = Backoff(initial=0.2, cap=5.0)
         probe = statements.status_of(self._table)
         while True:
@@ -481,6 +485,7 @@ class Worker:
                     trigger = connection.execute(
                         statements.wakeup_trigger_exists(self._table)
                     ).scalar()
+                    layout = connection.execute(table_layout(self._table)).one()
                 break
             except DBAPIError as exc:
                 message = str(exc.orig or exc)
@@ -499,6 +504,8 @@ class Worker:
                 if self._stop_requested:
                     raise
                 time.sleep(delay)
+        # A table of an older schema version: refuse, naming the helpers that upgrade it.
+        check_table_version(self._table, layout.columns, layout.indexes)
         if self.pooled:
             self._log_pooled(getattr(driver, "prepare_threshold", None))
         if self.listen and not trigger:

@@ -1,0 +1,147 @@
+"""The job table's schema version, which the worker checks at start.
+
+This worker reads and writes every column of schema version 3 (what
+:class:`~sqla_jobs.schema.JobMixin` declares), and its claims expect that version's partial
+indexes. On an older table its first claim would fail on a missing column, and go on failing
+between retries. So before it claims anything, :meth:`Worker.run()
+<sqla_jobs.worker.Worker.run>` reads the table's columns and valid indexes (one catalog
+query, :func:`table_layout`) and, on an older layout, raises
+:class:`~sqla_jobs.errors.SchemaVersionError`, whose one line names the migration helpers to
+run, in order (:func:`upgrade_calls`).
+
+The layouts, as told apart here (:mod:`sqla_jobs.migrations.tables` describes each version):
+
+1. The version-1 claim index (``names(table).claim_index``) is there, or the pending or the
+   running index of version 2 is not: :func:`~sqla_jobs.migrations.upgrade_job_table_to_v2`,
+   then :func:`~sqla_jobs.migrations.upgrade_job_table_to_v3`.
+2. Those are right, but a column of the mixin or a partial index of the model is missing
+   (the ones version 3 adds; or a version-3 upgrade that was interrupted):
+   :func:`~sqla_jobs.migrations.upgrade_job_table_to_v3`, which can run again.
+3. Everything the model's mixin declares is there.
+
+The partial indexes are the model's indexes with a ``postgresql_where``, the ones
+:func:`sqla_jobs.migrations.check_claim_indexes` compares; that check names helpers the
+same way (:func:`helper_call`). It compares predicates too, which this check leaves out: a
+pending index with the predicate of version 2 still serves the claim (only more slowly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Final
+
+from sqlalchemy import Table, TextClause, bindparam, text
+
+from sqla_jobs import statements
+from sqla_jobs.ddl import qualified_name
+from sqla_jobs.errors import SchemaVersionError
+from sqla_jobs.schema import names
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "check_table_version",
+    "helper_call",
+    "partial_indexes",
+    "table_layout",
+    "table_version",
+    "upgrade_calls",
+]
+
+SCHEMA_VERSION: Final = 3
+"""The schema version of the job table that this version of sqla_jobs declares and needs."""
+
+# The helpers of sqla_jobs.migrations that each upgrade a table by one schema version: the
+# version they bring it to, and the helper.
+_UPGRADES: Final = ((2, "upgrade_job_table_to_v2"), (3, "upgrade_job_table_to_v3"))
+
+# Every column JobMixin declares (the model's own columns are the application's business).
+_MIXIN_COLUMNS: Final = (
+    frozenset(statements.ENQUEUE_COLUMNS)
+    | statements.MANAGED_COLUMNS
+    | statements.UNIQUE_COLUMNS
+    | statements.ORDERING_COLUMNS
+    | statements.CONTEXT_COLUMNS
+)
+
+# to_regclass takes no lock on the table: the check does not queue behind the ALTER TABLE of
+# an upgrade. Indexes that a failed CREATE INDEX CONCURRENTLY left invalid do not count.
+_LAYOUT: Final = """
+    SELECT
+        ARRAY(
+            SELECT a.attname::text FROM pg_attribute AS a
+            WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped
+        ) AS columns,
+        ARRAY(
+            SELECT c.relname::text
+            FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+            WHERE i.indrelid = t.oid AND i.indisvalid
+        ) AS indexes
+    FROM (SELECT to_regclass(:layout_table) AS oid) AS t
+"""
+
+
+def table_layout(table: Table) -> TextClause:
+    """The job table's columns and valid indexes: one row, ``columns`` and ``indexes``, two
+    arrays of names (empty when the table does not exist).
+
+    The table's name is bound into the statement: execute it without parameters. Reads
+    ``pg_attribute`` and ``pg_index`` by the table's ``oid``; takes no lock on the table.
+    Names resolve through the connection's ``search_path``, as the queue's own statements
+    do."""
+    name = qualified_name(table.name, table.schema)
+    return text(_LAYOUT).bindparams(bindparam("layout_table", name))
+
+
+def partial_indexes(table: Table) -> list[str]:
+    """The names of the table's partial indexes (the ones with ``postgresql_where``), in
+    name order: for a :class:`~sqla_jobs.schema.JobMixin` model, the claim's indexes and
+    the others of its schema version."""
+    return sorted(
+        str(index.name)
+        for index in table.indexes
+        if index.dialect_options["postgresql"]["where"] is not None
+    )
+
+
+def table_version(table: Table, columns: Collection[str], indexes: Collection[str]) -> int:
+    """The schema version of the job table of the model whose table is ``table``, from the
+    ``columns`` and valid ``indexes`` that :func:`table_layout` found: 1, 2 or
+    :data:`SCHEMA_VERSION` (see the module's docstring)."""
+    n = names(table.name)
+    found = frozenset(indexes)
+    if n.claim_index in found or not {n.pending_index, n.running_index} <= found:
+        return 1
+    wanted = _MIXIN_COLUMNS.intersection(c.name for c in table.columns)
+    if wanted <= frozenset(columns) and frozenset(partial_indexes(table)) <= found:
+        return SCHEMA_VERSION
+    return 2
+
+
+def helper_call(helper: str, table: Table) -> str:
+    """A call of the migration helper ``helper`` on ``table``, as a revision writes it:
+    ``sqla_jobs.migrations.add_unique_keys('email_jobs', schema='jobs')``."""
+    schema = "" if table.schema is None else f", schema={table.schema!r}"
+    return f"sqla_jobs.migrations.{helper}({table.name!r}{schema})"
+
+
+def upgrade_calls(table: Table, version: int) -> list[str]:
+    """The helper calls that upgrade ``table`` from schema ``version`` to
+    :data:`SCHEMA_VERSION`, in the order to run them (none from the latest)."""
+    return [helper_call(helper, table) for to, helper in _UPGRADES if to > version]
+
+
+def check_table_version(table: Table, columns: Collection[str], indexes: Collection[str]) -> None:
+    """Raise :class:`~sqla_jobs.errors.SchemaVersionError` unless the table that
+    :func:`table_layout` read has the layout of :data:`SCHEMA_VERSION`."""
+    version = table_version(table, columns, indexes)
+    if version == SCHEMA_VERSION:
+        return
+    calls = upgrade_calls(table, version)
+    raise SchemaVersionError(
+        f"job table {table.fullname!r} has the layout of schema version {version} and this "
+        f"worker needs version {SCHEMA_VERSION}: upgrade it from an Alembic revision with "
+        f"{', then '.join(calls)}",
+        table=table.fullname,
+        version=version,
+        helpers=tuple(calls),
+    )
