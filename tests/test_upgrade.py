@@ -1,0 +1,316 @@
+"""A job table of an older schema version, full of jobs, upgraded to the current one.
+
+Each test builds the table as an older release's revision did (``create_job_table`` at
+version 1 or 2, the package's frozen definitions), fills it with jobs in every status as the
+workers of that release left them (their workers are stopped), checks that a worker of this
+version refuses to start on it with one line naming the helpers to run (from Python and from
+the command line) and claims nothing, runs the helpers in that order as a revision runs
+them, then drains the table with a real worker and checks from SQL that nothing was lost.
+See docs/operations/upgrading.md.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import worker_tasks
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.operations import Operations
+from conftest import FreshDatabase
+from sqlalchemy.pool import NullPool
+from worker_harness import JobDatabase, running, subprocess_env, wait_until
+from worker_tasks import WorkerJob, registry
+
+from sqla_jobs import migrations
+from sqla_jobs.errors import ConfigurationError, SchemaVersionError
+from sqla_jobs.worker import Worker
+
+TABLE = "worker_jobs"
+V2 = "sqla_jobs.migrations.upgrade_job_table_to_v2('worker_jobs')"
+V3 = "sqla_jobs.migrations.upgrade_job_table_to_v3('worker_jobs')"
+# What each older layout's refusal says, word for word (docs/operations/upgrading.md).
+REFUSALS = {
+    1: (
+        "job table 'worker_jobs' has the layout of schema version 1 and this worker needs "
+        f"version 3: upgrade it from an Alembic revision with {V2}, then {V3}"
+    ),
+    2: (
+        "job table 'worker_jobs' has the layout of schema version 2 and this worker needs "
+        f"version 3: upgrade it from an Alembic revision with {V3}"
+    ),
+}
+# The columns every schema version has: what the old workers wrote, compared before and after.
+V1_COLUMNS = (
+    "id, queue, task, args, status, priority, run_at, attempts, max_attempts, "
+    "lease_expires_at, leased_by, last_error, created_at, finished_at"
+)
+PER_KIND = 5
+# Jobs in every status, as an older release's workers left them, told apart by args->>'kind'
+# (the handler ignores it): status, attempts, max_attempts, run_at, lease_expires_at,
+# leased_by, last_error, finished_at.
+OLD_JOBS = """
+    INSERT INTO worker_jobs (queue, task, args, status, attempts, max_attempts, run_at,
+                             lease_expires_at, leased_by, last_error, finished_at)
+    SELECT 'work', 'sleepy_locked', jsonb_build_object('kind', k.kind), k.status, k.attempts,
+           k.max_attempts, now() + k.run_in, now() + k.lease_in, k.leased_by, k.last_error,
+           now() + k.finished_in
+    FROM generate_series(1, :per_kind) AS n, (VALUES
+        ('due',       'pending',   0, 20, interval '-1 minute', NULL::interval, NULL, NULL,
+         NULL::interval),
+        ('delayed',   'pending',   0, 20, interval '1 hour', NULL, NULL, NULL, NULL),
+        ('retry',     'pending',   1, 20, interval '-1 second', NULL, NULL, 'boom', NULL),
+        ('live',      'running',   1, 20, interval '-1 minute', interval '1 hour',
+         'old-worker', NULL, NULL),
+        ('expired',   'running',   1, 20, interval '-2 minutes', interval '-1 minute',
+         'old-worker', NULL, NULL),
+        ('succeeded', 'succeeded', 1, 20, interval '-2 hours', NULL, NULL, NULL,
+         interval '-1 hour'),
+        ('dead',      'dead',      3, 3, interval '-2 hours', NULL, NULL, 'boom',
+         interval '-1 hour'),
+        ('cancelled', 'cancelled', 0, 20, interval '-2 hours', NULL, NULL, NULL,
+         interval '-1 hour')
+    ) AS k(kind, status, attempts, max_attempts, run_in, lease_in, leased_by, last_error,
+           finished_in)
+    ORDER BY n, k.kind
+"""
+RUNNABLE = ("due", "retry", "expired")  # run by the first drain
+WAITING = ("delayed", "live")  # not yet: their run_at, or another worker's lease
+FINISHED = ("succeeded", "dead", "cancelled")  # never again
+
+
+def migrate(engine: sa.Engine, step: Callable[[], object]) -> None:
+    """Run migration helpers as a revision's ``upgrade()`` runs them, and commit."""
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection)
+        with Operations.context(context), context.begin_transaction():
+            step()
+
+
+Rows = dict[int, dict[str, Any]]
+
+
+def rows(engine: sa.Engine, where: str = "true") -> Rows:
+    """The jobs by id, each with the columns of every version and its kind."""
+    query = f"SELECT {V1_COLUMNS}, args->>'kind' AS kind FROM {TABLE} WHERE {where}"
+    with engine.connect() as connection:
+        return {row.id: dict(row._mapping) for row in connection.execute(sa.text(query))}
+
+
+def of_kind(jobs: Rows, *kinds: str) -> Rows:
+    return {job_id: job for job_id, job in jobs.items() if job["kind"] in kinds}
+
+
+def results(engine: sa.Engine) -> list[tuple[Any, ...]]:
+    with engine.connect() as connection:
+        query = "SELECT job_id, task, value, finished_at FROM worker_job_results ORDER BY 1"
+        return [tuple(row) for row in connection.execute(sa.text(query))]
+
+
+def effects(engine: sa.Engine) -> list[tuple[int, int]]:
+    """(job id, attempt) of every effect a handler committed, in order."""
+    with engine.connect() as connection:
+        query = "SELECT job_id, attempt FROM worker_effects WHERE kind = 'effect' ORDER BY 1, 2"
+        return [(row.job_id, row.attempt) for row in connection.execute(sa.text(query))]
+
+
+def count_by_status(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as connection:
+        query = f"SELECT status, count(*) AS n FROM {TABLE} GROUP BY status"
+        return {row.status: int(row.n) for row in connection.execute(sa.text(query))}
+
+
+@pytest.fixture
+def old_table(
+    request: pytest.FixtureRequest, fresh_database: FreshDatabase, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[JobDatabase]:
+    """The worker tests' database with the job table at schema version ``request.param``,
+    full of jobs in every status; the handlers of :mod:`worker_tasks` connect to it."""
+    version: int = request.param
+    url = fresh_database("sqla_jobs_upgrade")
+    engine = sa.create_engine(url, poolclass=NullPool)
+    try:
+        migrate(
+            engine,
+            lambda: (
+                migrations.create_job_table(TABLE, version=version),
+                migrations.create_result_table("worker_job_results"),
+            ),
+        )
+        with engine.begin() as connection:
+            connection.execute(sa.text(OLD_JOBS), {"per_kind": PER_KIND})
+            connection.execute(
+                sa.text(
+                    "INSERT INTO worker_job_results (job_id, task, value, finished_at) "
+                    f"SELECT id, task, jsonb_build_object('id', id), finished_at FROM {TABLE} "
+                    "WHERE status = 'succeeded'"
+                )
+            )
+    finally:
+        engine.dispose()
+    database = JobDatabase(url)  # creates what is missing: the effects table
+    monkeypatch.setenv(worker_tasks.DATABASE_URL_VARIABLE, url)
+    try:
+        yield database
+    finally:
+        worker_tasks.forget_engines()
+        database.dispose()
+
+
+def refusal(db: JobDatabase) -> SchemaVersionError:
+    """Start a worker of this version in a thread, as an application would; return what it
+    raised."""
+    engine = sa.create_engine(db.url, pool_size=10)
+    try:
+        worker = Worker(registry, engine, handle_signals=False, poll_interval=0.1)
+        with pytest.raises(SchemaVersionError) as raised:
+            worker.start()
+        assert not worker.is_healthy()
+    finally:
+        engine.dispose()
+    return raised.value
+
+
+def command_line_refusal(db: JobDatabase, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``sqla-jobs worker worker_tasks:registry`` on the table, as a deployment runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_jobs", "worker", "worker_tasks:registry", "--queues", "work"],
+        cwd=tmp_path,
+        env=subprocess_env(db.url),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def assert_refused(db: JobDatabase, tmp_path: Path, version: int, helpers: list[str]) -> None:
+    before = rows(db.engine)
+    error = refusal(db)
+    assert str(error) == REFUSALS[version]
+    assert (error.table, error.version, list(error.helpers)) == (TABLE, version, helpers)
+    assert isinstance(error, ConfigurationError)  # what Worker.start() documents
+    cli = command_line_refusal(db, tmp_path)
+    assert (cli.returncode, cli.stdout) == (1, "")
+    assert cli.stderr.splitlines() == [f"sqla-jobs: error: {REFUSALS[version]}"]
+    assert rows(db.engine) == before  # nothing claimed, nothing touched
+    assert effects(db.engine) == []
+
+
+def drain_and_check(db: JobDatabase, before: Rows, finished_results: list[tuple[Any, ...]]) -> None:
+    """Drain the upgraded table with a real worker; check from SQL that every runnable job
+    ran exactly once, that the waiting ones waited, and that the finished ones are as the
+    old workers left them."""
+    runnable = of_kind(before, *RUNNABLE)
+    waiting = of_kind(before, *WAITING)
+    finished = of_kind(before, *FINISHED)
+    ids = ", ".join(str(job_id) for job_id in runnable)
+    with running(db, concurrency=4):
+        wait_until(
+            lambda: all(
+                job["status"] == "succeeded" for job in rows(db.engine, f"id IN ({ids})").values()
+            ),
+            timeout=60,
+            message="the runnable jobs of the old table succeeded",
+        )
+        # The delayed jobs wait for their run_at, the live leases for their holder (a worker
+        # of the old version that is gone, so here for their end): untouched until then.
+        assert of_kind(rows(db.engine), *WAITING) == waiting
+        with db.engine.begin() as connection:
+            connection.execute(
+                sa.text(
+                    f"UPDATE {TABLE} SET run_at = now(), "
+                    "lease_expires_at = CASE WHEN status = 'running' THEN now() END "
+                    "WHERE args->>'kind' IN ('delayed', 'live')"
+                )
+            )
+        wait_until(
+            lambda: count_by_status(db.engine).keys() <= {"succeeded", "dead", "cancelled"},
+            timeout=60,
+            message="every job of the old table finished",
+        )
+    after = rows(db.engine)
+    assert set(after) == set(before)  # none lost, none added
+    # Every runnable job ran exactly once, as the attempt after the old workers' last one.
+    ran = {**runnable, **waiting}
+    assert effects(db.engine) == sorted(
+        (job_id, job["attempts"] + 1) for job_id, job in ran.items()
+    )
+    for job_id, job in ran.items():
+        assert after[job_id]["status"] == "succeeded"
+        assert after[job_id]["attempts"] == job["attempts"] + 1
+    # The finished jobs, and the results of the succeeded ones, are as they were.
+    assert of_kind(after, *FINISHED) == finished
+    assert [r for r in results(db.engine) if r[0] in finished] == finished_results
+    assert count_by_status(db.engine) == {
+        "succeeded": PER_KIND * (1 + len(RUNNABLE) + len(WAITING)),
+        "dead": PER_KIND,
+        "cancelled": PER_KIND,
+    }
+
+
+def assert_current(db: JobDatabase) -> None:
+    """What the upgrade guide says to verify: check_job_tables, and autogenerate's diff of the
+    job table (what ``alembic check`` compares) against the model."""
+    with db.engine.connect() as connection:
+        assert migrations.check_job_tables(connection, WorkerJob) == []
+        context = MigrationContext.configure(
+            connection,
+            opts={
+                "compare_type": True,
+                "compare_server_default": True,
+                "include_object": lambda _, name, type_, *__: type_ != "table" or name == TABLE,
+            },
+        )
+        assert compare_metadata(context, worker_tasks.Base.metadata) == []
+
+
+@pytest.mark.parametrize("old_table", [1], indirect=True)
+def test_a_version_1_table_is_refused_then_upgraded_and_drained_with_nothing_lost(
+    old_table: JobDatabase, tmp_path: Path
+) -> None:
+    db = old_table
+    before = rows(db.engine)
+    assert count_by_status(db.engine) == {
+        "pending": 3 * PER_KIND,
+        "running": 2 * PER_KIND,
+        "succeeded": PER_KIND,
+        "dead": PER_KIND,
+        "cancelled": PER_KIND,
+    }
+    finished_results = results(db.engine)
+    assert len(finished_results) == PER_KIND
+    assert_refused(db, tmp_path, 1, [V2, V3])
+
+    migrate(db.engine, lambda: migrations.upgrade_job_table_to_v2(TABLE))
+    assert_refused(db, tmp_path, 2, [V3])  # half-way: the next helper only
+    migrate(db.engine, lambda: migrations.upgrade_job_table_to_v3(TABLE))
+
+    assert rows(db.engine) == before
+    assert_current(db)
+    drain_and_check(db, before, finished_results)
+
+
+@pytest.mark.parametrize("old_table", [2], indirect=True)
+def test_a_version_2_table_is_refused_until_the_whole_version_3_upgrade_has_run(
+    old_table: JobDatabase, tmp_path: Path
+) -> None:
+    db = old_table
+    before = rows(db.engine)
+    finished_results = results(db.engine)
+    assert_refused(db, tmp_path, 2, [V3])
+
+    # One feature of version 3 alone (what an interrupted upgrade leaves): still refused,
+    # with the same helper, which runs again over what is already there.
+    migrate(db.engine, lambda: migrations.add_unique_keys(TABLE))
+    assert_refused(db, tmp_path, 2, [V3])
+    migrate(db.engine, lambda: migrations.upgrade_job_table_to_v3(TABLE))
+
+    assert rows(db.engine) == before
+    assert_current(db)
+    drain_and_check(db, before, finished_results)
