@@ -155,8 +155,8 @@ class SchemaVersionError(ConfigurationError):
     """The job table is at an older schema version than this sqla_jobs needs; upgrade it
     with the migration helpers the message names, in that order.
 
-    Raised by :meth:`Worker.run() <sqla_jobs.worker.Worker.run>` and :meth:`Worker.start()
-    <sqla_jobs.worker.Worker.start>` before the worker claims anything (its claims would
+    Raised by :meth:`Worker.run() <sqla_jobs.Worker.run>` and :meth:`Worker.start()
+    <sqla_jobs.Worker.start>` before the worker claims anything (its claims would
     fail on the columns the table lacks). ``table`` names the table, ``version`` is its
     schema version (1 or 2), ``helpers`` are the calls of :mod:`sqla_jobs.migrations` that
     upgrade it, in order, for a revision of yours; the upgrade guide tells the rest.

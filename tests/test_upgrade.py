@@ -11,12 +11,14 @@ See docs/operations/upgrading.md.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import models
 import pytest
 import sqlalchemy as sa
 import worker_tasks
@@ -24,6 +26,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
 from conftest import FreshDatabase
+from doc_blocks import DOCS, load
 from sqlalchemy.pool import NullPool
 from worker_harness import JobDatabase, running, subprocess_env, wait_until
 from worker_tasks import WorkerJob, registry
@@ -31,6 +34,7 @@ from worker_tasks import WorkerJob, registry
 from sqla_jobs import migrations
 from sqla_jobs.errors import ConfigurationError, SchemaVersionError
 from sqla_jobs.worker import Worker
+from sqla_jobs.worker.table_version import table_layout, table_version
 
 TABLE = "worker_jobs"
 V2 = "sqla_jobs.migrations.upgrade_job_table_to_v2('worker_jobs')"
@@ -314,3 +318,100 @@ def test_a_version_2_table_is_refused_until_the_whole_version_3_upgrade_has_run(
     assert rows(db.engine) == before
     assert_current(db)
     drain_and_check(db, before, finished_results)
+
+
+# -- the upgrade guide's revisions ------------------------------------------------------------
+
+GUIDE = DOCS / "operations" / "upgrading.md"
+
+
+def guide_revisions() -> dict[str, dict[str, Any]]:
+    """The revision files of the upgrade guide by file name (``0007_email_jobs_v2.py``), each
+    executed into a namespace of its own. Their helpers need a migration context that runs
+    its own transaction (autocommit_block), as ``alembic upgrade`` runs them: :func:`migrate`."""
+    found: dict[str, dict[str, Any]] = {}
+    for block in load(GUIDE).blocks:
+        name = re.match(r"# alembic/versions/(\w+\.py)", block.code)
+        if block.language == "python" and name:
+            namespace: dict[str, Any] = {}
+            exec(compile(block.code, block.where, "exec"), namespace)
+            found[name.group(1)] = namespace
+    assert len(found) == 5, sorted(found)
+    return found
+
+
+def tables(engine: sa.Engine) -> set[str]:
+    with engine.connect() as connection:
+        return set(sa.inspect(connection).get_table_names())
+
+
+def layout_version(engine: sa.Engine, table: sa.Table) -> int:
+    with engine.connect() as connection:
+        found = connection.execute(table_layout(table)).one()
+    return table_version(table, found.columns, found.indexes)
+
+
+@pytest.fixture
+def guide_engine(fresh_database: FreshDatabase) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(fresh_database("sqla_jobs_guide"), poolclass=NullPool)
+    with engine.begin() as connection:  # what the guide's first revision refers to
+        connection.execute(sa.text("CREATE TABLE orders (id integer PRIMARY KEY)"))
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def test_the_upgrade_guides_revisions_upgrade_a_version_1_table_and_back(
+    guide_engine: sa.Engine,
+) -> None:
+    revisions = guide_revisions()
+    names = ("0001_email_jobs.py", "0007_email_jobs_v2.py", "0008_email_jobs_v3.py")
+    steps = [revisions[name] for name in names]
+    email_jobs: sa.Table = models.EmailJob.__table__  # type: ignore[assignment]
+    before = tables(guide_engine)
+    versions = []
+    for revision in steps:
+        migrate(guide_engine, revision["upgrade"])
+        versions.append(layout_version(guide_engine, email_jobs))
+    assert versions == [1, 2, 3]
+    with guide_engine.connect() as connection:
+        assert migrations.check_job_tables(connection, models.EmailJob) == []
+    for revision in reversed(steps):
+        migrate(guide_engine, revision["downgrade"])
+    assert tables(guide_engine) == before
+
+
+def test_the_upgrade_guides_downgrade_keeps_the_finished_jobs_of_a_history(
+    guide_engine: sa.Engine,
+) -> None:
+    revisions = guide_revisions()
+    made, back = revisions["0010_invoice_jobs.py"], revisions["0012_invoice_jobs_back_to_v2.py"]
+    before = tables(guide_engine)
+    migrate(guide_engine, made["upgrade"])
+    with guide_engine.begin() as connection:
+        connection.execute(
+            sa.text(
+                "INSERT INTO invoice_jobs_history (id, queue, task, args, status, priority, "
+                "run_at, attempts, max_attempts, created_at, finished_at, customer, result) "
+                "VALUES (41, 'q', 'bill', '{}', 'succeeded', 0, now(), 1, 20, now(), now(), "
+                "'ada', '1')"
+            )
+        )
+        connection.execute(sa.text("INSERT INTO invoice_jobs (task) VALUES ('bill')"))
+    assert "invoice_jobs_history" in tables(guide_engine)
+
+    migrate(guide_engine, back["upgrade"])
+    assert "invoice_jobs_history" not in tables(guide_engine)
+    invoice_jobs = sa.Table("invoice_jobs", sa.MetaData(), autoload_with=guide_engine)
+    assert "ordering_key" not in invoice_jobs.c  # version 2
+    with guide_engine.connect() as connection:
+        kept = connection.execute(
+            sa.text("SELECT id, status, customer FROM invoice_jobs ORDER BY status")
+        ).all()
+    assert [tuple(row) for row in kept] == [(1, "pending", None), (41, "succeeded", "ada")]
+
+    migrate(guide_engine, back["downgrade"])
+    assert "invoice_jobs_history" in tables(guide_engine)
+    migrate(guide_engine, made["downgrade"])
+    assert tables(guide_engine) == before

@@ -4,7 +4,7 @@ This worker reads and writes every column of schema version 3 (what
 :class:`~sqla_jobs.schema.JobMixin` declares), and its claims expect that version's partial
 indexes. On an older table its first claim would fail on a missing column, and go on failing
 between retries. So before it claims anything, :meth:`Worker.run()
-<sqla_jobs.worker.Worker.run>` reads the table's columns and valid indexes (one catalog
+<sqla_jobs.Worker.run>` reads the table's columns and valid indexes (one catalog
 query, :func:`table_layout`) and, on an older layout, raises
 :class:`~sqla_jobs.errors.SchemaVersionError`, whose one line names the migration helpers to
 run, in order (:func:`upgrade_calls`).
