@@ -31,7 +31,7 @@ from sqlalchemy.pool import NullPool
 from worker_harness import JobDatabase, running, subprocess_env, wait_until
 from worker_tasks import WorkerJob, registry
 
-from sqla_jobs import migrations
+from sqla_jobs import migrations, names
 from sqla_jobs.errors import ConfigurationError, SchemaVersionError
 from sqla_jobs.worker import Worker
 from sqla_jobs.worker.table_version import table_layout, table_version
@@ -415,3 +415,21 @@ def test_the_upgrade_guides_downgrade_keeps_the_finished_jobs_of_a_history(
     assert "invoice_jobs_history" in tables(guide_engine)
     migrate(guide_engine, made["downgrade"])
     assert tables(guide_engine) == before
+
+
+def test_the_version_is_told_by_the_mixins_columns_and_indexes_alone() -> None:
+    # A copy of the model with a column and a partial index of the application's own, which
+    # no helper of the library makes: their absence is not an older schema version.
+    model: sa.Table = WorkerJob.__table__  # type: ignore[assignment]
+    table = model.to_metadata(sa.MetaData())
+    table.append_column(sa.Column("note", sa.Text))
+    sa.Index("worker_jobs_note_idx", table.c.note, postgresql_where=sa.text("note IS NOT NULL"))
+    n = names(TABLE)
+    columns = [c.name for c in model.columns]
+    v3 = [n.pending_index, n.running_index, n.dead_index, n.unique_index]
+    v3 += [n.keyed_pending_index, n.key_index]
+    assert table_version(table, columns, v3) == 3
+    assert table_version(table, columns, [*v3, n.claim_index]) == 1  # the old index left over
+    assert table_version(table, columns, v3[1:]) == 1  # no pending index
+    assert table_version(table, [c for c in columns if c != "trace_context"], v3) == 2
+    assert table_version(table, columns, [i for i in v3 if i != n.key_index]) == 2

@@ -14,20 +14,23 @@ The layouts, as told apart here (:mod:`sqla_jobs.migrations.tables` describes ea
 1. The version-1 claim index (``names(table).claim_index``) is there, or the pending or the
    running index of version 2 is not: :func:`~sqla_jobs.migrations.upgrade_job_table_to_v2`,
    then :func:`~sqla_jobs.migrations.upgrade_job_table_to_v3`.
-2. Those are right, but a column of the mixin or a partial index of the model is missing
-   (the ones version 3 adds; or a version-3 upgrade that was interrupted):
+2. Those are right, but a column or a partial index of the mixin is missing (the ones
+   version 3 adds; or a version-3 upgrade that was interrupted):
    :func:`~sqla_jobs.migrations.upgrade_job_table_to_v3`, which can run again.
-3. Everything the model's mixin declares is there.
+3. Everything the mixin declares is there.
 
-The partial indexes are the model's indexes with a ``postgresql_where``, the ones
-:func:`sqla_jobs.migrations.check_claim_indexes` compares; that check names helpers the
-same way (:func:`helper_call`). It compares predicates too, which this check leaves out: a
-pending index with the predicate of version 2 still serves the claim (only more slowly).
+The partial indexes are the model's indexes with a ``postgresql_where``
+(:func:`partial_indexes`, the ones :func:`sqla_jobs.migrations.check_claim_indexes`
+compares) that :func:`~sqla_jobs.schema.names` names; the model's own columns and indexes are
+left to the application's migrations. ``check_claim_indexes`` names helpers the same way
+(:func:`helper_call`), and compares predicates too, which this check leaves out: a pending
+index with the predicate of version 2 still serves the claim (only more slowly).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import fields
 from typing import Final
 
 from sqlalchemy import Table, TextClause, bindparam, text
@@ -111,8 +114,12 @@ def table_version(table: Table, columns: Collection[str], indexes: Collection[st
     found = frozenset(indexes)
     if n.claim_index in found or not {n.pending_index, n.running_index} <= found:
         return 1
-    wanted = _MIXIN_COLUMNS.intersection(c.name for c in table.columns)
-    if wanted <= frozenset(columns) and frozenset(partial_indexes(table)) <= found:
+    # The mixin's columns and partial indexes, not the model's own (their migrations are
+    # the application's business, and no helper of ours makes them).
+    wanted_columns = _MIXIN_COLUMNS.intersection(c.name for c in table.columns)
+    ours = {getattr(n, f.name) for f in fields(n) if f.name.endswith("_index")}
+    wanted_indexes = ours.intersection(partial_indexes(table))
+    if wanted_columns <= frozenset(columns) and wanted_indexes <= found:
         return SCHEMA_VERSION
     return 2
 
