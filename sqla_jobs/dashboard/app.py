@@ -572,8 +572,11 @@ class _Dashboard:
         return RedirectResponse(target, status_code=303, headers=_HEADERS)
 
 
-def _when(value: datetime | None) -> str:
-    return "-" if value is None else value.isoformat(sep=" ", timespec="seconds")
+def _when(value: datetime | str | None) -> str:
+    # A str: a time Python cannot hold, as PostgreSQL wrote it (sources.readable_values).
+    if value is None or isinstance(value, str):
+        return value or "-"
+    return value.isoformat(sep=" ", timespec="seconds")
 
 
 def _pretty(value: Any) -> str:

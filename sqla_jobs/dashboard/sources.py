@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import Connection, RowMapping, Select, Table
 
 from sqla_jobs.dashboard import statements
-from sqla_jobs.queue import readable_jsonb
+from sqla_jobs.queue import readable_values
 from sqla_jobs.schema import JobStatus
 
 __all__ = ["ListQuery", "Page", "TableSource", "built", "find_job", "read_page"]
@@ -101,14 +101,16 @@ def read_page(
 
     Each source answers for the ids down to its own bound; below the highest of those
     bounds some source has not looked yet, so the page stops there, and the next page
-    starts there: no job is skipped or shown twice.
+    starts there: no job is skipped or shown twice. A time Python cannot hold shows as its
+    text (:func:`~sqla_jobs.queue.readable_values`).
     """
     rows: list[Any] = []
     cover = 0
-    for source in sources:
-        found, bound = source.window(connection, query, size + 1)
-        rows += found
-        cover = max(cover, bound)
+    with readable_values(connection):
+        for source in sources:
+            found, bound = source.window(connection, query, size + 1)
+            rows += found
+            cover = max(cover, bound)
     complete = sorted((row for row in rows if row.id >= cover), key=lambda r: r.id, reverse=True)
     if len(complete) > size:
         shown = complete[:size]
@@ -120,8 +122,9 @@ def find_job(
     connection: Connection, sources: Sequence[TableSource], job_id: int
 ) -> RowMapping | None:
     """Job ``job_id`` from the first source that has it. A jsonb value Python cannot decode
-    (a row another program wrote) shows as an :class:`~sqla_jobs.queue.UnreadableJson`."""
-    with readable_jsonb(connection):
+    (a row another program wrote) shows as an :class:`~sqla_jobs.queue.UnreadableJson`, a
+    time Python cannot hold as its text (:func:`~sqla_jobs.queue.readable_values`)."""
+    with readable_values(connection):
         for source in sources:
             row = source.job(connection, job_id)
             if row is not None:

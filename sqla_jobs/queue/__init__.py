@@ -46,6 +46,7 @@ from sqla_jobs.queue._plumbing import (
     UnreadableJson,
     default_worker_name,
     readable_jsonb,
+    readable_values,
 )
 from sqla_jobs.queue.admin import (
     DeadJob,
@@ -129,6 +130,7 @@ __all__ = [
     "prune",
     "queue_stats",
     "readable_jsonb",
+    "readable_values",
     "release",
     "retry",
     "storable_text",

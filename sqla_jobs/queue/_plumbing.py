@@ -13,7 +13,7 @@ import os
 import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime, time, timedelta
+from datetime import date, datetime, time, timedelta, timezone
 from decimal import Decimal
 from typing import Any, Final, NamedTuple, TypeAlias, cast
 from uuid import UUID
@@ -84,6 +84,9 @@ class ClaimedJob(NamedTuple):
     priority: int
     attempt: int
     max_attempts: int
+    #: None only for a row whose ``run_at`` Python's datetime cannot hold (``'-infinity'``, a
+    #: year before 1: written by another program). A worker ends such a job dead before any
+    #: handler sees it.
     run_at: datetime
     lease_expires_at: datetime
     #: The enqueuer's trace context (schema version 3), or None: see :mod:`sqla_jobs.tracing`.
@@ -97,11 +100,13 @@ class ClaimedJob(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class FailOutcome:
-    """What :func:`fail` did: ``status`` is ``pending`` (a retry at ``run_at``) or ``dead``."""
+    """What :func:`fail` did: ``status`` is ``pending`` (a retry at ``run_at``) or ``dead``.
+    ``run_at`` is None only when the row's ``run_at`` (kept by a dead job) lies outside what
+    Python's datetime holds (written by another program)."""
 
     job_id: int
     status: JobStatus
-    run_at: datetime
+    run_at: datetime | None
 
     @property
     def will_retry(self) -> bool:
@@ -199,8 +204,26 @@ def _rows(
         if isinstance(session, Connection)
         else session.connection(bind_arguments={"clause": statement})
     )
+    if connection.dialect.driver == "asyncpg" and builder in _CLAIMS:
+        # asyncpg decodes jsonb with SQLAlchemy's json.loads codec, which a value Python's
+        # json cannot decode would make fail the whole claim: read those columns as text.
+        claimed = _statement(builder, table, json_text=True, **options)
+        return [_json_decoded(row) for row in connection.execute(claimed, params)]
     with readable_jsonb(connection):
         return connection.execute(statement, params).all()
+
+
+#: The statements that return claimed jobs (rows as :data:`_CLAIM_ORDER` reads them).
+_CLAIMS: Final = frozenset({statements.claim, statements.claim_keyed})
+
+
+def _json_decoded(row: Sequence[Any]) -> tuple[Any, ...]:
+    # A claimed row whose args (4) and trace_context (10) came back as text (json_text).
+    fields = list(row)
+    for index in (4, 10):
+        if fields[index] is not None:
+            fields[index] = _loads(fields[index])
+    return tuple(fields)
 
 
 @contextlib.contextmanager
@@ -211,7 +234,10 @@ def readable_jsonb(connection: Connection) -> Iterator[None]:
     the statements that read rows other programs may have written: a claim, a dashboard's
     job page."""
     driver = connection.connection.driver_connection
-    if not isinstance(driver, psycopg.Connection) or not _stock_jsonb(driver):
+    if not isinstance(driver, (psycopg.Connection, psycopg.AsyncConnection)):
+        yield
+        return
+    if not _stock_jsonb(driver):
         yield
         return
     adapters = driver.adapters
@@ -220,6 +246,51 @@ def readable_jsonb(connection: Connection) -> Iterator[None]:
         yield
     finally:
         adapters.register_loader(_JSONB_OID, JsonbLoader)
+
+
+@contextlib.contextmanager
+def readable_values(connection: Connection) -> Iterator[None]:
+    """:func:`readable_jsonb`, and a timestamptz Python's datetime cannot hold (``'infinity'``,
+    ``'-infinity'``, a year before 1 or after 9999) read as its text (a ``str``) instead of
+    failing the statement. For the pages that show whole rows other programs may have written
+    (the dashboard's); not for the hot path, where the statements hand back only times they
+    made readable (:func:`sqla_jobs.statements._sql._readable_time`)."""
+    driver = connection.connection.driver_connection
+    if not isinstance(driver, (psycopg.Connection, psycopg.AsyncConnection)):
+        yield
+        return
+    adapters = driver.adapters
+    stock = adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT)
+    if stock is None:
+        yield
+        return
+    tolerant = type("ReadableTimestamptz", (_ReadableTime,), {"stock": stock})
+    adapters.register_loader(_TIMESTAMPTZ_OID, tolerant)
+    try:
+        with readable_jsonb(connection):
+            yield
+    finally:
+        adapters.register_loader(_TIMESTAMPTZ_OID, stock)
+
+
+_TIMESTAMPTZ_OID: Final = psycopg.postgres.types["timestamptz"].oid
+
+
+class _ReadableTime(Loader):
+    """The connection's own timestamptz loader (``stock``), or the value's text where it
+    cannot make a datetime of it (:func:`readable_values`)."""
+
+    stock: type[Loader]
+
+    def __init__(self, oid: int, context: Any = None) -> None:
+        super().__init__(oid, context)
+        self._load = self.stock(oid, context).load
+
+    def load(self, data: Buffer) -> Any:
+        try:
+            return self._load(data)
+        except psycopg.DataError:
+            return bytes(data).decode()
 
 
 class UnreadableJson:
@@ -279,7 +350,7 @@ class _JsonbLoader(Loader):
         return value if end == len(text) else _loads(text)
 
 
-def _stock_jsonb(driver: psycopg.Connection[Any]) -> bool:
+def _stock_jsonb(driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     """Whether ``driver`` reads jsonb with psycopg's own loader and ``json.loads``: neither
     ``set_json_loads`` for it (a loader class of its own) nor for every connection (the
     stock class's ``_loads`` replaced)."""
@@ -338,6 +409,15 @@ _JOB_ID: Final = operator.attrgetter("id")
 _JOB_ATTEMPT: Final = operator.attrgetter("attempt")
 #: A claim row's (priority, run_at, id): the order of claimed jobs.
 _CLAIM_ORDER: Final = operator.itemgetter(5, 8, 0)
+
+
+def _claim_order_with_unreadable(row: Sequence[Any]) -> tuple[int, datetime, int]:
+    """:data:`_CLAIM_ORDER` for rows among which a ``run_at`` came back None (unreadable:
+    :func:`sqla_jobs.statements._sql._readable_time`), which sorts first, as its
+    ``'-infinity'`` or ancient time does in the claim's own order."""
+    return (row[5], row[8] or datetime.min.replace(tzinfo=timezone.utc), row[0])
+
+
 #: The status column of statements.complete's rows.
 _ROW_STATUS: Final = operator.itemgetter(3)
 

@@ -27,6 +27,7 @@ from sqla_jobs.queue._plumbing import (
     Executor,
     _check_count,
     _check_queues,
+    _claim_order_with_unreadable,
     _fence_params,
     _fenced,
     _job_table,
@@ -154,7 +155,11 @@ def claim(
     # The hot path. The rows are sorted in (priority, run_at, id) order by a C-level key,
     # and each job is built positionally (in the order of the claim statement's RETURNING)
     # by tuple.__new__, which ClaimedJob's own __new__ is a Python-level call around.
-    new, ordered = tuple.__new__, sorted(rows, key=_CLAIM_ORDER)
+    new = tuple.__new__
+    try:
+        ordered = sorted(rows, key=_CLAIM_ORDER)
+    except TypeError:  # a run_at came back None: a row Python cannot read (rare; see admit)
+        ordered = sorted(rows, key=_claim_order_with_unreadable)
     jobs: list[ClaimedJob] = [
         new(
             ClaimedJob,

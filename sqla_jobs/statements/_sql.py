@@ -14,6 +14,7 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    case,
     cast,
     func,
     literal_column,
@@ -37,6 +38,25 @@ def _now() -> ColumnElement[Any]:
 
 _ONE: Final[ColumnElement[int]] = literal_column("1", Integer)
 _SECOND: Final[ColumnElement[Any]] = literal_column("interval '1 second'")
+
+
+#: The times a claim or an outcome hands back to Python, as ``run_at``: those between these
+#: bounds, which every datetime of Python's range (years 1 to 9999) holds in any session time
+#: zone (a day's margin on each side). PostgreSQL's timestamptz goes further (``'-infinity'``,
+#: ``'infinity'``, 4713 BC to 294276 AD), and a row another program wrote may hold such a time.
+READABLE_TIMES: Final = ("0001-01-02 00:00:00+00", "9999-12-30 00:00:00+00")
+
+
+def _readable_time(column: ColumnElement[Any]) -> ColumnElement[Any]:
+    """``column`` as a statement hands it back to Python: itself, or NULL where it lies outside
+    :data:`READABLE_TIMES`. The rule it carries: **no row's time fails a statement that reads
+    it back**. psycopg (and asyncpg) cannot load such a value into a ``datetime``; raising at
+    fetch would fail the whole claim, every time, and stop the queue. A claimed job with
+    ``run_at`` None ends alone, dead with the reason (:meth:`sqla_jobs.worker.runner.Runner.admit`).
+    """
+    low: ColumnElement[Any] = literal_column(f"timestamptz '{READABLE_TIMES[0]}'")
+    high: ColumnElement[Any] = literal_column(f"timestamptz '{READABLE_TIMES[1]}'")
+    return case((column.between(low, high), column), else_=null()).label(column.key)
 
 
 def _seconds(param: str) -> ColumnElement[Any]:

@@ -16,6 +16,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    cast,
     column,
     func,
     literal_column,
@@ -37,13 +38,16 @@ from sqla_jobs.statements._sql import (
     _cancel_requested,
     _lit,
     _now,
+    _readable_time,
     _seconds,
 )
 
 # -- the plain claim -----------------------------------------------------------------------
 
 
-def _start_attempts(table: Table, claimable: Any, *, by_address: bool = False) -> Update:
+def _start_attempts(
+    table: Table, claimable: Any, *, by_address: bool = False, json_text: bool = False
+) -> Update:
     """The ``UPDATE`` that starts an attempt on each job of ``claimable`` (a CTE of ids), the
     second half of every claim statement (:func:`claim`, :func:`claim_keyed`).
 
@@ -51,7 +55,12 @@ def _start_attempts(table: Table, claimable: Any, *, by_address: bool = False) -
     that this statement's snapshot sees and that it has locked, and the rows are found by
     it (a TID scan) instead of through the primary key. Only exact when no locked row can
     be a version newer than the snapshot (:func:`claim_keyed` drops those): that version
-    would be invisible to the scan, and its job left unclaimed."""
+    would be invisible to the scan, and its job left unclaimed.
+
+    ``json_text``: ``args`` and ``trace_context`` come back as their text, for a driver that
+    decodes jsonb itself where no tolerant decoder can be put in (asyncpg: SQLAlchemy gives
+    it ``json.loads`` as the codec); :func:`sqla_jobs.queue._plumbing._rows` decodes them, so
+    that a value Python's json cannot decode fails no claim (:class:`UnreadableJson`)."""
     now = _now()
     # An expired lease on the job's last attempt means that attempt died with its worker:
     # the job is dead now rather than run again, or a job that kills its worker every time
@@ -91,19 +100,25 @@ def _start_attempts(table: Table, claimable: Any, *, by_address: bool = False) -
             table.c.status,
             table.c.queue,
             table.c.task,
-            table.c.args,
+            _json(table.c.args, as_text=json_text),
             table.c.priority,
             table.c.attempts,
             table.c.max_attempts,
-            table.c.run_at,
+            _readable_time(table.c.run_at),
             table.c.lease_expires_at,
             # NULL unless the job was enqueued under a span: free on the wire and to decode.
-            table.c.trace_context,
+            _json(table.c.trace_context, as_text=json_text),
         )
     )
 
 
-def claim(table: Table, *, queue_count: int, limited: bool = False) -> Update:
+def _json(column: Any, *, as_text: bool) -> Any:
+    return cast(column, Text).label(column.key) if as_text else column
+
+
+def claim(
+    table: Table, *, queue_count: int, limited: bool = False, json_text: bool = False
+) -> Update:
     """Claim up to ``:limit`` runnable jobs and start an attempt on each.
 
     Runnable: pending with ``run_at`` reached, or running with an expired lease (a crashed or
@@ -213,7 +228,7 @@ def claim(table: Table, *, queue_count: int, limited: bool = False) -> Update:
         .limit(limit)
         .cte("claimable")
     )
-    return _start_attempts(table, claimable)
+    return _start_attempts(table, claimable, json_text=json_text)
 
 
 # -- the limited claim (per-queue concurrency limits) --------------------------------------

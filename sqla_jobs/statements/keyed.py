@@ -370,7 +370,7 @@ FROM l"""
     return text(sql).bindparams(*params)
 
 
-def claim_keyed(table: Table, *, limited: bool = False) -> Update:
+def claim_keyed(table: Table, *, limited: bool = False, json_text: bool = False) -> Update:
     """Claim up to ``:limit`` jobs of the ordering keys that :func:`lock_keys` locked earlier
     in this transaction (and left in :data:`LOCKED_KEYS`, with their limits in
     :data:`LOCKED_KEY_LIMITS`; none if it did not run) from the queues in
@@ -485,4 +485,4 @@ FOR UPDATE OF j SKIP LOCKED"""
         .columns(column("id", BigInteger), column("row"))
         .cte("claimable")
     )
-    return _start_attempts(table, chosen, by_address=True)
+    return _start_attempts(table, chosen, by_address=True, json_text=json_text)

@@ -39,6 +39,7 @@ from sqla_jobs.statements._sql import (
     _fences,
     _lit,
     _now,
+    _readable_time,
 )
 from sqla_jobs.statements.enqueueing import ENQUEUE_COLUMNS, ORDERING_COLUMNS, enqueue_columns
 
@@ -171,7 +172,8 @@ def fail(table: Table) -> Update:
         least(:cap, :base * 2 ^ least(attempts - 1, 60)) * (1 + :jitter * (2 * random() - 1))
 
     Parameters: ``:job_id``, ``:attempt``, ``:error``, ``:retry``, ``:delay_seconds`` (null for
-    the backoff), ``:base``, ``:cap``, ``:jitter``. Returns ``id, status, run_at``.
+    the backoff), ``:base``, ``:cap``, ``:jitter``. Returns ``id, status, run_at`` (NULL where
+    Python cannot hold it: :func:`_readable_time`).
     """
     now = _now()
     is_dead = or_(
@@ -208,7 +210,7 @@ def fail(table: Table) -> Update:
             lease_expires_at=null(),
             leased_by=null(),
         )
-        .returning(table.c.id, table.c.status, table.c.run_at)
+        .returning(table.c.id, table.c.status, _readable_time(table.c.run_at))
     )
 
 
