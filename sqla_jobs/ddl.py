@@ -24,7 +24,7 @@ from __future__ import annotations
 from sqlalchemy import DDL
 from sqlalchemy.dialects import postgresql
 
-from sqla_jobs.schema import names
+from sqla_jobs.naming import names
 
 __all__ = [
     "STORAGE_PARAMETERS",

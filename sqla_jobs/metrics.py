@@ -2,7 +2,7 @@
 --metrics-port 9100``. Needs the ``metrics`` extra (``pip install 'sqla-jobs[metrics]'``,
 which installs ``prometheus_client``); nothing else in sqla_jobs imports this module.
 
-:class:`WorkerMetrics` is the worker's :class:`~sqla_jobs.worker.observer.Observer`: counters
+:class:`WorkerMetrics` is the worker's :class:`~sqla_jobs.observer.Observer`: counters
 and histograms updated as events happen, in the worker's own threads. The health gauges of
 :mod:`sqla_jobs.health` are read when Prometheus scrapes, through a
 :class:`~sqla_jobs.health.GaugeCache` (at most one read per ``max_age`` seconds, and a scrape
@@ -26,8 +26,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sqla_jobs.health import GaugeCache, QueueGauges
+from sqla_jobs.observer import Finish, Observer
 from sqla_jobs.queue import ClaimedJob
-from sqla_jobs.worker.observer import Finish, Observer
 
 __all__ = ["OTHER", "GaugeCollector", "LabelValues", "MetricsServer", "WorkerMetrics"]
 

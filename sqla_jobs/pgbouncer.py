@@ -40,7 +40,8 @@ from types import TracebackType
 
 from sqlalchemy.engine import make_url
 
-from sqla_jobs.embedded import DEFAULT_OS_USER, _ensure_os_user, _free_port, _is_root, _one_line
+from sqla_jobs._processes import ensure_os_user, free_port, is_root, one_line
+from sqla_jobs.embedded import DEFAULT_OS_USER
 from sqla_jobs.errors import EmbeddedPostgresError
 
 __all__ = ["PgBouncer", "find_binary"]
@@ -118,13 +119,13 @@ class PgBouncer:
                 "PgBouncer is not installed: no pgbouncer binary on the PATH or in /usr/sbin "
                 "(on Debian: apt-get install pgbouncer)"
             )
-        ids = _ensure_os_user(self.os_user) if _is_root() else None
+        ids = ensure_os_user(self.os_user) if is_root() else None
         self.base_dir = Path(tempfile.mkdtemp(prefix="sqla_jobs_pgbouncer_"))
         self._register_atexit()
         if ids is not None:
             os.chown(self.base_dir, *ids)
         for attempt in range(3):
-            self.port = _free_port()
+            self.port = free_port()
             self._write_files(ids)
             try:
                 self._launch(binary, ids)
@@ -215,7 +216,7 @@ class PgBouncer:
         if log is None or not log.exists():
             return "(no PgBouncer log)"
         text = log.read_text(errors="replace").splitlines()[-lines:]
-        return _one_line("\n".join(text)) or "(empty PgBouncer log)"
+        return one_line("\n".join(text)) or "(empty PgBouncer log)"
 
     def _launch(self, binary: str, ids: tuple[int, int] | None) -> None:
         assert self.base_dir is not None

@@ -20,8 +20,6 @@ the migration helpers use too, so a model and its migration always agree.
 from __future__ import annotations
 
 import enum
-import hashlib
-from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -44,8 +42,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import InstanceState, Mapped, Mapper, declared_attr, mapped_column
 
-from sqla_jobs import tracing, validation
+from sqla_jobs import ddl, tracing, validation
 from sqla_jobs.errors import InvalidJobError, UniqueJobError
+from sqla_jobs.naming import TableNames, names
 
 __all__ = [
     "DEFAULT_QUEUE",
@@ -67,10 +66,6 @@ __all__ = [
 ]
 
 DEFAULT_QUEUE = "default"
-
-# PostgreSQL truncates identifiers past 63 bytes; long table names get a hashed suffix instead
-# so two long names never collide after truncation.
-_MAX_IDENTIFIER = 63
 
 
 class JobStatus(str, enum.Enum):
@@ -101,65 +96,6 @@ UNIQUE_KEY_COLUMN_LENGTH = 255
 
 def _status_list(statuses: tuple[JobStatus, ...]) -> str:
     return ", ".join(f"'{s.value}'" for s in statuses)
-
-
-@dataclass(frozen=True)
-class TableNames:
-    """The names of every schema object that belongs to one job or result table.
-
-    ``pending_index`` and ``running_index`` are the claim's indexes (schema version 2);
-    ``claim_index`` names the single claim index of schema version 1, which the version-2
-    upgrade drops; ``dead_index`` indexes the dead jobs (schema version 3), so that health
-    checks count them without reading the history. ``keyed_pending_index`` and
-    ``key_index`` are the keyed claim's indexes (schema version 3, ordering keys).
-    """
-
-    table: str
-    pending_index: str
-    running_index: str
-    dead_index: str
-    unique_index: str
-    keyed_pending_index: str
-    key_index: str
-    claim_index: str
-    status_check: str
-    priority_check: str
-    attempts_check: str
-    notify_function: str
-    notify_trigger: str
-    channel: str
-
-
-def _identifier(table: str, suffix: str) -> str:
-    name = f"{table}_{suffix}"
-    if len(name.encode()) <= _MAX_IDENTIFIER:
-        return name
-    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
-    keep = _MAX_IDENTIFIER - len(suffix) - len(digest) - 2
-    return f"{table.encode()[:keep].decode(errors='ignore')}_{digest}_{suffix}"
-
-
-def names(table: str) -> TableNames:
-    """Derive every index, constraint, trigger and channel name from a table name.
-
-    The one naming function that the mixins and the migration helpers share.
-    """
-    return TableNames(
-        table=table,
-        pending_index=_identifier(table, "pending_idx"),
-        running_index=_identifier(table, "running_idx"),
-        dead_index=_identifier(table, "dead_idx"),
-        unique_index=_identifier(table, "unique_idx"),
-        keyed_pending_index=_identifier(table, "keyed_pending_idx"),
-        key_index=_identifier(table, "key_idx"),
-        claim_index=_identifier(table, "claim_idx"),
-        status_check=_identifier(table, "status_ck"),
-        priority_check=_identifier(table, "priority_ck"),
-        attempts_check=_identifier(table, "attempts_ck"),
-        notify_function=_identifier(table, "notify_fn"),
-        notify_trigger=_identifier(table, "notify_tg"),
-        channel=_identifier(table, "jobs"),
-    )
 
 
 def pending_predicate() -> str:
@@ -537,7 +473,6 @@ event.listen(JobMixin, "before_update", _recheck_args, propagate=True, raw=True)
 def _attach_table_ddl(mapper: Mapper[Any], _class: type[Any]) -> None:
     # So that metadata.create_all() builds what the migrations build: the NOTIFY trigger and
     # the storage parameters (sqla_jobs.ddl), on PostgreSQL only.
-    from sqla_jobs import ddl  # here, not at the top: ddl builds on names() above
 
     table = mapper.local_table
     if not isinstance(table, Table) or table.info.get("sqla_jobs_ddl"):

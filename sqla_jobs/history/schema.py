@@ -38,7 +38,8 @@ from sqlalchemy.orm import Mapper
 
 from sqla_jobs.ddl import executable, qualified_name
 from sqla_jobs.errors import ConfigurationError
-from sqla_jobs.schema import JobMixin, _identifier, dead_predicate
+from sqla_jobs.naming import identifier
+from sqla_jobs.schema import JobMixin, dead_predicate
 
 __all__ = [
     "PARTITION_KEY",
@@ -78,18 +79,18 @@ class HistoryNames:
 
     def partition(self, day: date) -> str:
         """The name of the partition of ``day`` (UTC)."""
-        return _identifier(self.table, f"p{day.strftime(_DAY_FORMAT)}")
+        return identifier(self.table, f"p{day.strftime(_DAY_FORMAT)}")
 
 
 def history_names(job_table: str, schema: str | None = None) -> HistoryNames:
     """Derive the history table's names from the job table's name (see :func:`names`)."""
-    table = _identifier(job_table, "history")
+    table = identifier(job_table, "history")
     return HistoryNames(
         job_table=job_table,
         table=table,
-        primary_key=_identifier(table, "pkey"),
-        dead_index=_identifier(table, "dead_idx"),
-        default_partition=_identifier(table, "pdefault"),
+        primary_key=identifier(table, "pkey"),
+        dead_index=identifier(table, "dead_idx"),
+        default_partition=identifier(table, "pdefault"),
         # The advisory lock that keeps two maintenance runs of one history apart.
         lock_key=f"sqla_jobs.history:{qualified_name(table, schema)}",
     )

@@ -23,7 +23,8 @@ from sqlalchemy.orm import Mapped, Mapper, mapped_column
 
 from sqla_jobs import validation
 from sqla_jobs.errors import ConfigurationError
-from sqla_jobs.schema import JobMixin, _identifier
+from sqla_jobs.naming import identifier
+from sqla_jobs.schema import JobMixin
 
 __all__ = ["LEASE_COLUMNS", "LeaseMixin", "LeaseNames", "lease_index_elements", "lease_names"]
 
@@ -42,7 +43,7 @@ class LeaseNames:
 def lease_names(table: str) -> LeaseNames:
     """Derive the lease index's name from a table name (``<table>_lease_idx``, hashed
     like :func:`sqla_jobs.names` when it would pass PostgreSQL's 63-byte limit)."""
-    return LeaseNames(table=table, index=_identifier(table, "lease_idx"))
+    return LeaseNames(table=table, index=identifier(table, "lease_idx"))
 
 
 def lease_index_elements(

@@ -30,7 +30,7 @@ from sqla_jobs.migrations.v2 import (
     RUNNING_INDEX_PREDICATE,
     _v2_indexes,
 )
-from sqla_jobs.schema import _identifier, names
+from sqla_jobs.naming import identifier, names
 
 # Version 3: the dead index (health), and unique jobs (two nullable columns and the unique
 # index).
@@ -310,8 +310,8 @@ def _swap_pending_index(table_name: str, predicate: str, *, schema: str | None) 
     dropped concurrently, so the claim has a pending index all along. Re-runnable after an
     interruption."""
     n = names(table_name)
-    new = _identifier(table_name, "pending_new_idx")
-    old = _identifier(table_name, "pending_old_idx")
+    new = identifier(table_name, "pending_new_idx")
+    old = identifier(table_name, "pending_old_idx")
     for name in (new, old):
         _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
     _create_index(

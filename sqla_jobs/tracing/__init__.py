@@ -20,32 +20,14 @@ from __future__ import annotations
 
 import sys
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import Final
 
-if TYPE_CHECKING:
-    from sqla_jobs.queue import ClaimedJob
+from sqla_jobs.tracing.protocols import AttemptSpan, TracedJob
 
-__all__ = ["AttemptSpan", "attempt_span", "enqueue_context"]
+__all__ = ["AttemptSpan", "TracedJob", "attempt_span", "enqueue_context"]
 
 #: Loaded by every process that uses OpenTelemetry's tracing API (the SDK imports it too).
 _API_MODULE: Final = "opentelemetry.trace"
-
-
-class AttemptSpan(Protocol):
-    """What :func:`attempt_span` yields: the span of one attempt, told how it ended."""
-
-    def settled(self, outcome: str, error: str | BaseException | None = None) -> None:
-        """Record the attempt's outcome (``complete``, ``fail``, ``release``, ...); a failure's
-        error is recorded as an exception event (when it is one) and sets error status."""
-
-    def __enter__(self) -> AttemptSpan: ...
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None: ...
 
 
 class _NoSpan:
@@ -80,7 +62,7 @@ def enqueue_context() -> dict[str, str] | None:
     return otel.enqueue_context()
 
 
-def attempt_span(job: ClaimedJob | None) -> AttemptSpan:
+def attempt_span(job: TracedJob | None) -> AttemptSpan:
     """The span to run ``job``'s attempt in (a no-op unless OpenTelemetry is loaded, and
     for None)."""
     if job is None or _API_MODULE not in sys.modules:

@@ -33,7 +33,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from sqla_jobs.events import describe
 
 if TYPE_CHECKING:
-    from sqla_jobs.queue import ClaimedJob
+    from sqla_jobs.tracing.protocols import TracedJob
 
 __all__ = ["SYSTEM", "AttemptSpanImpl", "enqueue_context"]
 
@@ -62,7 +62,7 @@ class AttemptSpanImpl:
 
     __slots__ = ("_job", "_span", "_token")
 
-    def __init__(self, job: ClaimedJob) -> None:
+    def __init__(self, job: TracedJob) -> None:
         self._job = job
         self._span: trace.Span = trace.INVALID_SPAN
         self._token: object = None

@@ -35,11 +35,11 @@ from typing import Final
 
 from sqlalchemy import Connection
 
+from sqla_jobs.observer import NO_OBSERVER, Observer
 from sqla_jobs.queue import ClaimedJob, claim, heartbeat, release
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobMixin
 from sqla_jobs.worker.link import Link, as_session
-from sqla_jobs.worker.observer import NO_OBSERVER, Observer
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.state import Attempt, State
 

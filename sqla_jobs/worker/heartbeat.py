@@ -39,7 +39,7 @@ from sqlalchemy import Connection
 
 from sqla_jobs.queue import ClaimedJob, cancel_requests, heartbeat
 from sqla_jobs.worker.link import Link, as_session
-from sqla_jobs.worker.runner import job_extra
+from sqla_jobs.worker.settling import job_extra
 from sqla_jobs.worker.state import Attempt, State
 
 __all__ = ["Heartbeat"]

@@ -48,6 +48,7 @@ from sqla_jobs.backoff import Backoff
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.events import describe
 from sqla_jobs.history.schema import has_history
+from sqla_jobs.observer import NO_OBSERVER, Observer
 from sqla_jobs.pooler import POOLER_MODES, behind_pooler
 from sqla_jobs.queue import default_worker_name, vacuum
 from sqla_jobs.registry import Registry
@@ -57,7 +58,6 @@ from sqla_jobs.worker.heartbeat import Heartbeat
 from sqla_jobs.worker.link import Link, is_transient
 from sqla_jobs.worker.listener import Notifier
 from sqla_jobs.worker.maintenance import HistoryKeeper
-from sqla_jobs.worker.observer import NO_OBSERVER, Observer
 from sqla_jobs.worker.roles import DatabaseWatch, Role
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.scheduler import Scheduler

@@ -42,7 +42,7 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import statements
 from sqla_jobs.events import describe
-from sqla_jobs.worker.observer import NO_OBSERVER, Observer
+from sqla_jobs.observer import NO_OBSERVER, Observer
 
 __all__ = ["Link", "as_session", "is_transient"]
 

@@ -89,25 +89,52 @@ import contextlib
 import inspect
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from sqlalchemy.orm import Session, SessionTransaction
 
 from sqla_jobs import statements
-from sqla_jobs.context import JobContext
+from sqla_jobs.context import ColumnLoader, JobContext
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.history.schema import has_history
 from sqla_jobs.queue import ClaimedJob, complete_held, job_columns, lock_one, lock_started
 from sqla_jobs.registry import Registry, Task
 from sqla_jobs.worker.link import as_session
+from sqla_jobs.worker.settling import Settling
 from sqla_jobs.worker.state import Attempt, Kind, Outcome
 
 if TYPE_CHECKING:
-    from sqla_jobs.worker.runner import Runner, Settling
+    from sqlalchemy.ext.asyncio import AsyncSession
 
-__all__ = ["AGE", "CAP", "WINDOW", "run"]
+__all__ = ["AGE", "CAP", "WINDOW", "LockHost", "run"]
+
+_T = TypeVar("_T")
+
+
+class LockHost(Protocol):
+    """What a lock group needs of the runner whose handler thread runs it
+    (:class:`~sqla_jobs.worker.runner.Runner` is the one): a protocol, so that this module,
+    which the runner imports, does not import the runner back."""
+
+    registry: Registry
+    worker_name: str
+    session_factory: Callable[[], Session]
+    async_session_factory: Callable[[], AsyncSession] | None
+    pooled: bool
+    lock_pace: dict[str, float]
+    columns_loader: ColumnLoader
+
+    def take_queued(self, accept: Callable[[Attempt], bool], limit: int) -> list[Settling]: ...
+    def working(self) -> AbstractContextManager[None]: ...
+    def admit(self, attempt: Attempt) -> Outcome | None: ...
+    def call_handler(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any: ...
+    def await_handler(self, attempt: Attempt, awaitable: Awaitable[_T]) -> _T: ...
+    def storable(self, result: Any) -> Any: ...
+
 
 logger = logging.getLogger("sqla_jobs.worker")
 
@@ -125,11 +152,11 @@ _ENDED_TRANSACTION: Final = (
 _COMMITTED: Final = Outcome(Kind.COMMITTED)
 
 
-def run(runner: Runner, first: Attempt, task: Task[Any]) -> Outcome:
+def run(runner: LockHost, first: Attempt, task: Task[Any]) -> Outcome:
     """Run ``first`` (admitted already) and the group that grows from it; returns the
     outcome of ``first`` (the group's other attempts are settled here)."""
     if runner.async_session_factory is not None and inspect.iscoroutinefunction(task.function):
-        return runner._await(first, _run_async(runner, first, task))
+        return runner.await_handler(first, _run_async(runner, first, task))
     return _Group(runner, first).run()
 
 
@@ -170,7 +197,7 @@ class _MemberContext(JobContext):
 
 
 class _Group:
-    def __init__(self, runner: Runner, first: Attempt) -> None:
+    def __init__(self, runner: LockHost, first: Attempt) -> None:
         self.runner = runner
         self.model = first.job.model
         self.members = [_Member(self, first, None)]
@@ -326,7 +353,7 @@ class _Group:
             _member=member,
         )
         try:
-            member.result = runner._storable(runner._call(attempt, task, ctx))
+            member.result = runner.storable(runner.call_handler(attempt, task, ctx))
             if member.savepoint is not None:
                 # Only a handler that asked for the session can have ended the transaction
                 # (see "Why the savepoint can wait for the session").
@@ -436,7 +463,7 @@ _CANCELLED: Final = Outcome(Kind.CANCEL, why="its cancel was requested")
 _TAKEN_OVER: Final = Outcome(Kind.LOST, why="it was taken over before it could be locked")
 
 
-async def _run_async(runner: Runner, attempt: Attempt, task: Task[Any]) -> Outcome:
+async def _run_async(runner: LockHost, attempt: Attempt, task: Task[Any]) -> Outcome:
     """One attempt in a transaction of its own, for a coroutine handler with an
     AsyncSession: lock the row, run the handler, complete the job in that transaction and
     commit (the queue functions run through ``run_sync``)."""
@@ -458,9 +485,9 @@ async def _run_async(runner: Runner, attempt: Attempt, task: Task[Any]) -> Outco
                     runner.worker_name,
                     _async_session=session,
                     _cancel=attempt,
-                    _loader=runner._columns_loader,
+                    _loader=runner.columns_loader,
                 )
-                result = runner._storable(await task.function(ctx))
+                result = runner.storable(await task.function(ctx))
                 if not transaction.is_active or session.get_transaction() is not transaction:
                     raise ConfigurationError(_ENDED_TRANSACTION)
                 # The handler's pending writes: refused ones fail the job like an error

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from sqla_jobs.backoff import Backoff
 from sqla_jobs.events import describe
-from sqla_jobs.worker.observer import NO_OBSERVER, Observer
+from sqla_jobs.observer import NO_OBSERVER, Observer
 
 __all__ = ["DatabaseWatch", "Role"]
 

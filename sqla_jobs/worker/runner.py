@@ -38,21 +38,21 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from sqlalchemy.orm import Session
 
-from sqla_jobs import tracing, validation
-from sqla_jobs.context import JobContext
+from sqla_jobs import validation
+from sqla_jobs.context import ColumnLoader, JobContext
 from sqla_jobs.history.schema import has_history
+from sqla_jobs.observer import NO_OBSERVER
 from sqla_jobs.queue import ClaimedJob, UnreadableJson, job_columns
 from sqla_jobs.registry import Registry, Task
 from sqla_jobs.worker import locked
-from sqla_jobs.worker.observer import NO_OBSERVER
+from sqla_jobs.worker.settling import Settling, job_extra
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
-__all__ = ["Runner", "Settling", "job_extra"]
+__all__ = ["Runner"]
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -67,18 +67,6 @@ LEASE_MARGIN: Final = 0.05
 SPILL: Final = 0.002
 
 
-def job_extra(attempt: Attempt, action: str, **more: Any) -> dict[str, Any]:
-    job = attempt.job
-    return {
-        "action": action,
-        "job_id": job.id,
-        "task": job.task,
-        "queue": job.queue,
-        "attempt": job.attempt,
-        **more,
-    }
-
-
 async def _awaited(awaitable: Awaitable[_T], attempt: Attempt, context: contextvars.Context) -> _T:
     # The handler thread's context variables (the attempt's trace span among them), in the
     # event loop task's own copy of its context: the coroutine runs as if called there.
@@ -91,59 +79,6 @@ async def _awaited(awaitable: Awaitable[_T], attempt: Attempt, context: contextv
         # at its first await.
         task.cancel()
     return await awaitable
-
-
-class Settling:
-    """The ``with`` block an attempt runs in, from the moment a handler thread takes it: at
-    its end the attempt is settled (:meth:`State.settle
-    <sqla_jobs.worker.state.State.settle>`) with :attr:`outcome`, whatever happened. That
-    is a release until the block sets the real one; an exception that ends the block (the
-    handler's error, whatever it is) makes it a failure, and goes no further. The attempt's
-    trace span is current inside. :meth:`Runner.run` runs every attempt in one, and a lock
-    group enters one for each attempt it takes (:meth:`Runner.take_queued`)."""
-
-    __slots__ = ("_span", "_state", "attempt", "outcome")
-
-    def __init__(self, state: State, attempt: Attempt) -> None:
-        self._state = state
-        self.attempt = attempt
-        self.outcome = _ENDED_UNEXPECTEDLY
-
-    def __enter__(self) -> Settling:
-        # A no-op unless OpenTelemetry is loaded: it records an error that escapes, and is
-        # told the outcome of an attempt that ends without one. Entering it must not fail:
-        # an exception here would skip __exit__, and the attempt would never be settled.
-        try:
-            self._span = tracing.attempt_span(self.attempt.job).__enter__()
-        except Exception:
-            logger.warning(
-                "job %d: its trace span could not be started; it runs untraced",
-                self.attempt.job.id,
-                exc_info=True,
-                extra=job_extra(self.attempt, "trace_span_failed"),
-            )
-            self._span = tracing.attempt_span(None)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> bool:
-        try:
-            if exc is None:
-                outcome = self.outcome
-                # _value_, not value: the same string, without Enum's Python-level property.
-                self._span.settled(outcome.kind._value_, outcome.error)
-            self._span.__exit__(exc_type, exc, traceback)
-        except BaseException as error:
-            exc = exc or error
-        finally:
-            if exc is not None:
-                self.outcome = Outcome(Kind.FAIL, error=exc)
-            self._state.settle(self.attempt, self.outcome)
-        return True
 
 
 class Runner:
@@ -189,7 +124,7 @@ class Runner:
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
         self._own_loop = True
-        self._columns_loader = self._load_columns  # one bound method, not one per job
+        self.columns_loader: ColumnLoader = self._load_columns  # one bound method, not one per job
         # Whether results are stored (checked then): once, not per job.
         self._stores = registry.result_model is not None or has_history(registry.model)
 
@@ -383,10 +318,10 @@ class Runner:
         if task.mode == "lock":
             return locked.run(self, attempt, task)
         ctx = JobContext(
-            attempt.job, self.worker_name, _cancel=attempt, _loader=self._columns_loader
+            attempt.job, self.worker_name, _cancel=attempt, _loader=self.columns_loader
         )
-        result = self._call(attempt, task, ctx)
-        return _COMPLETED if result is None else Outcome(Kind.COMPLETE, self._storable(result))
+        result = self.call_handler(attempt, task, ctx)
+        return _COMPLETED if result is None else Outcome(Kind.COMPLETE, self.storable(result))
 
     def admit(self, attempt: Attempt) -> Outcome | None:
         """Whether ``attempt``'s handler may start now: None when it may (it is marked
@@ -402,13 +337,13 @@ class Runner:
             )
             logger.error(message, extra=job_extra(attempt, "unknown_task"))
             return Outcome(Kind.FAIL, error=message, retry=False, action="unknown_task")
-        args: object = job.args  # typed as a dict; a row written by another program may not be
-        if type(args) is UnreadableJson:
+        unreadable = _unreadable(job)
+        if unreadable is not None:
             # A row no handler can be given (written by another program: see
             # UnreadableJson). It ends alone, dead: a retry would read the same row.
             message = (
-                f"the job's args cannot be read: {args.reason}; it is kept as dead (fix "
-                "or delete the row; retrying it as it is would fail the same way)"
+                f"{unreadable}; it is kept as dead (fix or delete the row; retrying it as "
+                "it is would fail the same way)"
             )
             self.unreadable += 1
             logger.error(message, extra=job_extra(attempt, "unreadable_row"))
@@ -442,13 +377,13 @@ class Runner:
         with self.session_factory() as own, own.begin():
             return job_columns(job, own)
 
-    def _call(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any:
+    def call_handler(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any:
         value = task.function(ctx)
         if value is not None and inspect.isawaitable(value):
-            value = self._await(attempt, value)
+            value = self.await_handler(attempt, value)
         return value
 
-    def _await(self, attempt: Attempt, awaitable: Awaitable[_T]) -> _T:
+    def await_handler(self, attempt: Attempt, awaitable: Awaitable[_T]) -> _T:
         """Await on the event loop, from this handler thread."""
         future = asyncio.run_coroutine_threadsafe(
             _awaited(awaitable, attempt, contextvars.copy_context()), self._event_loop()
@@ -459,7 +394,7 @@ class Runner:
         except concurrent.futures.CancelledError:
             raise asyncio.CancelledError("the worker cancelled the coroutine") from None
 
-    def _storable(self, result: Any) -> Any:
+    def storable(self, result: Any) -> Any:
         # A result jsonb cannot store fails its own job here, not the batch it is written in.
         if self._stores and result is not None:
             try:
@@ -469,11 +404,25 @@ class Runner:
         return result
 
 
+def _unreadable(job: ClaimedJob) -> str | None:
+    """Why no handler can be given ``job`` as the claim read it, or None when one can: its
+    ``args`` Python's json cannot decode (:class:`~sqla_jobs.queue.UnreadableJson`), or its
+    ``run_at`` outside what Python's datetime holds (the claim hands it back as None:
+    :func:`sqla_jobs.statements._sql._readable_time`). Only a row another program wrote."""
+    args: object = job.args  # typed as a dict; a row written by another program may not be
+    if type(args) is UnreadableJson:
+        return f"the job's args cannot be read: {args.reason}"
+    run_at: object = job.run_at  # typed as a datetime; likewise
+    if run_at is None:
+        return (
+            "the job's run_at cannot be read: it lies outside the times Python's datetime "
+            "holds (years 1 to 9999), such as '-infinity'"
+        )
+    return None
+
+
 #: The outcome of every handler that returned None (one object, not one per job).
 _COMPLETED: Final = Outcome(Kind.COMPLETE)
-#: A Settling's outcome until its block sets the real one (an Outcome is immutable: one
-#: object serves every attempt).
-_ENDED_UNEXPECTEDLY: Final = Outcome(Kind.RELEASE, why="its handler thread ended unexpectedly")
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
