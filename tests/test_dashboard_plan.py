@@ -3,8 +3,8 @@
 Every list read walks the primary key backwards from its cursor and reads at most its
 window, whatever the filters, in the plan the driver gets first (custom) and in the one a
 prepared statement settles on (generic); none scans the table or sorts it. The same reads
-measured on 10M rows: ``python tests/dashboard_plans.py --database-url URL`` (README,
-"Dashboard").
+measured on 10M rows: ``python tests/dashboard_plans.py --database-url URL``
+(docs/operations/dashboard.md, "The job list on a large table").
 """
 
 from __future__ import annotations

@@ -45,9 +45,9 @@ from sqla_jobs import (
     renew_lease,
     renew_leases,
 )
-from sqla_jobs.leasing import schema as lease_schema
+from sqla_jobs.schema import leases as lease_schema
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "how-to" / "leasing.md"
 SHOWS = (7, 8)
 SEATS_PER_SHOW = 10
 
@@ -719,18 +719,17 @@ def test_autogenerate_sees_a_lease_index_that_differs(fresh_database: FreshDatab
         engine.dispose()
 
 
-# -- the README -------------------------------------------------------------------------------
+# -- docs/how-to/leasing.md ----------------------------------------------------------------------
 
 
-def readme_section() -> str:
-    text = README.read_text(encoding="utf-8")
-    return text.split("\n## Leasing any row\n", 1)[1].split("\n## ", 1)[0]
+def page_text() -> str:
+    return PAGE.read_text(encoding="utf-8")
 
 
-def test_readme_column_table_matches_the_mixin() -> None:
+def test_docs_column_table_matches_the_mixin() -> None:
     rows_ = [
         [cell.strip().replace("`", "") for cell in line.strip("|").split("|")]
-        for line in readme_section().splitlines()
+        for line in page_text().splitlines()
         if line.startswith("| `lease_")
     ]
     table = Seat.__table__
@@ -743,15 +742,15 @@ def test_readme_column_table_matches_the_mixin() -> None:
     assert [row[:2] for row in rows_] == described
 
 
-def test_readme_migration_block_runs(fresh_database: FreshDatabase) -> None:
-    section = readme_section()
+def test_docs_migration_block_runs(fresh_database: FreshDatabase) -> None:
+    section = page_text()
     (code,) = re.findall(
-        r"<!-- readme-test: not run, an Alembic revision[^>]*-->\n```python\n(.*?)```",
+        r"<!-- docs-test: not run, an Alembic revision[^>]*-->\n```python\n(.*?)```",
         section,
         re.DOTALL,
     )
     revision: dict[str, Any] = {}
-    exec(compile(code, "README.md (lease revision)", "exec"), revision)
+    exec(compile(code, "docs/how-to/leasing.md (lease revision)", "exec"), revision)
     engine = sa.create_engine(fresh_database("sqla_jobs_lease_mig"), poolclass=sa.NullPool)
     try:
         LeaseBase.metadata.create_all(engine)

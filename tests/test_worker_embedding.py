@@ -1,6 +1,6 @@
 """The worker inside an application: in a thread, on the application's event loop, with the
-application's session factories, and the README's FastAPI example under FastAPI's own
-TestClient."""
+application's session factories, and the FastAPI example of docs/how-to/embedding.md under
+FastAPI's own TestClient."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from worker_tasks import Effect, WorkerJob
 
 from sqla_jobs import ConfigurationError, JobContext, Registry, Worker
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "how-to" / "embedding.md"
 
 
 @pytest.fixture
@@ -200,21 +200,23 @@ async def test_a_lock_mode_coroutine_gets_an_async_session(db: JobDatabase) -> N
         engine.dispose()
 
 
-def _readme_fastapi_block() -> str:
-    text = README.read_text()
-    marker = r"<!-- readme-test: not run, .*?tests/test_worker_embedding\.py.*?-->"
+def _docs_fastapi_block() -> str:
+    text = PAGE.read_text()
+    marker = r"<!-- docs-test: not run, .*?tests/test_worker_embedding\.py.*?-->"
     found = re.search(marker + r"\s*```python\n(.*?)```", text, re.S)
-    assert found, "the README's FastAPI example is missing (or its marker changed)"
+    assert found, (
+        "the FastAPI example of docs/how-to/embedding.md is missing (or its marker changed)"
+    )
     return found.group(1)
 
 
-def test_the_readmes_fastapi_example(db: JobDatabase) -> None:
+def test_the_docs_fastapi_example(db: JobDatabase) -> None:
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    code = _readme_fastapi_block().replace("postgresql+psycopg://app@localhost/app", db.url)
+    code = _docs_fastapi_block().replace("postgresql+psycopg://app@localhost/app", db.url)
     namespace: dict[str, Any] = {"__name__": "readme_fastapi"}
-    exec(compile(code, "README.md (FastAPI example)", "exec"), namespace)
+    exec(compile(code, "docs/how-to/embedding.md (FastAPI example)", "exec"), namespace)
     engine: sa.Engine = namespace["engine"]
     namespace["Base"].metadata.create_all(engine)
     try:
