@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from sqla_jobs import statements
+from sqla_jobs import _queries as statements
 from sqla_jobs.errors import InvalidThresholdError
 from sqla_jobs.events import describe
 from sqla_jobs.queue import Executor, queue_stats
@@ -153,8 +153,8 @@ def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
 
     Four statements, none of which reads the finished history: :func:`~sqla_jobs.queue_stats`
     (the pending, running and dead partial indexes, and the history's dead index for a model
-    with ``partitioned_history``), :func:`sqla_jobs.statements.table_stats`
-    (statistics and catalog), :func:`sqla_jobs.statements.oldest_xmin` (``pg_stat_activity``,
+    with ``partitioned_history``), :func:`sqla_jobs._queries.table_stats`
+    (statistics and catalog), :func:`sqla_jobs._queries.oldest_xmin` (``pg_stat_activity``,
     ``pg_prepared_xacts``, ``pg_replication_slots``) and the database's clock. Takes no lock.
     """
     counts: dict[str, dict[str, Any]] = {}

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from sqla_jobs import statements
+from sqla_jobs import _queries as statements
 from sqla_jobs.errors import ConfigurationError
 
 __all__ = ["first_step_engine"]

@@ -8,7 +8,7 @@ succeeds per slot, because the slot is won in the database:
 
 * the task's row in the schedule table (:class:`~sqla_jobs.schema.ScheduleMixin`) is
   locked and moves to the slot if its ``last_slot < :slot``
-  (:func:`sqla_jobs.statements.schedule_advance`), in the transaction that enqueues the
+  (:func:`sqla_jobs._queries.schedule_advance`), in the transaction that enqueues the
   slot's job. Concurrent schedulers queue on that row's lock and compare with the
   committed row, so one wins and the others change nothing. The row only moves forward
   (but for the reset below, after a clock that was ahead), and it outlives the job: a
@@ -32,7 +32,7 @@ the schedule cannot know whether that slot ran before the clock went wrong), wit
 warning (``schedule_reset``). Within that tolerance the schedule waits: a short step back
 of the clock leaves the slots it already ran alone, which therefore never run twice.
 That rule lives in :func:`enqueue_due` (the horizon it computes); the statement
-(:func:`sqla_jobs.statements.schedule_advance`) only compares.
+(:func:`sqla_jobs._queries.schedule_advance`) only compares.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ from cronsim import CronSim, CronSimError
 from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
-from sqla_jobs import statements, validation
+from sqla_jobs import _queries as statements
+from sqla_jobs import validation
+from sqla_jobs._queries.run import built, job_table_of
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, ScheduleError
 from sqla_jobs.queue import MAX_UNIQUE_KEY_LENGTH, Enqueued, enqueue_unique_many
-from sqla_jobs.queue._plumbing import _job_table, _statement
 from sqla_jobs.schema import JobMixin, ScheduleMixin
 
 __all__ = ["Schedule", "enqueue_due", "slot_key"]
@@ -222,7 +223,7 @@ def enqueue_due(
     ``schedule`` that is not a :class:`Schedule`, an
     :class:`~sqla_jobs.errors.InvalidJobError` for the others.
     """
-    _job_table(model)
+    job_table_of(model)
     table = _schedule_table(schedule_model)
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule must be a sqla_jobs.Schedule, not {schedule!r}")
@@ -236,7 +237,7 @@ def enqueue_due(
         raise InvalidJobError("now", f"is out of range: {now.isoformat()}") from None
     values = _job_values(model, task, schedule, slot, job)
     params = {"schedule_name": task, "slot": slot, "horizon": horizon}
-    if session.execute(_statement(statements.schedule_create, table), params).first():
+    if session.execute(built(statements.schedule_create, table), params).first():
         logger.info(
             "periodic task %s: schedule started at slot %s, the next slot runs",
             task,
@@ -244,7 +245,7 @@ def enqueue_due(
             extra={"action": "schedule_started", "task": task, "slot": slot.isoformat()},
         )
         return None
-    moved = session.execute(_statement(statements.schedule_advance, table), params).first()
+    moved = session.execute(built(statements.schedule_advance, table), params).first()
     if moved is None:
         return None
     recorded: datetime = moved.recorded

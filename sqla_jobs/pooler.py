@@ -31,7 +31,7 @@ from psycopg.rows import tuple_row
 from sqlalchemy import Engine, event
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from sqla_jobs import statements
+from sqla_jobs import _queries as statements
 
 __all__ = ["POOLER_MODES", "behind_pooler", "unprepared_behind_pooler"]
 

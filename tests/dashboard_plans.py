@@ -30,7 +30,7 @@ from sqlalchemy.dialects.postgresql import asyncpg as asyncpg_dialect
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from sqla_jobs.dashboard import statements
+from sqla_jobs._queries import dashboard as statements
 from sqla_jobs.schema import JobStatus
 
 EMAIL_JOBS = cast(sa.Table, models.EmailJob.__table__)

@@ -42,8 +42,8 @@ from sqla_jobs import (
     aio,
     leasing,
     queue,
-    statements,
 )
+from sqla_jobs import _queries as statements
 from sqla_jobs.history import history_table
 from sqla_jobs.registry import Registry
 from sqla_jobs.testing import assert_enqueued
@@ -118,7 +118,7 @@ def test_every_operation_has_one_implementation() -> None:
 
 
 def _built_statements() -> Iterator[tuple[str, Any]]:
-    """Every statement builder of sqla_jobs.statements, built for the test models."""
+    """Every statement builder of sqla_jobs._queries, built for the test models."""
     tables = {
         "table": EmailJob.__table__,
         "result_table": EmailJobResult.__table__,

@@ -147,11 +147,11 @@ def test_orm_session_goes_through_execute(
 
 def test_driver_sql_is_compiled_once_per_table_and_dialect(queue_engine: sa.Engine) -> None:
     table = EmailJob.__table__
-    first = queue._plumbing._driver_sql(
-        sqla_jobs.statements.claim, table, queue_engine.dialect, queue_count=1
+    first = sqla_jobs._queries.run.driver_sql(
+        sqla_jobs._queries.claim, table, queue_engine.dialect, queue_count=1
     )
-    again = queue._plumbing._driver_sql(
-        sqla_jobs.statements.claim, table, queue_engine.dialect, queue_count=1
+    again = sqla_jobs._queries.run.driver_sql(
+        sqla_jobs._queries.claim, table, queue_engine.dialect, queue_count=1
     )
     assert first is again
     assert first is not None

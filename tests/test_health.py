@@ -21,7 +21,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 import sqla_jobs
-from sqla_jobs import cli, names, statements
+from sqla_jobs import _queries as statements
+from sqla_jobs import cli, names
 from sqla_jobs.errors import InvalidThresholdError
 from sqla_jobs.health import GaugeCache, Thresholds, read_gauges
 

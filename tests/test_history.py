@@ -45,8 +45,8 @@ from sqla_jobs.history import (
     list_partitions,
     move_finished,
 )
-from sqla_jobs.history import statements as history_sql
-from sqla_jobs.history.schema import create_partition
+from sqla_jobs._queries import history as history_sql
+from sqla_jobs.schema.history import create_partition
 
 NAMES = history_names("archive_jobs")
 

@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
 import sqla_jobs
-from sqla_jobs import cli, statements
+from sqla_jobs import _queries as statements
+from sqla_jobs import cli
 from sqla_jobs import migrations as jobs
 from sqla_jobs.dashboard import create_app
 from sqla_jobs.history import create_partitions, history_names, history_table, list_partitions

@@ -51,7 +51,7 @@ def test_the_runtime_does_not_import_what_sits_on_top(tmp_path: Path) -> None:
     )
     loaded = set(json.loads(result.stdout))
     assert set(RUNTIME) <= loaded
-    assert "sqla_jobs.statements" in loaded
+    assert "sqla_jobs._queries" in loaded
     unwanted = sorted(
         module
         for module in loaded

@@ -604,7 +604,7 @@ def test_the_lease_index_is_named_from_the_table_and_ends_with_the_key() -> None
 
 
 def test_acquire_reads_only_acquirable_rows_through_the_lease_index(engine: sa.Engine) -> None:
-    from sqla_jobs.leasing import statements
+    from sqla_jobs._queries import leases as statements
 
     with engine.begin() as connection:
         # 200 shows of 500 seats, show 7 nearly sold out: 10 free seats left at its end.

@@ -34,7 +34,8 @@ from sqlalchemy.pool import NullPool
 
 import sqla_jobs
 import sqla_jobs.models
-from sqla_jobs import ddl, migrations, names, statements
+from sqla_jobs import _queries as statements
+from sqla_jobs import ddl, migrations, names
 from sqla_jobs.urls import libpq_url
 
 EXAMPLE_ENV = Path(__file__).resolve().parents[1] / "alembic"

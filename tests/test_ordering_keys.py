@@ -323,7 +323,7 @@ def test_the_walk_past_a_burst_keeps_a_queue_limit_and_skips_held_keys(
     others = enqueue(
         queue_engine, *(EmailJob(task="other", ordering_key=f"k{i}") for i in range(10))
     )
-    space = sqla_jobs.statements.key_lock_space(EmailJob.__table__)  # type: ignore[arg-type]
+    space = sqla_jobs._queries.key_lock_space(EmailJob.__table__)  # type: ignore[arg-type]
     with queue_engine.connect() as holder, holder.begin():
         holder.execute(
             sa.text("SELECT pg_advisory_xact_lock(:space, hashtext('k0'))"), {"space": space}

@@ -25,7 +25,8 @@ from plans import explain_rolled_back, explain_sql, plan_nodes
 
 import sqla_jobs
 import sqla_jobs.queue
-from sqla_jobs import names, statements
+from sqla_jobs import _queries as statements
+from sqla_jobs import names
 
 PENDING = 200_000
 IN_FLIGHT = 20_000

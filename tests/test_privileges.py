@@ -51,7 +51,7 @@ from sqla_jobs import (
 )
 from sqla_jobs.dashboard import create_app
 from sqla_jobs.health import read_gauges
-from sqla_jobs.history.schema import create_partition
+from sqla_jobs.schema.history import create_partition
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "operations" / "privileges.md"
 ROLES = ("owner", "app", "worker", "maintainer", "dashboard", "operator")

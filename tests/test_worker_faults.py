@@ -21,7 +21,8 @@ from worker_harness import JobDatabase, running, wait_until
 from worker_tasks import WorkerJob, registry
 
 import sqla_jobs
-from sqla_jobs import ConfigurationError, RetryPolicy, statements
+from sqla_jobs import ConfigurationError, RetryPolicy
+from sqla_jobs import _queries as statements
 from sqla_jobs.backoff import Backoff
 from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.worker import Worker, listener

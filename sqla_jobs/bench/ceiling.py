@@ -40,7 +40,7 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
-from sqla_jobs import statements
+from sqla_jobs import _queries as statements
 from sqla_jobs.bench import scratch
 from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.bench.results import Config, Results

@@ -121,7 +121,7 @@ def _concurrent_throughput(engine: sa.Engine, batch: int, count: int, *, keys: b
 def _burst_throughput(engine: sa.Engine, batch: int) -> float:
     """Claims of ``batch`` keyed jobs + complete_many behind a burst: ``_BURST`` jobs of one
     key first in line, whose first job runs all along (so every claim must look past the
-    burst: :func:`sqla_jobs.statements.walk_keys`), then ``_BEHIND`` keys with one job each;
+    burst: :func:`sqla_jobs._queries.walk_keys`), then ``_BEHIND`` keys with one job each;
     jobs/s until those are claimed and completed."""
     with engine.begin() as connection:
         connection.execute(

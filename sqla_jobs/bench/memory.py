@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from sqla_jobs import statements
+from sqla_jobs import _queries as statements
 from sqla_jobs.bench import scratch
 from sqla_jobs.bench.results import Config, Results
 from sqla_jobs.bench.tasks import Q_ENQUEUE

@@ -6,7 +6,7 @@
 * ``drain.lease.batched.1p.mover``: the alternative, measured the same way: completions
   update the jobs to ``succeeded`` as without a history, and a mover beside the worker
   moves finished rows into a history table in batches, continuously
-  (:func:`sqla_jobs.history.statements.sweep`).
+  (:func:`sqla_jobs._queries.history.sweep`).
 * ``drain.wal_per_job.nohist`` / ``.history`` / ``.mover``: the WAL bytes per job of the same
   drain without a history, moved in the completion, and moved by the mover (its work
   included): what each costs the server, which a shared machine's drift does not blur.
@@ -30,15 +30,15 @@ from typing import Any, Final
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Session
 
+from sqla_jobs._queries import history as history_sql
 from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.context import JobContext
 from sqla_jobs.ddl import executable
 from sqla_jobs.history import create_partitions, history_table
-from sqla_jobs.history import statements as history_sql
-from sqla_jobs.history.schema import create_partition, partition_day
 from sqla_jobs.queue import claim, complete_many
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobMixin
+from sqla_jobs.schema.history import create_partition, partition_day
 
 __all__ = [
     "REGISTRIES",

@@ -1,7 +1,7 @@
 """The bench's scratch database: create it, reset and fill its job table, watch a drain.
 
 Every statement comes from :mod:`sqla_jobs.bench.statements` (or the queue's own
-:mod:`sqla_jobs.statements`); this module only runs them.
+:mod:`sqla_jobs._queries`); this module only runs them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The benchmark's own SQL: the ceiling's plain queue, filling, watching and resetting its
 tables, and server facts.
 
-Builders in the manner of :mod:`sqla_jobs.statements`, which holds every statement the queue
+Builders in the manner of :mod:`sqla_jobs._queries`, which holds every statement the queue
 itself runs. These are the ones only the benchmark needs, kept here so that the queue's
 statement layer stays the queue's. Pure functions: no session, no I/O.
 
@@ -161,7 +161,7 @@ def seed_relock(table: Table) -> TextClause:
     transaction ends, those still running that attempt (fenced). Returns ``id``.
 
     Each row is found through the primary key and its attempt read at its id's place in
-    ``:attempts``, as the library's own lock does (:func:`sqla_jobs.statements._sql._fences`).
+    ``:attempts``, as the library's own lock does (:func:`sqla_jobs._queries._sql._fences`).
     Written as a join with the unnested pairs, the loop ran at 21-23k jobs/s in one bench
     run and 49-61k in others: the planner's statistics made the join a nested loop over the
     pairs, or over an index, for each row, or not. One ``LATERAL`` lookup per pair read the

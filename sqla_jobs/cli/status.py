@@ -8,7 +8,8 @@ from typing import Final
 
 from sqlalchemy.orm import Session
 
-from sqla_jobs import health, queue, statements
+from sqla_jobs import _queries as statements
+from sqla_jobs import health, queue
 from sqla_jobs.cli.database import database_url, make_engine
 from sqla_jobs.cli.display import _age, _bytes, _last_line
 from sqla_jobs.cli.loading import load_model

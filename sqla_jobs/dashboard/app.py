@@ -46,7 +46,8 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from sqla_jobs import queue, validation
-from sqla_jobs.dashboard import access, statements
+from sqla_jobs._queries import dashboard as statements
+from sqla_jobs.dashboard import access
 from sqla_jobs.dashboard.access import AUTH_COOKIE, CSRF_COOKIE, SESSION_LIFETIME, SESSION_MAX_AGE
 from sqla_jobs.dashboard.sources import (
     ListQuery,
@@ -63,8 +64,8 @@ from sqla_jobs.errors import (
     JobStateError,
     SqlaJobsError,
 )
-from sqla_jobs.history.schema import RESULT_COLUMN, has_history, history_table
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
+from sqla_jobs.schema.history import RESULT_COLUMN, has_history, history_table
 
 __all__ = [
     "AUTH_COOKIE",

@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Connection, RowMapping, Select, Table
 
-from sqla_jobs.dashboard import statements
+from sqla_jobs._queries import dashboard as statements
 from sqla_jobs.queue import readable_values
 from sqla_jobs.schema import JobStatus
 
@@ -53,7 +53,7 @@ def built(builder: Callable[..., Select[Any]], table: Table, **options: Any) -> 
 @dataclass(frozen=True)
 class TableSource:
     """Jobs in ``table`` (the job columns, ids growing with time), read in windows of
-    ``scan`` ids (see :mod:`sqla_jobs.dashboard.statements`)."""
+    ``scan`` ids (see :mod:`sqla_jobs._queries.dashboard`)."""
 
     table: Table
     scan: int

@@ -3,8 +3,8 @@
 A job model with ``partitioned_history = True`` keeps only the jobs still to run in its
 table; each job that finishes moves, in the statement that finishes it, into the model's
 history table (:func:`history_table`), partitioned by ``finished_at``, one partition per
-UTC day. Retention drops whole partitions. :mod:`sqla_jobs.history.schema` derives the
-table, :mod:`sqla_jobs.history.statements` holds its SQL and
+UTC day. Retention drops whole partitions. :mod:`sqla_jobs.schema.history` derives the
+table, :mod:`sqla_jobs._queries.history` holds its SQL and
 :mod:`sqla_jobs.history.maintenance` its upkeep (see each module's docstring).
 """
 
@@ -21,7 +21,7 @@ from sqla_jobs.history.maintenance import (
     maintain,
     move_finished,
 )
-from sqla_jobs.history.schema import (
+from sqla_jobs.schema.history import (
     has_history,
     history_names,
     history_table,

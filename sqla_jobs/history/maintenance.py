@@ -37,11 +37,12 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
 from sqla_jobs import validation
+from sqla_jobs._queries import history as statements
 from sqla_jobs.ddl import executable, qualified_name
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.events import describe
-from sqla_jobs.history import statements
-from sqla_jobs.history.schema import (
+from sqla_jobs.schema import JobMixin, JobResultMixin
+from sqla_jobs.schema.history import (
     RESULT_COLUMN,
     attach_partition,
     create_detached_partition,
@@ -53,7 +54,6 @@ from sqla_jobs.history.schema import (
     hold_inserts,
     partition_day,
 )
-from sqla_jobs.schema import JobMixin, JobResultMixin
 
 __all__ = [
     "DEFAULT_DAYS_AHEAD",
@@ -231,7 +231,7 @@ def create_partitions(
     never held up by today's), and a day that cannot be made now (its locks not had within
     ``lock_timeout``, an error) is logged and left for the next run (``skipped``), never in
     the way of the others. While a partition is made, inserts into the history wait
-    (:func:`~sqla_jobs.history.schema.hold_inserts`): a completion then is late, never
+    (:func:`~sqla_jobs.schema.history.hold_inserts`): a completion then is late, never
     refused."""
     table = _history_model(model)
     days = _check_days("days_ahead", days_ahead)
@@ -354,7 +354,7 @@ def move_finished(
     max_windows: int | None = None,
 ) -> int:
     """Move the finished jobs still in the job table into the history, one window of
-    ``scan`` ids per transaction (:func:`sqla_jobs.history.statements.sweep`), walking the
+    ``scan`` ids per transaction (:func:`sqla_jobs._queries.history.sweep`), walking the
     primary key from the lowest id to the highest; with ``result_model``, each job's result
     row moves into its history row. Returns how many jobs moved. Rows locked by others are
     skipped (a later run takes them); pending and running jobs stay."""

@@ -7,8 +7,8 @@ same statement), :func:`renew_leases` and :func:`release_leases` act on them, fe
 row's ``lease_fence`` as a job's transitions are by its attempt, and ``hold=True`` keeps
 the rows locked for the caller's transaction.
 
-* :mod:`~sqla_jobs.leasing.schema`: the mixin and the lease index's name.
-* :mod:`~sqla_jobs.leasing.statements`: the SQL.
+* :mod:`~sqla_jobs.schema.leases`: the mixin and the lease index's name.
+* :mod:`~sqla_jobs._queries.leases`: the SQL.
 * :mod:`~sqla_jobs.leasing.leases`: the operations, and the :class:`Lease` record.
 
 Everything here is also exported by :mod:`sqla_jobs` itself; the migration helpers are
@@ -26,7 +26,7 @@ from sqla_jobs.leasing.leases import (
     renew_lease,
     renew_leases,
 )
-from sqla_jobs.leasing.schema import LeaseMixin, LeaseNames, lease_names
+from sqla_jobs.schema.leases import LeaseMixin, LeaseNames, lease_names
 
 __all__ = [
     "MAX_ACQUIRE_LIMIT",

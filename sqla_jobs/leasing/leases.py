@@ -25,18 +25,19 @@ Every argument is checked before any SQL runs: a model without the mixin raises
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Final, NamedTuple, TypeAlias, cast
 
-from sqlalchemy import Boolean, ColumnElement, Connection, Executable, Table, inspect
+from sqlalchemy import Boolean, ColumnElement, Connection, Table, inspect
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ClauseElement, ColumnClause, TextClause
 from sqlalchemy.sql.selectable import SelectBase
 from sqlalchemy.types import NullType
 
 from sqla_jobs import validation
+from sqla_jobs._queries import leases as statements
+from sqla_jobs._queries.run import built
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -44,8 +45,7 @@ from sqla_jobs.errors import (
     LeaseLostError,
 )
 from sqla_jobs.holding import first_step_engine
-from sqla_jobs.leasing import statements
-from sqla_jobs.leasing.schema import LeaseMixin
+from sqla_jobs.schema.leases import LeaseMixin
 
 __all__ = [
     "MAX_ACQUIRE_LIMIT",
@@ -273,12 +273,6 @@ def _name(model: object) -> str:
 # -- plumbing ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=256)
-def _statement(builder: Callable[[Table], Executable], table: Table) -> Executable:
-    # Renew, release and lock depend only on the table: build each once.
-    return builder(table)
-
-
 def _grant_params(table: Table, leases: Sequence[Lease]) -> dict[str, Any]:
     width = len(table.primary_key.columns)
     keys = [_key(lease, width) for lease in leases]
@@ -382,7 +376,7 @@ def acquire_leases(
     granted = [_lease(model, table, row) for row in rows]
     if not granted:
         return []
-    locked = session.execute(_statement(statements.lock, table), _grant_params(table, granted))
+    locked = session.execute(built(statements.lock, table), _grant_params(table, granted))
     kept = {_identity(table, row) for row in locked}
     width = len(table.primary_key.columns)
     return [lease for lease in granted if (_key(lease, width), lease.fence) in kept]
@@ -410,7 +404,7 @@ def renew_leases(
     if table is None:
         return []
     params = _grant_params(table, batch) | {"duration_seconds": seconds}
-    rows = session.execute(_statement(statements.renew, table), params).all()
+    rows = session.execute(built(statements.renew, table), params).all()
     return _lost(table, batch, rows)
 
 
@@ -423,7 +417,7 @@ def renew_lease(session: Executor, lease: Lease, *, duration: timedelta | float)
     seconds = _duration_seconds(duration)
     table, checked = _one(lease)
     params = _grant_params(table, [checked]) | {"duration_seconds": seconds}
-    row = session.execute(_statement(statements.renew, table), params).first()
+    row = session.execute(built(statements.renew, table), params).first()
     if row is None:
         raise LeaseLostError(_lost_message(checked))
     return checked._replace(expires_at=_lease(checked.model, table, row).expires_at)
@@ -441,7 +435,7 @@ def release_leases(session: Executor, leases: Sequence[Lease]) -> list[Lease]:
     table, batch = _batch(leases)
     if table is None:
         return []
-    rows = session.execute(_statement(statements.release, table), _grant_params(table, batch))
+    rows = session.execute(built(statements.release, table), _grant_params(table, batch))
     return _lost(table, batch, rows.all())
 
 
@@ -457,7 +451,7 @@ def release_lease(session: Executor, lease: Lease) -> None:
             session.get_one(Seat, lease.key).sold_to = "cart-41"
     """
     table, checked = _one(lease)
-    rows = session.execute(_statement(statements.release, table), _grant_params(table, [checked]))
+    rows = session.execute(built(statements.release, table), _grant_params(table, [checked]))
     if rows.first() is None:
         raise LeaseLostError(_lost_message(checked))
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from sqla_jobs import ddl, statements
-from sqla_jobs.history.schema import PARTITION_KEY, history_names, is_history_partition
+from sqla_jobs import _queries as statements
+from sqla_jobs import ddl
 from sqla_jobs.schema import names
+from sqla_jobs.schema.history import PARTITION_KEY, history_names, is_history_partition
 from sqla_jobs.worker.table_version import helper_call, partial_indexes
 
 __all__ = ["check_claim_indexes", "check_job_tables", "include_name"]
@@ -270,7 +271,7 @@ def check_job_tables(
 
     For each model (or table): the partial indexes, as :func:`check_claim_indexes` does,
     and, for a job table (one with every column of :class:`~sqla_jobs.schema.JobMixin`), the
-    wake-up trigger (:func:`sqla_jobs.statements.wakeup_trigger_exists`): present, enabled,
+    wake-up trigger (:func:`sqla_jobs._queries.wakeup_trigger_exists`): present, enabled,
     and the one :func:`~sqla_jobs.migrations.create_notify_trigger` creates. Without it
     workers hear of no new job and find them by polling only. ``notify=False`` skips the
     trigger, for tables made with ``create_job_table(..., notify=False)`` on purpose. An

@@ -7,12 +7,6 @@ from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.schema import SchemaItem
 
-from sqla_jobs.history.schema import (
-    PARTITION_KEY,
-    RESULT_COLUMN,
-    create_default_partition,
-    history_names,
-)
 from sqla_jobs.migrations.steps import _execute
 from sqla_jobs.migrations.v1 import _job_table_items
 from sqla_jobs.migrations.v3 import (
@@ -21,6 +15,12 @@ from sqla_jobs.migrations.v3 import (
     _ordering_key_columns,
     _trace_context_column,
     _unique_columns,
+)
+from sqla_jobs.schema.history import (
+    PARTITION_KEY,
+    RESULT_COLUMN,
+    create_default_partition,
+    history_names,
 )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from sqla_jobs.leasing.schema import lease_index_elements, lease_names
+from sqla_jobs.schema.leases import lease_index_elements, lease_names
 
 LEASE_SCHEMA_VERSION = 1
 """The version of the lease columns and index that the lease helpers below create."""
@@ -87,7 +87,7 @@ def create_lease_index(
     concurrently: bool = False,
 ) -> None:
     """Create the lease index: ``index_columns``, ``lease_expires_at``, ``primary_key``
-    (see :func:`~sqla_jobs.leasing.schema.lease_index_elements`), named
+    (see :func:`~sqla_jobs.schema.leases.lease_index_elements`), named
     ``lease_names(table_name).index``.
 
     :func:`add_lease_columns` already creates it; call this to change a model's

@@ -59,7 +59,6 @@ from alembic import op
 from sqlalchemy.schema import SchemaItem
 
 from sqla_jobs import ddl
-from sqla_jobs.history.schema import history_names
 from sqla_jobs.migrations.history_table import add_history
 from sqla_jobs.migrations.steps import _create_index, _execute
 from sqla_jobs.migrations.v1 import (
@@ -80,6 +79,7 @@ from sqla_jobs.migrations.v3 import (
     create_claim_indexes,
 )
 from sqla_jobs.schema import names
+from sqla_jobs.schema.history import history_names
 from sqla_jobs.worker import table_version
 
 # One source for the worker's check at start (sqla_jobs.worker.table_version) and this.

@@ -32,6 +32,7 @@ the other types, the limits, the hot path's driver shortcut, the argument checks
 
 from __future__ import annotations
 
+from sqla_jobs._queries.run import Executor, UnreadableJson, readable_jsonb, readable_values
 from sqla_jobs.queue._plumbing import (
     DEFAULT_ENQUEUE_CHUNK,
     DEFAULT_LEASE,
@@ -40,13 +41,9 @@ from sqla_jobs.queue._plumbing import (
     MAX_ERROR_CHARS,
     VACUUM_DEAD_ROWS,
     ClaimedJob,
-    Executor,
     FailOutcome,
     QueueStat,
-    UnreadableJson,
     default_worker_name,
-    readable_jsonb,
-    readable_values,
 )
 from sqla_jobs.queue.admin import (
     DeadJob,

@@ -18,35 +18,34 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from sqla_jobs import statements, validation
+from sqla_jobs import _queries as statements
+from sqla_jobs import validation
+from sqla_jobs._queries import history as history_statements
+from sqla_jobs._queries.run import Executor, built, job_table_of
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
     JobNotFoundError,
     JobStateError,
 )
-from sqla_jobs.history import statements as history_statements
-from sqla_jobs.history.schema import has_history, history_table
 from sqla_jobs.queue._plumbing import (
     MAX_CLAIM_LIMIT,
     VACUUM_DEAD_ROWS,
     ClaimedJob,
-    Executor,
     QueueStat,
     _check_count,
     _fence_params,
     _fenced,
-    _job_table,
     _lost,
     _one_model,
     _seconds,
-    _statement,
 )
 from sqla_jobs.schema import (
     JobMixin,
     JobStatus,
     names,
 )
+from sqla_jobs.schema.history import has_history, history_table
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +61,23 @@ def _admin(
     expected: str,
 ) -> None:
     validation.check_job_id("job_id", job_id)
-    table = _job_table(model)
+    table = job_table_of(model)
     params = {"job_id": job_id}
     history = has_history(model)
-    if session.execute(_statement(builder, table), params).first() is not None:
+    if session.execute(built(builder, table), params).first() is not None:
         if history:  # a cancelled job moves into the history at once
-            session.execute(_statement(history_statements.move_finished, table), params)
+            session.execute(built(history_statements.move_finished, table), params)
         return
     # A finished job of a model with history is there: a retry moves it back, pending.
     if (
         history
         and builder is statements.retry
-        and session.execute(_statement(history_statements.retry, table), params).first()
+        and session.execute(built(history_statements.retry, table), params).first()
     ):
         return
-    status = session.execute(_statement(statements.status_of, table), params).scalar()
+    status = session.execute(built(statements.status_of, table), params).scalar()
     if status is None and history:
-        status = session.execute(_statement(history_statements.status_of, table), params).scalar()
+        status = session.execute(built(history_statements.status_of, table), params).scalar()
     if status is None:
         raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
     raise JobStateError(f"job {job_id} is {status}; only {expected} jobs can be changed so")
@@ -96,7 +95,7 @@ def retry(session: Executor, model: type[JobMixin], job_id: int) -> None:
         with session.begin_nested():
             _admin(session, model, job_id, statements.retry, "dead or cancelled")
     except IntegrityError as exc:
-        if names(_job_table(model).name).unique_index not in str(exc.orig):
+        if names(job_table_of(model).name).unique_index not in str(exc.orig):
             raise
         raise JobStateError(
             f"job {job_id} cannot be retried: another job holds its unique key"
@@ -108,7 +107,7 @@ def cancel(session: Executor, model: type[JobMixin], job_id: int) -> JobStatus:
 
     Returns the job's status once the caller commits: ``cancelled`` for a pending job (or
     one already cancelled: idempotent), ``running`` for a running one, whose cancel is now
-    *requested* (:func:`sqla_jobs.statements.request_cancel`): its worker hears of it
+    *requested* (:func:`sqla_jobs._queries.request_cancel`): its worker hears of it
     through a notification on the table's channel at commit (and at its next heartbeat if
     it missed that), cancels a coroutine handler, raises
     :class:`~sqla_jobs.errors.JobCancelledError` from ``ctx.raise_if_cancelled()`` in a
@@ -124,18 +123,18 @@ def cancel(session: Executor, model: type[JobMixin], job_id: int) -> JobStatus:
     already succeeded or is dead (use :func:`retry` first for a dead one).
     """
     validation.check_job_id("job_id", job_id)
-    table = _job_table(model)
+    table = job_table_of(model)
     params = {"job_id": job_id}
     history = has_history(model)
-    if session.execute(_statement(statements.cancel, table), params).first() is not None:
+    if session.execute(built(statements.cancel, table), params).first() is not None:
         if history:  # a cancelled job moves into the history at once
-            session.execute(_statement(history_statements.move_finished, table), params)
+            session.execute(built(history_statements.move_finished, table), params)
         return JobStatus.CANCELLED
-    if session.execute(_statement(statements.request_cancel, table), params).first() is not None:
+    if session.execute(built(statements.request_cancel, table), params).first() is not None:
         return JobStatus.RUNNING
-    status = session.execute(_statement(statements.status_of, table), params).scalar()
+    status = session.execute(built(statements.status_of, table), params).scalar()
     if status is None and history:
-        status = session.execute(_statement(history_statements.status_of, table), params).scalar()
+        status = session.execute(built(history_statements.status_of, table), params).scalar()
     if status is None:
         raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
     if status == JobStatus.CANCELLED.value:
@@ -149,8 +148,8 @@ def cancel_attempts(session: Executor, jobs: Sequence[ClaimedJob]) -> list[Claim
     whose job has no cancel request (those are left as they are)."""
     if not jobs:
         return []
-    table = _job_table(_one_model(jobs))
-    rows = session.execute(_statement(statements.cancel_attempts, table), _fence_params(jobs))
+    table = job_table_of(_one_model(jobs))
+    rows = session.execute(built(statements.cancel_attempts, table), _fence_params(jobs))
     return _lost(jobs, _fenced(rows))
 
 
@@ -159,8 +158,8 @@ def cancel_requests(session: Executor, jobs: Sequence[ClaimedJob]) -> list[Claim
     no lock; the worker's heartbeat asks it, in case it missed the notification."""
     if not jobs:
         return []
-    table = _job_table(_one_model(jobs))
-    rows = session.execute(_statement(statements.cancel_requests, table), _fence_params(jobs))
+    table = job_table_of(_one_model(jobs))
+    rows = session.execute(built(statements.cancel_requests, table), _fence_params(jobs))
     asked = _fenced(rows)
     return [job for job in jobs if (job.id, job.attempt) in asked]
 
@@ -193,7 +192,7 @@ def prune(
     A model with ``partitioned_history`` keeps no finished job here to delete: its history
     is pruned by dropping whole partitions, which :func:`sqla_jobs.history.drop_partitions`
     and ``sqla-jobs prune`` do; this raises :class:`ConfigurationError` for it."""
-    table = _job_table(model)
+    table = job_table_of(model)
     if has_history(model):
         raise ConfigurationError(
             f"{model.__name__} keeps its finished jobs in a partitioned history: prune it "
@@ -202,7 +201,7 @@ def prune(
         )
     _check_count("limit", limit, MAX_CLAIM_LIMIT * 100)
     params = {"older_than_seconds": _seconds("older_than", older_than), "limit": limit}
-    result = cast(CursorResult[Any], session.execute(_statement(statements.prune, table), params))
+    result = cast(CursorResult[Any], session.execute(built(statements.prune, table), params))
     return result.rowcount
 
 
@@ -223,7 +222,7 @@ def vacuum(engine: Engine, model: type[JobMixin], *, min_dead_rows: int = VACUUM
         sqla_jobs.vacuum(engine, EmailJob)
 
     It reads the table's dead row count from PostgreSQL's statistics (no table access), and
-    only if that reaches ``min_dead_rows`` runs :func:`sqla_jobs.statements.vacuum`: a
+    only if that reaches ``min_dead_rows`` runs :func:`sqla_jobs._queries.vacuum`: a
     ``VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON)``, which skips the table when another vacuum of
     it (autovacuum's, another worker's) is running, and blocks no claim, enqueue or outcome.
     Many workers calling it need no coordination. It takes time (a pass over every index of
@@ -235,12 +234,12 @@ def vacuum(engine: Engine, model: type[JobMixin], *, min_dead_rows: int = VACUUM
     open transaction can still see: a long transaction anywhere on the server (an idle one,
     a long report) leaves the dead entries in place until it ends.
     """
-    table = _job_table(model)
+    table = job_table_of(model)
     threshold: object = min_dead_rows
     if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
         raise InvalidJobError("min_dead_rows", f"must be an integer >= 0, got {threshold!r}")
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        dead = connection.execute(_statement(statements.dead_rows, table)).scalar_one()
+        dead = connection.execute(built(statements.dead_rows, table)).scalar_one()
         if dead < min_dead_rows:
             return False
         started = monotonic()
@@ -261,7 +260,7 @@ def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
     runnable count and the age of the oldest runnable job, and the expired leases.
 
     Cheap at any size of history: it reads only the pending, running and dead partial
-    indexes (:func:`sqla_jobs.statements.queue_stats`), so its cost grows with the jobs
+    indexes (:func:`sqla_jobs._queries.queue_stats`), so its cost grows with the jobs
     waiting, running and dead, never with the succeeded and cancelled rows, which it does
     not count. For a model with ``partitioned_history`` the dead count includes the dead
     jobs in its history table (read from the history's dead index, not from the history).
@@ -269,7 +268,7 @@ def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
     transaction. For the server-wide gauges (vacuum, table size) see
     :func:`sqla_jobs.health.read_gauges`.
     """
-    table = _job_table(model)
+    table = job_table_of(model)
     return [
         QueueStat(
             queue=row.queue,
@@ -282,7 +281,7 @@ def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
             expired_leases=int(row.expired),
         )
         for row in session.execute(
-            _statement(statements.queue_stats, table, history=_dead_history(model, table))
+            built(statements.queue_stats, table, history=_dead_history(model, table))
         )
     ]
 
@@ -308,10 +307,10 @@ class DeadJob:
 def dead_jobs(session: Executor, model: type[JobMixin], *, limit: int = 20) -> list[DeadJob]:
     """The ``limit`` most recently finished dead jobs, newest first, with their last error
     (for a model with ``partitioned_history``, those in its history table too)."""
-    table = _job_table(model)
+    table = job_table_of(model)
     _check_count("limit", limit, MAX_CLAIM_LIMIT)
     rows = session.execute(
-        _statement(statements.dead_jobs, table, history=_dead_history(model, table)),
+        built(statements.dead_jobs, table, history=_dead_history(model, table)),
         {"limit": limit},
     )
     return [

@@ -12,7 +12,9 @@ from sqlalchemy import (
     Table,
 )
 
-from sqla_jobs import statements, validation
+from sqla_jobs import _queries as statements
+from sqla_jobs import validation
+from sqla_jobs._queries.run import Executor, built, fetch, job_table_of
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -24,18 +26,14 @@ from sqla_jobs.queue._plumbing import (
     DEFAULT_LEASE,
     MAX_CLAIM_LIMIT,
     ClaimedJob,
-    Executor,
     _check_count,
     _check_queues,
     _claim_order_with_unreadable,
     _fence_params,
     _fenced,
-    _job_table,
     _one_model,
     _own_columns,
-    _rows,
     _seconds,
-    _statement,
     default_worker_name,
 )
 from sqla_jobs.schema import (
@@ -72,7 +70,7 @@ def claim(
     The statement reads up to ``limit`` candidates per queue, so its cost grows with the
     number of queues and ``limit``, not with the backlog; with several queues, the
     candidates that did not make the batch stay locked until the transaction ends (keep it
-    short). See :func:`sqla_jobs.statements.claim`.
+    short). See :func:`sqla_jobs._queries.claim`.
 
     **Lease mode** (``hold=False``, the default). The claim runs in the caller's transaction
     and is durable once the caller commits. Each job is then ``running`` with a lease that
@@ -100,12 +98,12 @@ def claim(
     come before it (expired attempts first, then due retries, then new jobs in ``(priority,
     run_at, id)`` order; a job whose ``run_at`` is still ahead blocks nobody). Claimers are
     serialised per key by transaction-scoped advisory try-locks
-    (:func:`sqla_jobs.statements.lock_keys`), taken in a statement before the claim's, so
+    (:func:`sqla_jobs._queries.lock_keys`), taken in a statement before the claim's, so
     that the claim sees whatever the key's previous claimer committed; a key another claim
     is locking is skipped, not waited for. When the keys of the jobs first in line cannot
     fill the batch (one key's burst, keys whose jobs in progress fill their limits, or keys
     that overlapping claims hold), the claim looks further along the line
-    (:func:`sqla_jobs.statements.walk_keys`); when the keyed claim still comes back short,
+    (:func:`sqla_jobs._queries.walk_keys`); when the keyed claim still comes back short,
     it looks once more, past the keys that are busy too, and claims from the keys found.
     The keyed jobs' batch is filled up with plain jobs. Three statements instead of one
     (two when no key is free; two or four more when it looks further), in the same
@@ -118,10 +116,10 @@ def claim(
     held by a lock-held worker; a crashed worker's attempt frees its slot when its lease
     ends, and taking it over is a new claim that must fit in the limit. Per limited queue
     served, the claim takes a transaction-scoped advisory try-lock
-    (:func:`sqla_jobs.statements.lock_queues`; a queue another claim holds is skipped this
+    (:func:`sqla_jobs._queries.lock_queues`; a queue another claim holds is skipped this
     round, never waited for), then claims at most the queue's free slots from it with a
     claim statement that counts its live attempts
-    (:func:`~sqla_jobs.statements.limited_count`), keyed jobs included (``keys=True``:
+    (:func:`~sqla_jobs._queries.limited_count`), keyed jobs included (``keys=True``:
     they respect both limits; the keyed claim's first statement takes the queue's lock with
     its keys). Limited queues are served first, then the others fill the rest of ``limit``
     with the plain claim, which is unchanged (the same statement as without limits; a
@@ -131,7 +129,7 @@ def claim(
     Returns the claimed jobs, possibly none. Raises :class:`InvalidJobError` for bad
     arguments, before any SQL runs.
     """
-    table = _job_table(model)
+    table = job_table_of(model)
     queue_names = _check_queues(queues)
     _check_count("limit", limit, MAX_CLAIM_LIMIT)
     params: dict[str, Any] = {
@@ -227,7 +225,7 @@ def _claim_rows(
     served = list(limited)
     if not keys:
         lock = {"queue_names": served}
-        served = [row[0] for row in _rows(session, statements.lock_queues, table, lock)]
+        served = [row[0] for row in fetch(session, statements.lock_queues, table, lock)]
     for name in served:
         if len(rows) < limit:
             room = params | {"limit": limit - len(rows), "queue_slots": limited[name]}
@@ -255,7 +253,7 @@ def _claim_from(
     params = params | _queue_params(queue_names)
     options: dict[str, Any] = {"queue_count": min(len(queue_names), 2), "limited": limited}
     if not keys:
-        return list(_rows(session, statements.claim, table, params, **options))
+        return list(fetch(session, statements.claim, table, params, **options))
     limit = params["limit"]
     lock_params, lock_options = key_lock_params(queue_names, limit)
     if limited:
@@ -264,7 +262,7 @@ def _claim_from(
     # The keys locked go from the first statement to the claim inside the transaction
     # (statements.lock_keys): of its one row, only the count, the jobs its keys could start,
     # whether a queue had more in line, and a limited queue's free slots are read here.
-    (locked,) = _rows(session, statements.lock_keys, table, lock_params, **lock_options)
+    (locked,) = fetch(session, statements.lock_keys, table, lock_params, **lock_options)
     count, capacity, full = locked[0], locked[3], locked[4]
     if limited:
         # The queue's free slots, a hint (the claims count exactly): none, or its lock is
@@ -294,24 +292,24 @@ def _claim_from(
         # The jobs in line belonged to too few keys (a burst of one): look further, and
         # claim from these keys and those together.
         walk |= {"capacity": capacity, "keep": True}
-        (found,) = _rows(session, statements.walk_keys, table, walk, **walk_options)
+        (found,) = fetch(session, statements.walk_keys, table, walk, **walk_options)
         count += found[0]
         further = found[3]  # it stopped at enough keys, not at the end of what it sees
     rows: list[Any] = []
     if count:
-        rows.extend(_rows(session, statements.claim_keyed, table, keyed, limited=limited))
+        rows.extend(fetch(session, statements.claim_keyed, table, keyed, limited=limited))
     if further and len(rows) < limit:
         # The keys locked were busy (their jobs in progress fill their limits): look
         # further once, past the keys that are busy too, and claim from the keys found alone.
         walk |= {"capacity": len(rows), "keep": False}
         busy = walk_options | {"busy": True}
-        if _rows(session, statements.walk_keys, table, walk, **busy)[0][0]:
+        if fetch(session, statements.walk_keys, table, walk, **busy)[0][0]:
             # (A limited queue's free slots are counted anew: what this claim took counts.)
             more = keyed | {"limit": limit - len(rows)}
-            rows.extend(_rows(session, statements.claim_keyed, table, more, limited=limited))
+            rows.extend(fetch(session, statements.claim_keyed, table, more, limited=limited))
     if len(rows) < limit:
         rest = params | {"limit": limit - len(rows)}
-        rows.extend(_rows(session, statements.claim, table, rest, **options))
+        rows.extend(fetch(session, statements.claim, table, rest, **options))
     return rows
 
 
@@ -369,13 +367,13 @@ def job_columns(job: ClaimedJob, session: Executor | None = None) -> dict[str, A
     :class:`~sqla_jobs.JobMixin`, such as an ``order_id``) in the job's row, by column name:
     one query by primary key, in ``session``'s transaction. A model without columns of its
     own gives ``{}`` without any query (and needs no session)."""
-    table = _job_table(job.model)
+    table = job_table_of(job.model)
     own = _own_columns(table)
     if not own:
         return {}
     if session is None:
         raise ConfigurationError("job_columns needs a session to read the job row with")
-    row = session.execute(_statement(statements.own_columns, table), {"job_id": job.id}).first()
+    row = session.execute(built(statements.own_columns, table), {"job_id": job.id}).first()
     if row is None:
         raise JobNotFoundError(f"{job.model.__name__} has no job {job.id}")
     return dict(row._mapping)
@@ -394,10 +392,10 @@ def lock_started(
     """:func:`lock`, returning also what a worker needs to end the transaction holding the
     locks later: the jobs locked (the others were taken over) and that transaction's start
     (epoch seconds; None if none was locked). One statement, on the driver's fast path where
-    there is one (:func:`_rows`)."""
+    there is one (:func:`fetch`)."""
     if not jobs:
         return [], None
-    rows = _rows(session, statements.lock, _job_table(_one_model(jobs)), _fence_params(jobs))
+    rows = fetch(session, statements.lock, job_table_of(_one_model(jobs)), _fence_params(jobs))
     kept = _fenced(rows)
     return [job for job in jobs if (job.id, job.attempt) in kept], (
         float(rows[0][2]) if rows else None

@@ -17,7 +17,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from sqla_jobs import statements, tracing, validation
+from sqla_jobs import _queries as statements
+from sqla_jobs import tracing, validation
+from sqla_jobs._queries.run import built, job_table_of
 from sqla_jobs.errors import (
     InvalidJobError,
     SqlaJobsError,
@@ -28,9 +30,7 @@ from sqla_jobs.queue._plumbing import (
     MAX_ENQUEUE_CHUNK,
     _check_count,
     _encode,
-    _job_table,
     _own_columns,
-    _statement,
 )
 from sqla_jobs.schema import (
     DEFAULT_UNIQUE_STATUSES,
@@ -108,7 +108,7 @@ def _insert_chunk(session: Session, table: Table, chunk: tuple[str, int]) -> int
     # reports no row count for it when the statement is prepared). The trace context is
     # the span current at this statement (sqla_jobs.tracing), for every row of it.
     params = {"rows": chunk[0], "trace_context": tracing.enqueue_context()}
-    session.execute(_statement(statements.enqueue_many, table), params)
+    session.execute(built(statements.enqueue_many, table), params)
     return chunk[1]
 
 
@@ -132,7 +132,7 @@ def enqueue_many(
     Each chunk is checked with the same rules as the mixin's validators, and an
     :class:`InvalidJobError` naming the field is raised before the chunk's SQL runs; each
     chunk is then one ``INSERT ... SELECT FROM jsonb_to_recordset(...)`` statement, the
-    chunk sent as one JSON document (:func:`sqla_jobs.statements.enqueue_many`). Like
+    chunk sent as one JSON document (:func:`sqla_jobs._queries.enqueue_many`). Like
     ``session.add``, it writes into the caller's transaction and never commits: the jobs
     exist if and only if the caller commits. When there is more than one chunk, they run
     under a savepoint, so an error in any chunk leaves nothing of this call behind (the
@@ -146,7 +146,7 @@ def enqueue_many(
                 session, EmailJob, ({"task": "send", "args": {"n": n}} for n in range(10**6))
             )
     """
-    table = _job_table(model)
+    table = job_table_of(model)
     _check_count("chunk_size", chunk_size, MAX_ENQUEUE_CHUNK)
     own = _own_columns(table)
     iterator = iter(jobs)
@@ -318,7 +318,7 @@ def enqueue_unique_many(
             )
             results[0].inserted   # False if that email is already pending or running
     """
-    table = _job_table(model)
+    table = job_table_of(model)
     _check_count("chunk_size", chunk_size, MAX_ENQUEUE_CHUNK)
     seconds = _unique_period(period)
     held_in = _unique_statuses(statuses)
@@ -351,7 +351,7 @@ def _insert_unique(session: Session, table: Table, rows: list[dict[str, Any]]) -
     """Run :func:`statements.enqueue_unique` for ``rows`` until every row has its job."""
     results: list[Enqueued | None] = [None] * len(rows)
     todo = list(range(len(rows)))
-    statement = _statement(statements.enqueue_unique, table)
+    statement = built(statements.enqueue_unique, table)
     trace_context = tracing.enqueue_context()  # as in _insert_chunk
     for _ in range(_MAX_UNIQUE_ROUNDS):
         batch = [rows[i] | {"n": position} for position, i in enumerate(todo)]

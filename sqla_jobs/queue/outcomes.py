@@ -12,14 +12,15 @@ from sqlalchemy import (
     Table,
 )
 
-from sqla_jobs import statements, validation
+from sqla_jobs import _queries as statements
+from sqla_jobs import validation
+from sqla_jobs._queries import history as history_statements
+from sqla_jobs._queries.run import Executor, built, fetch, job_table_of, result_table_of
 from sqla_jobs.errors import (
     InvalidJobError,
     JobCancelledError,
     LeaseLostError,
 )
-from sqla_jobs.history import statements as history_statements
-from sqla_jobs.history.schema import has_history
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue._plumbing import (
     _NO_RESULT,
@@ -27,24 +28,20 @@ from sqla_jobs.queue._plumbing import (
     DEFAULT_LEASE,
     MAX_ERROR_CHARS,
     ClaimedJob,
-    Executor,
     FailOutcome,
     _encode,
     _fence_params,
     _fenced,
-    _job_table,
     _lost,
     _one_model,
-    _result_table,
-    _rows,
     _seconds,
-    _statement,
 )
 from sqla_jobs.schema import (
     JobMixin,
     JobResultMixin,
     JobStatus,
 )
+from sqla_jobs.schema.history import has_history
 
 # -- outcomes ---------------------------------------------------------------------------
 
@@ -110,23 +107,23 @@ def complete_attempts(
     if not jobs:
         return [], []
     model = _one_model(jobs)
-    table = _job_table(model)
+    table = job_table_of(model)
     if has_history(model):
         return _complete_into_history(session, table, jobs, results)
     result_table = _results_target(model, jobs, results, result_model)
     cancelled: set[tuple[int, int]] = set()
     if model.delete_on_success:
-        done = _fenced(_rows(session, statements.complete_and_delete, table, _fence_params(jobs)))
+        done = _fenced(fetch(session, statements.complete_and_delete, table, _fence_params(jobs)))
         if len(done) < len(jobs):  # not deleted: lost, or cancel requested (rare)
             cancelled = _fenced(
                 session.execute(
-                    _statement(statements.cancel_attempts, table),
+                    built(statements.cancel_attempts, table),
                     _fence_params(_lost(jobs, done)),
                 )
             )
     else:
         cancelled_value = JobStatus.CANCELLED.value
-        rows = _rows(session, statements.complete, table, _fence_params(jobs))
+        rows = fetch(session, statements.complete, table, _fence_params(jobs))
         if (
             len(rows) == len(jobs)
             and result_table is None
@@ -155,14 +152,14 @@ def complete_held(
 ) -> list[ClaimedJob]:
     """:func:`complete_many` for attempts whose rows the caller's transaction holds locked
     (:func:`lock`), as a lock-held worker completes its group: each row is found through
-    its primary key (:func:`sqla_jobs.statements.complete_held`), and a job whose cancel
+    its primary key (:func:`sqla_jobs._queries.complete_held`), and a job whose cancel
     was requested is left untouched, still running. Returns the attempts not completed
     (their cancel requested, or no longer theirs): roll back what was done for them, and
     cancel them (fenced) once this transaction has ended."""
     if not jobs:
         return []
     model = _one_model(jobs)
-    table = _job_table(model)
+    table = job_table_of(model)
     if has_history(model):
         lost, _ = _complete_into_history(session, table, jobs, results, held=True)
         return lost
@@ -171,7 +168,7 @@ def complete_held(
     builder = (
         statements.complete_and_delete if model.delete_on_success else statements.complete_held
     )
-    done = _fenced(_rows(session, builder, table, _fence_params(jobs)))
+    done = _fenced(fetch(session, builder, table, _fence_params(jobs)))
     _store_results(session, result_table, jobs, results, done)
     return _lost(jobs, done)
 
@@ -192,7 +189,7 @@ def _results_target(
         raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
     for value in results:
         validation.check_json("result", value)
-    return _result_table(result_model)
+    return result_table_of(result_model)
 
 
 def _store_results(
@@ -209,7 +206,7 @@ def _store_results(
         for job, value in zip(jobs, results, strict=True)
         if (job.id, job.attempt) in done
     ]
-    session.execute(_statement(statements.store_results, result_table), {"results": payload})
+    session.execute(built(statements.store_results, result_table), {"results": payload})
 
 
 def _complete_into_history(
@@ -221,7 +218,7 @@ def _complete_into_history(
     held: bool = False,
 ) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
     # The job moves into its history table, succeeded, with its result, in one statement
-    # (sqla_jobs.history.statements.complete): no result table is involved.
+    # (sqla_jobs._queries.history.complete): no result table is involved.
     values: dict[str, Any] = {}
     if results is not None:
         if len(results) != len(jobs):
@@ -233,7 +230,7 @@ def _complete_into_history(
     params = _fence_params(jobs) | {"results": _encode(values) if values else "{}"}
     done: set[tuple[int, int]] = set()
     cancelled: set[tuple[int, int]] = set()
-    for row in _rows(session, history_statements.complete, table, params, held=held):
+    for row in fetch(session, history_statements.complete, table, params, held=held):
         (cancelled if row[3] == JobStatus.CANCELLED.value else done).add((row[0], row[1]))
     ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
     return _lost(jobs, done | cancelled), ended_cancelled
@@ -286,7 +283,7 @@ def fail(
     changes.
     """
     policy = policy or RetryPolicy()
-    table = _job_table(job.model)
+    table = job_table_of(job.model)
     params = {
         "job_id": job.id,
         "attempt": job.attempt,
@@ -297,14 +294,14 @@ def fail(
         "cap": policy.cap.total_seconds(),
         "jitter": policy.jitter,
     }
-    row = session.execute(_statement(statements.fail, table), params).one_or_none()
+    row = session.execute(built(statements.fail, table), params).one_or_none()
     if row is None:
         raise LeaseLostError(
             f"job {job.id} attempt {job.attempt} no longer owns the job; nothing was changed"
         )
     if row.status == JobStatus.DEAD.value and has_history(job.model):
         # Dead: into the history, in the same transaction as the failure.
-        session.execute(_statement(history_statements.move_finished, table), {"job_id": job.id})
+        session.execute(built(history_statements.move_finished, table), {"job_id": job.id})
     return FailOutcome(job_id=row.id, status=JobStatus(row.status), run_at=row.run_at)
 
 
@@ -317,7 +314,7 @@ def heartbeat(
     """Extend these attempts' leases to ``lease`` from now, in database time.
 
     ``lease`` is one duration for all, or a sequence with one per job. One statement for
-    the batch; it never waits on a row lock (see :func:`sqla_jobs.statements.heartbeat`).
+    the batch; it never waits on a row lock (see :func:`sqla_jobs._queries.heartbeat`).
     Returns the attempts whose lease was not extended: their lease had run out and another
     attempt took over, or the job is finished, or its row was locked by another transaction
     at that moment (a lock-held job's own transaction: its row lock keeps every other claim
@@ -325,7 +322,7 @@ def heartbeat(
     """
     if not jobs:
         return []
-    table = _job_table(_one_model(jobs))
+    table = job_table_of(_one_model(jobs))
     if isinstance(lease, timedelta | float | int):
         seconds = [_seconds("lease", lease)] * len(jobs)
     else:
@@ -333,7 +330,7 @@ def heartbeat(
         if len(seconds) != len(jobs):
             raise InvalidJobError("lease", f"has {len(seconds)} items for {len(jobs)} jobs")
     params = _fence_params(jobs) | {"fence_leases": ",".join(map(repr, seconds))}
-    rows = _rows(session, statements.heartbeat, table, params)
+    rows = fetch(session, statements.heartbeat, table, params)
     return _lost(jobs, _fenced(rows))
 
 
@@ -346,6 +343,6 @@ def release(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     """
     if not jobs:
         return []
-    table = _job_table(_one_model(jobs))
-    rows = session.execute(_statement(statements.release, table), _fence_params(jobs))
+    table = job_table_of(_one_model(jobs))
+    rows = session.execute(built(statements.release, table), _fence_params(jobs))
     return _lost(jobs, _fenced(rows))

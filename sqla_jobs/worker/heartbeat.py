@@ -24,7 +24,7 @@ row says so. Each beat also reads the rows of every running attempt: the fallbac
 notification the worker missed (sent while its listener was reconnecting, or a worker
 without LISTEN). So a cancel reaches a handler within a round trip of the notification,
 and within a third of the lease without it. The cancelled outcome itself is written only
-for a row with a cancel request (:func:`sqla_jobs.statements.cancel_attempts`).
+for a row with a cancel request (:func:`sqla_jobs._queries.cancel_attempts`).
 """
 
 from __future__ import annotations

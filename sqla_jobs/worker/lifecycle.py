@@ -43,15 +43,16 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from sqla_jobs import statements, validation
+from sqla_jobs import _queries as statements
+from sqla_jobs import validation
 from sqla_jobs.backoff import Backoff
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.events import describe
-from sqla_jobs.history.schema import has_history
 from sqla_jobs.observer import NO_OBSERVER, Observer
 from sqla_jobs.pooler import POOLER_MODES, behind_pooler
 from sqla_jobs.queue import default_worker_name, vacuum
 from sqla_jobs.registry import Registry
+from sqla_jobs.schema.history import has_history
 from sqla_jobs.worker.fetcher import Fetcher
 from sqla_jobs.worker.health import WorkerHealth, assess
 from sqla_jobs.worker.heartbeat import Heartbeat

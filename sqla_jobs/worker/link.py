@@ -40,7 +40,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from sqla_jobs import statements
+from sqla_jobs import _queries as statements
 from sqla_jobs.events import describe
 from sqla_jobs.observer import NO_OBSERVER, Observer
 
@@ -55,7 +55,7 @@ ISOLATION: Final = "READ COMMITTED"
 def as_session(connection: Connection) -> Session:
     """A Core connection where the queue functions take a session: they only call
     ``execute``, which a Connection has with the same signature (and the claim and complete
-    statements take the driver path on it, :func:`sqla_jobs.queue._plumbing._rows`)."""
+    statements take the driver path on it, :func:`sqla_jobs._queries.run.fetch`)."""
     return cast(Session, connection)
 
 

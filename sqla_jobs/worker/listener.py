@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from sqlalchemy import Engine, Table
 
-from sqla_jobs import statements
+from sqla_jobs import _queries as statements
 from sqla_jobs.backoff import Backoff
 from sqla_jobs.events import describe
 from sqla_jobs.schema import names

@@ -96,13 +96,13 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from sqlalchemy.orm import Session, SessionTransaction
 
-from sqla_jobs import statements
+from sqla_jobs import _queries as statements
 from sqla_jobs.context import ColumnLoader, JobContext
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
-from sqla_jobs.history.schema import has_history
 from sqla_jobs.queue import ClaimedJob, complete_held, job_columns, lock_one, lock_started
 from sqla_jobs.registry import Registry, Task
+from sqla_jobs.schema.history import has_history
 from sqla_jobs.worker.link import as_session
 from sqla_jobs.worker.settling import Settling
 from sqla_jobs.worker.state import Attempt, Kind, Outcome
@@ -242,7 +242,7 @@ class _Group:
             self.session = session
             self.transaction = session.begin()
             # The worker's own statements run on the session's connection (the same
-            # transaction), which takes the driver's fast path (queue._plumbing._rows).
+            # transaction), which takes the driver's fast path (_queries.run.fetch).
             self.executor = as_session(session.connection())
             began = time.monotonic()
             pace = runner.lock_pace

@@ -44,10 +44,10 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import validation
 from sqla_jobs.context import ColumnLoader, JobContext
-from sqla_jobs.history.schema import has_history
 from sqla_jobs.observer import NO_OBSERVER
 from sqla_jobs.queue import ClaimedJob, UnreadableJson, job_columns
 from sqla_jobs.registry import Registry, Task
+from sqla_jobs.schema.history import has_history
 from sqla_jobs.worker import locked
 from sqla_jobs.worker.settling import Settling, job_extra
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
@@ -408,7 +408,7 @@ def _unreadable(job: ClaimedJob) -> str | None:
     """Why no handler can be given ``job`` as the claim read it, or None when one can: its
     ``args`` Python's json cannot decode (:class:`~sqla_jobs.queue.UnreadableJson`), or its
     ``run_at`` outside what Python's datetime holds (the claim hands it back as None:
-    :func:`sqla_jobs.statements._sql._readable_time`). Only a row another program wrote."""
+    :func:`sqla_jobs._queries._sql._readable_time`). Only a row another program wrote."""
     args: object = job.args  # typed as a dict; a row written by another program may not be
     if type(args) is UnreadableJson:
         return f"the job's args cannot be read: {args.reason}"

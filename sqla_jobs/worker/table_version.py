@@ -35,7 +35,7 @@ from typing import Final
 
 from sqlalchemy import Table, TextClause, bindparam, text
 
-from sqla_jobs import statements
+from sqla_jobs import _queries as statements
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.errors import SchemaVersionError
 from sqla_jobs.schema import names

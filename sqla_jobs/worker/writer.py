@@ -27,12 +27,12 @@ from sqlalchemy import Connection
 
 from sqla_jobs.errors import LeaseLostError
 from sqla_jobs.events import describe
-from sqla_jobs.history.schema import has_history
 from sqla_jobs.observer import NO_OBSERVER, Finish, Observer
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import ClaimedJob, cancel_attempts, complete_attempts, fail, release
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobStatus
+from sqla_jobs.schema.history import has_history
 from sqla_jobs.worker.link import Link, as_session, is_transient
 from sqla_jobs.worker.settling import job_extra
 from sqla_jobs.worker.state import WRITE_BATCH, Attempt, Kind, State

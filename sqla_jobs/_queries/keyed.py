@@ -1,6 +1,6 @@
 """The keyed claim (ordering keys, schema version 3): :func:`lock_keys`, :func:`walk_keys`
 and :func:`claim_keyed`, the statements of one keyed claim in the order they run; see
-:mod:`sqla_jobs.statements`."""
+:mod:`sqla_jobs._queries`."""
 
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.elements import BindParameter
 
-from sqla_jobs.ddl import qualified_name
-from sqla_jobs.schema import JobStatus
-from sqla_jobs.statements.claims import (
+from sqla_jobs._queries.claims import (
     _limited_params,
     _lock_space,
     _queue_lock,
     _start_attempts,
     limited_count,
 )
+from sqla_jobs.ddl import qualified_name
+from sqla_jobs.schema import JobStatus
 
 # -- the keyed claim -------------------------------------
 

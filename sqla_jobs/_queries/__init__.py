@@ -25,7 +25,7 @@ a job become: lock, complete, fail, heartbeat, release, retry, cancel, delete) a
 
 from __future__ import annotations
 
-from sqla_jobs.statements.admin import (
+from sqla_jobs._queries.admin import (
     WORKER_SETTINGS,
     backend_transaction,
     dead_jobs,
@@ -46,13 +46,13 @@ from sqla_jobs.statements.admin import (
     vacuum,
     wakeup_trigger_exists,
 )
-from sqla_jobs.statements.claims import (
+from sqla_jobs._queries.claims import (
     claim,
     limited_count,
     lock_queues,
     queue_lock_space,
 )
-from sqla_jobs.statements.enqueueing import (
+from sqla_jobs._queries.enqueueing import (
     CONTEXT_COLUMNS,
     ENQUEUE_COLUMNS,
     MANAGED_COLUMNS,
@@ -65,7 +65,7 @@ from sqla_jobs.statements.enqueueing import (
     schedule_advance,
     schedule_create,
 )
-from sqla_jobs.statements.keyed import (
+from sqla_jobs._queries.keyed import (
     LOCKED_KEY_LIMITS,
     LOCKED_KEYS,
     WALK_STEP_ROWS,
@@ -75,7 +75,7 @@ from sqla_jobs.statements.keyed import (
     lock_keys,
     walk_keys,
 )
-from sqla_jobs.statements.outcomes import (
+from sqla_jobs._queries.outcomes import (
     CANCEL_PAYLOAD_PREFIX,
     cancel,
     cancel_attempts,

@@ -1,5 +1,5 @@
 """What every statement module shares: status literals, the database's clock,
-parameters split from text, and the fence of an attempt (see :mod:`sqla_jobs.statements`)."""
+parameters split from text, and the fence of an attempt (see :mod:`sqla_jobs._queries`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Enqueue and periodic-job statements (see :mod:`sqla_jobs.statements`)."""
+"""Enqueue and periodic-job statements (see :mod:`sqla_jobs._queries`)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 
-from sqla_jobs.schema import unique_predicate
-from sqla_jobs.statements._sql import (
+from sqla_jobs._queries._sql import (
     _ONE,
     _now,
 )
+from sqla_jobs.schema import unique_predicate
 
 # -- enqueue -------------------------------------------------------------------------------
 

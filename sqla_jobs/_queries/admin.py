@@ -1,5 +1,5 @@
 """Administration, statistics and the worker's runtime statements: status, pruning,
-vacuum, queue and table statistics, LISTEN, settings (see :mod:`sqla_jobs.statements`)."""
+vacuum, queue and table statistics, LISTEN, settings (see :mod:`sqla_jobs._queries`)."""
 
 from __future__ import annotations
 
@@ -32,15 +32,15 @@ from sqlalchemy import (
 )
 from sqlalchemy import table as catalog_table
 
-from sqla_jobs.ddl import TRANSITION_TABLE, executable, qualified_name
-from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names
-from sqla_jobs.statements._sql import (
+from sqla_jobs._queries._sql import (
     _ONE,
     _lit,
     _now,
     _seconds,
     _split,
 )
+from sqla_jobs.ddl import TRANSITION_TABLE, executable, qualified_name
+from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names
 
 
 def transaction_isolation() -> Select[Any]:

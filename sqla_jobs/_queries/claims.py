@@ -1,5 +1,5 @@
 """The claim statements: plain and limited (queue limits), and what the keyed claim
-(:mod:`sqla_jobs.statements.keyed`) shares with them; see :mod:`sqla_jobs.statements`."""
+(:mod:`sqla_jobs._queries.keyed`) shares with them; see :mod:`sqla_jobs._queries`."""
 
 from __future__ import annotations
 
@@ -31,9 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.elements import BindParameter
 
-from sqla_jobs.ddl import qualified_name
-from sqla_jobs.schema import JobStatus
-from sqla_jobs.statements._sql import (
+from sqla_jobs._queries._sql import (
     _ONE,
     _cancel_requested,
     _lit,
@@ -41,6 +39,8 @@ from sqla_jobs.statements._sql import (
     _readable_time,
     _seconds,
 )
+from sqla_jobs.ddl import qualified_name
+from sqla_jobs.schema import JobStatus
 
 # -- the plain claim -----------------------------------------------------------------------
 
@@ -59,7 +59,7 @@ def _start_attempts(
 
     ``json_text``: ``args`` and ``trace_context`` come back as their text, for a driver that
     decodes jsonb itself where no tolerant decoder can be put in (asyncpg: SQLAlchemy gives
-    it ``json.loads`` as the codec); :func:`sqla_jobs.queue._plumbing._rows` decodes them, so
+    it ``json.loads`` as the codec); :func:`sqla_jobs._queries.run.fetch` decodes them, so
     that a value Python's json cannot decode fails no claim (:class:`UnreadableJson`)."""
     now = _now()
     # An expired lease on the job's last attempt means that attempt died with its worker:

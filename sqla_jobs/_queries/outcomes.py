@@ -1,5 +1,5 @@
 """The statements of an attempt's outcome and of a job's later changes: lock, complete,
-fail, heartbeat, release, retry, cancel, delete (see :mod:`sqla_jobs.statements`)."""
+fail, heartbeat, release, retry, cancel, delete (see :mod:`sqla_jobs._queries`)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.sql.dml import ReturningDelete
 
-from sqla_jobs.schema import JobStatus, names
-from sqla_jobs.statements._sql import (
+from sqla_jobs._queries._sql import (
     _ONE,
     _SECOND,
     _cancel_requested,
@@ -41,7 +40,8 @@ from sqla_jobs.statements._sql import (
     _now,
     _readable_time,
 )
-from sqla_jobs.statements.enqueueing import ENQUEUE_COLUMNS, ORDERING_COLUMNS, enqueue_columns
+from sqla_jobs._queries.enqueueing import ENQUEUE_COLUMNS, ORDERING_COLUMNS, enqueue_columns
+from sqla_jobs.schema import JobStatus, names
 
 
 def lock(table: Table) -> Select[Any]:

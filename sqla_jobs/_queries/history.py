@@ -1,0 +1,337 @@
+"""Every SQL statement of the partitioned history, as builders over the job table.
+
+Pure functions, like :mod:`sqla_jobs._queries` (whose fence they share): they take the
+job table (and the result table, where one is involved) and return a statement. The moves
+are single statements, ``WITH moved AS (DELETE ... RETURNING ...) INSERT INTO history
+SELECT ... FROM moved``: the row leaves the job table and enters the history in one
+statement of one transaction, so a job is in one of the two tables, never both or neither,
+whatever crashes when.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Insert,
+    Integer,
+    Select,
+    Table,
+    Text,
+    TextClause,
+    and_,
+    bindparam,
+    case,
+    cast,
+    delete,
+    func,
+    insert,
+    literal_column,
+    null,
+    select,
+    text,
+    union_all,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from sqla_jobs._queries._sql import _fenced_by_key, _fences, _lit, _now
+from sqla_jobs.ddl import qualified_name
+from sqla_jobs.schema import FINISHED_STATUSES, JobStatus
+from sqla_jobs.schema.history import PARTITION_KEY, RESULT_COLUMN, history_names, history_table
+
+__all__ = [
+    "complete",
+    "database_now",
+    "default_rows_between",
+    "delete_default_before",
+    "move_finished",
+    "move_out_of_default",
+    "partitions",
+    "record",
+    "retry",
+    "set_lock_timeout",
+    "status_of",
+    "sweep",
+    "sweep_window",
+    "try_lock",
+    "utc",
+]
+
+_FINISHED: Final = [_lit(s) for s in FINISHED_STATUSES]
+_RETRYABLE: Final = [_lit(JobStatus.DEAD), _lit(JobStatus.CANCELLED)]
+
+
+def _into_history(
+    table: Table,
+    moved: Any,
+    *,
+    overrides: dict[str, ColumnElement[Any]],
+    result: ColumnElement[Any],
+    joined: Any = None,
+) -> Insert:
+    """``INSERT INTO history (...) SELECT ... FROM moved`` (the ``WITH`` at the top)."""
+    history = history_table(table)
+    names = [c.name for c in table.columns]
+    values = [overrides.get(name, moved.c[name]) for name in names]
+    source = moved if joined is None else joined
+    return (
+        insert(history)
+        .from_select([*names, RESULT_COLUMN], select(*values, result).select_from(source))
+        .add_cte(moved)
+        .returning(history.c.id, history.c.attempts, history.c.task, history.c.status)
+    )
+
+
+def complete(table: Table, *, held: bool = False) -> Insert:
+    """Complete the given attempts by moving their jobs into the history, succeeded. Fenced.
+
+    ``WITH moved AS (DELETE FROM jobs USING fence WHERE (id, attempts) match AND status =
+    'running' RETURNING *) INSERT INTO history SELECT ... FROM moved``: a stale attempt
+    matches no row and moves nothing. ``:results`` is a JSON object (as text) whose keys
+    are ``"<id>:<attempt>"`` and values the results (``'{}'`` for none): the result is
+    stored in the history row, with the job. Locks the matched job rows (a ``DELETE``);
+    inserts into the history partition of today. Returns ``id, attempts, task`` of each
+    completed job. Parameters: ``:fence_ids``, ``:fence_attempts``, ``:results``.
+
+    ``held``: the rows are locked by the caller's transaction (a lock-held group, see
+    :func:`sqla_jobs._queries.complete_held`): found through the primary key, and a job
+    whose cancel was requested is left where it is, for the worker to cancel later.
+    """
+    match = _fenced_by_key(table) if held else _fences(table)[1]
+    if held:
+        match = and_(match, table.c.cancel_requested_at.is_(null()))
+    moved = delete(table).where(match).returning(*table.columns).cte("moved")
+    key = func.concat(moved.c.id, literal_column("':'"), moved.c.attempts)
+    results = cast(bindparam("results", type_=Text), JSONB)
+    # A job whose cancel was requested ends cancelled, its result not stored (the rule of
+    # sqla_jobs._queries._sql._cancel_requested, here for the move).
+    requested = moved.c.cancel_requested_at.is_not(null())
+    return _into_history(
+        table,
+        moved,
+        result=case((requested, null()), else_=results.op("->")(key)),
+        overrides={
+            "status": case((requested, _lit(JobStatus.CANCELLED)), else_=_lit(JobStatus.SUCCEEDED)),
+            PARTITION_KEY: _now(),
+            "lease_expires_at": null(),
+        },
+    )
+
+
+def move_finished(table: Table) -> Insert:
+    """Move job ``:job_id`` into the history if it is finished (dead or cancelled by the
+    statement before this one, in the same transaction). Returns its ``id, attempts,
+    task``, or no row when it is not finished. Locks its job row."""
+    moved = (
+        delete(table)
+        .where(table.c.id == bindparam("job_id", type_=BigInteger), table.c.status.in_(_FINISHED))
+        .returning(*table.columns)
+        .cte("moved")
+    )
+    return _into_history(
+        table,
+        moved,
+        overrides={PARTITION_KEY: func.coalesce(moved.c[PARTITION_KEY], _now())},
+        result=null(),
+    )
+
+
+def sweep_window(table: Table) -> Select[Any]:
+    """The highest id among the ``:scan`` ids after ``:after`` (null past the end): the
+    next window of :func:`sweep`. Reads the primary key only."""
+    window = (
+        select(table.c.id)
+        .where(table.c.id > bindparam("after", type_=BigInteger))
+        .order_by(table.c.id)
+        .limit(bindparam("scan", type_=Integer))
+        .subquery("window")
+    )
+    return select(func.max(window.c.id))
+
+
+def sweep(table: Table, result_table: Table | None = None) -> Insert:
+    """Move the finished jobs with ids in ``(:after, :upto]`` into the history, with their
+    rows of ``result_table`` (which are deleted), in one statement.
+
+    For the jobs that finished without a move: dead by a claim (a lost lease on the last
+    attempt), and every finished job of a table from before it had a history. Rows locked
+    by someone else are skipped (``FOR UPDATE SKIP LOCKED``), left for a later sweep.
+    Returns ``id, attempts, task`` of each moved job.
+    """
+    upto = and_(
+        table.c.id > bindparam("after", type_=BigInteger),
+        table.c.id <= bindparam("upto", type_=BigInteger),
+    )
+    doomed = (
+        select(table.c.id)
+        .where(upto, table.c.status.in_(_FINISHED))
+        .with_for_update(skip_locked=True)
+        .cte("doomed")
+    )
+    moved = delete(table).where(table.c.id == doomed.c.id).returning(*table.columns).cte("moved")
+    result: ColumnElement[Any] = null()
+    joined = None
+    if result_table is not None:
+        gone = (
+            delete(result_table)
+            .where(result_table.c.job_id == moved.c.id)
+            .returning(result_table.c.job_id, result_table.c.value)
+            .cte("gone")
+        )
+        joined = moved.outerjoin(gone, gone.c.job_id == moved.c.id)
+        result = gone.c.value
+    stmt = _into_history(
+        table,
+        moved,
+        overrides={PARTITION_KEY: func.coalesce(moved.c[PARTITION_KEY], _now())},
+        result=result,
+        joined=joined,
+    )
+    if result_table is not None:
+        stmt = stmt.add_cte(gone)
+    return stmt.add_cte(doomed)
+
+
+def retry(table: Table) -> Insert:
+    """Move dead or cancelled job ``:job_id`` back from the history into the job table,
+    pending and runnable now, with at least one more attempt (``attempts`` kept: the fence
+    stays sound). Its result, if any, stays behind with the history row it came from, which
+    is deleted. Returns the id, or no row when the history has no such dead or cancelled
+    job. The insert wakes listeners like an enqueue (the NOTIFY trigger)."""
+    history = history_table(table)
+    back = (
+        delete(history)
+        .where(
+            history.c.id == bindparam("job_id", type_=BigInteger),
+            history.c.status.in_(_RETRYABLE),
+        )
+        .returning(*(history.c[c.name] for c in table.columns))
+        .cte("back")
+    )
+    one = literal_column("1", Integer)
+    overrides: dict[str, ColumnElement[Any]] = {
+        "status": _lit(JobStatus.PENDING),
+        "run_at": _now(),
+        "max_attempts": func.greatest(back.c.max_attempts, back.c.attempts + one),
+        PARTITION_KEY: null(),
+        "lease_expires_at": null(),
+        "leased_by": null(),
+    }
+    names = [c.name for c in table.columns]
+    values = [overrides.get(name, back.c[name]) for name in names]
+    return (
+        insert(table)
+        .from_select(names, select(*values).select_from(back))
+        .add_cte(back)
+        .returning(table.c.id)
+    )
+
+
+def status_of(table: Table) -> Select[Any]:
+    """The status of job ``:job_id`` in the history (no row when it is not there)."""
+    history = history_table(table)
+    return select(history.c.status).where(history.c.id == bindparam("job_id", type_=BigInteger))
+
+
+def record(table: Table) -> Select[Any]:
+    """Job ``:job_id``'s full row wherever it is: every job column, then ``result`` (null
+    in the job table) and ``in_history``. At most one row (a job is in one table). Reads
+    the job table's primary key and each history partition's."""
+    history = history_table(table)
+    job_id = bindparam("job_id", type_=BigInteger)
+    hot = select(
+        *table.columns,
+        cast(null(), JSONB).label(RESULT_COLUMN),
+        literal_column("false").label("in_history"),
+    ).where(table.c.id == job_id)
+    old = select(
+        *(history.c[c.name] for c in table.columns),
+        history.c[RESULT_COLUMN],
+        literal_column("true").label("in_history"),
+    ).where(history.c.id == job_id)
+    return select(union_all(hot, old).subquery("found"))
+
+
+# -- maintenance ---------------------------------------------------------------------------
+
+
+def try_lock() -> Select[Any]:
+    """``pg_try_advisory_xact_lock`` on ``:lock_key`` (hashed): true when this transaction
+    now holds the maintenance lock of one history, false when another run holds it. Held
+    until the transaction ends; never waits."""
+    key = func.hashtextextended(bindparam("lock_key", type_=Text), literal_column("0"))
+    return select(func.pg_try_advisory_xact_lock(key))
+
+
+def set_lock_timeout() -> Select[Any]:
+    """``set_config('lock_timeout', :value, true)``: for the rest of the transaction."""
+    return select(
+        func.set_config(
+            literal_column("'lock_timeout'"), bindparam("value", type_=Text), literal_column("true")
+        )
+    )
+
+
+def database_now() -> Select[Any]:
+    """``statement_timestamp()``: the database's clock."""
+    return select(_now())
+
+
+def utc() -> Select[Any]:
+    """``set_config('TimeZone', 'UTC', true)``: partition bounds print in UTC for the rest
+    of the transaction."""
+    return select(
+        func.set_config(
+            literal_column("'TimeZone'"), literal_column("'UTC'"), literal_column("true")
+        )
+    )
+
+
+def partitions() -> TextClause:
+    """The partitions of history table ``:history`` (a qualified name): ``name`` and
+    ``bound`` (``pg_get_expr`` of the bound: ``FOR VALUES FROM (...) TO (...)`` or
+    ``DEFAULT``). Reads the catalog; takes no lock."""
+    return text(
+        "SELECT c.relname AS name, pg_get_expr(c.relpartbound, c.oid) AS bound "
+        "FROM pg_catalog.pg_inherits AS i JOIN pg_catalog.pg_class AS c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = to_regclass(:history) ORDER BY c.relname"
+    )
+
+
+def default_rows_between(table: Table) -> TextClause:
+    """Whether the history's ``DEFAULT`` partition holds a row finished in ``[:start,
+    :end)``: then the day partition cannot be created (PostgreSQL refuses a partition whose
+    rows sit in the default one)."""
+    n = history_names(table.name, table.schema)
+    return text(
+        f"SELECT EXISTS (SELECT 1 FROM {qualified_name(n.default_partition, table.schema)} "
+        f"WHERE {PARTITION_KEY} >= :start AND {PARTITION_KEY} < :end)"
+    )
+
+
+def move_out_of_default(table: Table, day_partition: str) -> TextClause:
+    """Move the ``DEFAULT`` partition's rows finished in ``[:start, :end)`` into the table
+    ``day_partition`` (a detached partition-to-be, same columns in the same order), in one
+    statement. Returns their ids."""
+    n = history_names(table.name, table.schema)
+    default = qualified_name(n.default_partition, table.schema)
+    return text(
+        f"WITH moved AS (DELETE FROM {default} WHERE {PARTITION_KEY} >= :start "
+        f"AND {PARTITION_KEY} < :end RETURNING *) "
+        f"INSERT INTO {qualified_name(day_partition, table.schema)} "
+        "SELECT * FROM moved RETURNING id"
+    )
+
+
+def delete_default_before(table: Table) -> TextClause:
+    """Delete up to ``:limit`` rows finished before ``:cutoff`` from the history's
+    ``DEFAULT`` partition (rows that came while no day partition took them: retention by
+    DELETE, the rare case). Returns their ids."""
+    n = history_names(table.name, table.schema)
+    default = qualified_name(n.default_partition, table.schema)
+    return text(
+        f"DELETE FROM {default} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {default} "
+        f"WHERE {PARTITION_KEY} < :cutoff LIMIT :limit)) RETURNING id"
+    )

@@ -1,0 +1,311 @@
+"""The query layer's execution: every statement it builds runs through here.
+
+:func:`built` builds a statement once per table and options (building costs far more Python
+time than running); :func:`fetch` runs one and returns its rows, on psycopg through the
+driver's fast path where it can; :func:`readable_jsonb` and :func:`readable_values` read rows
+that other programs wrote without failing on a value Python cannot hold
+(:class:`UnreadableJson`); :func:`job_table_of` and :func:`result_table_of` resolve a model to
+its table, refusing anything that is not one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import json.scanner
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Final, TypeAlias, cast
+
+import psycopg
+from psycopg.abc import Buffer
+from psycopg.adapt import Loader
+from psycopg.pq import Format
+from psycopg.rows import tuple_row
+from psycopg.types.json import JsonbLoader
+from sqlalchemy import (
+    ClauseElement,
+    Connection,
+    Dialect,
+    Executable,
+    Table,
+    inspect,
+)
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+from sqlalchemy.sql.compiler import SQLCompiler
+
+from sqla_jobs._queries.claims import claim
+from sqla_jobs._queries.keyed import claim_keyed
+from sqla_jobs.errors import ConfigurationError
+from sqla_jobs.schema import JobMixin, JobResultMixin
+
+__all__ = [
+    "Executor",
+    "UnreadableJson",
+    "built",
+    "driver_sql",
+    "fetch",
+    "job_table_of",
+    "readable_jsonb",
+    "readable_values",
+    "result_table_of",
+]
+
+#: What the operations run their statements on: the caller's session or Core connection.
+Executor: TypeAlias = Session | Connection
+
+
+@functools.lru_cache(maxsize=512)
+def built(builder: Callable[..., Executable], table: Table, **options: Any) -> Executable:
+    """``builder(table, **options)``, built once per table and options."""
+    # Building a statement costs far more Python time than running it; each builder's
+    # output depends only on the table and the options, so build it once.
+    return builder(table, **options)
+
+
+@functools.lru_cache(maxsize=256)
+def driver_sql(
+    builder: Callable[..., Executable], table: Table, dialect: Dialect, **options: Any
+) -> str | None:
+    """The SQL text of a built statement as the psycopg driver takes it, or None when it
+    cannot run as plain text (a parameter SQLAlchemy would expand or render at run time)."""
+    statement = cast(ClauseElement, built(builder, table, **options))
+    compiled = cast(SQLCompiler, statement.compile(dialect=dialect))
+    if compiled.post_compile_params or compiled.literal_execute_params:
+        return None
+    return str(compiled)
+
+
+def fetch(
+    session: Executor,
+    builder: Callable[..., Executable],
+    table: Table,
+    params: dict[str, Any],
+    **options: Any,
+) -> Sequence[Any]:
+    """Run one of the hot-path statements (claim, complete) and return its rows, as tuples.
+
+    On a Core ``Connection`` of the psycopg driver, inside a transaction SQLAlchemy knows
+    of, the statement's compiled text runs straight on the driver connection: the
+    same SQL in the same transaction, without SQLAlchemy's per-execution work (the context,
+    the result wrapper, the row processors, the cursor events), which cost a busy worker
+    more CPU than the statement itself. Every parameter here is a plain ``str``, ``int``,
+    ``float`` or list of ``str``, which psycopg adapts as SQLAlchemy would. Anything else
+    (an ORM ``Session``, another driver, ``paramstyle`` changed, a
+    ``schema_translate_map``, no transaction begun) goes through ``execute``, and so does
+    every statement on an engine with ``before_cursor_execute`` or ``after_cursor_execute``
+    listeners (OpenTelemetry's SQLAlchemy instrumentation, a statement logger, ...): they
+    see the SQL the hot path sends, at the price of the fast path.
+    """
+    if (
+        type(session) is Connection
+        and not session.dispatch.before_cursor_execute
+        and not session.dispatch.after_cursor_execute
+        and session.in_transaction()
+        and session.dialect.driver == "psycopg"
+        and session.dialect.paramstyle == "pyformat"
+        and not session.get_execution_options().get("schema_translate_map")
+    ):
+        driver = session.connection.driver_connection
+        sql = driver_sql(builder, table, session.dialect, **options)
+        if sql is not None and isinstance(driver, psycopg.Connection):
+            # Prepared as psycopg decides (after ``prepare_threshold`` runs; never when it
+            # is None, as behind PgBouncer in transaction mode); rows as tuples whatever
+            # row factory the connection was given.
+            try:
+                with driver.cursor(row_factory=tuple_row) as cursor:
+                    if _stock_jsonb(driver):
+                        cursor.adapters.register_loader(_JSONB_OID, _JsonbLoader)
+                    return cursor.execute(sql, params).fetchall()
+            except psycopg.Error as exc:
+                raise _wrapped(session, exc, sql, params) from exc
+    statement = built(builder, table, **options)
+    connection = (
+        session
+        if isinstance(session, Connection)
+        else session.connection(bind_arguments={"clause": statement})
+    )
+    if connection.dialect.driver == "asyncpg" and builder in _CLAIMS:
+        # asyncpg decodes jsonb with SQLAlchemy's json.loads codec, which a value Python's
+        # json cannot decode would make fail the whole claim: read those columns as text.
+        claimed = built(builder, table, json_text=True, **options)
+        return [_json_decoded(row) for row in connection.execute(claimed, params)]
+    with readable_jsonb(connection):
+        return connection.execute(statement, params).all()
+
+
+#: The statements that return claimed jobs (rows as :data:`_CLAIM_ORDER` reads them).
+_CLAIMS: Final = frozenset({claim, claim_keyed})
+
+
+def _json_decoded(row: Sequence[Any]) -> tuple[Any, ...]:
+    # A claimed row whose args (4) and trace_context (10) came back as text (json_text).
+    fields = list(row)
+    for index in (4, 10):
+        if fields[index] is not None:
+            fields[index] = _loads(fields[index])
+    return tuple(fields)
+
+
+@contextlib.contextmanager
+def readable_jsonb(connection: Connection) -> Iterator[None]:
+    """Inside the block, jsonb values that Python's json cannot decode are read as an
+    :class:`UnreadableJson` instead of failing the statement: on a psycopg connection that
+    reads jsonb with psycopg's own loader (one given ``set_json_loads`` keeps its own). For
+    the statements that read rows other programs may have written: a claim, a dashboard's
+    job page."""
+    driver = connection.connection.driver_connection
+    if not isinstance(driver, (psycopg.Connection, psycopg.AsyncConnection)):
+        yield
+        return
+    if not _stock_jsonb(driver):
+        yield
+        return
+    adapters = driver.adapters
+    adapters.register_loader(_JSONB_OID, _JsonbLoader)
+    try:
+        yield
+    finally:
+        adapters.register_loader(_JSONB_OID, JsonbLoader)
+
+
+@contextlib.contextmanager
+def readable_values(connection: Connection) -> Iterator[None]:
+    """:func:`readable_jsonb`, and a timestamptz Python's datetime cannot hold (``'infinity'``,
+    ``'-infinity'``, a year before 1 or after 9999) read as its text (a ``str``) instead of
+    failing the statement. For the pages that show whole rows other programs may have written
+    (the dashboard's); not for the hot path, where the statements hand back only times they
+    made readable (:func:`sqla_jobs._queries._sql._readable_time`)."""
+    driver = connection.connection.driver_connection
+    if not isinstance(driver, (psycopg.Connection, psycopg.AsyncConnection)):
+        yield
+        return
+    adapters = driver.adapters
+    stock = adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT)
+    if stock is None:
+        yield
+        return
+    tolerant = type("ReadableTimestamptz", (_ReadableTime,), {"stock": stock})
+    adapters.register_loader(_TIMESTAMPTZ_OID, tolerant)
+    try:
+        with readable_jsonb(connection):
+            yield
+    finally:
+        adapters.register_loader(_TIMESTAMPTZ_OID, stock)
+
+
+_TIMESTAMPTZ_OID: Final = psycopg.postgres.types["timestamptz"].oid
+
+
+class _ReadableTime(Loader):
+    """The connection's own timestamptz loader (``stock``), or the value's text where it
+    cannot make a datetime of it (:func:`readable_values`)."""
+
+    stock: type[Loader]
+
+    def __init__(self, oid: int, context: Any = None) -> None:
+        super().__init__(oid, context)
+        self._load = self.stock(oid, context).load
+
+    def load(self, data: Buffer) -> Any:
+        try:
+            return self._load(data)
+        except psycopg.DataError:
+            return bytes(data).decode()
+
+
+class UnreadableJson:
+    """A jsonb value that Python's json cannot decode, where the hot path's statements read
+    one (a claimed job's ``args`` or ``trace_context``): nested deeper than the recursion
+    limit lets it go, or a number with more digits than ``int()`` converts. Jobs enqueued
+    through sqla_jobs never hold one (:func:`sqla_jobs.validation.check_json` refuses them);
+    a row written by another program (psql, a trigger, another service) may.
+
+    The rule it carries: **no row can fail a claim**. The loader gives this value instead of
+    raising, the claim returns the job like any other, and the worker ends that job alone,
+    dead with the reason (:meth:`sqla_jobs.worker.runner.Runner.admit`), while the other jobs
+    of the claim run. Raising would fail the whole claim, every time: its queue would stop.
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<UnreadableJson: {self.reason}>"
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return UnreadableJson(
+            f"nested deeper than Python's json can decode ({len(text)} characters of JSON)"
+        )
+    except ValueError as exc:  # a number too long for int() (sys.set_int_max_str_digits)
+        return UnreadableJson(f"Python's json cannot decode it: {exc}")
+
+
+_JSONB_OID: Final = psycopg.postgres.types["jsonb"].oid
+# json's C scanner (typeshed types make_scanner's argument wrongly).
+_SCAN: Final = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+
+
+class _JsonbLoader(Loader):
+    """psycopg's own jsonb loader (``json.loads`` of the text) in fewer Python calls, for
+    the hot path's statements: a claim decodes every job's ``args``, and the stock loader
+    costs more CPU than the rest of the row. A value json cannot decode becomes an
+    :class:`UnreadableJson` instead of an error. The text goes straight to json's C scanner;
+    anything it does not take whole (surrounding whitespace, which jsonb output never
+    has, or an error) goes to ``json.loads``, which gives the same value or the same error.
+    :func:`fetch` uses it only where the stock loader is in place: a connection given a
+    ``loads`` of its own (``psycopg.types.json.set_json_loads``) keeps it."""
+
+    def load(self, data: Buffer) -> Any:
+        text = bytes(data).decode()
+        try:
+            value, end = _SCAN(text, 0)
+        except (StopIteration, RecursionError, ValueError):
+            return _loads(text)  # the value, or an UnreadableJson saying why
+        return value if end == len(text) else _loads(text)
+
+
+def _stock_jsonb(driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Whether ``driver`` reads jsonb with psycopg's own loader and ``json.loads``: neither
+    ``set_json_loads`` for it (a loader class of its own) nor for every connection (the
+    stock class's ``_loads`` replaced)."""
+    loader = driver.adapters.get_loader(_JSONB_OID, Format.TEXT)
+    return loader is JsonbLoader and JsonbLoader._loads is json.loads
+
+
+def _wrapped(
+    connection: Connection, exc: psycopg.Error, sql: str, params: dict[str, Any]
+) -> BaseException:
+    """A driver error as ``execute`` would have raised it: the matching
+    ``sqlalchemy.exc.DBAPIError`` subclass, with the connection invalidated when the error
+    means it is gone (so the pool does not hand it out again)."""
+    dialect = connection.dialect
+    gone = dialect.is_disconnect(cast(Any, exc), connection.connection.dbapi_connection, None)
+    if gone:
+        connection.invalidate(exc)
+    return DBAPIError.instance(
+        sql, params, exc, psycopg.Error, connection_invalidated=gone, dialect=dialect
+    )
+
+
+def _mapped_table(model: object, mixin: type) -> Table:
+    if not (isinstance(model, type) and issubclass(model, mixin)):
+        raise ConfigurationError(f"{model!r} is not a mapped class that mixes in {mixin.__name__}")
+    if inspect(model, raiseerr=False) is None:
+        raise ConfigurationError(f"{model.__name__} mixes in {mixin.__name__} but is not mapped")
+    return cast(Table, model.__table__)  # type: ignore[attr-defined]
+
+
+def job_table_of(model: object) -> Table:
+    return _mapped_table(model, JobMixin)
+
+
+def result_table_of(model: object) -> Table:
+    return _mapped_table(model, JobResultMixin)
