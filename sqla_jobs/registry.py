@@ -283,7 +283,7 @@ class Registry:
 
     @property
     def result_model(self) -> type[JobResultMixin] | None:
-        """Where handler return values are stored: the ``result_model`` given to the
+        """Where handler return values are stored; the ``result_model`` given to the
         registry, else the job model's own ``result_model``, else None (not stored)."""
         if self._result_model is not None:
             return self._result_model

@@ -73,7 +73,7 @@ class ClaimedJob(NamedTuple):
     #: handler sees it.
     run_at: datetime
     lease_expires_at: datetime
-    #: The enqueuer's trace context (schema version 3), or None: see :mod:`sqla_jobs.tracing`.
+    #: The enqueuer's trace context (schema version 3), or None; see :mod:`sqla_jobs.tracing`.
     trace_context: dict[str, str] | None = None
 
     @property

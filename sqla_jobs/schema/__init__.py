@@ -179,15 +179,15 @@ class JobMixin:
         The :class:`JobResultMixin` model that stores the values handlers return, declared
         once here instead of on every :func:`~sqla_jobs.complete` call or
         :class:`~sqla_jobs.Registry` (default ``None``: return values are not stored).
+    ``partitioned_history``
+        Move each finished job (succeeded, dead, cancelled), with its result, out of this
+        table into its history table, partitioned by day (:mod:`sqla_jobs.history`), so
+        that this table holds only the jobs still to run (default ``False``).
 
     Ordering keys (schema version 3): a job with an ``ordering_key`` runs only when fewer
     than its ``key_limit`` (default 1: one at a time, in order) jobs of that key are in
     progress, and after the key's jobs that sort before it; see
     :func:`sqla_jobs.claim` (``keys=True``).
-    ``partitioned_history``
-        Move each finished job (succeeded, dead, cancelled), with its result, out of this
-        table into its history table, partitioned by day (:mod:`sqla_jobs.history`), so
-        that this table holds only the jobs still to run (default ``False``).
     """
 
     max_args_bytes: ClassVar[int] = validation.DEFAULT_MAX_ARGS_BYTES
