@@ -97,9 +97,9 @@ def bars_for(
 
 
 def sweep_bars(document: Mapping[str, Any], mode: str, processes: int) -> list[Bar]:
-    """The ceiling loop's sweep over batch sizes (``ceiling.sweep.<mode>.B<n>.<p>p``), one
+    """The ceiling loop's sweep over batch sizes (``ceiling.sweep.<mode>.b<n>.<p>p``), one
     bar per batch size, smallest first."""
-    prefix, suffix = f"ceiling.sweep.{mode}.B", f".{processes}p"
+    prefix, suffix = f"ceiling.sweep.{mode}.b", f".{processes}p"
     points = []
     for name, found in document["metrics"].items():
         if name.startswith(prefix) and name.endswith(suffix):

@@ -415,7 +415,7 @@ class BenchMachineDirective(_BenchDirective):
 
 # -- References into the package's internals -----------------------------------------------
 #
-# Docstrings name internal modules and objects (sqla_jobs.statements.claim, a handler's
+# Docstrings name internal modules and objects (sqla_jobs._queries.claim, a handler's
 # TypeVar), and names imported only for type checking (Session, timedelta); the reference
 # documents the public modules only. A reference that Sphinx cannot resolve is looked up in
 # Python from the referring object's module: if it is the same object as one the reference

@@ -308,3 +308,41 @@ def parse_descriptions(lines: Iterable[str]) -> dict[str, str]:
         else:
             term = line.strip().strip("`")
     return found
+
+
+# -- What autodoc renders of a module -------------------------------------------------------
+
+
+def attribute_docs(module_name: str) -> set[str]:
+    """The module-level names of a module's own source that carry a doc comment (``#:`` on
+    the lines right above the assignment, or on its line) or a docstring right after it:
+    the data ``automodule`` renders. Data without one (and data a module only imports) it
+    leaves out, even with ``:undoc-members:``, so a page names those with ``autodata``."""
+    import ast
+
+    module = importlib.import_module(module_name)
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return set()
+    lines = source.splitlines()
+    body = ast.parse(source).body
+    found: set[str] = set()
+    for index, node in enumerate(body):
+        if isinstance(node, ast.Assign):
+            targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            targets = [node.target.id]
+        else:
+            continue
+        above = lines[node.lineno - 2].strip() if node.lineno >= 2 else ""
+        inline = "#:" in lines[node.lineno - 1]
+        after = body[index + 1] if index + 1 < len(body) else None
+        docstring = (
+            isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        )
+        if above.startswith("#:") or inline or docstring:
+            found.update(targets)
+    return found
