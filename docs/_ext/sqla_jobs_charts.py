@@ -70,13 +70,16 @@ def bars_for(
     *,
     ceilings: bool = True,
     group: str = "",
+    drawn: set[str] | None = None,
 ) -> list[Bar]:
     """The bars of ``entries`` (metric name, label), each followed by its ceiling's bar.
 
     A metric with a ``ceiling`` in the run gets a second bar, the ceiling's median, labelled
     with the ceiling's name, and its own bar notes the ratio; ``ceilings=False`` leaves
-    the ceiling bars out (the ratio note stays).
+    the ceiling bars out (the ratio note stays). A ceiling named in ``drawn`` is not drawn
+    again (the set is updated: pass one set for all the calls that make one chart).
     """
+    drawn = set() if drawn is None else drawn
     bars: list[Bar] = []
     for name, label in entries:
         found = metric(document, name)
@@ -84,7 +87,13 @@ def bars_for(
         note = f"{ratio:.2f} of the ceiling" if isinstance(ratio, int | float) else ""
         bars.append(Bar(label, float(found["median"]), "sqla_jobs", group, note))
         ceiling = found.get("ceiling")
-        if ceilings and ceiling and found.get("ceiling_median") is not None:
+        if (
+            ceilings
+            and ceiling
+            and ceiling not in drawn
+            and found.get("ceiling_median") is not None
+        ):
+            drawn.add(ceiling)
             bars.append(
                 Bar(
                     f"ceiling: {ceiling.removeprefix('ceiling.')}",
@@ -112,6 +121,8 @@ def sweep_bars(document: Mapping[str, Any], mode: str, processes: int) -> list[B
 
 
 def _number(value: float) -> str:
+    if value == 0:
+        return "0"
     if value >= 100:
         return f"{value:,.0f}"
     if value >= 10:
@@ -120,9 +131,9 @@ def _number(value: float) -> str:
 
 
 # Layout, in SVG user units (the SVG scales to the page's width).
-_WIDTH = 760
-_LABEL = 300  # the label column
-_VALUE = 150  # room right of the longest bar for its value and note
+_WIDTH = 900
+_LABEL = 270  # the label column
+_VALUE = 250  # room right of the longest bar for its value and note
 _BAR = 18
 _GAP = 6
 _HEADING = 26
@@ -195,14 +206,17 @@ def draw_bars(bars: Sequence[Bar], *, title: str, unit: str) -> str:
 
 
 def _ticks(top: float) -> list[float]:
-    """Round tick values from 0 to at most ``top``, four to eight of them."""
-    step = 10 ** math.floor(math.log10(top)) if top > 0 else 1.0
-    for factor in (1, 2, 5, 10):
-        if top / (step * factor) <= 7:
-            step *= factor
+    """Round tick values (1, 2 or 5 times a power of ten apart) from 0 to at most ``top``:
+    the widest step that still gives at least three intervals."""
+    if top <= 0:
+        return [0.0]
+    base = 10.0 ** math.floor(math.log10(top))
+    step = base
+    for factor in (5.0, 2.0, 1.0, 0.5, 0.2, 0.1):
+        step = base * factor
+        if top / step >= 3:
             break
-    count = int(top // step)
-    return [step * i for i in range(count + 1)]
+    return [step * i for i in range(int(top // step + 1e-9) + 1)]
 
 
 def _legend(kinds: set[str], y: int) -> str:

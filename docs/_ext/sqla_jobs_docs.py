@@ -153,7 +153,10 @@ class CliDirective(SphinxDirective):
     option_spec: ClassVar[dict[str, Any]] = {"expand": directives.unchanged}
 
     def run(self) -> list[nodes.Node]:
-        parser = load_object(self.arguments[0])()
+        try:
+            parser = load_object(self.arguments[0])()
+        except Exception as exc:  # reported on the page's line, not a crash
+            raise self.error(f"{self.arguments[0]}: {type(exc).__name__}: {exc}") from exc
         if not isinstance(parser, argparse.ArgumentParser):
             raise self.error(f"{self.arguments[0]}() did not return an ArgumentParser")
         expand = {}
@@ -213,8 +216,10 @@ class ColumnsDirective(SphinxDirective):
     has_content = True
 
     def run(self) -> list[nodes.Node]:
-        mixin = load_object(self.arguments[0])
-        columns = mixin_columns(mixin)
+        try:
+            columns = mixin_columns(load_object(self.arguments[0]))
+        except Exception as exc:  # reported on the page's line, not a crash
+            raise self.error(f"{self.arguments[0]}: {type(exc).__name__}: {exc}") from exc
         given = parse_descriptions(self.content)
         known = {column.name for column in columns}
         result: list[nodes.Node] = [
@@ -299,6 +304,7 @@ class BenchChartDirective(_BenchDirective):
             else:
                 bars = []
                 units = set()
+                drawn: set[str] = set()  # each ceiling once per chart
                 for group, name, label in _chart_lines(self.content):
                     units.add(charts.metric(document, name)["unit"])
                     bars += charts.bars_for(
@@ -306,6 +312,7 @@ class BenchChartDirective(_BenchDirective):
                         [(name, label)],
                         ceilings="no-ceilings" not in self.options,
                         group=group,
+                        drawn=drawn,
                     )
                 if len(units) > 1 and "unit" not in self.options:
                     raise self.error(f"metrics of several units ({units}): give :unit:")
