@@ -23,6 +23,7 @@ from sqlalchemy import (
 
 from sqla_jobs import _queries as statements
 from sqla_jobs import validation
+from sqla_jobs._queries.rows import CLAIM_ORDER, COMPLETE_STATUS
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -135,18 +136,19 @@ def _fence_params(jobs: Sequence[ClaimedJob]) -> dict[str, Any]:
 _JOB_ID: Final = operator.attrgetter("id")
 _JOB_ATTEMPT: Final = operator.attrgetter("attempt")
 #: A claim row's (priority, run_at, id): the order of claimed jobs.
-_CLAIM_ORDER: Final = operator.itemgetter(5, 8, 0)
+_EARLIEST: Final = datetime.min.replace(tzinfo=timezone.utc)
 
 
 def _claim_order_with_unreadable(row: Sequence[Any]) -> tuple[int, datetime, int]:
-    """:data:`_CLAIM_ORDER` for rows among which a ``run_at`` came back None (unreadable:
-    :func:`sqla_jobs._queries._sql._readable_time`), which sorts first, as its
-    ``'-infinity'`` or ancient time does in the claim's own order."""
-    return (row[5], row[8] or datetime.min.replace(tzinfo=timezone.utc), row[0])
+    """:data:`~sqla_jobs._queries.rows.CLAIM_ORDER` for rows among which a ``run_at`` came
+    back None (unreadable: :func:`sqla_jobs._queries._sql._readable_time`), which sorts
+    first, as its ``'-infinity'`` or ancient time does in the claim's own order."""
+    priority, run_at, job_id = CLAIM_ORDER(row)
+    return (priority, run_at or _EARLIEST, job_id)
 
 
 #: The status column of statements.complete's rows.
-_ROW_STATUS: Final = operator.itemgetter(3)
+_ROW_STATUS: Final = operator.itemgetter(COMPLETE_STATUS)
 
 
 def _seconds(field: str, value: timedelta | float) -> float:
@@ -176,7 +178,8 @@ def default_worker_name() -> str:
 
 def _fenced(rows: Iterable[Any]) -> set[tuple[int, int]]:
     """The ``(id, attempt)`` fences that a fenced statement's ``RETURNING`` matched."""
-    # Positional: every fenced statement returns ``id, attempts`` first.
+    # Positional: every fenced statement's row starts with ``id, attempts`` (FenceRow; the
+    # rows' types are held to it by tests/test_query_rows.py).
     return {(row[0], row[1]) for row in rows}
 
 

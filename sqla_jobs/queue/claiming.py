@@ -14,6 +14,7 @@ from sqlalchemy import (
 
 from sqla_jobs import _queries as statements
 from sqla_jobs import validation
+from sqla_jobs._queries.rows import CLAIM_ORDER, LockKeysRow, LockRow, WalkKeysRow
 from sqla_jobs._queries.run import Executor, built, fetch, job_table_of
 from sqla_jobs.errors import (
     ConfigurationError,
@@ -22,7 +23,6 @@ from sqla_jobs.errors import (
 )
 from sqla_jobs.holding import first_step_engine
 from sqla_jobs.queue._plumbing import (
-    _CLAIM_ORDER,
     DEFAULT_LEASE,
     MAX_CLAIM_LIMIT,
     ClaimedJob,
@@ -150,21 +150,17 @@ def claim(
     else:
         rows = _claim_rows(session, table, params, queue_names, keys, limited)
     running = JobStatus.RUNNING.value
-    # The hot path. The rows are sorted in (priority, run_at, id) order by a C-level key,
-    # and each job is built positionally (in the order of the claim statement's RETURNING)
-    # by tuple.__new__, which ClaimedJob's own __new__ is a Python-level call around.
+    # The hot path. The rows (ClaimRow) are sorted in (priority, run_at, id) order by a
+    # C-level key, and each job is built by tuple.__new__ (ClaimedJob's own __new__ is a
+    # Python-level call around it) as the model, the row's id, and the rest of the row after
+    # its status: ClaimedJob's fields are ClaimRow's in that shape (tests/test_query_rows.py).
     new = tuple.__new__
     try:
-        ordered = sorted(rows, key=_CLAIM_ORDER)
+        ordered = sorted(rows, key=CLAIM_ORDER)
     except TypeError:  # a run_at came back None: a row Python cannot read (rare; see admit)
         ordered = sorted(rows, key=_claim_order_with_unreadable)
     jobs: list[ClaimedJob] = [
-        new(
-            ClaimedJob,
-            (model, job_id, queue, task, args, prio, attempt, most, run_at, lease, trace),
-        )
-        for job_id, status, queue, task, args, prio, attempt, most, run_at, lease, trace in ordered
-        if status == running
+        new(ClaimedJob, (model, row[0], *row[2:])) for row in ordered if row[1] == running
     ]
     if len(jobs) < len(rows):
         _log_exhausted(rows, running)
@@ -262,13 +258,14 @@ def _claim_from(
     # The keys locked go from the first statement to the claim inside the transaction
     # (statements.lock_keys): of its one row, only the count, the jobs its keys could start,
     # whether a queue had more in line, and a limited queue's free slots are read here.
-    (locked,) = fetch(session, statements.lock_keys, table, lock_params, **lock_options)
-    count, capacity, full = locked[0], locked[3], locked[4]
+    (row,) = fetch(session, statements.lock_keys, table, lock_params, **lock_options)
+    locked = LockKeysRow(*row)  # its free slots only when limited
+    count, capacity, full = locked.locked, locked.capacity, locked.full
     if limited:
         # The queue's free slots, a hint (the claims count exactly): none, or its lock is
         # another claim's (NULL; then no key was locked either); fewer than the limit, and
         # the claims ask for no more.
-        limit = min(limit, locked[5] or 0)
+        limit = min(limit, locked.free or 0)
         if limit <= 0:
             return []
     keyed = {
@@ -292,9 +289,10 @@ def _claim_from(
         # The jobs in line belonged to too few keys (a burst of one): look further, and
         # claim from these keys and those together.
         walk |= {"capacity": capacity, "keep": True}
-        (found,) = fetch(session, statements.walk_keys, table, walk, **walk_options)
-        count += found[0]
-        further = found[3]  # it stopped at enough keys, not at the end of what it sees
+        (row,) = fetch(session, statements.walk_keys, table, walk, **walk_options)
+        found = WalkKeysRow._make(row)
+        count += found.locked
+        further = found.reached  # it stopped at enough keys, not at the end of what it sees
     rows: list[Any] = []
     if count:
         rows.extend(fetch(session, statements.claim_keyed, table, keyed, limited=limited))
@@ -303,7 +301,8 @@ def _claim_from(
         # further once, past the keys that are busy too, and claim from the keys found alone.
         walk |= {"capacity": len(rows), "keep": False}
         busy = walk_options | {"busy": True}
-        if fetch(session, statements.walk_keys, table, walk, **busy)[0][0]:
+        (row,) = fetch(session, statements.walk_keys, table, walk, **busy)
+        if WalkKeysRow._make(row).locked:
             # (A limited queue's free slots are counted anew: what this claim took counts.)
             more = keyed | {"limit": limit - len(rows)}
             rows.extend(fetch(session, statements.claim_keyed, table, more, limited=limited))
@@ -398,5 +397,5 @@ def lock_started(
     rows = fetch(session, statements.lock, job_table_of(_one_model(jobs)), _fence_params(jobs))
     kept = _fenced(rows)
     return [job for job in jobs if (job.id, job.attempt) in kept], (
-        float(rows[0][2]) if rows else None
+        float(LockRow._make(rows[0]).xact_start) if rows else None
     )

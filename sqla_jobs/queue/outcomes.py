@@ -15,6 +15,7 @@ from sqlalchemy import (
 from sqla_jobs import _queries as statements
 from sqla_jobs import validation
 from sqla_jobs._queries import history as history_statements
+from sqla_jobs._queries.rows import COMPLETE_STATUS
 from sqla_jobs._queries.run import Executor, built, fetch, job_table_of, result_table_of
 from sqla_jobs.errors import (
     InvalidJobError,
@@ -135,7 +136,7 @@ def complete_attempts(
             return [], []
         done = set()
         for row in rows:
-            (cancelled if row[3] == cancelled_value else done).add((row[0], row[1]))
+            (cancelled if row[COMPLETE_STATUS] == cancelled_value else done).add((row[0], row[1]))
     _store_results(session, result_table, jobs, results, done)
     if not cancelled:
         return _lost(jobs, done), []
@@ -231,7 +232,8 @@ def _complete_into_history(
     done: set[tuple[int, int]] = set()
     cancelled: set[tuple[int, int]] = set()
     for row in fetch(session, history_statements.complete, table, params, held=held):
-        (cancelled if row[3] == JobStatus.CANCELLED.value else done).add((row[0], row[1]))
+        status = row[COMPLETE_STATUS]
+        (cancelled if status == JobStatus.CANCELLED.value else done).add((row[0], row[1]))
     ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
     return _lost(jobs, done | cancelled), ended_cancelled
 

@@ -1,0 +1,157 @@
+"""The rows the query layer's statements return, one type per shape: each field is a column of
+the statement's ``RETURNING`` (or select) list, in its order. tests/test_query_rows.py holds
+each statement to its row type (:data:`ROW_TYPES`), so that reordering, adding or renaming a
+returned column fails there, not as a wrong value read by position somewhere above.
+
+The hot statements' rows stay the driver's plain tuples (a claim of a thousand jobs builds no
+named tuple per row); the code above reads them by the positions named here
+(:data:`CLAIM_ORDER`, :data:`COMPLETE_STATUS`, ...), derived from the fields, never written
+as numbers. The statements that return one row per call (the keyed claim's two key
+statements) are read as their named tuple (``LockKeysRow(*row)``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Final, NamedTuple, TypeAlias
+
+from sqla_jobs._queries import claims, history, keyed, outcomes
+
+__all__ = [
+    "CLAIM_ORDER",
+    "CLAIM_RUN_AT",
+    "CLAIM_STATUS",
+    "COMPLETE_STATUS",
+    "ROW_TYPES",
+    "ClaimRow",
+    "CompleteRow",
+    "DeleteRow",
+    "FailRow",
+    "FenceRow",
+    "LockKeysRow",
+    "LockRow",
+    "RowType",
+    "WalkKeysRow",
+]
+
+
+class ClaimRow(NamedTuple):
+    """A job a claim started (or made dead or cancelled: see ``status``)."""
+
+    id: int
+    status: str
+    queue: str
+    task: str
+    args: Any
+    priority: int
+    attempts: int
+    max_attempts: int
+    #: None where Python's datetime cannot hold it (``_sql._readable_time``).
+    run_at: datetime | None
+    lease_expires_at: datetime | None
+    trace_context: Any
+
+
+class CompleteRow(NamedTuple):
+    """An attempt :func:`~sqla_jobs._queries.outcomes.complete` matched: ``status`` is
+    ``succeeded``, or ``cancelled`` when its cancel was requested."""
+
+    id: int
+    attempts: int
+    task: str
+    status: str
+
+
+class DeleteRow(NamedTuple):
+    """An attempt :func:`~sqla_jobs._queries.outcomes.complete_and_delete` deleted."""
+
+    id: int
+    attempts: int
+    task: str
+
+
+class FenceRow(NamedTuple):
+    """An attempt a fenced statement matched (completed held, renewed, released, cancelled)."""
+
+    id: int
+    attempts: int
+
+
+class FailRow(NamedTuple):
+    """What :func:`~sqla_jobs._queries.outcomes.fail` made of an attempt."""
+
+    id: int
+    status: str
+    #: None where Python's datetime cannot hold it (``_sql._readable_time``).
+    run_at: datetime | None
+
+
+class LockRow(NamedTuple):
+    """An attempt :func:`~sqla_jobs._queries.outcomes.lock` locked, and the locking
+    transaction's start (epoch seconds)."""
+
+    id: int
+    attempts: int
+    xact_start: Any
+
+
+class LockKeysRow(NamedTuple):
+    """The one row of :func:`~sqla_jobs._queries.keyed.lock_keys`. ``free``: a limited
+    queue's free slots (its ``limited`` variant only)."""
+
+    locked: int
+    keys: str
+    key_limits: str
+    capacity: int
+    full: bool
+    free: int | None = None
+
+
+class WalkKeysRow(NamedTuple):
+    """The one row of :func:`~sqla_jobs._queries.keyed.walk_keys`."""
+
+    locked: int
+    keys: str
+    key_limits: str
+    reached: bool
+
+
+#: Any of the row types above.
+RowType: TypeAlias = (
+    type[ClaimRow]
+    | type[CompleteRow]
+    | type[DeleteRow]
+    | type[FenceRow]
+    | type[FailRow]
+    | type[LockRow]
+    | type[LockKeysRow]
+    | type[WalkKeysRow]
+)
+
+#: Each statement builder whose rows the layer reads, and its row type.
+ROW_TYPES: Final[dict[Callable[..., Any], RowType]] = {
+    claims.claim: ClaimRow,
+    keyed.claim_keyed: ClaimRow,
+    keyed.lock_keys: LockKeysRow,
+    keyed.walk_keys: WalkKeysRow,
+    outcomes.complete: CompleteRow,
+    outcomes.complete_held: FenceRow,
+    outcomes.complete_and_delete: DeleteRow,
+    outcomes.fail: FailRow,
+    outcomes.heartbeat: FenceRow,
+    outcomes.release: FenceRow,
+    outcomes.cancel_attempts: FenceRow,
+    outcomes.lock: LockRow,
+    history.complete: CompleteRow,
+    history.move_finished: CompleteRow,
+}
+
+#: A claimed row's status, and its run_at (None where unreadable).
+CLAIM_STATUS: Final = ClaimRow._fields.index("status")
+CLAIM_RUN_AT: Final = ClaimRow._fields.index("run_at")
+#: The order a claim hands its jobs out in: the claim statement's own ``(priority, run_at, id)``.
+CLAIM_ORDER: Final = operator.itemgetter(*map(ClaimRow._fields.index, ("priority", "run_at", "id")))
+#: A completed row's status.
+COMPLETE_STATUS: Final = CompleteRow._fields.index("status")
