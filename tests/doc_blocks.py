@@ -266,12 +266,13 @@ def running(blocks: list[Block], url: str, module_name: str) -> Iterator[dict[st
         del sys.modules[module.__name__]
 
 
-def _migrate(engine: sa.Engine, step: Callable[[], None]) -> None:
-    with (
-        engine.begin() as connection,
-        Operations.context(MigrationContext.configure(connection)),
-    ):
-        step()
+def migrate(engine: sa.Engine, step: Callable[[], None]) -> None:
+    """Run ``step`` as a revision's ``upgrade()`` or ``downgrade()`` runs (Alembic's
+    ``autocommit_block()`` included), and commit."""
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection)
+        with Operations.context(context), context.begin_transaction():
+            step()
 
 
 def _tables(engine: sa.Engine) -> set[str]:
@@ -292,19 +293,30 @@ def revision_groups(page: Page) -> list[list[Block]]:
     return groups
 
 
-def run_revisions(group: list[Block], engine: sa.Engine) -> list[dict[str, Any]]:
-    """Upgrade each revision of ``group`` in turn, then downgrade them in reverse; the tables
-    must then be the ones there were before. Returns the revisions' namespaces."""
+def revisions_of(group: list[Block]) -> list[dict[str, Any]]:
+    """The namespaces of the revision blocks of ``group``, each run as a module of its own."""
     revisions: list[dict[str, Any]] = []
     for block in group:
         revision: dict[str, Any] = {}
         exec(compile(block.code, block.where, "exec"), revision)
         revisions.append(revision)
+    return revisions
+
+
+def run_revisions(
+    group: list[Block], engine: sa.Engine, check: Callable[[], None] | None = None
+) -> list[dict[str, Any]]:
+    """Upgrade each revision of ``group`` in turn, call ``check`` (if given), then downgrade
+    them in reverse; the tables must then be the ones there were before. Returns the
+    revisions' namespaces."""
+    revisions = revisions_of(group)
     before = _tables(engine)
     for revision in revisions:
-        _migrate(engine, revision["upgrade"])
+        migrate(engine, revision["upgrade"])
+    if check is not None:
+        check()
     for revision in reversed(revisions):
-        _migrate(engine, revision["downgrade"])
+        migrate(engine, revision["downgrade"])
     after = _tables(engine)
     assert after == before, f"{group[0].where}: the downgrade left {after ^ before}"
     return revisions

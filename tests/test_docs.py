@@ -23,7 +23,6 @@ import pytest
 import sqlalchemy as sa
 from conftest import FreshDatabase
 from doc_blocks import (
-    ALEMBIC,
     Page,
     chain,
     check_blocks,
@@ -47,7 +46,7 @@ from worker_harness import wait_until
 
 import sqla_jobs
 from sqla_jobs import InvalidJobError, JobMixin, JobResultMixin, Registry, validation
-from sqla_jobs.migrations import check_claim_indexes
+from sqla_jobs.migrations import check_job_tables
 
 PAGES = docs_pages()
 BY_SOURCE = {page.source: page for page in PAGES}
@@ -360,45 +359,31 @@ def test_task_job_takes_a_relationship(queue_engine: sa.Engine) -> None:
 # -- how-to/migrations.md ----------------------------------------------------------------------
 
 
-def test_the_revision_builds_what_the_models_declare(
+def test_the_revisions_build_what_the_models_declare(
     ran: Runner, fresh_database: FreshDatabase
 ) -> None:
-    (block,) = [b for b in page("docs/how-to/migrations.md").blocks if b.marker == ALEMBIC]
     namespace = ran("docs/tutorial.md").namespace
-    engine = sa.create_engine(fresh_database("sqla_jobs_docs_models"), poolclass=sa.NullPool)
-    try:
-        with engine.begin() as connection:
-            connection.execute(sa.text("CREATE TABLE orders (id integer PRIMARY KEY)"))
-        (revision,) = run_revisions_upgraded([block], engine)
-        with engine.connect() as connection:
-            job_model = namespace["EmailJob"]
-            assert check_claim_indexes(connection, job_model) == []
-            inspector = sa.inspect(connection)
-            for model in (job_model, namespace["EmailJobResult"]):
-                table = model.__table__
-                columns = {c["name"] for c in inspector.get_columns(table.name)}
-                assert columns == {c.name for c in table.columns}
-        assert callable(revision["downgrade"])
-    finally:
-        engine.dispose()
+    job_model, result_model = namespace["EmailJob"], namespace["EmailJobResult"]
+    first, upgrades = revision_groups(page("docs/how-to/migrations.md"))
+    assert [len(first), len(upgrades)] == [1, 3]
+    for group, models in ((first, (job_model, result_model)), (upgrades, (job_model,))):
+        engine = sa.create_engine(fresh_database("sqla_jobs_docs_models"), poolclass=sa.NullPool)
 
+        def check(engine: sa.Engine = engine, models: tuple[type, ...] = models) -> None:
+            with engine.connect() as connection:
+                assert check_job_tables(connection, job_model) == []
+                inspector = sa.inspect(connection)
+                for model in models:
+                    table = model.__table__  # type: ignore[attr-defined]
+                    columns = {c["name"] for c in inspector.get_columns(table.name)}
+                    assert columns == {c.name for c in table.columns}
 
-def run_revisions_upgraded(group: list[Any], engine: sa.Engine) -> list[dict[str, Any]]:
-    """The revisions of ``group``, upgraded (and not downgraded) on ``engine``."""
-    from alembic.migration import MigrationContext
-    from alembic.operations import Operations
-
-    revisions: list[dict[str, Any]] = []
-    for block in group:
-        revision: dict[str, Any] = {}
-        exec(compile(block.code, block.where, "exec"), revision)
-        with (
-            engine.begin() as connection,
-            Operations.context(MigrationContext.configure(connection)),
-        ):
-            revision["upgrade"]()
-        revisions.append(revision)
-    return revisions
+        try:
+            with engine.begin() as connection:
+                connection.execute(sa.text("CREATE TABLE orders (id integer PRIMARY KEY)"))
+            run_revisions(group, engine, check)
+        finally:
+            engine.dispose()
 
 
 # -- how-to/async.md ---------------------------------------------------------------------------
