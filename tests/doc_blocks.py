@@ -258,12 +258,17 @@ def running(blocks: list[Block], url: str, module_name: str) -> Iterator[dict[st
                 exec(code, namespace)
             except Exception as exc:
                 raise AssertionError(f"the block at {block.where} failed: {exc!r}") from exc
+        _dispose(namespace)  # the pages' pools close between pages (they reconnect when used)
         yield namespace
     finally:
-        for value in list(namespace.values()):
-            if isinstance(value, sa.Engine):
-                value.dispose()
+        _dispose(namespace)
         del sys.modules[module.__name__]
+
+
+def _dispose(namespace: dict[str, Any]) -> None:
+    for value in list(namespace.values()):
+        if isinstance(value, sa.Engine):
+            value.dispose()
 
 
 def migrate(engine: sa.Engine, step: Callable[[], None]) -> None:
