@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -505,3 +506,48 @@ def test_embedding_page_worker_refused_the_missing_database(ran: Runner) -> None
 def test_dashboard_page_retried_the_job(ran: Runner) -> None:
     engine = ran("docs/operations/dashboard.md").engine
     assert scalar(engine, "SELECT status FROM email_jobs WHERE args->>'order' = '40'") == "pending"
+
+
+# -- prose that names the code's values ---------------------------------------------------------
+
+
+def test_the_dashboard_page_names_its_routes_and_cookies() -> None:
+    pytest.importorskip("starlette")
+    from sqla_jobs.dashboard import access, create_app
+
+    text = page("docs/operations/dashboard.md").section("## URLs, forms, cookies and status codes")
+    app = create_app(sa.create_engine("postgresql+psycopg://"), EmailJob)
+    paths = {route.path for route in app.routes}  # type: ignore[attr-defined]
+    assert paths == {"/", "/jobs", "/jobs/{job_id}", "/jobs/{job_id}/{action}", "/login"}
+    for shown in ("`GET /`", "`GET /jobs`", "`GET /jobs/{id}`", "`POST /jobs/{id}/retry`"):
+        assert shown in text
+    assert f"`{access.CSRF_COOKIE}`" in text
+    assert f"`{access.AUTH_COOKIE}`" in text
+    assert timedelta(hours=12) == access.SESSION_LIFETIME
+    assert timedelta(days=7) == access.SESSION_MAX_AGE
+    assert "12 hours unused or 7 days since the login" in normalized(text)
+
+
+def test_the_metrics_page_names_the_other_label() -> None:
+    from sqla_jobs.metrics import OTHER
+
+    assert f"`{OTHER}`" in page("docs/operations/metrics.md").text
+
+
+def test_the_outcomes_page_gives_the_retry_policys_defaults() -> None:
+    policy = sqla_jobs.RetryPolicy()
+    assert (policy.base, policy.cap, policy.jitter) == (
+        timedelta(seconds=1),
+        timedelta(hours=1),
+        0.1,
+    )
+    assert "defaults to `base` 1 s, `cap` one hour and `jitter` 0.1" in normalized(
+        page("docs/how-to/outcomes.md").text
+    )
+
+
+def test_the_periodic_page_gives_the_longest_unique_key() -> None:
+    from sqla_jobs.queue.enqueueing import MAX_UNIQUE_KEY_LENGTH
+
+    assert MAX_UNIQUE_KEY_LENGTH == 200
+    assert "longer than 200 characters" in normalized(page("docs/how-to/periodic-jobs.md").text)
