@@ -16,6 +16,7 @@ from sqla_jobs.errors import (
     JobStateError,
     LeaseLostError,
     ScheduleError,
+    SchemaVersionError,
     SqlaJobsError,
     UniqueJobError,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleMixin",
+    "SchemaVersionError",
     "SqlaJobsError",
     "Task",
     "UniqueJobError",

@@ -6,8 +6,8 @@ which installs ``prometheus_client``); nothing else in sqla_jobs imports this mo
 and histograms updated as events happen, in the worker's own threads. The health gauges of
 :mod:`sqla_jobs.health` are read when Prometheus scrapes, through a
 :class:`~sqla_jobs.health.GaugeCache` (at most one read per ``max_age`` seconds, and a scrape
-never waits more than its ``timeout`` for the database). The metric names are listed in the
-README ("Metrics").
+never waits more than its ``timeout`` for the database). The metric names are listed in
+docs/operations/metrics.md.
 
 Label values are bounded by the code, never by the data (:class:`LabelValues`): a task label
 is a task of the worker's registry, a queue label a queue the worker serves or its registry

@@ -145,7 +145,7 @@ def run_inline(
     of its own (call this from synchronous test code); it gets ``ctx.session`` too, not
     ``ctx.async_session``. Leases and heartbeats play no part, and nothing is cancelled.
 
-    Example, with the ``session`` fixture of the README::
+    Example, with the ``session`` fixture of docs/how-to/testing.md::
 
         def test_checkout_charges_the_order(session):
             checkout(session, order_id=7)

@@ -77,7 +77,8 @@ PRIORITY_MAX = 100
 # Queue, task and worker names appear in logs, metrics and NOTIFY payloads: keep them
 # printable and unambiguous. Dotted module paths ("billing.tasks.send_receipt") and "a:b"
 # forms are fine. The one definition of the rule: _NAME enforces it, NAME_RULE says it (in
-# the error message, and word for word in the README, which tests/test_readme.py checks).
+# the error message, and word for word in docs/how-to/enqueueing.md, which tests/test_docs.py
+# checks).
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]*")
 #: What :func:`check_name` accepts, in words.
 NAME_RULE: Final = (

@@ -44,6 +44,7 @@ PUBLIC: dict[str, list[str]] = {
         "Schedule",
         "ScheduleError",
         "ScheduleMixin",
+        "SchemaVersionError",
         "SqlaJobsError",
         "Task",
         "UniqueJobError",

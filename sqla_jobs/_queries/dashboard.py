@@ -6,8 +6,8 @@ a lock.
 Every list read is bounded: it reads at most ``scan`` entries of the primary key, newest
 first, below the keyset cursor ``:before``, whatever the filters and however large the table
 (a *window*). No index beyond the primary key is needed, so the dashboard adds no cost to
-the claim, the enqueue or the outcomes (see the README, "Dashboard", for the measurement on
-10M rows). The price: a filter that matches few jobs fills a page over several windows, and
+the claim, the enqueue or the outcomes (docs/operations/dashboard.md has the measurement on 10M
+rows). The price: a filter that matches few jobs fills a page over several windows, and
 the page says so.
 """
 

@@ -8,7 +8,7 @@ For each mode (lease, lock-held) and 1 and 2 processes: one run of the ceiling's
              worker's default batch size and timings, what a user who sets only a
              concurrency gets; the same in both modes. (Lock-held mode holds a connection
              per running group of jobs, not per job: no-op handlers at concurrency 200 hold
-             about as many as at 20, see README, Benchmarks.)
+             about as many as at 20, see docs/benchmarks.md.)
 ``single``   one job per claim: ``concurrency=1``. In lease mode also with
              ``synchronous_commit=False`` (``.async_commit``), beside the durable figure,
              against the same ceiling.

@@ -106,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--async-commit",
         action="store_true",
-        help="the worker's own transactions commit with synchronous_commit=off (see README)",
+        help=(
+            "the worker's own transactions commit with synchronous_commit=off "
+            "(docs/operations/deploying.md)"
+        ),
     )
     worker.add_argument(
         "--lock-timeout",

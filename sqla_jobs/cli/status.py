@@ -96,7 +96,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-#: ``sqla-jobs health`` exit statuses (the README's table).
+#: ``sqla-jobs health`` exit statuses (the table of docs/operations/health.md).
 HEALTHY: Final = 0
 
 

