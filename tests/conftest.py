@@ -378,6 +378,31 @@ def queue_engine(_queue_database: sa.Engine) -> sa.Engine:
     return _queue_database
 
 
+#: The columns that hold when something is due (a job's run_at, a lease's end).
+CLOCK_COLUMNS = ("run_at", "lease_expires_at")
+
+
+def advance_clock(engine: sa.Engine, model: type[Any], seconds: float) -> None:
+    """Move the database's clock ``seconds`` forward, as far as ``model``'s rows can tell:
+    every time that says when something is due (:data:`CLOCK_COLUMNS`) moves back that much,
+    so that delayed jobs come due and leases run out at once instead of the test sleeping
+    for it. The queue compares only those times with the database's clock, so that is all
+    a test of it can see. Not for rows another open transaction holds locked (a lock-held
+    attempt's): the update would wait for it."""
+    table: sa.Table = model.__table__
+    shifted = [name for name in CLOCK_COLUMNS if name in table.c]
+    assert shifted, f"{table.name} has none of {CLOCK_COLUMNS}"
+    with engine.begin() as connection:
+        connection.execute(
+            sa.update(table).values(
+                {
+                    name: table.c[name] - sa.func.make_interval(0, 0, 0, 0, 0, 0, seconds)
+                    for name in shifted
+                }
+            )
+        )
+
+
 @pytest_asyncio.fixture
 async def queue_async_engine(
     queue_engine: sa.Engine, async_driver: str

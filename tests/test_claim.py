@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from conftest import advance_clock
 from models import EmailJob, Order
 from sqlalchemy.orm import Session
 
@@ -55,7 +56,7 @@ def test_future_jobs_wait_for_the_database_clock(queue_engine: sa.Engine) -> Non
     )
     with Session(queue_engine) as session, session.begin():
         assert sqla_jobs.claim(session, EmailJob, limit=10) == []
-    time.sleep(0.4)
+    advance_clock(queue_engine, EmailJob, 0.4)
     with Session(queue_engine) as session, session.begin():
         assert [job.id for job in sqla_jobs.claim(session, EmailJob, limit=10)] == [soon]
 
@@ -146,11 +147,11 @@ def test_expired_leases_of_several_queues_are_taken_over(queue_engine: sa.Engine
     )
     with Session(queue_engine) as session, session.begin():
         assert (
-            len(sqla_jobs.claim(session, EmailJob, queues=["alpha", "beta"], lease=0.2, limit=5))
+            len(sqla_jobs.claim(session, EmailJob, queues=["alpha", "beta"], lease=30, limit=5))
             == 3
         )
+    advance_clock(queue_engine, EmailJob, 31)  # the leases run out
     enqueue(queue_engine, EmailJob(task="new", queue="alpha", priority=1))
-    time.sleep(0.3)
     with Session(queue_engine) as session, session.begin():
         jobs = sqla_jobs.claim(session, EmailJob, queues=["beta", "alpha"], limit=5)
     assert [(job.id, job.attempt) for job in jobs][:2] == [(alpha, 2), (beta, 2)]
@@ -163,10 +164,10 @@ def test_expired_lease_is_reclaimed_by_the_same_claim_as_a_new_attempt(
 ) -> None:
     (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
     with Session(queue_engine) as session, session.begin():
-        (first,) = sqla_jobs.claim(session, EmailJob, lease=0.2, worker="a")
+        (first,) = sqla_jobs.claim(session, EmailJob, lease=30, worker="a")
     with Session(queue_engine) as session, session.begin():
         assert sqla_jobs.claim(session, EmailJob) == []  # the lease still holds
-    time.sleep(0.3)
+    advance_clock(queue_engine, EmailJob, 31)
     with Session(queue_engine) as session, session.begin():
         (second,) = sqla_jobs.claim(session, EmailJob, lease=30, worker="b")
     assert (second.id, second.attempt, first.attempt) == (job_id, 2, 1)
@@ -179,9 +180,9 @@ def test_a_job_whose_worker_dies_every_time_ends_dead(queue_engine: sa.Engine) -
     (job_id,) = enqueue(queue_engine, EmailJob(task="poison", max_attempts=3))
     for attempt in (1, 2, 3):
         with Session(queue_engine) as session, session.begin():
-            (job,) = sqla_jobs.claim(session, EmailJob, lease=0.1)
+            (job,) = sqla_jobs.claim(session, EmailJob, lease=30)
         assert job.attempt == attempt
-        time.sleep(0.15)  # the worker "died": nobody completes or fails the job
+        advance_clock(queue_engine, EmailJob, 31)  # the worker "died": its lease runs out
     with Session(queue_engine) as session, session.begin():
         assert sqla_jobs.claim(session, EmailJob) == []
     stored = row(queue_engine, job_id)
@@ -223,7 +224,7 @@ def test_lock_held_handler_writes_commit_together_with_the_completion(
     # The second one's rolls back (the worker died): neither its write nor its completion is.
     with Session(queue_engine) as session:
         session.begin()
-        (job2,) = sqla_jobs.claim(session, EmailJob, hold=True, lease=0.1)
+        (job2,) = sqla_jobs.claim(session, EmailJob, hold=True, lease=30)
         session.add(Order(id=job2.args["id"], customer="written by the handler"))
         sqla_jobs.complete(session, job2)
         session.rollback()
@@ -233,7 +234,7 @@ def test_lock_held_handler_writes_commit_together_with_the_completion(
         statuses = session.execute(sa.select(EmailJob.status)).scalars().all()
         assert sorted(statuses) == ["running", "succeeded"]
     # The rolled-back attempt still counted; after its lease the job is claimed again.
-    time.sleep(0.15)
+    advance_clock(queue_engine, EmailJob, 31)
     with Session(queue_engine) as session, session.begin():
         (again,) = sqla_jobs.claim(session, EmailJob)
     assert (again.id, again.attempt) == (job2.id, 2)
@@ -242,8 +243,8 @@ def test_lock_held_handler_writes_commit_together_with_the_completion(
 def test_lock_skips_attempts_that_were_taken_over(queue_engine: sa.Engine) -> None:
     enqueue(queue_engine, EmailJob(task="t"))
     with Session(queue_engine) as session, session.begin():
-        (stale,) = sqla_jobs.claim(session, EmailJob, lease=0.1)
-    time.sleep(0.15)
+        (stale,) = sqla_jobs.claim(session, EmailJob, lease=30)
+    advance_clock(queue_engine, EmailJob, 31)
     with Session(queue_engine) as session, session.begin():
         (current,) = sqla_jobs.claim(session, EmailJob)
     with Session(queue_engine) as session, session.begin():

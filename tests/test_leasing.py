@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
-from conftest import FreshDatabase
+from conftest import FreshDatabase, advance_clock
 from lease_models import Address, LeaseBase, Licence, Seat, Show
 from models import EmailJob
 from plans import explain_rolled_back, plan_nodes
@@ -200,9 +200,9 @@ def test_a_rolled_back_acquire_leaves_nothing(engine: sa.Engine) -> None:
 
 
 def test_an_expired_lease_is_taken_over_by_the_next_acquire(engine: sa.Engine) -> None:
-    (stale,) = acquire(engine, where=Seat.id == 1, holder="slow", duration=0.2)
+    (stale,) = acquire(engine, where=Seat.id == 1, holder="slow", duration=30)
     assert acquire(engine, where=Seat.id == 1, holder="fast") == []  # not yet
-    time.sleep(0.3)
+    advance_clock(engine, Seat, 31)
     (taken,) = acquire(engine, where=Seat.id == 1, holder="fast", duration=60)
     assert (taken.key, taken.fence, taken.holder) == (1, 2, "fast")
 
@@ -231,8 +231,8 @@ def test_renew_extends_from_now_in_database_time(engine: sa.Engine) -> None:
 
 def test_an_expired_lease_nobody_took_can_still_be_renewed(engine: sa.Engine) -> None:
     # Its fence has not moved, which proves no one else held the row in between.
-    (lease,) = acquire(engine, where=Seat.id == 1, duration=0.05)
-    time.sleep(0.1)
+    (lease,) = acquire(engine, where=Seat.id == 1, duration=30)
+    advance_clock(engine, Seat, 31)
     with Session(engine) as session, session.begin():
         renewed = renew_lease(session, lease, duration=60)
     assert renewed.fence == 1
@@ -266,8 +266,8 @@ def test_leases_match_on_key_fence_and_holder(engine: sa.Engine) -> None:
 
 
 def test_release_first_guards_the_holders_own_writes(engine: sa.Engine) -> None:
-    (mine,) = acquire(engine, where=Seat.id == 1, holder="cart-41", duration=0.05)
-    time.sleep(0.1)
+    (mine,) = acquire(engine, where=Seat.id == 1, holder="cart-41", duration=30)
+    advance_clock(engine, Seat, 31)
     acquire(engine, where=Seat.id == 1, holder="cart-42")  # takes the expired lease over
 
     def sell() -> None:
@@ -340,12 +340,12 @@ def test_hold_commits_the_grant_first_so_a_fence_is_never_granted_twice(
     with Session(engine) as session:
         session.begin()
         (lease,) = acquire_leases(
-            session, Seat, where=Seat.id == 1, holder="dies", duration=0.3, hold=True
+            session, Seat, where=Seat.id == 1, holder="dies", duration=30, hold=True
         )
         assert rows(engine, 1)[1] == ("dies", 1, lease.expires_at)  # committed, seen outside
         session.rollback()  # as if the process died: the lock goes, the grant stands
     assert acquire(engine, where=Seat.id == 1) == []
-    time.sleep(0.4)  # ... until it expires
+    advance_clock(engine, Seat, 31)  # ... until it expires
     (after,) = acquire(engine, where=Seat.id == 1)
     assert after.fence == 2
 

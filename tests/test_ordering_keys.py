@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from conftest import advance_clock
 from models import EmailJob
 from sqlalchemy.orm import Session
 
@@ -86,7 +87,7 @@ def test_a_job_waiting_for_its_retry_keeps_its_place(queue_engine: sa.Engine) ->
     assert outcome.will_retry
     # "second" is runnable and first in (priority, run_at, id) order now, but waits.
     assert claim(queue_engine) == []
-    time.sleep(0.6)
+    advance_clock(queue_engine, EmailJob, 0.6)
     (again,) = claim(queue_engine)
     assert (again.task, again.attempt) == ("first", 2)
     finish(queue_engine, again)
@@ -117,9 +118,9 @@ def test_an_expired_attempt_frees_its_key_by_being_taken_over_first(
 ) -> None:
     enqueue(queue_engine, EmailJob(task="first", ordering_key="k"))
     enqueue(queue_engine, EmailJob(task="second", ordering_key="k"))
-    (first,) = claim(queue_engine, lease=0.3)
+    (first,) = claim(queue_engine, lease=30)
     assert claim(queue_engine) == []  # a live lease holds the key
-    time.sleep(0.4)  # its worker died: the lease runs out
+    advance_clock(queue_engine, EmailJob, 31)  # its worker died: the lease runs out
     (again,) = claim(queue_engine)
     assert (again.id, again.attempt) == (first.id, 2)
     assert claim(queue_engine) == []

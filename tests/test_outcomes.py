@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from conftest import advance_clock
 from models import EmailJob, EmailJobResult, ReportJob, ReportJobResult
 from sqlalchemy.orm import Session
 
@@ -72,8 +72,8 @@ def test_delete_on_success_keeps_only_the_result(queue_engine: sa.Engine) -> Non
 
 def test_complete_many_completes_a_batch_and_reports_the_stale(queue_engine: sa.Engine) -> None:
     enqueue(queue_engine, *[EmailJob(task="t", args={"i": i}) for i in range(5)])
-    stale = claim(queue_engine, limit=1, lease=0.1)
-    time.sleep(0.15)
+    stale = claim(queue_engine, limit=1, lease=30)
+    advance_clock(queue_engine, EmailJob, 31)
     fresh = claim(queue_engine, limit=5)
     assert len(fresh) == 5  # includes a new attempt at the stale job
     with Session(queue_engine) as session, session.begin():
@@ -165,8 +165,8 @@ def test_error_text_is_made_storable(queue_engine: sa.Engine) -> None:
 
 def test_every_transition_by_a_stale_attempt_changes_nothing(queue_engine: sa.Engine) -> None:
     (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
-    (zombie,) = claim(queue_engine, lease=0.1, worker="zombie")
-    time.sleep(0.15)
+    (zombie,) = claim(queue_engine, lease=30, worker="zombie")
+    advance_clock(queue_engine, EmailJob, 31)
     (current,) = claim(queue_engine, lease=60, worker="current")
     before = row(queue_engine, job_id)
 
@@ -200,12 +200,12 @@ def test_a_finished_job_cannot_be_finished_again(queue_engine: sa.Engine) -> Non
 
 def test_heartbeat_extends_the_lease_in_database_time(queue_engine: sa.Engine) -> None:
     (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
-    (job,) = claim(queue_engine, lease=0.3)
+    (job,) = claim(queue_engine, lease=30)
     with Session(queue_engine) as session, session.begin():
         assert sqla_jobs.heartbeat(session, [job], lease=120) == []
     stored = row(queue_engine, job_id)
     assert 110 < (stored.lease_expires_at - stored.db_now).total_seconds() <= 120
-    time.sleep(0.4)  # past the original lease: nobody may take the job over
+    advance_clock(queue_engine, EmailJob, 31)  # past the original lease: nobody may take it over
     assert claim(queue_engine) == []
 
 
