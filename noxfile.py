@@ -145,8 +145,9 @@ def _tree_digest() -> str:
     )
     digest = hashlib.sha256()
     for path in [*map(Path, WHEEL_SOURCES), *package]:
-        digest.update(f"{path.as_posix()}\0{len(path.read_bytes())}\0".encode())
-        digest.update(path.read_bytes())
+        content = path.read_bytes()
+        digest.update(f"{path.as_posix()}\0{len(content)}\0".encode())
+        digest.update(content)
     return digest.hexdigest()
 
 
