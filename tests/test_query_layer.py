@@ -73,7 +73,6 @@ STILL_TO_MOVE = {
     "worker/listener.py",
     "worker/locked.py",
     "worker/maintenance.py",
-    "worker/table_version.py",
 }
 
 

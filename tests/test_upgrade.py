@@ -32,9 +32,10 @@ from worker_harness import JobDatabase, running, subprocess_env, wait_until
 from worker_tasks import WorkerJob, registry
 
 from sqla_jobs import migrations, names
+from sqla_jobs._queries import table_layout
 from sqla_jobs.errors import ConfigurationError, SchemaVersionError
 from sqla_jobs.worker import Worker
-from sqla_jobs.worker.table_version import table_layout, table_version
+from sqla_jobs.worker.table_version import table_version
 
 TABLE = "worker_jobs"
 V2 = "sqla_jobs.migrations.upgrade_job_table_to_v2('worker_jobs')"

@@ -484,3 +484,32 @@ def dead_jobs(table: Table, *, history: Table | None = None) -> Select[Any]:
         .order_by(both.c.finished_at.desc(), both.c.id.desc())
         .limit(bindparam("limit", type_=Integer))
     )
+
+
+# to_regclass takes no lock on the table: the check does not queue behind the ALTER TABLE of
+# an upgrade. Indexes that a failed CREATE INDEX CONCURRENTLY left invalid do not count.
+_LAYOUT: Final = """
+    SELECT
+        ARRAY(
+            SELECT a.attname::text FROM pg_attribute AS a
+            WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped
+        ) AS columns,
+        ARRAY(
+            SELECT c.relname::text
+            FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+            WHERE i.indrelid = t.oid AND i.indisvalid
+        ) AS indexes
+    FROM (SELECT to_regclass(:layout_table) AS oid) AS t
+"""
+
+
+def table_layout(table: Table) -> TextClause:
+    """The job table's columns and valid indexes: one row, ``columns`` and ``indexes``, two
+    arrays of names (empty when the table does not exist).
+
+    The table's name is bound into the statement: execute it without parameters. Reads
+    ``pg_attribute`` and ``pg_index`` by the table's ``oid``; takes no lock on the table.
+    Names resolve through the connection's ``search_path``, as the queue's own statements
+    do."""
+    name = qualified_name(table.name, table.schema)
+    return text(_LAYOUT).bindparams(bindparam("layout_table", name, type_=Text))

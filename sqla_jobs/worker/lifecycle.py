@@ -70,7 +70,7 @@ from sqla_jobs.worker.settings import (
     check_numbers,
 )
 from sqla_jobs.worker.state import Attempt, State
-from sqla_jobs.worker.table_version import check_table_version, table_layout
+from sqla_jobs.worker.table_version import check_table_version
 from sqla_jobs.worker.writer import OutcomeWriter
 
 if TYPE_CHECKING:
@@ -486,7 +486,7 @@ class Worker:
                     trigger = connection.execute(
                         statements.wakeup_trigger_exists(self._table)
                     ).scalar()
-                    layout = connection.execute(table_layout(self._table)).one()
+                    layout = connection.execute(statements.table_layout(self._table)).one()
                 break
             except DBAPIError as exc:
                 message = str(exc.orig or exc)

@@ -5,7 +5,7 @@ This worker reads and writes every column of schema version 3 (what
 indexes. On an older table its first claim would fail on a missing column, and go on failing
 between retries. So before it claims anything, :meth:`Worker.run()
 <sqla_jobs.Worker.run>` reads the table's columns and valid indexes (one catalog
-query, :func:`table_layout`) and, on an older layout, raises
+query, :func:`~sqla_jobs._queries.table_layout`) and, on an older layout, raises
 :class:`~sqla_jobs.errors.SchemaVersionError`, whose one line names the migration helpers to
 run, in order (:func:`upgrade_calls`).
 
@@ -33,10 +33,9 @@ from collections.abc import Collection
 from dataclasses import fields
 from typing import Final
 
-from sqlalchemy import Table, TextClause, bindparam, text
+from sqlalchemy import Table
 
 from sqla_jobs import _queries as statements
-from sqla_jobs.ddl import qualified_name
 from sqla_jobs.errors import SchemaVersionError
 from sqla_jobs.schema import names
 
@@ -45,7 +44,6 @@ __all__ = [
     "check_table_version",
     "helper_call",
     "partial_indexes",
-    "table_layout",
     "table_version",
     "upgrade_calls",
 ]
@@ -66,34 +64,6 @@ _MIXIN_COLUMNS: Final = (
     | statements.CONTEXT_COLUMNS
 )
 
-# to_regclass takes no lock on the table: the check does not queue behind the ALTER TABLE of
-# an upgrade. Indexes that a failed CREATE INDEX CONCURRENTLY left invalid do not count.
-_LAYOUT: Final = """
-    SELECT
-        ARRAY(
-            SELECT a.attname::text FROM pg_attribute AS a
-            WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped
-        ) AS columns,
-        ARRAY(
-            SELECT c.relname::text
-            FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
-            WHERE i.indrelid = t.oid AND i.indisvalid
-        ) AS indexes
-    FROM (SELECT to_regclass(:layout_table) AS oid) AS t
-"""
-
-
-def table_layout(table: Table) -> TextClause:
-    """The job table's columns and valid indexes: one row, ``columns`` and ``indexes``, two
-    arrays of names (empty when the table does not exist).
-
-    The table's name is bound into the statement: execute it without parameters. Reads
-    ``pg_attribute`` and ``pg_index`` by the table's ``oid``; takes no lock on the table.
-    Names resolve through the connection's ``search_path``, as the queue's own statements
-    do."""
-    name = qualified_name(table.name, table.schema)
-    return text(_LAYOUT).bindparams(bindparam("layout_table", name))
-
 
 def partial_indexes(table: Table) -> list[str]:
     """The names of the table's partial indexes (the ones with ``postgresql_where``), in
@@ -108,7 +78,7 @@ def partial_indexes(table: Table) -> list[str]:
 
 def table_version(table: Table, columns: Collection[str], indexes: Collection[str]) -> int:
     """The schema version of the job table of the model whose table is ``table``, from the
-    ``columns`` and valid ``indexes`` that :func:`table_layout` found: 1, 2 or
+    ``columns`` and valid ``indexes`` that :func:`~sqla_jobs._queries.table_layout` found: 1, 2 or
     :data:`SCHEMA_VERSION` (see the module's docstring)."""
     n = names(table.name)
     found = frozenset(indexes)
@@ -139,7 +109,7 @@ def upgrade_calls(table: Table, version: int) -> list[str]:
 
 def check_table_version(table: Table, columns: Collection[str], indexes: Collection[str]) -> None:
     """Raise :class:`~sqla_jobs.errors.SchemaVersionError` unless the table that
-    :func:`table_layout` read has the layout of :data:`SCHEMA_VERSION`."""
+    :func:`~sqla_jobs._queries.table_layout` read has the layout of :data:`SCHEMA_VERSION`."""
     version = table_version(table, columns, indexes)
     if version == SCHEMA_VERSION:
         return
