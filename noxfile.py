@@ -4,7 +4,8 @@
 
 Sessions run by default, in this order:
 
-* ``lint``: ruff check and ruff format --check.
+* ``lint``: ruff check, ruff format --check, and the import layers contract
+  (``lint-imports``, ``.importlinter``).
 * ``typecheck``: mypy --strict over sqla_jobs, tests and this file.
 * ``package``: builds the sdist, then the wheel from that sdist (not from the tree), into
   ``dist/``, and runs ``twine check --strict`` on both. Every session below installs that one
@@ -113,10 +114,12 @@ def _group(*names: str) -> tuple[str, ...]:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check."""
+    """ruff check, ruff format --check, and the import layers (lint-imports, .importlinter)."""
     session.install(*_group("lint"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # Reads the source tree (the current directory is on its path): no install needed.
+    session.run("lint-imports")
 
 
 @nox.session

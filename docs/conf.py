@@ -17,7 +17,7 @@ sys.path.insert(0, str(HERE / "_ext"))
 
 project = "sqla_jobs"
 author = "The sqla_jobs developers"
-copyright = "2026, The sqla_jobs developers"  # noqa: A001 (Sphinx's name)
+copyright = "2026, The sqla_jobs developers"
 
 extensions = [
     "myst_parser",
@@ -45,6 +45,9 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 # inventories from the web at build time; the build must work offline), so they are
 # ignored here by module, and only those.
 nitpick_ignore_regex = [
-    (r"py:.*", r"(sqlalchemy|psycopg|alembic|starlette|asyncpg|opentelemetry|prometheus_client)(\..*)?"),
+    (
+        r"py:.*",
+        r"(sqlalchemy|psycopg|alembic|starlette|asyncpg|opentelemetry|prometheus_client)(\..*)?",
+    ),
     (r"py:.*", r"(collections\.abc|typing|datetime|logging|threading|asyncio|enum|types)\..*"),
 ]

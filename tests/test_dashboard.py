@@ -34,11 +34,11 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from worker_harness import subprocess_env
 
 import sqla_jobs
+from sqla_jobs._queries.dashboard import MAX_ID
 from sqla_jobs.dashboard import access, create_app
 from sqla_jobs.dashboard.access import SESSION_LIFETIME, SESSION_MAX_AGE
 from sqla_jobs.dashboard.app import AUTH_COOKIE, CSRF_COOKIE
 from sqla_jobs.dashboard.sources import ListQuery, TableSource, find_job, read_page
-from sqla_jobs._queries.dashboard import MAX_ID
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, JobNotFoundError, JobStateError
 
 TOKEN = "s3cret-token-of-some-length"

@@ -18,7 +18,7 @@ from psycopg.types.json import set_json_loads
 from sqlalchemy.orm import Session
 
 import sqla_jobs
-from sqla_jobs import JobStatus, queue
+from sqla_jobs import JobStatus
 
 
 def enqueue(engine: sa.Engine, count: int, **values: Any) -> list[int]:

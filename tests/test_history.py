@@ -35,6 +35,7 @@ from sqla_jobs import (
     Worker,
 )
 from sqla_jobs import migrations as jobs
+from sqla_jobs._queries import history as history_sql
 from sqla_jobs.ddl import executable
 from sqla_jobs.history import (
     MaintenanceReport,
@@ -45,7 +46,6 @@ from sqla_jobs.history import (
     list_partitions,
     move_finished,
 )
-from sqla_jobs._queries import history as history_sql
 from sqla_jobs.schema.history import create_partition
 
 NAMES = history_names("archive_jobs")
