@@ -22,7 +22,6 @@ copyright = "2026, The sqla_jobs developers"
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
-    "sphinx.ext.napoleon",
     # Our own (docs/_ext/sqla_jobs_docs.py): the CLI reference generated from the command's
     # parser, the columns of each mixin, and the benchmark charts drawn from a bench run's JSON.
     "sqla_jobs_docs",

@@ -31,7 +31,7 @@ from doc_blocks import (
 )
 
 LANGUAGES = frozenset({"python", "sh", "ini", "text"})
-TEST_COMMAND = "python3 -m pip install --quiet nox && python3 -m nox"
+TEST_COMMAND = 'python3 -m pip install --quiet "nox[uv]" && python3 -m nox'
 
 
 def readme() -> Page:
