@@ -13,7 +13,8 @@ import pytest
 from chaos import CHECKS, ChaosConfig, ChaosReport, run_chaos
 from conftest import external_database_url
 
-pytestmark = pytest.mark.slow
+# One run serves every check: they share one test process under xdist (noxfile PARALLEL).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("chaos")]
 
 
 @pytest.fixture(scope="module")

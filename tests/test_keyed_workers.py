@@ -36,12 +36,16 @@ def test_four_workers_of_eight_never_run_more_than_three_of_a_key(
     worker_db: JobDatabase, worker_processes: Workers
 ) -> None:
     keys = [f"customer:{i}" for i in range(3)]
+    # Every worker is up before the jobs come (a worker started first on a loaded machine
+    # could take them all before the others claim: the test is of several workers).
+    started = [worker_processes.start(target=TARGET, concurrency=8) for _ in range(4)]
+    for process in started:
+        process.wait_log("action=worker_started", timeout=60)
     total = 0
     for n in range(24):
         for key in keys:
             enqueue(worker_db, "three_at_a_time", key, sleep=0.05 + 0.05 * (n % 3))
             total += 1
-    started = [worker_processes.start(target=TARGET, concurrency=8) for _ in range(4)]
     wait_until(lambda: worker_db.all_succeeded(total), timeout=120, message="every job succeeds")
     for process in started:
         assert process.stop(30) == 0
