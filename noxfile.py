@@ -221,10 +221,10 @@ def docs(session: nox.Session) -> None:
 # pytest-xdist, one test process per core (each with its own databases, and in the embedded
 # sessions its own embedded server): most tests wait on worker processes and on PostgreSQL,
 # so two processes on two cores take about half the time of one.
-# loadgroup: tests spread one by one, except those marked with an xdist_group, which share
-# one process (the fault harness's checks read one run, made once, not once per process).
-# (By module, loadscope, was slower on CI here: 302 s instead of 208 s for a server suite.)
-PARALLEL = ["--numprocesses=auto", "--dist=loadgroup"]
+# Tests spread one by one (xdist's default "load"). Both scope-based schedulers were slower
+# on CI here: --dist=loadscope made a server suite 302 s instead of 208 s, --dist=loadgroup
+# the embedded suite 417 s instead of 305 s.
+PARALLEL = ["--numprocesses=auto"]
 
 # Long-running proofs of the library's own logic (the benchmark, the leasing proof, the
 # unique-jobs concurrency proof, the fault harness, and the proofs that run several worker

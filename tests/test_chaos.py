@@ -13,8 +13,7 @@ import pytest
 from chaos import CHECKS, ChaosConfig, ChaosReport, run_chaos
 from conftest import external_database_url
 
-# One run serves every check: they share one test process under xdist (noxfile PARALLEL).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("chaos")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
