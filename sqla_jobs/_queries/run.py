@@ -156,10 +156,9 @@ def readable_jsonb(connection: Connection) -> Iterator[None]:
     the statements that read rows other programs may have written: a claim, a dashboard's
     job page."""
     driver = connection.connection.driver_connection
-    if not isinstance(driver, (psycopg.Connection, psycopg.AsyncConnection)):
-        yield
-        return
-    if not _stock_jsonb(driver):
+    if not isinstance(driver, (psycopg.Connection, psycopg.AsyncConnection)) or not _stock_jsonb(
+        driver
+    ):
         yield
         return
     adapters = driver.adapters
