@@ -319,7 +319,14 @@ def pgbouncer(server_url: str) -> Iterator[PgBouncer]:
         pytest.skip(reason)
     # Transactions go to its server connections in turn (at least two are kept open), so
     # that whatever relied on a session's state meets a connection without it, and fails.
-    bouncer = PgBouncer(server_url, settings={"server_round_robin": 1, "min_pool_size": 2})
+    # Eight server connections per database at most, and those idle for 3 s closed: PgBouncer's
+    # defaults (20, kept 10 minutes) held up to 60 idle connections of a suite's server, whose
+    # max_connections (100 by default) the parallel test processes share.
+    bouncer = PgBouncer(
+        server_url,
+        pool_size=8,
+        settings={"server_round_robin": 1, "min_pool_size": 2, "server_idle_timeout": 3},
+    )
     bouncer.start()
     try:
         yield bouncer

@@ -2,8 +2,8 @@
 transactions at random: afterwards exactly one job per key that some committed transaction
 enqueued, and none for the keys that only rolled-back transactions enqueued.
 
-Each process runs 1,000 transactions of 1 to 5 keys each (about 3,000 enqueues per
-process, 24,000 in all), one call per transaction: ``enqueue_unique`` for one key,
+Each process runs 300 transactions of 1 to 5 keys each (about 900 enqueues per
+process, 7,200 in all), one call per transaction: ``enqueue_unique`` for one key,
 ``enqueue_unique_many`` for several (with duplicates within the batch). Keys 45-49 are only
 ever drawn by transactions that are going to roll back. The jobs stay pending, so every
 key's holder is live for the whole run and every enqueue after the first is a duplicate
@@ -22,7 +22,7 @@ from models import EmailJob
 from unique_enqueuer import DOOMED, KEYS, enqueue_randomly
 
 PROCESSES = 8
-TRANSACTIONS = 1_000
+TRANSACTIONS = 300
 
 
 def test_eight_processes_enqueue_each_key_once_through_random_rollbacks(
@@ -48,5 +48,5 @@ def test_eight_processes_enqueue_each_key_once_through_random_rollbacks(
     assert len(committed_keys) == KEYS - len(DOOMED)
     # Every committed enqueue was told the id of the job that holds its key.
     assert all(jobs[key] == job_id for told in committed for key, job_id in told.items())
-    # About 30% rolled back (each process: 1,000 transactions).
+    # About 30% rolled back (each process: TRANSACTIONS transactions).
     assert 0.6 * PROCESSES * TRANSACTIONS < len(committed) < 0.8 * PROCESSES * TRANSACTIONS

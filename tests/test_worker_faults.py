@@ -197,7 +197,13 @@ def test_worker_on_a_repeatable_read_engine_claims_at_read_committed(
         running(db, engine_options=rr, concurrency=2, batch_size=2, name="b"),
     ):
         wait_until(lambda: db.all_succeeded(60), timeout=30, message="all succeed")
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    # Nothing went wrong but, on a machine too busy to renew a 1 s lease in time, a lease
+    # taken over (which the fencing handles, and other tests prove).
+    assert [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "lost its lease" not in r.getMessage()
+    ] == []
 
 
 def test_hold_claim_refuses_a_repeatable_read_transaction(queue_engine: sa.Engine) -> None:
