@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from sqla_jobs import _queries as statements
+from sqla_jobs._queries.admin import TRANSACTION_ISOLATION
 from sqla_jobs.errors import ConfigurationError
 
 __all__ = ["first_step_engine"]
@@ -30,7 +30,8 @@ def first_step_engine(
     rule above on the caller's transaction (one query); raises
     :class:`~sqla_jobs.errors.ConfigurationError` naming ``call`` (``"claim(hold=True)"``)
     and ``step`` (``"the attempt"``) otherwise, before anything is written."""
-    level = session.execute(statements.transaction_isolation()).scalar()
+    row = TRANSACTION_ISOLATION.one(session, None, {})
+    level = None if row is None else row.current_setting
     if level != "read committed":
         raise ConfigurationError(
             f"{call} needs a READ COMMITTED transaction, not {level!s}: {step} is committed "

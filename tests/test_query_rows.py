@@ -4,7 +4,7 @@ fails here, not as a value read from the wrong position above the layer."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, TypedDict
 
 import pytest
 import sqlalchemy as sa
@@ -21,6 +21,7 @@ from sqla_jobs._queries.rows import (
     LockRow,
     RowType,
 )
+from sqla_jobs._queries.run import NoParams, Query, QueryDefinitionError
 from sqla_jobs.history import history_table
 
 #: The variants each builder is built in (its options), as the queue builds them.
@@ -107,3 +108,58 @@ def test_a_claimed_job_is_the_model_then_the_claimed_row_without_its_status() ->
 def test_every_fenced_row_starts_with_the_fence(row_type: RowType) -> None:
     # queue._plumbing._fenced reads (row[0], row[1]) as (id, attempts) of each such row.
     assert row_type._fields[:2] == ("id", "attempts")
+
+
+# -- a Query checks its record of parameters and its row against its statement -------------
+
+
+class _IdParams(TypedDict):
+    job_id: int
+
+
+class _WrongParams(TypedDict):
+    id: int
+
+
+class _IdStatus(NamedTuple):
+    id: int
+    status: str
+
+
+class _StatusId(NamedTuple):
+    status: str
+    id: int
+
+
+def _id_and_status(table: sa.Table) -> sa.Select[Any]:
+    return sa.select(table.c.id, table.c.status).where(table.c.id == sa.bindparam("job_id"))
+
+
+def test_a_query_runs_with_its_record_and_reads_its_row(queue_engine: sa.Engine) -> None:
+    table = _table(claims.claim)
+    query = Query(_id_and_status, _IdParams, _IdStatus)
+    with queue_engine.connect() as connection, connection.begin():
+        (job_id,) = connection.execute(
+            sa.insert(table).values(task="t").returning(table.c.id)
+        ).one()
+        row = query.one(connection, table, {"job_id": job_id})
+        connection.rollback()
+    assert row == _IdStatus(job_id, "pending")
+    assert row is not None
+    assert row.status == "pending"
+
+
+@pytest.mark.parametrize(
+    ("params", "row", "message"),
+    [
+        (_WrongParams, _IdStatus, r"takes \['job_id'\], its record _WrongParams \['id'\]"),
+        (NoParams, _IdStatus, r"takes \['job_id'\], its record NoParams \[\]"),
+        (_IdParams, _StatusId, r"returns \['id', 'status'\], its row _StatusId"),
+    ],
+)
+def test_a_query_whose_record_or_row_does_not_match_fails_when_first_built(
+    params: Any, row: Any, message: str
+) -> None:
+    query = Query(_id_and_status, params, row)
+    with pytest.raises(QueryDefinitionError, match=message):
+        query.statement(_table(claims.claim))

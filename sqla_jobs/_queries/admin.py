@@ -3,7 +3,7 @@ vacuum, queue and table statistics, LISTEN, settings (see :mod:`sqla_jobs._queri
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from sqlalchemy import (
     DDL,
@@ -39,6 +39,7 @@ from sqla_jobs._queries._sql import (
     _seconds,
     _split,
 )
+from sqla_jobs._queries.run import NoParams, Query
 from sqla_jobs.ddl import TRANSITION_TABLE, executable, qualified_name
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names
 
@@ -46,6 +47,13 @@ from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names
 def transaction_isolation() -> Select[Any]:
     """The current transaction's isolation level (``'read committed'``, ...)."""
     return select(func.current_setting(literal_column("'transaction_isolation'")))
+
+
+class IsolationRow(NamedTuple):
+    current_setting: str
+
+
+TRANSACTION_ISOLATION: Final = Query(transaction_isolation, NoParams, IsolationRow)
 
 
 def status_of(table: Table) -> Select[Any]:

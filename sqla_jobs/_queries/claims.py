@@ -39,6 +39,7 @@ from sqla_jobs._queries._sql import (
     _readable_time,
     _seconds,
 )
+from sqla_jobs._queries.run import json_text_on_asyncpg
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
 
@@ -116,6 +117,7 @@ def _json(column: Any, *, as_text: bool) -> Any:
     return cast(column, Text).label(column.key) if as_text else column
 
 
+@json_text_on_asyncpg
 def claim(
     table: Table, *, queue_count: int, limited: bool = False, json_text: bool = False
 ) -> Update:

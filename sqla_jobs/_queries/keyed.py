@@ -28,6 +28,7 @@ from sqla_jobs._queries.claims import (
     _start_attempts,
     limited_count,
 )
+from sqla_jobs._queries.run import json_text_on_asyncpg
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
 
@@ -370,6 +371,7 @@ FROM l"""
     return text(sql).bindparams(*params)
 
 
+@json_text_on_asyncpg
 def claim_keyed(table: Table, *, limited: bool = False, json_text: bool = False) -> Update:
     """Claim up to ``:limit`` jobs of the ordering keys that :func:`lock_keys` locked earlier
     in this transaction (and left in :data:`LOCKED_KEYS`, with their limits in

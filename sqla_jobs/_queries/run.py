@@ -14,8 +14,9 @@ import contextlib
 import functools
 import json
 import json.scanner
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Final, TypeAlias, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeAlias, TypedDict, TypeVar, cast
 
 import psycopg
 from psycopg.abc import Buffer
@@ -29,24 +30,29 @@ from sqlalchemy import (
     Dialect,
     Executable,
     Table,
+    TextClause,
     inspect,
 )
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from sqla_jobs._queries.claims import claim
-from sqla_jobs._queries.keyed import claim_keyed
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.schema import JobMixin, JobResultMixin
 
 __all__ = [
     "Executor",
+    "NoParams",
+    "Query",
+    "QueryDefinitionError",
     "UnreadableJson",
     "built",
     "driver_sql",
     "fetch",
     "job_table_of",
+    "json_text_on_asyncpg",
     "readable_jsonb",
     "readable_values",
     "result_table_of",
@@ -57,11 +63,124 @@ Executor: TypeAlias = Session | Connection
 
 
 @functools.lru_cache(maxsize=512)
-def built(builder: Callable[..., Executable], table: Table, **options: Any) -> Executable:
-    """``builder(table, **options)``, built once per table and options."""
+def built(builder: Callable[..., Executable], table: Table | None, **options: Any) -> Executable:
+    """``builder(table, **options)`` (``builder(**options)`` for a statement on no table of
+    ours, ``table`` None), built once per table and options."""
     # Building a statement costs far more Python time than running it; each builder's
     # output depends only on the table and the options, so build it once.
-    return builder(table, **options)
+    return builder(**options) if table is None else builder(table, **options)
+
+
+_Params = TypeVar("_Params", bound=Mapping[str, Any])
+_Row = TypeVar("_Row", bound=tuple[Any, ...])
+
+
+class NoParams(TypedDict):
+    """The parameters of a statement that takes none."""
+
+
+class QueryDefinitionError(AssertionError):
+    """A :class:`Query` whose record of parameters or row does not match its statement: a
+    bug of the query layer, raised the first time the statement is built (so by the first
+    test that runs it), never a condition a caller handles."""
+
+
+@dataclass(frozen=True, eq=False)
+class Query(Generic[_Params, _Row]):
+    """One statement of the layer, named: how it is built, the record of its bind
+    parameters and the row it returns.
+
+    ``params`` is a ``TypedDict`` whose keys are the statement's bind names (its optional keys
+    those of variants built with other options); ``row`` a ``NamedTuple`` whose fields are
+    the columns it returns, in order (trailing fields with a default may be left out by a
+    variant), or None for a statement that returns none. Both are checked against the
+    statement once per table and options, when it is first run: a bind the record lacks or
+    does not need, a column added, dropped, renamed or moved, fails the first test that runs
+    the statement (:class:`QueryDefinitionError`), not as a value read from the wrong place
+    above the layer. The callers above pass a record mypy checks and read rows by name.
+    """
+
+    builder: Callable[..., Executable]
+    params: type[_Params]
+    row: type[_Row] | None = None
+
+    def statement(self, table: Table | None = None, **options: Any) -> Executable:
+        """The statement, built once per table and options, checked the first time."""
+        statement = built(self.builder, table, **options)
+        key = (self, table, tuple(sorted(options.items())))
+        if key not in _CHECKED:
+            self._check(statement)
+            _CHECKED.add(key)
+        return statement
+
+    def result(
+        self, executor: Executor, table: Table | None, params: _Params, **options: Any
+    ) -> CursorResult[Any]:
+        """Run it in ``executor``'s transaction (the caller's: the layer never begins or
+        ends one); the result as SQLAlchemy returns it (for a row count)."""
+        statement = self.statement(table, **options)
+        result = executor.execute(statement, params)
+        if self.row is not None and (self, table, "columns") not in _CHECKED:
+            self._check_columns(tuple(result.keys()))
+            _CHECKED.add((self, table, "columns"))
+        return cast("CursorResult[Any]", result)
+
+    def rows(
+        self, executor: Executor, table: Table | None, params: _Params, **options: Any
+    ) -> list[_Row]:
+        """Its rows, each as :attr:`row`."""
+        make = cast(Any, self._row_type())._make
+        return [make(row) for row in self.result(executor, table, params, **options)]
+
+    def one(
+        self, executor: Executor, table: Table | None, params: _Params, **options: Any
+    ) -> _Row | None:
+        """Its one row as :attr:`row`, or None when it returns none."""
+        row = self.result(executor, table, params, **options).first()
+        return None if row is None else cast(Any, self._row_type())._make(row)
+
+    def tuples(
+        self, executor: Executor, table: Table, params: _Params, **options: Any
+    ) -> Sequence[tuple[Any, ...]]:
+        """Its rows as plain tuples, in :attr:`row`'s order, through :func:`fetch` (the
+        driver's fast path where it can): for the hot path, which builds no named tuple per
+        row and reads them by the positions :mod:`~sqla_jobs._queries.rows` derives."""
+        self.statement(table, **options)
+        return fetch(executor, self.builder, table, params, **options)
+
+    def _row_type(self) -> type[_Row]:
+        if self.row is None:
+            raise QueryDefinitionError(f"{self.builder.__qualname__} returns no rows")
+        return self.row
+
+    def _check(self, statement: Executable) -> None:
+        name = self.builder.__qualname__
+        compiled = cast(SQLCompiler, cast(ClauseElement, statement).compile(dialect=_DIALECT))
+        binds = {bind.key for bind in compiled.binds.values() if bind.required}
+        required = set(getattr(self.params, "__required_keys__", ()))
+        known = required | set(getattr(self.params, "__optional_keys__", ()))
+        if not required <= binds <= known:
+            raise QueryDefinitionError(
+                f"{name} takes {sorted(binds)}, its record {self.params.__name__} "
+                f"{sorted(known)} ({sorted(required)} required)"
+            )
+        columns = getattr(statement, "exported_columns", None)
+        if self.row is not None and columns is not None and not isinstance(statement, TextClause):
+            self._check_columns(tuple(column.key for column in columns))
+
+    def _check_columns(self, returned: tuple[str, ...]) -> None:
+        row = self._row_type()
+        fields, defaults = row._fields, row._field_defaults  # type: ignore[attr-defined]
+        if returned != fields[: len(returned)] or not set(fields[len(returned) :]) <= set(defaults):
+            raise QueryDefinitionError(
+                f"{self.builder.__qualname__} returns {list(returned)}, its row "
+                f"{row.__name__} {list(fields)}"
+            )
+
+
+#: What :class:`Query` has checked: (query, table, options) and (query, table, "columns").
+_CHECKED: Final[set[tuple[Any, ...]]] = set()
+_DIALECT: Final[Dialect] = postgresql.dialect()  # type: ignore[no-untyped-call]
 
 
 @functools.lru_cache(maxsize=256)
@@ -81,7 +200,7 @@ def fetch(
     session: Executor,
     builder: Callable[..., Executable],
     table: Table,
-    params: dict[str, Any],
+    params: Mapping[str, Any],
     **options: Any,
 ) -> Sequence[Any]:
     """Run one of the hot-path statements (claim, complete) and return its rows, as tuples.
@@ -126,7 +245,7 @@ def fetch(
         if isinstance(session, Connection)
         else session.connection(bind_arguments={"clause": statement})
     )
-    if connection.dialect.driver == "asyncpg" and builder in _CLAIMS:
+    if connection.dialect.driver == "asyncpg" and builder in _JSON_TEXT_ON_ASYNCPG:
         # asyncpg decodes jsonb with SQLAlchemy's json.loads codec, which a value Python's
         # json cannot decode would make fail the whole claim: read those columns as text.
         claimed = built(builder, table, json_text=True, **options)
@@ -135,8 +254,19 @@ def fetch(
         return connection.execute(statement, params).all()
 
 
-#: The statements that return claimed jobs (rows as :data:`_CLAIM_ORDER` reads them).
-_CLAIMS: Final = frozenset({claim, claim_keyed})
+#: The statements that return claimed jobs, which take ``json_text`` (:func:`json_text_on_asyncpg`).
+_JSON_TEXT_ON_ASYNCPG: Final[set[Callable[..., Executable]]] = set()
+
+_Builder = TypeVar("_Builder", bound=Callable[..., Executable])
+
+
+def json_text_on_asyncpg(builder: _Builder) -> _Builder:
+    """Mark a builder of claimed jobs' rows, which takes ``json_text=True`` to return their
+    ``args`` (index 4) and ``trace_context`` (index 10) as text: :func:`fetch` builds it so on
+    asyncpg and decodes those columns tolerantly (a value Python's json cannot decode becomes
+    an :class:`UnreadableJson` instead of failing the claim)."""
+    _JSON_TEXT_ON_ASYNCPG.add(builder)
+    return builder
 
 
 def _json_decoded(row: Sequence[Any]) -> tuple[Any, ...]:
@@ -280,7 +410,7 @@ def _stock_jsonb(driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any])
 
 
 def _wrapped(
-    connection: Connection, exc: psycopg.Error, sql: str, params: dict[str, Any]
+    connection: Connection, exc: psycopg.Error, sql: str, params: Mapping[str, Any]
 ) -> BaseException:
     """A driver error as ``execute`` would have raised it: the matching
     ``sqlalchemy.exc.DBAPIError`` subclass, with the connection invalidated when the error
