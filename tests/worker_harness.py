@@ -88,12 +88,17 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def wait_log(self, needle: str, timeout: float = 10.0) -> None:
-        wait_until(
-            lambda: needle in self.log_text(),
-            timeout=timeout,
-            message=f"worker {self.pid} logs {needle!r}",
-        )
+    def wait_log(self, needle: str, timeout: float = 30.0) -> None:
+        # A deadline, not a timing: a worker process starting on a busy machine (the
+        # suite's processes and their servers on two cores) took over 10 s on CI.
+        try:
+            wait_until(
+                lambda: needle in self.log_text(),
+                timeout=timeout,
+                message=f"worker {self.pid} logs {needle!r}",
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its log:\n{self.log_text()[-3000:]}") from None
 
 
 class Workers:

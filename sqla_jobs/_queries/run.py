@@ -120,9 +120,11 @@ class Query(Generic[_Params, _Row]):
         ends one); the result as SQLAlchemy returns it (for a row count)."""
         statement = self.statement(table, **options)
         result = executor.execute(statement, params)
-        if self.row is not None and (self, table, "columns") not in _CHECKED:
-            self._check_columns(tuple(result.keys()))
-            _CHECKED.add((self, table, "columns"))
+        if self.row is not None and (self, table, "text") not in _CHECKED:
+            # Text: its columns are known once it runs.
+            if isinstance(statement, TextClause):
+                self._check_columns(tuple(result.keys()))
+            _CHECKED.add((self, table, "text"))
         return cast("CursorResult[Any]", result)
 
     def rows(
@@ -165,20 +167,30 @@ class Query(Generic[_Params, _Row]):
                 f"{sorted(known)} ({sorted(required)} required)"
             )
         columns = getattr(statement, "exported_columns", None)
-        if self.row is not None and columns is not None and not isinstance(statement, TextClause):
+        if self.row is not None and columns is not None:
+            # An unnamed expression (a function's value) has no name of its own: only its
+            # place is checked.
             self._check_columns(tuple(column.key for column in columns))
 
-    def _check_columns(self, returned: tuple[str, ...]) -> None:
+    def _check_columns(self, returned: tuple[str | None, ...]) -> None:
         row = self._row_type()
         fields, defaults = row._fields, row._field_defaults  # type: ignore[attr-defined]
-        if returned != fields[: len(returned)] or not set(fields[len(returned) :]) <= set(defaults):
+        named = tuple(
+            field if name is None else name
+            for name, field in zip(returned, fields[: len(returned)], strict=False)
+        )
+        if (
+            len(returned) > len(fields)
+            or named != fields[: len(returned)]
+            or not set(fields[len(returned) :]) <= set(defaults)
+        ):
             raise QueryDefinitionError(
                 f"{self.builder.__qualname__} returns {list(returned)}, its row "
                 f"{row.__name__} {list(fields)}"
             )
 
 
-#: What :class:`Query` has checked: (query, table, options) and (query, table, "columns").
+#: What :class:`Query` has checked: (query, table, options), and (query, table, "text").
 _CHECKED: Final[set[tuple[Any, ...]]] = set()
 _DIALECT: Final[Dialect] = postgresql.dialect()  # type: ignore[no-untyped-call]
 
