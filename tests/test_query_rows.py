@@ -11,18 +11,38 @@ import sqlalchemy as sa
 from models import ArchiveJob, EmailJob
 
 from sqla_jobs import ClaimedJob
-from sqla_jobs._queries import claims, history, keyed
+from sqla_jobs._queries import claims, history, keyed, outcomes
 from sqla_jobs._queries.rows import (
-    ROW_TYPES,
     ClaimRow,
     CompleteRow,
     DeleteRow,
+    FailRow,
     FenceRow,
+    LockKeysRow,
     LockRow,
     RowType,
+    WalkKeysRow,
 )
 from sqla_jobs._queries.run import NoParams, Query, QueryDefinitionError
 from sqla_jobs.history import history_table
+
+#: The row type of each statement the queue reads rows of.
+ROW_TYPES: dict[Any, RowType] = {
+    claims.claim: ClaimRow,
+    keyed.claim_keyed: ClaimRow,
+    keyed.lock_keys: LockKeysRow,
+    keyed.walk_keys: WalkKeysRow,
+    outcomes.complete: CompleteRow,
+    outcomes.complete_held: FenceRow,
+    outcomes.complete_and_delete: DeleteRow,
+    outcomes.fail: FailRow,
+    outcomes.heartbeat: FenceRow,
+    outcomes.release: FenceRow,
+    outcomes.cancel_attempts: FenceRow,
+    outcomes.lock: LockRow,
+    history.complete: CompleteRow,
+    history.move_finished: CompleteRow,
+}
 
 #: The variants each builder is built in (its options), as the queue builds them.
 VARIANTS: dict[Any, list[dict[str, Any]]] = {

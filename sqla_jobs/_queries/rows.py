@@ -1,7 +1,9 @@
 """The rows the query layer's statements return, one type per shape: each field is a column of
-the statement's ``RETURNING`` (or select) list, in its order. tests/test_query_rows.py holds
-each statement to its row type (:data:`ROW_TYPES`), so that reordering, adding or renaming a
-returned column fails there, not as a wrong value read by position somewhere above.
+the statement's ``RETURNING`` (or select) list, in its order. Each statement's
+:class:`~sqla_jobs._queries.run.Query` (and tests/test_query_rows.py) holds it to its row
+type, so that reordering, adding or renaming a returned column fails there, not as a wrong
+value read by position somewhere above. No builder module is imported here: they import
+their rows from here.
 
 The hot statements' rows stay the driver's plain tuples (a claim of a thousand jobs builds no
 named tuple per row); the code above reads them by the positions named here
@@ -13,18 +15,14 @@ statements) are read as their named tuple (``LockKeysRow(*row)``).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Final, NamedTuple, TypeAlias
-
-from sqla_jobs._queries import claims, history, keyed, outcomes
 
 __all__ = [
     "CLAIM_ORDER",
     "CLAIM_RUN_AT",
     "CLAIM_STATUS",
     "COMPLETE_STATUS",
-    "ROW_TYPES",
     "ClaimRow",
     "CompleteRow",
     "DeleteRow",
@@ -131,22 +129,6 @@ RowType: TypeAlias = (
 )
 
 #: Each statement builder whose rows the layer reads, and its row type.
-ROW_TYPES: Final[dict[Callable[..., Any], RowType]] = {
-    claims.claim: ClaimRow,
-    keyed.claim_keyed: ClaimRow,
-    keyed.lock_keys: LockKeysRow,
-    keyed.walk_keys: WalkKeysRow,
-    outcomes.complete: CompleteRow,
-    outcomes.complete_held: FenceRow,
-    outcomes.complete_and_delete: DeleteRow,
-    outcomes.fail: FailRow,
-    outcomes.heartbeat: FenceRow,
-    outcomes.release: FenceRow,
-    outcomes.cancel_attempts: FenceRow,
-    outcomes.lock: LockRow,
-    history.complete: CompleteRow,
-    history.move_finished: CompleteRow,
-}
 
 #: A claimed row's status, and its run_at (None where unreadable).
 CLAIM_STATUS: Final = ClaimRow._fields.index("status")
