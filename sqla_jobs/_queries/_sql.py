@@ -3,7 +3,7 @@ parameters split from text, and the fence of an attempt (see :mod:`sqla_jobs._qu
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 from sqlalchemy import (
     BigInteger,
@@ -79,6 +79,21 @@ def _cancel_requested(table: Table) -> ColumnElement[bool]:
     (until :func:`retry` clears the request).
     """
     return table.c.cancel_requested_at.is_not(null())
+
+
+class FenceParams(TypedDict):
+    """A batch of attempts by their fences (:func:`_fences`): ids and attempts, each as
+    comma-separated text (``"12,13"``, ``"1,2"``) that the statement splits and casts, so
+    that its text is the same for every batch size."""
+
+    fence_ids: str
+    fence_attempts: str
+
+
+class LeaseFenceParams(FenceParams):
+    """:class:`FenceParams` with a lease in seconds for each attempt, comma-separated."""
+
+    fence_leases: str
 
 
 def _fences(table: Table, *, leases: bool = False) -> tuple[Any, ColumnElement[bool]]:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, Final, NamedTuple, TypedDict
 
 from sqlalchemy import (
     ColumnElement,
@@ -39,7 +39,8 @@ from sqla_jobs._queries._sql import (
     _readable_time,
     _seconds,
 )
-from sqla_jobs._queries.run import json_text_on_asyncpg
+from sqla_jobs._queries.rows import ClaimRow
+from sqla_jobs._queries.run import Query, json_text_on_asyncpg
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
 
@@ -320,3 +321,35 @@ def _limited_params() -> list[BindParameter[Any]]:
         bindparam("queue_slots", type_=Integer),
         bindparam("queue_name", type_=Text),
     ]
+
+
+# -- the queries --------------------------------------------------------------------------
+
+
+class _ClaimRequired(TypedDict):
+    limit: int
+    lease_seconds: float
+    worker: str
+
+
+class ClaimParams(_ClaimRequired, total=False):
+    """:func:`claim`'s parameters: the queue (``queue_name`` for a statement built with
+    ``queue_count=1``, else ``queue_names``), and a limited claim's ``queue_slots``."""
+
+    queue_name: str
+    queue_names: list[str]
+    queue_slots: int
+
+
+class QueueNamesParams(TypedDict):
+    queue_names: list[str]
+
+
+class LockedQueueRow(NamedTuple):
+    """A queue :func:`lock_queues` locked."""
+
+    name: str
+
+
+CLAIM: Final = Query(claim, ClaimParams, ClaimRow)
+LOCK_QUEUES: Final = Query(lock_queues, QueueNamesParams, LockedQueueRow)

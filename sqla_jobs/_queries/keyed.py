@@ -4,7 +4,7 @@ and :func:`claim_keyed`, the statements of one keyed claim in the order they run
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 from sqlalchemy import (
     BigInteger,
@@ -28,7 +28,8 @@ from sqla_jobs._queries.claims import (
     _start_attempts,
     limited_count,
 )
-from sqla_jobs._queries.run import json_text_on_asyncpg
+from sqla_jobs._queries.rows import ClaimRow, LockKeysRow, WalkKeysRow
+from sqla_jobs._queries.run import Query, json_text_on_asyncpg
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
 
@@ -488,3 +489,54 @@ FOR UPDATE OF j SKIP LOCKED"""
         .cte("claimable")
     )
     return _start_attempts(table, chosen, by_address=True, json_text=json_text)
+
+
+# -- the queries --------------------------------------------------------------------------
+
+
+class _KeyScan(TypedDict):
+    scan: int
+    per_key: int
+
+
+class _Queue(TypedDict, total=False):
+    # The queue: ``queue_name`` for a statement built with ``queue_count=1``, else
+    # ``queue_names``.
+    queue_name: str
+    queue_names: list[str]
+
+
+class LockKeysParams(_KeyScan, _Queue, total=False):
+    """:func:`lock_keys`'s parameters (a limited queue's also ``limit`` and
+    ``queue_slots``)."""
+
+    limit: int
+    queue_slots: int
+
+
+class WalkKeysParams(_KeyScan, _Queue):
+    """:func:`walk_keys`'s parameters."""
+
+    capacity: int
+    keep: bool
+
+
+class _ClaimKeyedRequired(TypedDict):
+    queue_names: list[str]
+    limit: int
+    per_key: int
+    lease_seconds: float
+    worker: str
+
+
+class ClaimKeyedParams(_ClaimKeyedRequired, total=False):
+    """:func:`claim_keyed`'s parameters (a limited queue's also ``queue_name`` and
+    ``queue_slots``)."""
+
+    queue_name: str
+    queue_slots: int
+
+
+LOCK_KEYS: Final = Query(lock_keys, LockKeysParams, LockKeysRow)
+WALK_KEYS: Final = Query(walk_keys, WalkKeysParams, WalkKeysRow)
+CLAIM_KEYED: Final = Query(claim_keyed, ClaimKeyedParams, ClaimRow)

@@ -3,7 +3,7 @@ fail, heartbeat, release, retry, cancel, delete (see :mod:`sqla_jobs._queries`).
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 from sqlalchemy import (
     BigInteger,
@@ -33,6 +33,8 @@ from sqlalchemy.sql.dml import ReturningDelete
 from sqla_jobs._queries._sql import (
     _ONE,
     _SECOND,
+    FenceParams,
+    LeaseFenceParams,
     _cancel_requested,
     _fenced_by_key,
     _fences,
@@ -41,6 +43,8 @@ from sqla_jobs._queries._sql import (
     _readable_time,
 )
 from sqla_jobs._queries.enqueueing import ENQUEUE_COLUMNS, ORDERING_COLUMNS, enqueue_columns
+from sqla_jobs._queries.rows import CompleteRow, DeleteRow, FailRow, FenceRow, LockRow
+from sqla_jobs._queries.run import Query
 from sqla_jobs.schema import JobStatus, names
 
 
@@ -423,3 +427,43 @@ def own_columns(table: Table) -> Select[Any]:
     return select(*(table.c[name] for name in own)).where(
         table.c.id == bindparam("job_id", type_=BigInteger)
     )
+
+
+# -- the queries: each statement above with the record of its parameters and its row ----------
+
+
+class ResultsParams(TypedDict):
+    """Results to store (:func:`store_results`): ``{"job_id", "task", "value"}`` each."""
+
+    results: list[dict[str, Any]]
+
+
+class FailParams(TypedDict):
+    """One failed attempt (:func:`fail`): its fence, the error, and how to retry it."""
+
+    job_id: int
+    attempt: int
+    error: str
+    retry: bool
+    #: None: the exponential backoff of ``base``, ``cap`` and ``jitter``.
+    delay_seconds: float | None
+    base: float
+    cap: float
+    jitter: float
+
+
+class JobIdParams(TypedDict):
+    job_id: int
+
+
+LOCK: Final = Query(lock, FenceParams, LockRow)
+COMPLETE: Final = Query(complete, FenceParams, CompleteRow)
+COMPLETE_HELD: Final = Query(complete_held, FenceParams, FenceRow)
+COMPLETE_AND_DELETE: Final = Query(complete_and_delete, FenceParams, DeleteRow)
+STORE_RESULTS: Final[Query[ResultsParams, tuple[()]]] = Query(store_results, ResultsParams)
+FAIL: Final = Query(fail, FailParams, FailRow)
+HEARTBEAT: Final = Query(heartbeat, LeaseFenceParams, FenceRow)
+RELEASE: Final = Query(release, FenceParams, FenceRow)
+CANCEL_ATTEMPTS: Final = Query(cancel_attempts, FenceParams, FenceRow)
+#: The job model's own columns of one job (their names differ by model: read by name).
+OWN_COLUMNS: Final[Query[JobIdParams, tuple[Any, ...]]] = Query(own_columns, JobIdParams)

@@ -32,6 +32,7 @@ the other types, the limits, the hot path's driver shortcut, the argument checks
 
 from __future__ import annotations
 
+from sqla_jobs._queries.claiming import KEY_CLAIM_MAX, KEY_SCAN_EXTRA, key_lock_params
 from sqla_jobs._queries.run import Executor, UnreadableJson, readable_jsonb, readable_values
 from sqla_jobs.queue._plumbing import (
     DEFAULT_ENQUEUE_CHUNK,
@@ -58,11 +59,8 @@ from sqla_jobs.queue.admin import (
     vacuum,
 )
 from sqla_jobs.queue.claiming import (
-    KEY_CLAIM_MAX,
-    KEY_SCAN_EXTRA,
     claim,
     job_columns,
-    key_lock_params,
     lock,
     lock_one,
     lock_started,

@@ -23,6 +23,7 @@ from sqlalchemy import (
 
 from sqla_jobs import _queries as statements
 from sqla_jobs import validation
+from sqla_jobs._queries._sql import FenceParams
 from sqla_jobs._queries.rows import CLAIM_ORDER, COMPLETE_STATUS
 from sqla_jobs.errors import (
     ConfigurationError,
@@ -124,7 +125,7 @@ def _one_model(jobs: Sequence[ClaimedJob]) -> type[JobMixin]:
     return model
 
 
-def _fence_params(jobs: Sequence[ClaimedJob]) -> dict[str, Any]:
+def _fence_params(jobs: Sequence[ClaimedJob]) -> FenceParams:
     # Comma-separated text, split and cast by the statement (statements._sql._fences); built by
     # C-level iteration (map), as a worker's outcome writer does for every job it writes.
     return {

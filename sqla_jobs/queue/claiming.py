@@ -3,19 +3,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any
 
-from sqlalchemy import (
-    Table,
-)
-
-from sqla_jobs import _queries as statements
 from sqla_jobs import validation
-from sqla_jobs._queries.rows import CLAIM_ORDER, LockKeysRow, LockRow, WalkKeysRow
-from sqla_jobs._queries.run import Executor, built, fetch, job_table_of
+from sqla_jobs._queries.claiming import claim_rows
+from sqla_jobs._queries.outcomes import LOCK, OWN_COLUMNS
+from sqla_jobs._queries.rows import CLAIM_ORDER, LockRow
+from sqla_jobs._queries.run import Executor, job_table_of
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -132,23 +130,30 @@ def claim(
     table = job_table_of(model)
     queue_names = _check_queues(queues)
     _check_count("limit", limit, MAX_CLAIM_LIMIT)
-    params: dict[str, Any] = {
-        "limit": limit,
-        "lease_seconds": _seconds("lease", lease),
-        "worker": validation.check_name("worker", worker or default_worker_name()),
-    }
+    lease_seconds = _seconds("lease", lease)
+    worker = validation.check_name("worker", worker or default_worker_name())
     if not isinstance(keys, bool):
         raise InvalidJobError("keys", f"must be True or False, not {keys!r}")
     limited: dict[str, int] = {}
     if queue_limits is not None:
         limits = validation.check_queue_limits("queue_limits", queue_limits)
         limited = {name: limits[name] for name in queue_names if name in limits}
+    claiming = functools.partial(
+        claim_rows,
+        table=table,
+        queue_names=queue_names,
+        limit=limit,
+        lease_seconds=lease_seconds,
+        worker=worker,
+        keys=keys,
+        limited=limited,
+    )
     if hold:
         engine = first_step_engine(session, model, call="claim(hold=True)", step="the attempt")
         with engine.begin() as connection:
-            rows = _claim_rows(connection, table, params, queue_names, keys, limited)
+            rows = claiming(connection)
     else:
-        rows = _claim_rows(session, table, params, queue_names, keys, limited)
+        rows = claiming(session)
     running = JobStatus.RUNNING.value
     # The hot path. The rows (ClaimRow) are sorted in (priority, run_at, id) order by a
     # C-level key, and each job is built by tuple.__new__ (ClaimedJob's own __new__ is a
@@ -167,149 +172,6 @@ def claim(
     if hold and jobs:
         return lock(session, jobs)
     return jobs
-
-
-#: How many keyed jobs per queue (and keys in all) a keyed claim of ``limit`` jobs looks at,
-#: beyond ``limit``: a few keys in line may be busy (their jobs in progress fill their
-#: limits), so it looks a little further. Each key looked at costs the claim two reads of the
-#: key index, so the margin is small: more busy keys than that make the claim come back
-#: short, and then it walks on past them (:func:`statements.walk_keys`) once.
-KEY_SCAN_EXTRA: Final = 4
-#: The most jobs of one key a keyed claim starts (a key whose ``key_limit`` is higher gets
-#: the rest in the next claims): each costs the claim a read of the job's row.
-KEY_CLAIM_MAX: Final = 16
-
-
-def key_lock_params(queue_names: list[str], limit: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """:func:`statements.lock_keys`'s parameters for a keyed claim of ``limit`` jobs, and
-    its build options: the rows it reads per queue, ``limit + KEY_SCAN_EXTRA`` rounded up
-    (part of the SQL text, so that the statement is planned once, see
-    :func:`statements.lock_keys`; rounded to a multiple of 16, or of an eighth of the next
-    power of two past 128, so that a worker's varying claim sizes make a few statements,
-    8 per doubling at most, and each reads at most an eighth more rows than it needs), and
-    the queue count (1, or 2 for several)."""
-    scan = limit + KEY_SCAN_EXTRA
-    params = _queue_params(queue_names) | {"scan": scan, "per_key": min(limit, KEY_CLAIM_MAX)}
-    step = max(16, (1 << (scan - 1).bit_length()) // 8)
-    rows = -(-scan // step) * step
-    return params, {"rows": rows, "queue_count": min(len(queue_names), 2)}
-
-
-def _queue_params(queue_names: list[str]) -> dict[str, Any]:
-    # The claim statements' queue: a scalar for one (statements built with queue_count=1),
-    # else an array.
-    if len(queue_names) == 1:
-        return {"queue_name": queue_names[0]}
-    return {"queue_names": queue_names}
-
-
-def _claim_rows(
-    session: Executor,
-    table: Table,
-    params: dict[str, Any],
-    queue_names: list[str],
-    keys: bool,
-    limited: dict[str, int],
-) -> list[Any]:
-    """The rows of one claim: the limited queues' first, each up to its free slots, then
-    the other queues' up to ``limit``."""
-    if not limited:
-        return _claim_from(session, table, params, queue_names, keys)
-    limit = params["limit"]
-    rows: list[Any] = []
-    # A keyed claim takes each queue's lock with its keys; a plain one all of them at once.
-    served = list(limited)
-    if not keys:
-        lock = {"queue_names": served}
-        served = [row[0] for row in fetch(session, statements.lock_queues, table, lock)]
-    for name in served:
-        if len(rows) < limit:
-            room = params | {"limit": limit - len(rows), "queue_slots": limited[name]}
-            rows.extend(_claim_from(session, table, room, [name], keys, limited=True))
-    others = [name for name in queue_names if name not in limited]
-    if others and len(rows) < limit:
-        rest = params | {"limit": limit - len(rows)}
-        rows.extend(_claim_from(session, table, rest, others, keys))
-    return rows
-
-
-def _claim_from(
-    session: Executor,
-    table: Table,
-    params: dict[str, Any],
-    queue_names: list[str],
-    keys: bool,
-    limited: bool = False,
-) -> list[Any]:
-    """The rows of a claim from ``queue_names``: keyed jobs first (``keys``), then plain
-    ones up to the limit. ``limited``: one queue with a concurrency limit
-    (``params["queue_slots"]``), whose lock this transaction holds (a plain claim), or takes
-    with its keys (a keyed claim: nothing if another claim holds it); each claim statement
-    counts the free slots (:func:`statements.limited_count`)."""
-    params = params | _queue_params(queue_names)
-    options: dict[str, Any] = {"queue_count": min(len(queue_names), 2), "limited": limited}
-    if not keys:
-        return list(fetch(session, statements.claim, table, params, **options))
-    limit = params["limit"]
-    lock_params, lock_options = key_lock_params(queue_names, limit)
-    if limited:
-        lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
-        lock_options["limited"] = True
-    # The keys locked go from the first statement to the claim inside the transaction
-    # (statements.lock_keys): of its one row, only the count, the jobs its keys could start,
-    # whether a queue had more in line, and a limited queue's free slots are read here.
-    (row,) = fetch(session, statements.lock_keys, table, lock_params, **lock_options)
-    locked = LockKeysRow(*row)  # its free slots only when limited
-    count, capacity, full = locked.locked, locked.capacity, locked.full
-    if limited:
-        # The queue's free slots, a hint (the claims count exactly): none, or its lock is
-        # another claim's (NULL; then no key was locked either); fewer than the limit, and
-        # the claims ask for no more.
-        limit = min(limit, locked.free or 0)
-        if limit <= 0:
-            return []
-    keyed = {
-        "queue_names": queue_names,
-        "limit": limit,
-        "per_key": lock_params["per_key"],
-        "lease_seconds": params["lease_seconds"],
-        "worker": params["worker"],
-    }
-    if limited:
-        keyed |= {"queue_name": queue_names[0], "queue_slots": params["queue_slots"]}
-    walk = {
-        "scan": lock_params["scan"],
-        "per_key": lock_params["per_key"],
-        **_queue_params(queue_names),
-    }
-    walk_options = {"rows": lock_options["rows"], "queue_count": lock_options["queue_count"]}
-    walked = full and capacity < walk["scan"]
-    further = full  # whether keys that could start a job may wait further along the line
-    if walked:
-        # The jobs in line belonged to too few keys (a burst of one): look further, and
-        # claim from these keys and those together.
-        walk |= {"capacity": capacity, "keep": True}
-        (row,) = fetch(session, statements.walk_keys, table, walk, **walk_options)
-        found = WalkKeysRow._make(row)
-        count += found.locked
-        further = found.reached  # it stopped at enough keys, not at the end of what it sees
-    rows: list[Any] = []
-    if count:
-        rows.extend(fetch(session, statements.claim_keyed, table, keyed, limited=limited))
-    if further and len(rows) < limit:
-        # The keys locked were busy (their jobs in progress fill their limits): look
-        # further once, past the keys that are busy too, and claim from the keys found alone.
-        walk |= {"capacity": len(rows), "keep": False}
-        busy = walk_options | {"busy": True}
-        (row,) = fetch(session, statements.walk_keys, table, walk, **busy)
-        if WalkKeysRow._make(row).locked:
-            # (A limited queue's free slots are counted anew: what this claim took counts.)
-            more = keyed | {"limit": limit - len(rows)}
-            rows.extend(fetch(session, statements.claim_keyed, table, more, limited=limited))
-    if len(rows) < limit:
-        rest = params | {"limit": limit - len(rows)}
-        rows.extend(fetch(session, statements.claim, table, rest, **options))
-    return rows
 
 
 def _log_exhausted(rows: Sequence[Any], running: str) -> None:
@@ -372,7 +234,7 @@ def job_columns(job: ClaimedJob, session: Executor | None = None) -> dict[str, A
         return {}
     if session is None:
         raise ConfigurationError("job_columns needs a session to read the job row with")
-    row = session.execute(built(statements.own_columns, table), {"job_id": job.id}).first()
+    row = OWN_COLUMNS.result(session, table, {"job_id": job.id}).first()
     if row is None:
         raise JobNotFoundError(f"{job.model.__name__} has no job {job.id}")
     return dict(row._mapping)
@@ -394,7 +256,7 @@ def lock_started(
     there is one (:func:`fetch`)."""
     if not jobs:
         return [], None
-    rows = fetch(session, statements.lock, job_table_of(_one_model(jobs)), _fence_params(jobs))
+    rows = LOCK.tuples(session, job_table_of(_one_model(jobs)), _fence_params(jobs))
     kept = _fenced(rows)
     return [job for job in jobs if (job.id, job.attempt) in kept], (
         float(LockRow._make(rows[0]).xact_start) if rows else None

@@ -12,9 +12,20 @@ from sqlalchemy import (
     Table,
 )
 
-from sqla_jobs import _queries as statements
 from sqla_jobs import validation
 from sqla_jobs._queries import history as history_statements
+from sqla_jobs._queries._sql import LeaseFenceParams
+from sqla_jobs._queries.outcomes import (
+    CANCEL_ATTEMPTS,
+    COMPLETE,
+    COMPLETE_AND_DELETE,
+    COMPLETE_HELD,
+    FAIL,
+    HEARTBEAT,
+    RELEASE,
+    STORE_RESULTS,
+    FailParams,
+)
 from sqla_jobs._queries.rows import COMPLETE_STATUS
 from sqla_jobs._queries.run import Executor, built, fetch, job_table_of, result_table_of
 from sqla_jobs.errors import (
@@ -114,17 +125,14 @@ def complete_attempts(
     result_table = _results_target(model, jobs, results, result_model)
     cancelled: set[tuple[int, int]] = set()
     if model.delete_on_success:
-        done = _fenced(fetch(session, statements.complete_and_delete, table, _fence_params(jobs)))
+        done = _fenced(COMPLETE_AND_DELETE.tuples(session, table, _fence_params(jobs)))
         if len(done) < len(jobs):  # not deleted: lost, or cancel requested (rare)
             cancelled = _fenced(
-                session.execute(
-                    built(statements.cancel_attempts, table),
-                    _fence_params(_lost(jobs, done)),
-                )
+                CANCEL_ATTEMPTS.tuples(session, table, _fence_params(_lost(jobs, done)))
             )
     else:
         cancelled_value = JobStatus.CANCELLED.value
-        rows = fetch(session, statements.complete, table, _fence_params(jobs))
+        rows = COMPLETE.tuples(session, table, _fence_params(jobs))
         if (
             len(rows) == len(jobs)
             and result_table is None
@@ -166,10 +174,8 @@ def complete_held(
         return lost
     result_table = _results_target(model, jobs, results, result_model)
     # complete_and_delete leaves a job whose cancel was requested as it is already.
-    builder = (
-        statements.complete_and_delete if model.delete_on_success else statements.complete_held
-    )
-    done = _fenced(fetch(session, builder, table, _fence_params(jobs)))
+    query = COMPLETE_AND_DELETE if model.delete_on_success else COMPLETE_HELD
+    done = _fenced(query.tuples(session, table, _fence_params(jobs)))
     _store_results(session, result_table, jobs, results, done)
     return _lost(jobs, done)
 
@@ -207,7 +213,7 @@ def _store_results(
         for job, value in zip(jobs, results, strict=True)
         if (job.id, job.attempt) in done
     ]
-    session.execute(built(statements.store_results, result_table), {"results": payload})
+    STORE_RESULTS.result(session, result_table, {"results": payload})
 
 
 def _complete_into_history(
@@ -286,7 +292,7 @@ def fail(
     """
     policy = policy or RetryPolicy()
     table = job_table_of(job.model)
-    params = {
+    params: FailParams = {
         "job_id": job.id,
         "attempt": job.attempt,
         "error": _error_text(error),
@@ -296,7 +302,7 @@ def fail(
         "cap": policy.cap.total_seconds(),
         "jitter": policy.jitter,
     }
-    row = session.execute(built(statements.fail, table), params).one_or_none()
+    row = FAIL.one(session, table, params)
     if row is None:
         raise LeaseLostError(
             f"job {job.id} attempt {job.attempt} no longer owns the job; nothing was changed"
@@ -331,8 +337,13 @@ def heartbeat(
         seconds = [_seconds("lease", value) for value in lease]
         if len(seconds) != len(jobs):
             raise InvalidJobError("lease", f"has {len(seconds)} items for {len(jobs)} jobs")
-    params = _fence_params(jobs) | {"fence_leases": ",".join(map(repr, seconds))}
-    rows = fetch(session, statements.heartbeat, table, params)
+    fences = _fence_params(jobs)
+    params: LeaseFenceParams = {
+        "fence_ids": fences["fence_ids"],
+        "fence_attempts": fences["fence_attempts"],
+        "fence_leases": ",".join(map(repr, seconds)),
+    }
+    rows = HEARTBEAT.tuples(session, table, params)
     return _lost(jobs, _fenced(rows))
 
 
@@ -346,5 +357,5 @@ def release(session: Executor, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     if not jobs:
         return []
     table = job_table_of(_one_model(jobs))
-    rows = session.execute(built(statements.release, table), _fence_params(jobs))
+    rows = RELEASE.tuples(session, table, _fence_params(jobs))
     return _lost(jobs, _fenced(rows))

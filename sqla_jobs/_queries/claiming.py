@@ -1,0 +1,185 @@
+"""One claim, statement by statement: which claim statements run, in which order, with which
+parameters (see :func:`sqla_jobs.queue.claim` for what a claim does).
+
+A claim is one statement (:data:`~sqla_jobs._queries.claims.CLAIM`) unless it serves
+ordering keys or limited queues. Then its statements hand state to each other inside the
+caller's transaction (the keys :func:`~sqla_jobs._queries.keyed.lock_keys` locked, in
+:data:`~sqla_jobs._queries.keyed.LOCKED_KEYS`, are the ones the keyed claim claims from;
+a limited queue's lock is taken before the statement that counts its free slots starts), so
+their order is part of their SQL's contract, and it lives here, beside them, not with the
+argument checks above the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sqlalchemy import Table
+
+from sqla_jobs._queries.claims import CLAIM, LOCK_QUEUES, ClaimParams
+from sqla_jobs._queries.keyed import (
+    CLAIM_KEYED,
+    LOCK_KEYS,
+    WALK_KEYS,
+    ClaimKeyedParams,
+    LockKeysParams,
+    WalkKeysParams,
+)
+from sqla_jobs._queries.rows import LockKeysRow, WalkKeysRow
+from sqla_jobs._queries.run import Executor
+
+__all__ = ["KEY_CLAIM_MAX", "KEY_SCAN_EXTRA", "claim_rows", "key_lock_params"]
+
+#: How many keyed jobs per queue (and keys in all) a keyed claim of ``limit`` jobs looks at,
+#: beyond ``limit``: a few keys in line may be busy (their jobs in progress fill their
+#: limits), so it looks a little further. Each key looked at costs the claim two reads of the
+#: key index, so the margin is small: more busy keys than that make the claim come back
+#: short, and then it walks on past them (:func:`~sqla_jobs._queries.walk_keys`) once.
+KEY_SCAN_EXTRA: Final = 4
+#: The most jobs of one key a keyed claim starts (a key whose ``key_limit`` is higher gets
+#: the rest in the next claims): each costs the claim a read of the job's row.
+KEY_CLAIM_MAX: Final = 16
+
+
+def claim_rows(
+    executor: Executor,
+    table: Table,
+    *,
+    queue_names: list[str],
+    limit: int,
+    lease_seconds: float,
+    worker: str,
+    keys: bool,
+    limited: dict[str, int],
+) -> list[Any]:
+    """The rows of one claim (:class:`~sqla_jobs._queries.rows.ClaimRow`'s columns, as
+    tuples): the limited queues' first, each up to its free slots (``limited``: queue name
+    to limit), then the other queues' up to ``limit``; keyed jobs first in each (``keys``),
+    then plain ones. Arguments checked by the caller."""
+    params: ClaimParams = {"limit": limit, "lease_seconds": lease_seconds, "worker": worker}
+    if not limited:
+        return _claim_from(executor, table, params, queue_names, keys)
+    rows: list[Any] = []
+    # A keyed claim takes each queue's lock with its keys; a plain one all of them at once.
+    served = list(limited)
+    if not keys:
+        locked = LOCK_QUEUES.tuples(executor, table, {"queue_names": served})
+        served = [row[0] for row in locked]
+    for name in served:
+        if len(rows) < limit:
+            room = params | {"limit": limit - len(rows), "queue_slots": limited[name]}
+            rows.extend(_claim_from(executor, table, room, [name], keys, limited=True))
+    others = [name for name in queue_names if name not in limited]
+    if others and len(rows) < limit:
+        rest = params | {"limit": limit - len(rows)}
+        rows.extend(_claim_from(executor, table, rest, others, keys))
+    return rows
+
+
+def key_lock_params(queue_names: list[str], limit: int) -> tuple[LockKeysParams, dict[str, Any]]:
+    """:func:`~sqla_jobs._queries.lock_keys`'s parameters for a keyed claim of ``limit``
+    jobs, and its build options: the rows it reads per queue, ``limit + KEY_SCAN_EXTRA``
+    rounded up (part of the SQL text, so that the statement is planned once, see
+    :func:`~sqla_jobs._queries.lock_keys`; rounded to a multiple of 16, or of an eighth of
+    the next power of two past 128, so that a worker's varying claim sizes make a few
+    statements, 8 per doubling at most, and each reads at most an eighth more rows than it
+    needs), and the queue count (1, or 2 for several)."""
+    scan = limit + KEY_SCAN_EXTRA
+    params: LockKeysParams = {"scan": scan, "per_key": min(limit, KEY_CLAIM_MAX)}
+    _set_queues(params, queue_names)
+    step = max(16, (1 << (scan - 1).bit_length()) // 8)
+    rows = -(-scan // step) * step
+    return params, {"rows": rows, "queue_count": min(len(queue_names), 2)}
+
+
+def _set_queues(params: ClaimParams | LockKeysParams | WalkKeysParams, names: list[str]) -> None:
+    # The claim statements' queue: a scalar for one (statements built with queue_count=1),
+    # else an array.
+    if len(names) == 1:
+        params["queue_name"] = names[0]
+    else:
+        params["queue_names"] = names
+
+
+def _claim_from(
+    executor: Executor,
+    table: Table,
+    params: ClaimParams,
+    queue_names: list[str],
+    keys: bool,
+    limited: bool = False,
+) -> list[Any]:
+    """The rows of a claim from ``queue_names``: keyed jobs first (``keys``), then plain
+    ones up to the limit. ``limited``: one queue with a concurrency limit
+    (``params["queue_slots"]``), whose lock this transaction holds (a plain claim), or takes
+    with its keys (a keyed claim: nothing if another claim holds it); each claim statement
+    counts the free slots (:func:`~sqla_jobs._queries.limited_count`)."""
+    params = params.copy()
+    params.pop("queue_name", None)
+    params.pop("queue_names", None)
+    _set_queues(params, queue_names)
+    options: dict[str, Any] = {"queue_count": min(len(queue_names), 2), "limited": limited}
+    if not keys:
+        return list(CLAIM.tuples(executor, table, params, **options))
+    limit = params["limit"]
+    lock_params, lock_options = key_lock_params(queue_names, limit)
+    if limited:
+        lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
+        lock_options["limited"] = True
+    # The keys locked go from the first statement to the claim inside the transaction
+    # (lock_keys): of its one row, only the count, the jobs its keys could start, whether a
+    # queue had more in line, and a limited queue's free slots are read here.
+    (row,) = LOCK_KEYS.tuples(executor, table, lock_params, **lock_options)
+    locked = LockKeysRow(*row)  # its free slots only when limited
+    count, capacity, full = locked.locked, locked.capacity, locked.full
+    if limited:
+        # The queue's free slots, a hint (the claims count exactly): none, or its lock is
+        # another claim's (NULL; then no key was locked either); fewer than the limit, and
+        # the claims ask for no more.
+        limit = min(limit, locked.free or 0)
+        if limit <= 0:
+            return []
+    keyed: ClaimKeyedParams = {
+        "queue_names": queue_names,
+        "limit": limit,
+        "per_key": lock_params["per_key"],
+        "lease_seconds": params["lease_seconds"],
+        "worker": params["worker"],
+    }
+    if limited:
+        keyed |= {"queue_name": queue_names[0], "queue_slots": params["queue_slots"]}
+    walk: WalkKeysParams = {
+        "scan": lock_params["scan"],
+        "per_key": lock_params["per_key"],
+        "capacity": 0,
+        "keep": True,
+    }
+    _set_queues(walk, queue_names)
+    walk_options = {"rows": lock_options["rows"], "queue_count": lock_options["queue_count"]}
+    walked = full and capacity < walk["scan"]
+    further = full  # whether keys that could start a job may wait further along the line
+    if walked:
+        # The jobs in line belonged to too few keys (a burst of one): look further, and
+        # claim from these keys and those together.
+        walk |= {"capacity": capacity, "keep": True}
+        (row,) = WALK_KEYS.tuples(executor, table, walk, **walk_options)
+        found = WalkKeysRow._make(row)
+        count += found.locked
+        further = found.reached  # it stopped at enough keys, not at the end of what it sees
+    rows: list[Any] = []
+    if count:
+        rows.extend(CLAIM_KEYED.tuples(executor, table, keyed, limited=limited))
+    if further and len(rows) < limit:
+        # The keys locked were busy (their jobs in progress fill their limits): look
+        # further once, past the keys that are busy too, and claim from the keys found alone.
+        walk |= {"capacity": len(rows), "keep": False}
+        busy = walk_options | {"busy": True}
+        (row,) = WALK_KEYS.tuples(executor, table, walk, **busy)
+        if WalkKeysRow._make(row).locked:
+            # (A limited queue's free slots are counted anew: what this claim took counts.)
+            more = keyed | {"limit": limit - len(rows)}
+            rows.extend(CLAIM_KEYED.tuples(executor, table, more, limited=limited))
+    if len(rows) < limit:
+        rest = params | {"limit": limit - len(rows)}
+        rows.extend(CLAIM.tuples(executor, table, rest, **options))
+    return rows
