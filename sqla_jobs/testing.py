@@ -24,9 +24,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from sqla_jobs._queries.enqueueing import enqueued_jobs
 from sqla_jobs.context import JobContext
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, LeaseLostError
 from sqla_jobs.queue import ClaimedJob, claim, complete_attempts, fail
@@ -54,15 +54,14 @@ def enqueued(
     oldest first, filtered by ``task``, ``queue`` and ``args`` (a subset match: every given
     key must be present with an equal value). Flushes the session first."""
     session.flush()
-    statement = select(model).where(model.status == JobStatus(status).value)
-    if task is not None:
-        statement = statement.where(model.task == task)
-    if queue is not None:
-        statement = statement.where(model.queue == queue)
-    if args is not None:
-        # jsonb containment: the job's args hold at least these keys and values.
-        statement = statement.where(model.args.contains(dict(args)))
-    return list(session.scalars(statement.order_by(model.id)))
+    return enqueued_jobs(
+        session,
+        model,
+        status=JobStatus(status).value,
+        task=task,
+        queue=queue,
+        args=None if args is None else dict(args),
+    )
 
 
 def assert_enqueued(

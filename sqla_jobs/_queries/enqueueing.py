@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, NamedTuple, TypedDict, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -27,12 +27,14 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
+from sqlalchemy.orm import Session
 
 from sqla_jobs._queries._sql import (
     _ONE,
     _now,
 )
-from sqla_jobs.schema import unique_predicate
+from sqla_jobs._queries.run import Query
+from sqla_jobs.schema import JobMixin, unique_predicate
 
 # -- enqueue -------------------------------------------------------------------------------
 
@@ -222,6 +224,54 @@ def enqueue_unique(table: Table) -> Select[Any]:
         .select_from(source.outerjoin(inserted, inserted.c.unique_key == source.c.unique_key))
         .order_by(source.c.n)
     )
+
+
+class EnqueueParams(TypedDict):
+    """The jobs to insert, as a JSON array of rows (one object each, by column name), and
+    the trace context every one of them gets (None outside a trace)."""
+
+    rows: str
+    trace_context: dict[str, str] | None
+
+
+class UniqueRow(NamedTuple):
+    """One row of :func:`enqueue_unique`'s input (``n``, its place) and what became of it:
+    the id of the job it inserted, or of the job that holds its key (neither: settle it
+    again, in a new statement)."""
+
+    n: int
+    unique_key: str
+    inserted_id: int | None
+    holder_id: int | None
+
+
+ENQUEUE_MANY: Final[Query[EnqueueParams, tuple[()]]] = Query(enqueue_many, EnqueueParams)
+ENQUEUE_UNIQUE: Final = Query(enqueue_unique, EnqueueParams, UniqueRow)
+
+
+_Job = TypeVar("_Job", bound=JobMixin)
+
+
+def enqueued_jobs(
+    session: Session,
+    model: type[_Job],
+    *,
+    status: str,
+    task: str | None,
+    queue: str | None,
+    args: dict[str, Any] | None,
+) -> list[_Job]:
+    """The jobs of ``model`` in ``status`` that ``session`` sees, oldest first, filtered by
+    ``task``, ``queue`` and ``args`` (jsonb containment: the job's args hold at least these
+    keys and values); as ORM objects (:func:`sqla_jobs.testing.enqueued`)."""
+    statement = select(model).where(model.status == status)
+    if task is not None:
+        statement = statement.where(model.task == task)
+    if queue is not None:
+        statement = statement.where(model.queue == queue)
+    if args is not None:
+        statement = statement.where(model.args.contains(args))
+    return list(session.scalars(statement.order_by(model.id)))
 
 
 # -- periodic jobs -------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import _queries as statements
 from sqla_jobs import tracing, validation
-from sqla_jobs._queries.run import built, job_table_of
+from sqla_jobs._queries.enqueueing import ENQUEUE_MANY, ENQUEUE_UNIQUE, EnqueueParams
+from sqla_jobs._queries.run import job_table_of
 from sqla_jobs.errors import (
     InvalidJobError,
     SqlaJobsError,
@@ -107,8 +108,9 @@ def _insert_chunk(session: Session, table: Table, chunk: tuple[str, int]) -> int
     # INSERT ... SELECT from the document inserts every row of it or raises (the driver
     # reports no row count for it when the statement is prepared). The trace context is
     # the span current at this statement (sqla_jobs.tracing), for every row of it.
-    params = {"rows": chunk[0], "trace_context": tracing.enqueue_context()}
-    session.execute(built(statements.enqueue_many, table), params)
+    ENQUEUE_MANY.result(
+        session, table, {"rows": chunk[0], "trace_context": tracing.enqueue_context()}
+    )
     return chunk[1]
 
 
@@ -348,10 +350,10 @@ def enqueue_unique_many(
 
 
 def _insert_unique(session: Session, table: Table, rows: list[dict[str, Any]]) -> list[Enqueued]:
-    """Run :func:`statements.enqueue_unique` for ``rows`` until every row has its job."""
+    """Run :data:`~sqla_jobs._queries.enqueueing.ENQUEUE_UNIQUE` for ``rows`` until every row
+    has its job."""
     results: list[Enqueued | None] = [None] * len(rows)
     todo = list(range(len(rows)))
-    statement = built(statements.enqueue_unique, table)
     trace_context = tracing.enqueue_context()  # as in _insert_chunk
     for _ in range(_MAX_UNIQUE_ROUNDS):
         batch = [rows[i] | {"n": position} for position, i in enumerate(todo)]
@@ -361,8 +363,8 @@ def _insert_unique(session: Session, table: Table, rows: list[dict[str, Any]]) -
             raise InvalidJobError("jobs", str(exc)) from exc
         seen: set[str] = set()
         unresolved: list[int] = []
-        params = {"rows": document, "trace_context": trace_context}
-        for n, key, inserted_id, holder_id in session.execute(statement, params):
+        params: EnqueueParams = {"rows": document, "trace_context": trace_context}
+        for n, key, inserted_id, holder_id in ENQUEUE_UNIQUE.rows(session, table, params):
             index = todo[n]
             if inserted_id is not None:
                 results[index] = Enqueued(inserted_id, key not in seen, key)
