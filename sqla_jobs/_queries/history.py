@@ -10,7 +10,8 @@ whatever crashes when.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from datetime import datetime
+from typing import Any, Final, NamedTuple, TypedDict
 
 from sqlalchemy import (
     BigInteger,
@@ -36,16 +37,52 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from sqla_jobs._queries._sql import _fenced_by_key, _fences, _lit, _now
+from sqla_jobs._queries._sql import FenceParams, _fenced_by_key, _fences, _lit, _now
+from sqla_jobs._queries.outcomes import JobIdParams
+from sqla_jobs._queries.rows import CompleteRow
+from sqla_jobs._queries.run import Executor, NoParams, Query
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus
 from sqla_jobs.schema.history import PARTITION_KEY, RESULT_COLUMN, history_names, history_table
 
 __all__ = [
+    "COMPLETE",
+    "DATABASE_NOW",
+    "DEFAULT_ROWS_BETWEEN",
+    "DELETE_DEFAULT_BEFORE",
+    "MOVE_FINISHED",
+    "MOVE_OUT_OF_DEFAULT",
+    "PARTITIONS",
+    "RECORD",
+    "RETRY",
+    "SET_LOCK_TIMEOUT",
+    "STATUS_OF",
+    "SWEEP",
+    "SWEEP_WINDOW",
+    "TRY_LOCK",
+    "UTC",
+    "BoundsParams",
+    "CompleteParams",
+    "CutoffParams",
+    "ExistsRow",
+    "FoundRecord",
+    "IdRow",
+    "LockKeyParams",
+    "NowRow",
+    "PartitionRow",
+    "PartitionsParams",
+    "SetConfigRow",
+    "StatusRow",
+    "SweepParams",
+    "SweepWindowParams",
+    "SweepWindowRow",
+    "TryLockRow",
+    "ValueParams",
     "complete",
     "database_now",
     "default_rows_between",
     "delete_default_before",
+    "found_record",
     "move_finished",
     "move_out_of_default",
     "partitions",
@@ -334,4 +371,147 @@ def delete_default_before(table: Table) -> TextClause:
     return text(
         f"DELETE FROM {default} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {default} "
         f"WHERE {PARTITION_KEY} < :cutoff LIMIT :limit)) RETURNING id"
+    )
+
+
+# -- the queries: each statement above with the record of its parameters and its row ----------
+
+
+class CompleteParams(FenceParams):
+    """The attempts to complete (:func:`complete`) and their results: a JSON object as text,
+    ``{"<id>:<attempt>": result}`` (``"{}"`` for none)."""
+
+    results: str
+
+
+class SweepWindowParams(TypedDict):
+    """The window after id ``after``, of ``scan`` ids (:func:`sweep_window`)."""
+
+    after: int
+    scan: int
+
+
+class SweepParams(TypedDict):
+    """The ids in ``(after, upto]`` (:func:`sweep`)."""
+
+    after: int
+    upto: int
+
+
+class LockKeyParams(TypedDict):
+    """One history's maintenance lock key (:func:`try_lock`)."""
+
+    lock_key: str
+
+
+class ValueParams(TypedDict):
+    """A setting's value, as text (:func:`set_lock_timeout`: ``"200ms"``)."""
+
+    value: str
+
+
+class PartitionsParams(TypedDict):
+    """A history table's qualified name (:func:`partitions`)."""
+
+    history: str
+
+
+class BoundsParams(TypedDict):
+    """A day's bounds, ``[start, end)`` (:func:`default_rows_between`,
+    :func:`move_out_of_default`)."""
+
+    start: datetime
+    end: datetime
+
+
+class CutoffParams(TypedDict):
+    """Up to ``limit`` rows finished before ``cutoff`` (:func:`delete_default_before`)."""
+
+    cutoff: datetime
+    limit: int
+
+
+class SweepWindowRow(NamedTuple):
+    """The last id of the next window, None past the end."""
+
+    max: int | None
+
+
+class IdRow(NamedTuple):
+    id: int
+
+
+class StatusRow(NamedTuple):
+    status: str
+
+
+class TryLockRow(NamedTuple):
+    """Whether this transaction now holds the maintenance lock."""
+
+    pg_try_advisory_xact_lock: bool
+
+
+class SetConfigRow(NamedTuple):
+    """The setting's new value."""
+
+    set_config: str
+
+
+class NowRow(NamedTuple):
+    statement_timestamp: datetime
+
+
+class PartitionRow(NamedTuple):
+    """A partition's name, and its bound's text (``FOR VALUES FROM (...) TO (...)``,
+    ``DEFAULT``)."""
+
+    name: str
+    bound: str | None
+
+
+class ExistsRow(NamedTuple):
+    exists: bool
+
+
+#: The hot path's completion into the history (``held=True``: the lock-held group's).
+COMPLETE: Final = Query(complete, CompleteParams, CompleteRow)
+MOVE_FINISHED: Final = Query(move_finished, JobIdParams, CompleteRow)
+SWEEP_WINDOW: Final = Query(sweep_window, SweepWindowParams, SweepWindowRow)
+#: ``result_table=``: the result table whose rows move with their jobs.
+SWEEP: Final = Query(sweep, SweepParams, CompleteRow)
+RETRY: Final = Query(retry, JobIdParams, IdRow)
+STATUS_OF: Final = Query(status_of, JobIdParams, StatusRow)
+#: Every job column (their names differ by model: read by name), then ``result`` and
+#: ``in_history``; see :func:`found_record`.
+RECORD: Final[Query[JobIdParams, tuple[Any, ...]]] = Query(record, JobIdParams)
+TRY_LOCK: Final = Query(try_lock, LockKeyParams, TryLockRow)
+SET_LOCK_TIMEOUT: Final = Query(set_lock_timeout, ValueParams, SetConfigRow)
+DATABASE_NOW: Final = Query(database_now, NoParams, NowRow)
+UTC: Final = Query(utc, NoParams, SetConfigRow)
+PARTITIONS: Final = Query(partitions, PartitionsParams, PartitionRow)
+DEFAULT_ROWS_BETWEEN: Final = Query(default_rows_between, BoundsParams, ExistsRow)
+#: ``day_partition=``: the detached partition-to-be the rows move into.
+MOVE_OUT_OF_DEFAULT: Final = Query(move_out_of_default, BoundsParams, IdRow)
+DELETE_DEFAULT_BEFORE: Final = Query(delete_default_before, CutoffParams, IdRow)
+
+
+class FoundRecord(NamedTuple):
+    """Job's full row as :data:`RECORD` finds it: every job column by name, its result and
+    whether it is in the history."""
+
+    values: dict[str, Any]
+    result: Any
+    in_history: bool
+
+
+def found_record(executor: Executor, table: Table, job_id: int) -> FoundRecord | None:
+    """Job ``job_id``'s row wherever it is (:data:`RECORD`), in ``executor``'s transaction;
+    None when it is in neither table."""
+    row = RECORD.result(executor, table, {"job_id": job_id}).mappings().first()
+    if row is None:
+        return None
+    return FoundRecord(
+        values={c.name: row[c.name] for c in table.columns},
+        result=row[RESULT_COLUMN],
+        in_history=bool(row["in_history"]),
     )
