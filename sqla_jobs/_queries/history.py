@@ -10,12 +10,13 @@ whatever crashes when.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any, Final, NamedTuple, TypedDict
 
 from sqlalchemy import (
     BigInteger,
     ColumnElement,
+    Connection,
     Insert,
     Integer,
     Select,
@@ -41,9 +42,20 @@ from sqla_jobs._queries._sql import FenceParams, _fenced_by_key, _fences, _lit, 
 from sqla_jobs._queries.outcomes import JobIdParams
 from sqla_jobs._queries.rows import CompleteRow
 from sqla_jobs._queries.run import Executor, NoParams, Query
-from sqla_jobs.ddl import qualified_name
+from sqla_jobs.ddl import executable, qualified_name
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus
-from sqla_jobs.schema.history import PARTITION_KEY, RESULT_COLUMN, history_names, history_table
+from sqla_jobs.schema.history import (
+    PARTITION_KEY,
+    RESULT_COLUMN,
+    attach_partition,
+    create_detached_partition,
+    create_partition,
+    day_bounds,
+    drop_partition,
+    history_names,
+    history_table,
+    hold_inserts,
+)
 
 __all__ = [
     "COMPLETE",
@@ -82,13 +94,18 @@ __all__ = [
     "database_now",
     "default_rows_between",
     "delete_default_before",
+    "drop_day_partition",
     "found_record",
+    "hold_maintenance_lock",
+    "make_day_partition",
     "move_finished",
     "move_out_of_default",
+    "partition_rows",
     "partitions",
     "record",
     "retry",
     "set_lock_timeout",
+    "statement_time",
     "status_of",
     "sweep",
     "sweep_window",
@@ -515,3 +532,64 @@ def found_record(executor: Executor, table: Table, job_id: int) -> FoundRecord |
         result=row[RESULT_COLUMN],
         in_history=bool(row["in_history"]),
     )
+
+
+# -- the maintenance's operations: several statements of one transaction, the caller's ------
+
+
+def statement_time(executor: Executor) -> datetime:
+    """The database's clock (:data:`DATABASE_NOW`), in ``executor``'s transaction."""
+    row = DATABASE_NOW.one(executor, None, {})
+    assert row is not None  # a SELECT without FROM returns its one row
+    return row.statement_timestamp
+
+
+def partition_rows(executor: Executor, table: Table) -> list[PartitionRow]:
+    """The partitions of ``table``'s history (:data:`PARTITIONS`), their bounds printed in
+    UTC: :data:`UTC` first sets the time zone for the rest of ``executor``'s transaction."""
+    names = history_names(table.name, table.schema)
+    UTC.result(executor, None, {})
+    return PARTITIONS.rows(executor, None, {"history": qualified_name(names.table, table.schema)})
+
+
+def hold_maintenance_lock(connection: Connection, table: Table, lock_timeout: float) -> bool:
+    """Set ``lock_timeout`` (seconds) for the rest of ``connection``'s transaction
+    (:data:`SET_LOCK_TIMEOUT`), then try for ``table``'s history's maintenance lock
+    (:data:`TRY_LOCK`): whether the transaction now holds it. The caller began the
+    transaction, and its end releases the lock; never waits."""
+    SET_LOCK_TIMEOUT.result(connection, None, {"value": f"{int(lock_timeout * 1000)}ms"})
+    key = history_names(table.name, table.schema).lock_key
+    row = TRY_LOCK.one(connection, None, {"lock_key": key})
+    return row is not None and bool(row.pg_try_advisory_xact_lock)
+
+
+def make_day_partition(connection: Connection, table: Table, day: date) -> int:
+    """Create ``day``'s partition of ``table``'s history in ``connection``'s transaction (the
+    caller's, which holds the maintenance lock: :func:`hold_maintenance_lock`); returns how
+    many rows of that day moved into it from the ``DEFAULT`` partition.
+
+    Inserts into the history are held first (:func:`~sqla_jobs.schema.history.hold_inserts`),
+    so that no row of the day can reach ``DEFAULT`` after the look for one
+    (:data:`DEFAULT_ROWS_BETWEEN`). With none there, the partition is created attached;
+    otherwise (PostgreSQL refuses a partition whose rows sit in the ``DEFAULT`` one) it is
+    built beside the history, the rows move in (:data:`MOVE_OUT_OF_DEFAULT`), and it is
+    attached: all in this transaction, so in the order written."""
+    schema = table.schema
+    start, end = day_bounds(day)
+    bounds: BoundsParams = {"start": start, "end": end}
+    connection.execute(executable(hold_inserts(table.name, schema)))
+    crowded = DEFAULT_ROWS_BETWEEN.one(connection, table, bounds)
+    if crowded is None or not crowded.exists:
+        connection.execute(executable(create_partition(table.name, day, schema)))
+        return 0
+    connection.execute(executable(create_detached_partition(table.name, day, schema)))
+    name = history_names(table.name, schema).partition(day)
+    moved = MOVE_OUT_OF_DEFAULT.rows(connection, table, bounds, day_partition=name)
+    connection.execute(executable(attach_partition(table.name, day, schema)))
+    return len(moved)
+
+
+def drop_day_partition(connection: Connection, table: Table, name: str) -> None:
+    """Drop the history partition ``name`` of ``table``'s schema (``DROP TABLE IF EXISTS``),
+    in ``connection``'s transaction (the caller's, which holds the maintenance lock)."""
+    connection.execute(executable(drop_partition(name, table.schema)))

@@ -37,23 +37,21 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
 from sqla_jobs import validation
-from sqla_jobs._queries import history as statements
-from sqla_jobs.ddl import executable, qualified_name
+from sqla_jobs._queries.history import (
+    DELETE_DEFAULT_BEFORE,
+    SWEEP,
+    SWEEP_WINDOW,
+    drop_day_partition,
+    found_record,
+    hold_maintenance_lock,
+    make_day_partition,
+    partition_rows,
+    statement_time,
+)
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.events import describe
 from sqla_jobs.schema import JobMixin, JobResultMixin
-from sqla_jobs.schema.history import (
-    RESULT_COLUMN,
-    attach_partition,
-    create_detached_partition,
-    create_partition,
-    day_bounds,
-    drop_partition,
-    has_history,
-    history_names,
-    hold_inserts,
-    partition_day,
-)
+from sqla_jobs.schema.history import has_history, history_names, partition_day
 
 __all__ = [
     "DEFAULT_DAYS_AHEAD",
@@ -157,23 +155,18 @@ def _check_timeout(value: object) -> float:
 
 
 def _parse(value: str) -> datetime:
-    # Printed in UTC (statements.utc): '2026-01-31 00:00:00+00'.
+    # Printed in UTC (sqla_jobs._queries.history.UTC): '2026-01-31 00:00:00+00'.
     return datetime.fromisoformat(value.replace("+00", "+00:00")).astimezone(timezone.utc)
 
 
 def _partitions(connection: Connection, table: Table) -> list[Partition]:
-    n = history_names(table.name, table.schema)
-    connection.execute(statements.utc())
-    rows = connection.execute(
-        statements.partitions(), {"history": qualified_name(n.table, table.schema)}
-    )
     found = []
-    for name, bound in rows:
-        match = _BOUND.search(bound or "")
+    for row in partition_rows(connection, table):
+        match = _BOUND.search(row.bound or "")
         if match is None:
-            found.append(Partition(name, None, None))
+            found.append(Partition(row.name, None, None))
         else:
-            found.append(Partition(name, _parse(match.group(1)), _parse(match.group(2))))
+            found.append(Partition(row.name, _parse(match.group(1)), _parse(match.group(2))))
     return found
 
 
@@ -193,13 +186,9 @@ def _locked(
     """Run ``work`` in a transaction of its own that holds the history's maintenance lock,
     with ``lock_timeout``. ``(False, None)`` when another run holds the lock or the wait for
     a table lock timed out (nothing changed then)."""
-    key = history_names(table.name, table.schema).lock_key
     try:
         with engine.begin() as connection:
-            connection.execute(
-                statements.set_lock_timeout(), {"value": f"{int(lock_timeout * 1000)}ms"}
-            )
-            if not connection.execute(statements.try_lock(), {"lock_key": key}).scalar_one():
+            if not hold_maintenance_lock(connection, table, lock_timeout):
                 return False, None
             return True, work(connection)
     except OperationalError as exc:
@@ -210,8 +199,7 @@ def _locked(
 
 def _today(engine: Engine) -> date:
     with engine.connect() as connection:
-        now: datetime = connection.execute(statements.database_now()).scalar_one()
-    return partition_day(now)
+        return partition_day(statement_time(connection))
 
 
 def create_partitions(
@@ -247,23 +235,9 @@ def create_partitions(
         if name in existing:
             continue
 
-        def make(connection: Connection, day: date = day, name: str = name) -> int:
-            bounds = dict(zip(("start", "end"), day_bounds(day), strict=True))
-            # First, so that no row of the day can reach DEFAULT after the look below.
-            connection.execute(executable(hold_inserts(table.name, table.schema)))
-            crowded = statements.default_rows_between(table)
-            if not connection.execute(crowded, bounds).scalar_one():
-                connection.execute(executable(create_partition(table.name, day, table.schema)))
-                return 0
-            # Jobs of that day finished before its partition existed: PostgreSQL refuses a
-            # partition whose rows sit in the DEFAULT one, so build it beside the history,
-            # move them in, then attach it; all in this transaction.
-            schema = table.schema
-            connection.execute(executable(create_detached_partition(table.name, day, schema)))
-            moved = connection.execute(statements.move_out_of_default(table, name), bounds)
-            count = len(moved.all())
-            connection.execute(executable(attach_partition(table.name, day, schema)))
-            return count
+        def make(connection: Connection, day: date = day) -> int:
+            # Rows of the day that sit in DEFAULT move into the new partition.
+            return make_day_partition(connection, table, day)
 
         try:
             done, moved = _locked(engine, table, timeout, make)
@@ -313,26 +287,28 @@ def drop_partitions(
     timeout = _check_timeout(lock_timeout)
     report = report or MaintenanceReport()
     with engine.connect() as connection:
-        now: datetime = connection.execute(statements.database_now()).scalar_one()
+        now = statement_time(connection)
         found = _partitions(connection, table)
     cutoff = now - keep
     for partition in found:
         if partition.end is None or partition.end > cutoff:
             continue
-        sql = drop_partition(partition.name, table.schema)
 
-        def drop(connection: Connection, sql: str = sql) -> None:
-            connection.execute(executable(sql))
+        def drop(connection: Connection, name: str = partition.name) -> None:
+            drop_day_partition(connection, table, name)
 
         done, _ = _locked(engine, table, timeout, drop)
         if done:
             report.dropped.append(partition.name)
         else:
             report.skipped.append(f"drop {partition.name}")
-    params = {"cutoff": cutoff, "limit": batch_size}
     while True:
         with engine.begin() as connection:
-            deleted = len(connection.execute(statements.delete_default_before(table), params).all())
+            deleted = len(
+                DELETE_DEFAULT_BEFORE.rows(
+                    connection, table, {"cutoff": cutoff, "limit": batch_size}
+                )
+            )
         report.default_rows_deleted += deleted
         if deleted < batch_size:
             break
@@ -367,14 +343,13 @@ def move_finished(
     windows = 0
     while max_windows is None or windows < max_windows:
         with engine.begin() as connection:
-            upto = connection.execute(
-                statements.sweep_window(table), {"after": after, "scan": scan}
-            ).scalar_one()
+            window = SWEEP_WINDOW.one(connection, table, {"after": after, "scan": scan})
+            upto = None if window is None else window.max
             if upto is None:
                 break
-            rows = connection.execute(
-                statements.sweep(table, results), {"after": after, "upto": upto}
-            ).all()
+            rows = SWEEP.rows(
+                connection, table, {"after": after, "upto": upto}, result_table=results
+            )
         moved += len(rows)
         after = upto
         windows += 1
@@ -415,8 +390,7 @@ def job_record(
     Reads in the caller's transaction."""
     table = _history_model(model)
     validation.check_job_id("job_id", job_id)
-    row = session.execute(statements.record(table), {"job_id": job_id}).mappings().first()
-    if row is None:
+    found = found_record(session, table, job_id)
+    if found is None:
         return None
-    values = {c.name: row[c.name] for c in table.columns}
-    return JobRecord(values=values, result=row[RESULT_COLUMN], in_history=bool(row["in_history"]))
+    return JobRecord(values=found.values, result=found.result, in_history=found.in_history)
