@@ -19,7 +19,9 @@ Batches of grants arrive as one array per primary-key column plus ``:fences`` an
 
 from __future__ import annotations
 
-from typing import Any, Final
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Final, NamedTuple, TypedDict
 
 from sqlalchemy import (
     BigInteger,
@@ -39,7 +41,24 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.dml import ReturningUpdate
 
-__all__ = ["acquire", "key_params", "lock", "release", "renew"]
+from sqla_jobs._queries.run import Executor, built
+
+__all__ = [
+    "AcquireParams",
+    "Grant",
+    "GrantRow",
+    "LeaseQueryError",
+    "LeaseRow",
+    "acquire",
+    "acquired",
+    "key_params",
+    "lock",
+    "locked",
+    "release",
+    "released",
+    "renew",
+    "renewed",
+]
 
 _SECOND: Final[ColumnElement[Any]] = literal_column("interval '1 second'")
 _ONE: Final[ColumnElement[int]] = literal_column("1", BigInteger)
@@ -214,3 +233,128 @@ def lock(table: Table) -> Select[Any]:
         .order_by(*primary_key)
         .with_for_update(of=table)
     )
+
+
+# -- running them: the caller's transaction, typed grants in, rows by name out --------------
+#
+# Not Query constants: a lease table's primary key is the user's (its columns' names, types and
+# number differ by model), so the bind names (``key_0``, ...) and the returned columns are
+# the table's; and :func:`acquire` is built anew for each ``where`` and ``order_by`` (caching
+# a statement per expression would keep every one ever passed). These functions take and
+# return the same fixed shapes instead, and check each statement's returned columns the
+# first time they run it on a table.
+
+
+class AcquireParams(TypedDict):
+    """An acquire's bind parameters (:func:`acquire`)."""
+
+    limit: int
+    holder: str
+    duration_seconds: float
+
+
+class Grant(NamedTuple):
+    """One grant as renew, release and lock match it: the row's primary key (its values in
+    the table's primary-key order), its ``lease_fence`` and its holder."""
+
+    key: tuple[Any, ...]
+    fence: int
+    holder: str
+
+
+class LeaseRow(NamedTuple):
+    """A grant as :func:`acquire`, :func:`renew` and :func:`release` return it: the primary
+    key, ``lease_fence``, ``lease_holder``, ``lease_expires_at``."""
+
+    key: tuple[Any, ...]
+    fence: int
+    holder: str | None
+    expires_at: datetime
+
+
+class GrantRow(NamedTuple):
+    """A grant :func:`lock` locked: the primary key and ``lease_fence``."""
+
+    key: tuple[Any, ...]
+    fence: int
+
+
+#: The columns each statement returns after the primary key's.
+_LEASE_COLUMNS: Final = ("lease_fence", "lease_holder", "lease_expires_at")
+_GRANT_COLUMNS: Final = ("lease_fence",)
+_CHECKED: Final[set[tuple[Any, Table]]] = set()
+
+
+class LeaseQueryError(AssertionError):
+    """A lease statement that does not return the primary key then the columns its row
+    reads (a bug of the query layer, raised the first time it runs on a table)."""
+
+
+def _checked(statement: Any, builder: Any, table: Table, tail: tuple[str, ...]) -> Any:
+    if (builder, table) not in _CHECKED:
+        returned = tuple(column.name for column in statement.exported_columns)
+        expected = (*(column.name for column in table.primary_key.columns), *tail)
+        if returned != expected:
+            raise LeaseQueryError(
+                f"{builder.__qualname__} returns {list(returned)}, not {list(expected)}"
+            )
+        _CHECKED.add((builder, table))
+    return statement
+
+
+def _grant_params(table: Table, grants: Sequence[Grant]) -> dict[str, Any]:
+    """The bind parameters of :func:`_grants`: one array per primary-key column
+    (:func:`key_params`), ``fences`` and ``holders``."""
+    params: dict[str, Any] = {
+        name: [grant.key[index] for grant in grants] for index, name in enumerate(key_params(table))
+    }
+    params["fences"] = [grant.fence for grant in grants]
+    params["holders"] = [grant.holder for grant in grants]
+    return params
+
+
+def _lease_rows(table: Table, rows: Any) -> list[LeaseRow]:
+    width = len(table.primary_key.columns)
+    return [LeaseRow(tuple(row[:width]), *row[width:]) for row in rows]
+
+
+def acquired(
+    executor: Executor,
+    table: Table,
+    params: AcquireParams,
+    *,
+    where: ColumnElement[bool] | None,
+    order_by: tuple[ColumnElement[Any], ...],
+) -> list[LeaseRow]:
+    """Run :func:`acquire` in ``executor``'s transaction (the caller's: it begins and ends
+    it, and the grants exist once it commits); the leases granted, in ``order_by`` order."""
+    statement = _checked(
+        acquire(table, where=where, order_by=order_by), acquire, table, _LEASE_COLUMNS
+    )
+    return _lease_rows(table, executor.execute(statement, dict(params)))
+
+
+def renewed(
+    executor: Executor, table: Table, grants: Sequence[Grant], duration_seconds: float
+) -> list[LeaseRow]:
+    """Run :func:`renew` on ``grants`` in ``executor``'s transaction (the caller's); the
+    grants renewed."""
+    statement = _checked(built(renew, table), renew, table, _LEASE_COLUMNS)
+    params = _grant_params(table, grants) | {"duration_seconds": duration_seconds}
+    return _lease_rows(table, executor.execute(statement, params))
+
+
+def released(executor: Executor, table: Table, grants: Sequence[Grant]) -> list[LeaseRow]:
+    """Run :func:`release` on ``grants`` in ``executor``'s transaction (the caller's); the
+    grants released."""
+    statement = _checked(built(release, table), release, table, _LEASE_COLUMNS)
+    return _lease_rows(table, executor.execute(statement, _grant_params(table, grants)))
+
+
+def locked(executor: Executor, table: Table, grants: Sequence[Grant]) -> list[GrantRow]:
+    """Run :func:`lock` on ``grants`` in ``executor``'s transaction (the caller's, which
+    holds the row locks until it ends); the grants locked."""
+    statement = _checked(built(lock, table), lock, table, _GRANT_COLUMNS)
+    width = len(table.primary_key.columns)
+    rows = executor.execute(statement, _grant_params(table, grants))
+    return [GrantRow(tuple(row[:width]), row[width]) for row in rows]

@@ -36,8 +36,15 @@ from sqlalchemy.sql.selectable import SelectBase
 from sqlalchemy.types import NullType
 
 from sqla_jobs import validation
-from sqla_jobs._queries import leases as statements
-from sqla_jobs._queries.run import built
+from sqla_jobs._queries.leases import (
+    AcquireParams,
+    Grant,
+    LeaseRow,
+    acquired,
+    locked,
+    released,
+    renewed,
+)
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -273,34 +280,22 @@ def _name(model: object) -> str:
 # -- plumbing ---------------------------------------------------------------------------
 
 
-def _grant_params(table: Table, leases: Sequence[Lease]) -> dict[str, Any]:
+def _grants(table: Table, leases: Sequence[Lease]) -> list[Grant]:
     width = len(table.primary_key.columns)
-    keys = [_key(lease, width) for lease in leases]
-    params: dict[str, Any] = {
-        name: [key[index] for key in keys]
-        for index, name in enumerate(statements.key_params(table))
-    }
-    params["fences"] = [lease.fence for lease in leases]
-    params["holders"] = [lease.holder for lease in leases]
-    return params
+    return [Grant(_key(lease, width), lease.fence, lease.holder) for lease in leases]
 
 
-def _identity(table: Table, row: Sequence[Any]) -> tuple[tuple[Any, ...], int]:
-    # Every lease statement returns the primary key first, then lease_fence.
-    width = len(table.primary_key.columns)
-    return tuple(row[:width]), row[width]
-
-
-def _lost(table: Table, leases: Sequence[Lease], rows: Iterable[Sequence[Any]]) -> list[Lease]:
-    kept = {_identity(table, row) for row in rows}
+def _lost(table: Table, leases: Sequence[Lease], rows: Iterable[LeaseRow]) -> list[Lease]:
+    kept = {(row.key, row.fence) for row in rows}
     width = len(table.primary_key.columns)
     return [lease for lease in leases if (_key(lease, width), lease.fence) not in kept]
 
 
-def _lease(model: type[LeaseMixin], table: Table, row: Sequence[Any]) -> Lease:
+def _lease(model: type[LeaseMixin], table: Table, row: LeaseRow) -> Lease:
     width = len(table.primary_key.columns)
-    key = row[0] if width == 1 else tuple(row[:width])
-    return Lease(model, key, row[width], row[width + 1], row[width + 2])
+    key = row.key[0] if width == 1 else row.key
+    assert row.holder is not None  # an acquired grant names its holder
+    return Lease(model, key, row.fence, row.holder, row.expires_at)
 
 
 # -- the operations ---------------------------------------------------------------------
@@ -359,25 +354,23 @@ def acquire_leases(
     table = _lease_table(model)
     where_clause = _where(where, table, model)
     order = _order(order_by, table, model)
-    params: dict[str, Any] = {
+    params: AcquireParams = {
         "limit": _limit(limit),
         "holder": _holder(holder),
         "duration_seconds": _duration_seconds(duration),
     }
     if not isinstance(hold, bool):
         raise InvalidLeaseError("hold", f"must be True or False, not {hold!r}")
-    statement = statements.acquire(table, where=where_clause, order_by=order)
     if not hold:
-        rows = session.execute(statement, params).all()
+        rows = acquired(session, table, params, where=where_clause, order_by=order)
         return [_lease(model, table, row) for row in rows]
     engine = first_step_engine(session, model, call="acquire_leases(hold=True)", step="the grant")
     with engine.begin() as connection:
-        rows = connection.execute(statement, params).all()
+        rows = acquired(connection, table, params, where=where_clause, order_by=order)
     granted = [_lease(model, table, row) for row in rows]
     if not granted:
         return []
-    locked = session.execute(built(statements.lock, table), _grant_params(table, granted))
-    kept = {_identity(table, row) for row in locked}
+    kept = {(row.key, row.fence) for row in locked(session, table, _grants(table, granted))}
     width = len(table.primary_key.columns)
     return [lease for lease in granted if (_key(lease, width), lease.fence) in kept]
 
@@ -403,9 +396,7 @@ def renew_leases(
     table, batch = _batch(leases)
     if table is None:
         return []
-    params = _grant_params(table, batch) | {"duration_seconds": seconds}
-    rows = session.execute(built(statements.renew, table), params).all()
-    return _lost(table, batch, rows)
+    return _lost(table, batch, renewed(session, table, _grants(table, batch), seconds))
 
 
 def renew_lease(session: Executor, lease: Lease, *, duration: timedelta | float) -> Lease:
@@ -416,11 +407,10 @@ def renew_lease(session: Executor, lease: Lease, *, duration: timedelta | float)
     """
     seconds = _duration_seconds(duration)
     table, checked = _one(lease)
-    params = _grant_params(table, [checked]) | {"duration_seconds": seconds}
-    row = session.execute(built(statements.renew, table), params).first()
-    if row is None:
+    rows = renewed(session, table, _grants(table, [checked]), seconds)
+    if not rows:
         raise LeaseLostError(_lost_message(checked))
-    return checked._replace(expires_at=_lease(checked.model, table, row).expires_at)
+    return checked._replace(expires_at=rows[0].expires_at)
 
 
 def release_leases(session: Executor, leases: Sequence[Lease]) -> list[Lease]:
@@ -435,8 +425,7 @@ def release_leases(session: Executor, leases: Sequence[Lease]) -> list[Lease]:
     table, batch = _batch(leases)
     if table is None:
         return []
-    rows = session.execute(built(statements.release, table), _grant_params(table, batch))
-    return _lost(table, batch, rows.all())
+    return _lost(table, batch, released(session, table, _grants(table, batch)))
 
 
 def release_lease(session: Executor, lease: Lease) -> None:
@@ -451,8 +440,7 @@ def release_lease(session: Executor, lease: Lease) -> None:
             session.get_one(Seat, lease.key).sold_to = "cart-41"
     """
     table, checked = _one(lease)
-    rows = session.execute(built(statements.release, table), _grant_params(table, [checked]))
-    if rows.first() is None:
+    if not released(session, table, _grants(table, [checked])):
         raise LeaseLostError(_lost_message(checked))
 
 
