@@ -13,7 +13,7 @@ from sqlalchemy import (
 )
 
 from sqla_jobs import validation
-from sqla_jobs._queries import history as history_statements
+from sqla_jobs._queries import history as history_queries
 from sqla_jobs._queries._sql import LeaseFenceParams
 from sqla_jobs._queries.outcomes import (
     CANCEL_ATTEMPTS,
@@ -27,7 +27,7 @@ from sqla_jobs._queries.outcomes import (
     FailParams,
 )
 from sqla_jobs._queries.rows import COMPLETE_STATUS
-from sqla_jobs._queries.run import Executor, built, fetch, job_table_of, result_table_of
+from sqla_jobs._queries.run import Executor, job_table_of, result_table_of
 from sqla_jobs.errors import (
     InvalidJobError,
     JobCancelledError,
@@ -234,10 +234,15 @@ def _complete_into_history(
             validation.check_json("result", value)
             if value is not None:  # None: no result (SQL null), as a worker stores none
                 values[f"{job.id}:{job.attempt}"] = value
-    params = _fence_params(jobs) | {"results": _encode(values) if values else "{}"}
+    fences = _fence_params(jobs)
+    params: history_queries.CompleteParams = {
+        "fence_ids": fences["fence_ids"],
+        "fence_attempts": fences["fence_attempts"],
+        "results": _encode(values) if values else "{}",
+    }
     done: set[tuple[int, int]] = set()
     cancelled: set[tuple[int, int]] = set()
-    for row in fetch(session, history_statements.complete, table, params, held=held):
+    for row in history_queries.COMPLETE.tuples(session, table, params, held=held):
         status = row[COMPLETE_STATUS]
         (cancelled if status == JobStatus.CANCELLED.value else done).add((row[0], row[1]))
     ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
@@ -309,7 +314,7 @@ def fail(
         )
     if row.status == JobStatus.DEAD.value and has_history(job.model):
         # Dead: into the history, in the same transaction as the failure.
-        session.execute(built(history_statements.move_finished, table), {"job_id": job.id})
+        history_queries.MOVE_FINISHED.result(session, table, {"job_id": job.id})
     return FailOutcome(job_id=row.id, status=JobStatus(row.status), run_at=row.run_at)
 
 
