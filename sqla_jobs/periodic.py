@@ -49,9 +49,14 @@ from cronsim import CronSim, CronSimError
 from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
-from sqla_jobs import _queries as statements
 from sqla_jobs import validation
-from sqla_jobs._queries.run import built, job_table_of
+from sqla_jobs._queries.run import job_table_of
+from sqla_jobs._queries.schedules import (
+    SCHEDULE_ADVANCE,
+    SCHEDULE_CREATE,
+    ScheduleParams,
+    database_clock,
+)
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, ScheduleError
 from sqla_jobs.queue import MAX_UNIQUE_KEY_LENGTH, Enqueued, enqueue_unique_many
 from sqla_jobs.schema import JobMixin, ScheduleMixin
@@ -236,8 +241,8 @@ def enqueue_due(
     except OverflowError:
         raise InvalidJobError("now", f"is out of range: {now.isoformat()}") from None
     values = _job_values(model, task, schedule, slot, job)
-    params = {"schedule_name": task, "slot": slot, "horizon": horizon}
-    if session.execute(built(statements.schedule_create, table), params).first():
+    params: ScheduleParams = {"schedule_name": task, "slot": slot, "horizon": horizon}
+    if SCHEDULE_CREATE.one(session, table, params) is not None:
         logger.info(
             "periodic task %s: schedule started at slot %s, the next slot runs",
             task,
@@ -245,10 +250,10 @@ def enqueue_due(
             extra={"action": "schedule_started", "task": task, "slot": slot.isoformat()},
         )
         return None
-    moved = session.execute(built(statements.schedule_advance, table), params).first()
+    moved = SCHEDULE_ADVANCE.one(session, table, params)
     if moved is None:
         return None
-    recorded: datetime = moved.recorded
+    recorded = moved.recorded
     if recorded > slot:
         logger.warning(
             "periodic task %s: its recorded slot %s is ahead of the database's clock (%s), "
@@ -327,8 +332,7 @@ def _job_values(
 
 def database_now(session: Session) -> datetime:
     """The database's clock (``statement_timestamp()``)."""
-    now: datetime = session.execute(statements.database_now()).scalar_one()
-    return now
+    return database_clock(session)
 
 
 def _schedule_table(model: object) -> Table:
