@@ -11,21 +11,32 @@ from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.errors import EmbeddedPostgresError
 
 
-def test_server_is_postgresql_18(embedded_server: EmbeddedPostgres) -> None:
-    assert embedded_server.version == 18
-    engine = sa.create_engine(embedded_server.url(), poolclass=sa.NullPool)
+def _settings(server: EmbeddedPostgres) -> tuple[str, dict[str, str]]:
+    engine = sa.create_engine(server.url(), poolclass=sa.NullPool)
     with engine.connect() as conn:
         version = conn.execute(sa.text("SELECT version()")).scalar_one()
         rows = conn.execute(
             sa.text(
-                "SELECT name, setting FROM pg_settings"
-                " WHERE name IN ('fsync', 'max_connections', 'listen_addresses')"
+                "SELECT name, setting FROM pg_settings WHERE name IN"
+                " ('fsync', 'full_page_writes', 'max_connections', 'listen_addresses')"
             )
         )
         settings = {str(name): str(setting) for name, setting in rows}
     engine.dispose()
+    return str(version), settings
+
+
+def test_server_is_postgresql_18(embedded_server: EmbeddedPostgres) -> None:
+    assert embedded_server.version == 18
+    version, settings = _settings(embedded_server)
     assert version.startswith("PostgreSQL 18.")
-    assert settings == {"fsync": "on", "max_connections": "200", "listen_addresses": "127.0.0.1"}
+    # The suite's server: settings given to the constructor win (conftest.pg_server).
+    assert settings == {
+        "fsync": "off",
+        "full_page_writes": "off",
+        "max_connections": "200",
+        "listen_addresses": "127.0.0.1",
+    }
 
 
 def test_url_shape(embedded_server: EmbeddedPostgres) -> None:
@@ -83,6 +94,13 @@ def test_stop_deletes_data_dir() -> None:
         data_dir = server.data_dir
         assert data_dir is not None
         assert (data_dir / "PG_VERSION").read_text().strip() == "18"
+        # By default as durable as PostgreSQL's own defaults.
+        assert _settings(server)[1] == {
+            "fsync": "on",
+            "full_page_writes": "on",
+            "max_connections": "200",
+            "listen_addresses": "127.0.0.1",
+        }
     assert not server.running
     assert not data_dir.exists()
     server.stop()  # idempotent
