@@ -635,3 +635,33 @@ def test_partitions_are_made_under_a_load_of_completions_and_none_is_refused(
     assert len(rows) == 630
     assert {row.attempts for row in rows} == {1}
     assert {row.part for row in rows} == {NAMES.partition(today)}
+
+
+def test_each_history_query_matches_its_statement() -> None:
+    # Every Query of the history (the hot path's COMPLETE and MOVE_FINISHED included, which
+    # queue/outcomes.py and queue/admin.py run) checks its record and row against its
+    # statement when first built, in each variant the library builds.
+    import inspect
+
+    from sqla_jobs._queries.run import Query, QueryDefinitionError
+
+    table: sa.Table = ArchiveJob.__table__  # type: ignore[assignment]
+    sqla_jobs.history.history_table(ArchiveJob)  # the table the moves insert into
+    variants: dict[Any, list[dict[str, Any]]] = {
+        history_sql.COMPLETE: [{}, {"held": True}],
+        history_sql.SWEEP: [{"result_table": None}],
+        history_sql.MOVE_OUT_OF_DEFAULT: [{"day_partition": NAMES.partition(date(2026, 1, 1))}],
+    }
+    queries = [value for value in vars(history_sql).values() if isinstance(value, Query)]
+    built = [
+        query.statement(
+            table if "table" in inspect.signature(query.builder).parameters else None, **options
+        )
+        for query in queries
+        for options in variants.get(query, [{}])
+    ]
+    assert len(queries) == 15
+    assert len(built) == 16
+    # A record that misses a bind fails the same check.
+    with pytest.raises(QueryDefinitionError, match=r"takes \['job_id'\]"):
+        Query(history_sql.status_of, history_sql.SweepParams).statement(table)

@@ -767,3 +767,21 @@ def test_docs_migration_block_runs(fresh_database: FreshDatabase) -> None:
         assert "lease_fence" not in {c["name"] for c in sa.inspect(engine).get_columns("seats")}
     finally:
         engine.dispose()
+
+
+def test_a_lease_statement_returning_other_columns_fails_when_first_run() -> None:
+    # The layer reads each lease statement's row as the primary key then the lease columns;
+    # a statement that returns anything else fails the first time it runs on a table, not
+    # as a value read from the wrong place.
+    from sqla_jobs._queries import leases as statements
+
+    table: sa.Table = Seat.__table__  # type: ignore[assignment]
+
+    def key_only(table: sa.Table) -> sa.Select[Any]:
+        return sa.select(*table.primary_key.columns)
+
+    expected = r"returns \['id'\], not \['id', 'lease_fence'\]"
+    with pytest.raises(statements.LeaseQueryError, match=expected):
+        statements._checked(key_only(table), key_only, table, ("lease_fence",))
+    lock = statements.lock(table)
+    assert statements._checked(lock, statements.lock, table, ("lease_fence",)) is lock
