@@ -24,7 +24,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from sqla_jobs import _queries as statements
+from sqla_jobs._queries.admin import OLDEST_XMIN, STATEMENT_TIMEOUT, TABLE_STATS
+from sqla_jobs._queries.history import DATABASE_NOW
 from sqla_jobs.errors import InvalidThresholdError
 from sqla_jobs.events import describe
 from sqla_jobs.queue import Executor, queue_stats
@@ -170,16 +171,16 @@ def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
         elif stat.status is JobStatus.DEAD:
             queue["dead"] = stat.count
     table = model.__table__  # type: ignore[attr-defined]
-    row = session.execute(statements.table_stats(table)).one()
+    (row,) = TABLE_STATS.rows(session, table, {})
     holders: dict[str, XminHolder] = {}
-    for holder in session.execute(statements.oldest_xmin()):
+    for holder in OLDEST_XMIN.rows(session, None, {}):
         holders[holder.measure] = XminHolder(
             kind=holder.kind,
             holder=holder.holder,
             age_seconds=_float(holder.age_seconds),
             age_xids=_int(holder.age_xids),
         )
-    taken_at = session.execute(statements.database_now()).scalar_one()
+    (now,) = DATABASE_NOW.rows(session, None, {})
     return Gauges(
         queues=tuple(QueueGauges(**counts[name]) for name in sorted(counts)),
         table=TableGauges(
@@ -196,7 +197,7 @@ def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
         ),
         oldest_xmin=holders.get("seconds"),
         oldest_xmin_by_xids=holders.get("xids"),
-        taken_at=taken_at,
+        taken_at=now.statement_timestamp,
     )
 
 
@@ -386,7 +387,7 @@ class GaugeCache:
         try:
             with self.engine.connect() as connection, connection.begin():
                 millis = max(1, round(self.timeout * 1000))
-                connection.execute(statements.statement_timeout(), {"timeout": f"{millis}ms"})
+                STATEMENT_TIMEOUT.one(connection, None, {"timeout": f"{millis}ms"})
                 gauges = read_gauges(connection, self.model)
         except Exception as exc:
             with self._lock:

@@ -3,14 +3,21 @@ vacuum, queue and table statistics, LISTEN, settings (see :mod:`sqla_jobs._queri
 
 from __future__ import annotations
 
-from typing import Any, Final, NamedTuple
+import functools
+from datetime import datetime
+from decimal import Decimal
+from typing import Any, Final, NamedTuple, TypedDict
 
+import psycopg
+from psycopg.rows import tuple_row
 from sqlalchemy import (
     DDL,
     BigInteger,
     Boolean,
     ColumnElement,
+    Connection,
     Delete,
+    Dialect,
     Float,
     Integer,
     Select,
@@ -31,6 +38,7 @@ from sqlalchemy import (
     union_all,
 )
 from sqlalchemy import table as catalog_table
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from sqla_jobs._queries._sql import (
     _ONE,
@@ -61,6 +69,19 @@ def status_of(table: Table) -> Select[Any]:
     return select(table.c.status).where(table.c.id == bindparam("job_id", type_=BigInteger))
 
 
+class JobIdParams(TypedDict):
+    """One job, by its id."""
+
+    job_id: int
+
+
+class StatusRow(NamedTuple):
+    status: str
+
+
+STATUS_OF: Final = Query(status_of, JobIdParams, StatusRow)
+
+
 def prune(table: Table) -> Delete:
     """Delete up to ``:limit`` finished jobs whose ``finished_at`` is older than
     ``:older_than_seconds``, oldest ids first.
@@ -82,6 +103,17 @@ def prune(table: Table) -> Delete:
     return delete(table).where(table.c.id.in_(doomed))
 
 
+class PruneParams(TypedDict):
+    """Up to ``limit`` finished jobs older than ``older_than_seconds`` (:func:`prune`)."""
+
+    older_than_seconds: float
+    limit: int
+
+
+#: Returns no rows: its ``result(...).rowcount`` is how many jobs it deleted.
+PRUNE: Final[Query[PruneParams, tuple[()]]] = Query(prune, PruneParams)
+
+
 def dead_rows(table: Table) -> Select[Any]:
     """How many dead row versions the table holds, as PostgreSQL's cumulative statistics
     count them (``pg_stat_get_dead_tuples``, reset by each vacuum of the table): one number,
@@ -96,6 +128,13 @@ def dead_rows(table: Table) -> Select[Any]:
         bindparam("dead_rows_table", qualified_name(table.name, table.schema), type_=Text)
     )
     return select(func.coalesce(func.pg_stat_get_dead_tuples(relation), literal_column("0")))
+
+
+class DeadRowsRow(NamedTuple):
+    dead_rows: int
+
+
+DEAD_ROWS: Final = Query(dead_rows, NoParams, DeadRowsRow)
 
 
 def vacuum(table: Table) -> DDL:
@@ -115,6 +154,14 @@ def vacuum(table: Table) -> DDL:
     return executable(
         f"VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) {qualified_name(table.name, table.schema)}"
     )
+
+
+def run_vacuum(connection: Connection, table: Table) -> None:
+    """Run :func:`vacuum` of ``table`` on ``connection``, which must be in autocommit mode
+    (VACUUM cannot run in a transaction): the caller owns it (:func:`sqla_jobs.vacuum` opens
+    one of its own and gives it back to the pool). DDL, so not a :class:`Query`: it binds
+    nothing and returns no rows."""
+    connection.execute(vacuum(table))
 
 
 def queue_stats(table: Table, *, history: Table | None = None) -> Any:
@@ -209,6 +256,21 @@ def queue_stats(table: Table, *, history: Table | None = None) -> Any:
     )
 
 
+class QueueStatsRow(NamedTuple):
+    """One queue and status of :func:`queue_stats`."""
+
+    queue: str
+    status: str
+    total: int
+    runnable: int
+    oldest_runnable_seconds: Decimal | None
+    expired: int
+
+
+#: ``history=``: the history table whose dead jobs count too.
+QUEUE_STATS: Final = Query(queue_stats, NoParams, QueueStatsRow)
+
+
 def table_stats(table: Table) -> Select[Any]:
     """The job table's size and vacuum state, from PostgreSQL's statistics and catalog
     (no read of the table): ``live_tuples``, ``dead_tuples`` (cumulative statistics, as
@@ -249,6 +311,23 @@ def table_stats(table: Table) -> Select[Any]:
         func.pg_relation_size(regclass("stats_dead", n.dead_index)).label("dead_index_bytes"),
         func.extract("epoch", _now() - last_vacuum).label("vacuum_age_seconds"),
     )
+
+
+class TableStatsRow(NamedTuple):
+    """The one row of :func:`table_stats` (NULLs when the table does not exist)."""
+
+    live_tuples: int | None
+    dead_tuples: int | None
+    estimated_rows: int | None
+    table_bytes: int | None
+    indexes_bytes: int | None
+    pending_index_bytes: int | None
+    running_index_bytes: int | None
+    dead_index_bytes: int | None
+    vacuum_age_seconds: Decimal | None
+
+
+TABLE_STATS: Final = Query(table_stats, NoParams, TableStatsRow)
 
 
 def oldest_xmin() -> TextClause:
@@ -298,6 +377,19 @@ def oldest_xmin() -> TextClause:
     )
 
 
+class XminRow(NamedTuple):
+    """A holder of the oldest snapshot by one ``measure`` (:func:`oldest_xmin`)."""
+
+    measure: str
+    kind: str
+    holder: str
+    age_seconds: Decimal | None
+    age_xids: int | None
+
+
+OLDEST_XMIN: Final = Query(oldest_xmin, NoParams, XminRow)
+
+
 def statement_timeout() -> Select[Any]:
     """``set_config('statement_timeout', :timeout, true)``: a limit for the rest of the
     transaction (``:timeout`` as text, such as ``'2000ms'``), for reads that must not hang
@@ -309,6 +401,21 @@ def statement_timeout() -> Select[Any]:
             literal_column("true", Boolean),
         )
     )
+
+
+class TimeoutParams(TypedDict):
+    """A ``statement_timeout`` as text, such as ``"2000ms"`` (:func:`statement_timeout`)."""
+
+    timeout: str
+
+
+class SetConfigRow(NamedTuple):
+    """The setting's new value."""
+
+    set_config: str
+
+
+STATEMENT_TIMEOUT: Final = Query(statement_timeout, TimeoutParams, SetConfigRow)
 
 
 # -- worker runtime and command line -------------------------------------------------------
@@ -323,6 +430,13 @@ def listen(table: Table) -> str:
     """
     channel = names(table.name).channel
     return 'LISTEN "{}"'.format(channel.replace('"', '""'))
+
+
+def listen_on(connection: psycopg.Connection[Any], table: Table) -> None:
+    """Run :func:`listen` on ``connection``, a psycopg connection in autocommit mode that its
+    caller owns and keeps open (the listener's own, detached from the pool): LISTEN is
+    session state, and in autocommit it takes effect at once."""
+    connection.execute(listen(table))
 
 
 _PG_TRIGGER: Final = catalog_table(
@@ -389,9 +503,30 @@ def wakeup_trigger_exists(table: Table) -> Select[Any]:
     )
 
 
+class ExistsRow(NamedTuple):
+    exists: bool
+
+
+WAKEUP_TRIGGER_EXISTS: Final = Query(wakeup_trigger_exists, NoParams, ExistsRow)
+
+
 def ping() -> Select[Any]:
     """``SELECT 1``: a listener's check that its idle connection is still alive."""
     return select(_ONE)
+
+
+@functools.cache
+def _psycopg_sql(builder: Any) -> str:
+    # A statement run on a psycopg connection itself (no SQLAlchemy connection around it),
+    # compiled once as the psycopg dialect compiles it.
+    dialect: Dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+    return str(builder().compile(dialect=dialect))
+
+
+def ping_on(connection: psycopg.Connection[Any]) -> None:
+    """Run :func:`ping` on ``connection``, a psycopg connection its caller owns (the
+    listener's own, in autocommit mode): raises when the connection is gone."""
+    connection.execute(_psycopg_sql(ping))
 
 
 #: The settings the worker gives the connections it keeps (see :func:`set_setting`).
@@ -410,12 +545,28 @@ def set_setting(*, local: bool) -> Select[Any]:
     )
 
 
+class SettingParams(TypedDict):
+    """A setting's name (one of :data:`WORKER_SETTINGS`, or ``plan_cache_mode``) and its
+    value as text (:func:`set_setting`)."""
+
+    name: str
+    value: str
+
+
+#: ``local=``: for the rest of the transaction (True) or of the session (False).
+SET_SETTING: Final = Query(set_setting, SettingParams, SetConfigRow)
+
+
 def reset_setting(name: str) -> TextClause:
     """``RESET <name>``: back to the server's (or role's) default for the session. ``name``
     is one of :data:`WORKER_SETTINGS` (an identifier, so not a bind parameter)."""
     if name not in WORKER_SETTINGS:
         raise ValueError(f"not a setting the worker manages: {name!r}")
     return text(f"RESET {name}")
+
+
+#: ``name=``: the setting to reset. Returns no rows.
+RESET_SETTING: Final[Query[NoParams, tuple[()]]] = Query(reset_setting, NoParams)
 
 
 def terminate_transactions() -> Select[Any]:
@@ -448,6 +599,23 @@ def terminate_transactions() -> Select[Any]:
     )
 
 
+class TerminateParams(TypedDict):
+    """Backends' pids and their transactions' starts in epoch seconds, each comma-separated
+    and in the same order (:func:`terminate_transactions`)."""
+
+    pids: str
+    xact_starts: str
+
+
+class TerminatedRow(NamedTuple):
+    """A backend :func:`terminate_transactions` ended (whether the signal was sent)."""
+
+    pg_terminate_backend: bool
+
+
+TERMINATE_TRANSACTIONS: Final = Query(terminate_transactions, TerminateParams, TerminatedRow)
+
+
 def table_valued_activity() -> Any:
     """``pg_stat_activity`` (the columns the worker reads), as a selectable."""
     return func.pg_stat_get_activity(null()).table_valued("pid", "xact_start").alias("activity")
@@ -457,6 +625,26 @@ def backend_transaction() -> Select[Any]:
     """``pg_backend_pid(), extract(epoch from transaction_timestamp())``: which backend
     and which of its transactions this is (see :func:`terminate_transactions`)."""
     return select(func.pg_backend_pid(), func.extract("epoch", func.transaction_timestamp()))
+
+
+class BackendTransactionRow(NamedTuple):
+    """This backend's pid, and its transaction's start in epoch seconds."""
+
+    pid: int
+    xact_start: Decimal
+
+
+BACKEND_TRANSACTION: Final = Query(backend_transaction, NoParams, BackendTransactionRow)
+
+
+def driver_backend_pid(connection: psycopg.Connection[Any]) -> int | None:
+    """The pid of the backend that runs :func:`backend_transaction` on ``connection``, a
+    psycopg connection (no SQLAlchemy connection around it, as at a pool's ``connect``),
+    whose row factory may be any. It runs in the connection's current transaction, or
+    begins one that its caller ends: the caller owns the connection."""
+    with connection.cursor(row_factory=tuple_row) as cursor:
+        row = cursor.execute(_psycopg_sql(backend_transaction)).fetchone()
+    return None if row is None else int(row[0])
 
 
 def dead_jobs(table: Table, *, history: Table | None = None) -> Select[Any]:
@@ -494,6 +682,27 @@ def dead_jobs(table: Table, *, history: Table | None = None) -> Select[Any]:
     )
 
 
+class LimitParams(TypedDict):
+    """At most ``limit`` rows."""
+
+    limit: int
+
+
+class DeadJobRow(NamedTuple):
+    """A dead job of :func:`dead_jobs`."""
+
+    id: int
+    queue: str
+    task: str
+    attempts: int
+    finished_at: datetime | None
+    last_error: str | None
+
+
+#: ``history=``: the history table whose dead jobs are listed too.
+DEAD_JOBS: Final = Query(dead_jobs, LimitParams, DeadJobRow)
+
+
 # to_regclass takes no lock on the table: the check does not queue behind the ALTER TABLE of
 # an upgrade. Indexes that a failed CREATE INDEX CONCURRENTLY left invalid do not count.
 _LAYOUT: Final = """
@@ -521,3 +730,46 @@ def table_layout(table: Table) -> TextClause:
     do."""
     name = qualified_name(table.name, table.schema)
     return text(_LAYOUT).bindparams(bindparam("layout_table", name, type_=Text))
+
+
+class LayoutRow(NamedTuple):
+    """The job table's column names and valid index names (:func:`table_layout`)."""
+
+    columns: list[str]
+    indexes: list[str]
+
+
+TABLE_LAYOUT: Final = Query(table_layout, NoParams, LayoutRow)
+
+
+def may_keep_partitions() -> TextClause:
+    """Whether this role may make and drop partitions of the history table ``:history`` (its
+    qualified name): ``role, owner, acts_as_owner, may_create``. PostgreSQL allows partition
+    DDL to its owner, or a role that has the owner's privileges (a member that inherits
+    them), with CREATE on its schema. One row, or none when the table does not exist (then
+    the maintenance itself says what is wrong). Reads the catalog; takes no lock."""
+    return text(
+        "SELECT current_user AS role, pg_get_userbyid(c.relowner) AS owner, "
+        "pg_has_role(c.relowner, 'USAGE') AS acts_as_owner, "
+        "has_schema_privilege(c.relnamespace, 'CREATE') AS may_create "
+        "FROM pg_class c WHERE c.oid = to_regclass(:history)"
+    )
+
+
+class HistoryNameParams(TypedDict):
+    """A history table's qualified name."""
+
+    history: str
+
+
+class PartitionPrivilegesRow(NamedTuple):
+    """What :func:`may_keep_partitions` found: this role, the history table's owner, whether
+    this role acts as the owner and whether it may create tables in the table's schema."""
+
+    role: str
+    owner: str
+    acts_as_owner: bool
+    may_create: bool
+
+
+MAY_KEEP_PARTITIONS: Final = Query(may_keep_partitions, HistoryNameParams, PartitionPrivilegesRow)

@@ -8,8 +8,8 @@ from typing import Final
 
 from sqlalchemy.orm import Session
 
-from sqla_jobs import _queries as statements
 from sqla_jobs import health, queue
+from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
 from sqla_jobs.cli.database import database_url, make_engine
 from sqla_jobs.cli.display import _age, _bytes, _last_line
 from sqla_jobs.cli.loading import load_model
@@ -23,7 +23,7 @@ def _read_gauges(
     try:
         with Session(engine) as session, session.begin():
             timeout = f"{max(1, round(args.timeout * 1000))}ms"
-            session.execute(statements.statement_timeout(), {"timeout": timeout})
+            STATEMENT_TIMEOUT.one(session, None, {"timeout": timeout})
             gauges = health.read_gauges(session, model)
             listed = queue.dead_jobs(session, model, limit=dead) if dead and gauges.dead else []
     finally:
