@@ -24,26 +24,17 @@ How the worker and the command line know they are behind a pooler: :func:`behind
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Final
 
-from psycopg.rows import tuple_row
 from sqlalchemy import Engine, event
-from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from sqla_jobs import _queries as statements
+from sqla_jobs._queries.admin import driver_backend_pid
 
 __all__ = ["POOLER_MODES", "behind_pooler", "unprepared_behind_pooler"]
 
 #: ``auto``: find out at connect (:func:`behind_pooler`); ``transaction``: a pooler in
 #: transaction mode is assumed; ``none``: a direct connection is assumed.
 POOLER_MODES: Final = ("auto", "transaction", "none")
-
-
-@functools.cache
-def _backend_sql() -> str:
-    dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
-    return str(statements.backend_transaction().compile(dialect=dialect))
 
 
 def behind_pooler(dbapi_connection: Any) -> bool:
@@ -60,9 +51,8 @@ def behind_pooler(dbapi_connection: Any) -> bool:
     told = getattr(getattr(dbapi_connection, "info", None), "backend_pid", None)
     if not isinstance(told, int):
         return False
-    with dbapi_connection.cursor(row_factory=tuple_row) as cursor:
-        row = cursor.execute(_backend_sql()).fetchone()
-    return row is not None and row[0] != told
+    pid = driver_backend_pid(dbapi_connection)
+    return pid is not None and pid != told
 
 
 def unprepared_behind_pooler(engine: Engine) -> None:

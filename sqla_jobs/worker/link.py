@@ -40,7 +40,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from sqla_jobs import _queries as statements
+from sqla_jobs._queries.admin import RESET_SETTING, SET_SETTING
 from sqla_jobs.events import describe
 from sqla_jobs.observer import NO_OBSERVER, Observer
 
@@ -104,8 +104,8 @@ class Link:
             try:
                 with connection.begin():
                     for name, value in self.settings.items():
-                        connection.execute(
-                            statements.set_setting(local=False), {"name": name, "value": value}
+                        SET_SETTING.one(
+                            connection, None, {"name": name, "value": value}, local=False
                         )
             except BaseException:
                 self.close()
@@ -125,8 +125,8 @@ class Link:
                 with connection.begin():
                     if self.pooled:
                         for name, value in self.settings.items():
-                            connection.execute(
-                                statements.set_setting(local=True), {"name": name, "value": value}
+                            SET_SETTING.one(
+                                connection, None, {"name": name, "value": value}, local=True
                             )
                     return work(connection)
             except DBAPIError as exc:
@@ -156,7 +156,7 @@ class Link:
                 if not self.pooled:
                     with connection.begin():
                         for name in self.settings:
-                            connection.execute(statements.reset_setting(name))
+                            RESET_SETTING.result(connection, None, {}, name=name)
             connection.close()
         except Exception as exc:  # a broken connection: the pool discards it
             logger.debug(

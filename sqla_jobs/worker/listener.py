@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from sqlalchemy import Engine, Table
 
-from sqla_jobs import _queries as statements
+from sqla_jobs._queries.admin import listen_on, ping_on
 from sqla_jobs.backoff import Backoff
 from sqla_jobs.events import describe
 from sqla_jobs.schema import names
@@ -98,9 +98,8 @@ class Notifier:
         name: str = "sqla-jobs-notifier",
     ) -> None:
         self.engine = engine
+        self.table = table
         self.channel = names(table.name).channel
-        self._listen_sql = statements.listen(table)
-        self._ping_sql = str(statements.ping().compile(engine))
         self.on_notify = on_notify
         self.on_connect = on_connect
         self.check_interval = check_interval
@@ -133,7 +132,7 @@ class Notifier:
         raw.detach()
         connection.rollback()
         connection.autocommit = True
-        connection.execute(self._listen_sql)
+        listen_on(connection, self.table)
         return connection
 
     def _close(self) -> None:
@@ -209,5 +208,5 @@ class Notifier:
             for notify in connection.notifies(timeout=0.5):
                 self.on_notify(notify.payload)
             if time.monotonic() - last_check >= self.check_interval:
-                connection.execute(self._ping_sql)
+                ping_on(connection)
                 last_check = time.monotonic()

@@ -96,7 +96,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from sqlalchemy.orm import Session, SessionTransaction
 
-from sqla_jobs import _queries as statements
+from sqla_jobs._queries.admin import BACKEND_TRANSACTION
 from sqla_jobs.context import ColumnLoader, JobContext
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
@@ -537,7 +537,8 @@ def _backend_pid(session: Session, *, ask: bool = False) -> int | None:
     # pooler it knows the pooler's stand-in instead: ask the server (the transaction stays
     # on one backend).
     if ask:
-        return int(session.execute(statements.backend_transaction()).one()[0])
+        (row,) = BACKEND_TRANSACTION.rows(session, None, {})
+        return row.pid
     driver: Any = session.connection().connection.driver_connection
     pid = getattr(getattr(driver, "info", None), "backend_pid", None)
     return pid if isinstance(pid, int) else None

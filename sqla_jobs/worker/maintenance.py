@@ -13,12 +13,12 @@ Partition DDL (create, drop) is PostgreSQL's to allow to the history table's own
 (``history_partitions=False``: it runs the mover only, and leaves the partitions to the
 owner's ``sqla-jobs history`` from cron), or finds out, once: before its first run it asks
 PostgreSQL whether its role acts as the history table's owner and may create tables in its
-schema (:data:`MAY_KEEP_PARTITIONS`), and a maintenance run refused for want of a privilege
-(SQLSTATE 42501: a partition owned by another role, say) counts the same. Either way it logs
-one warning with the action ``history_partitions_not_permitted``, naming the table, the
-owner and what to do, and from then until the worker restarts runs the mover only: DML that
-the worker's grants cover. Completions never need a partition (the ``DEFAULT`` one takes
-what no day partition does).
+schema (:func:`sqla_jobs._queries.admin.may_keep_partitions`), and a maintenance run refused
+for want of a privilege (SQLSTATE 42501: a partition owned by another role, say) counts the
+same. Either way it logs one warning with the action ``history_partitions_not_permitted``,
+naming the table, the owner and what to do, and from then until the worker restarts runs the
+mover only: DML that the worker's grants cover. Completions never need a partition (the
+``DEFAULT`` one takes what no day partition does).
 """
 
 from __future__ import annotations
@@ -27,30 +27,19 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Final
 
-from sqlalchemy import Engine, TextClause, text
+from sqlalchemy import Engine
 
+from sqla_jobs._queries.admin import MAY_KEEP_PARTITIONS
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.events import describe
 from sqla_jobs.history import MaintenanceReport, history_table, maintain, move_finished
 from sqla_jobs.history.maintenance import refused_privilege
 from sqla_jobs.schema import JobMixin, JobResultMixin
 
-__all__ = ["MAY_KEEP_PARTITIONS", "HistoryKeeper", "refused_privilege"]
+__all__ = ["HistoryKeeper", "refused_privilege"]
 
 logger = logging.getLogger("sqla_jobs.worker")
-
-#: Whether this role may make and drop partitions of the history table ``:history``:
-#: PostgreSQL allows partition DDL to its owner, or a role that has the owner's privileges
-#: (a member that inherits them), with CREATE on its schema. One row, or none when the
-#: table does not exist (then the maintenance itself says what is wrong).
-MAY_KEEP_PARTITIONS: Final[TextClause] = text(
-    "SELECT current_user AS role, pg_get_userbyid(c.relowner) AS owner, "
-    "pg_has_role(c.relowner, 'USAGE') AS acts_as_owner, "
-    "has_schema_privilege(c.relnamespace, 'CREATE') AS may_create "
-    "FROM pg_class c WHERE c.oid = to_regclass(:history)"
-)
 
 
 class HistoryKeeper:
@@ -132,9 +121,9 @@ class HistoryKeeper:
         """Before the first run: stop partition upkeep if this role may not do it."""
         history = history_table(self.model)
         with self.engine.connect() as connection:
-            found = connection.execute(
-                MAY_KEEP_PARTITIONS, {"history": qualified_name(history.name, history.schema)}
-            ).first()
+            found = MAY_KEEP_PARTITIONS.one(
+                connection, None, {"history": qualified_name(history.name, history.schema)}
+            )
         if found is None or (found.acts_as_owner and found.may_create):
             return
         missing = [] if found.acts_as_owner else [f"is not {found.owner}, its owner, nor a member"]
