@@ -13,11 +13,14 @@ the page says so.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from datetime import datetime
+from typing import Any, Final, NamedTuple, TypedDict
 
 from sqlalchemy import (
     BigInteger,
+    Connection,
     Integer,
+    RowMapping,
     Select,
     Table,
     Text,
@@ -28,14 +31,28 @@ from sqlalchemy import (
     select,
 )
 
+from sqla_jobs._queries.run import Query
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.schema import JobStatus
 
 __all__ = [
+    "JOB",
+    "JOB_PAGE",
     "LIST_COLUMNS",
     "MAX_ID",
+    "RECENT_THROUGHPUT",
+    "RESULT",
+    "WINDOW_FLOOR",
+    "BeforeParams",
+    "JobIdParams",
+    "JobListRow",
+    "JobPageParams",
+    "ResultRow",
+    "ThroughputRow",
+    "WindowFloorRow",
     "job",
     "job_page",
+    "job_record",
     "recent_throughput",
     "result",
     "window_floor",
@@ -106,6 +123,40 @@ def job_page(
     return statement.limit(literal_column(str(_count("limit", limit)), Integer))
 
 
+class BeforeParams(TypedDict):
+    """The keyset cursor: ids below ``before`` (:data:`MAX_ID` for the first page)."""
+
+    before: int
+
+
+class JobPageParams(BeforeParams, total=False):
+    """:class:`BeforeParams`, and the queue and task filters of a :func:`job_page` built with
+    ``queue=True`` or ``task=True``."""
+
+    queue: str
+    task: str
+
+
+class JobListRow(NamedTuple):
+    """A job of the list: the :data:`LIST_COLUMNS`. A time Python cannot hold is its text
+    (read under :func:`~sqla_jobs._queries.run.readable_values`)."""
+
+    id: int
+    queue: str
+    task: str
+    status: str
+    priority: int
+    attempts: int
+    max_attempts: int
+    run_at: datetime | str | None
+    created_at: datetime | str | None
+    finished_at: datetime | str | None
+
+
+#: Options: ``status``, ``queue``, ``task``, ``scan``, ``limit`` (see :func:`job_page`).
+JOB_PAGE: Final = Query(job_page, JobPageParams, JobListRow)
+
+
 def window_floor(table: Table, *, scan: int) -> Select[Any]:
     """The lowest id of the window below ``:before`` (the ``scan``-th id down), or no row
     when fewer jobs than that are left: the cursor of the next window. Reads only the
@@ -119,9 +170,33 @@ def window_floor(table: Table, *, scan: int) -> Select[Any]:
     )
 
 
+class WindowFloorRow(NamedTuple):
+    id: int
+
+
+#: Option: ``scan``.
+WINDOW_FLOOR: Final = Query(window_floor, BeforeParams, WindowFloorRow)
+
+
 def job(table: Table) -> Select[Any]:
     """Every column of job ``:job_id`` (no row when there is none). Uses the primary key."""
     return select(table).where(table.c.id == bindparam("job_id", type_=BigInteger))
+
+
+class JobIdParams(TypedDict):
+    """One job, by its id."""
+
+    job_id: int
+
+
+#: Every column of the table (their names differ by model: read by name, :func:`job_record`).
+JOB: Final[Query[JobIdParams, tuple[Any, ...]]] = Query(job, JobIdParams)
+
+
+def job_record(connection: Connection, table: Table, job_id: int) -> RowMapping | None:
+    """Every column of job ``job_id`` in ``table`` by name (:data:`JOB`), in ``connection``'s
+    transaction; None when there is none."""
+    return JOB.result(connection, table, {"job_id": job_id}).mappings().first()
 
 
 def result(result_table: Table) -> Select[Any]:
@@ -129,6 +204,16 @@ def result(result_table: Table) -> Select[Any]:
     return select(result_table.c.value, result_table.c.finished_at).where(
         result_table.c.job_id == bindparam("job_id", type_=BigInteger)
     )
+
+
+class ResultRow(NamedTuple):
+    """A stored result: its value and when it was stored."""
+
+    value: Any
+    finished_at: datetime | str | None
+
+
+RESULT: Final = Query(result, JobIdParams, ResultRow)
 
 
 def recent_throughput(table: Table, *, scan: int) -> Select[Any]:
@@ -159,3 +244,17 @@ def recent_throughput(table: Table, *, scan: int) -> Select[Any]:
         .group_by(window.c.queue)
         .order_by(window.c.queue)
     )
+
+
+class ThroughputRow(NamedTuple):
+    """One queue of :func:`recent_throughput`."""
+
+    queue: str
+    succeeded_5m: int
+    succeeded_1h: int
+    dead_1h: int
+    scanned: int
+
+
+#: Option: ``scan``.
+RECENT_THROUGHPUT: Final = Query(recent_throughput, BeforeParams, ThroughputRow)

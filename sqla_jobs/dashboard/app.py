@@ -47,13 +47,13 @@ from starlette.routing import Route
 
 from sqla_jobs import queue, validation
 from sqla_jobs._queries import dashboard as statements
+from sqla_jobs._queries.dashboard import RECENT_THROUGHPUT, RESULT
 from sqla_jobs.dashboard import access
 from sqla_jobs.dashboard.access import AUTH_COOKIE, CSRF_COOKIE, SESSION_LIFETIME, SESSION_MAX_AGE
 from sqla_jobs.dashboard.sources import (
     ListQuery,
     Page,
     TableSource,
-    built,
     find_job,
     read_page,
 )
@@ -425,9 +425,8 @@ class _Dashboard:
             recent = [
                 row
                 for source in self.sources
-                for row in connection.execute(
-                    built(statements.recent_throughput, source.table, scan=scan),
-                    {"before": statements.MAX_ID},
+                for row in RECENT_THROUGHPUT.rows(
+                    connection, source.table, {"before": statements.MAX_ID}, scan=scan
                 )
             ]
             return stats, recent
@@ -491,9 +490,7 @@ class _Dashboard:
             row = find_job(connection, self.sources, job_id)
             stored = None
             if result_table is not None:
-                stored = connection.execute(
-                    built(statements.result, result_table), {"job_id": job_id}
-                ).first()
+                stored = RESULT.one(connection, result_table, {"job_id": job_id})
             return row, stored
 
         row, stored = await self.run(read)

@@ -8,24 +8,23 @@ list and its cursor stay the same.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, RowMapping, Select, Table
+from sqlalchemy import Connection, RowMapping, Table
 
-from sqla_jobs._queries import dashboard as statements
+from sqla_jobs._queries.dashboard import JOB_PAGE, WINDOW_FLOOR, JobPageParams, job_record
 from sqla_jobs.queue import readable_values
 from sqla_jobs.schema import JobStatus
 
-__all__ = ["ListQuery", "Page", "TableSource", "built", "find_job", "read_page"]
+__all__ = ["ListQuery", "Page", "TableSource", "find_job", "read_page"]
 
 
 @dataclass(frozen=True)
 class ListQuery:
     """The job list's filters and cursor, checked (``before`` is an id, or
-    :data:`statements.MAX_ID` for the first page)."""
+    :data:`sqla_jobs._queries.dashboard.MAX_ID` for the first page)."""
 
     queue: str | None
     task: str | None
@@ -44,12 +43,6 @@ class Page:
     sparse: bool
 
 
-@functools.lru_cache(maxsize=256)
-def built(builder: Callable[..., Select[Any]], table: Table, **options: Any) -> Select[Any]:
-    # A statement depends only on the table and the options: build each one once.
-    return builder(table, **options)
-
-
 @dataclass(frozen=True)
 class TableSource:
     """Jobs in ``table`` (the job columns, ids growing with time), read in windows of
@@ -61,37 +54,30 @@ class TableSource:
     def window(self, connection: Connection, query: ListQuery, limit: int) -> tuple[list[Any], int]:
         """Up to ``limit`` matching jobs below the cursor, newest first, and the lowest id
         down to which they are all of this source's matches (0: none is left below)."""
-        statement = built(
-            statements.job_page,
+        params: JobPageParams = {"before": query.before}
+        if query.queue is not None:
+            params["queue"] = query.queue
+        if query.task is not None:
+            params["task"] = query.task
+        rows: list[Any] = JOB_PAGE.rows(
+            connection,
             self.table,
+            params,
             status=query.status,
             queue=query.queue is not None,
             task=query.task is not None,
             scan=self.scan,
             limit=limit,
         )
-        params: dict[str, Any] = {"before": query.before}
-        if query.queue is not None:
-            params["queue"] = query.queue
-        if query.task is not None:
-            params["task"] = query.task
-        rows = list(connection.execute(statement, params).all())
         if len(rows) == limit:
             return rows, rows[-1].id
         # Short: the window ran out. Every match down to its lowest id is here.
-        floor = connection.execute(
-            built(statements.window_floor, self.table, scan=self.scan),
-            {"before": query.before},
-        ).scalar()
-        return rows, 0 if floor is None else int(floor)
+        floor = WINDOW_FLOOR.one(connection, self.table, {"before": query.before}, scan=self.scan)
+        return rows, 0 if floor is None else int(floor.id)
 
     def job(self, connection: Connection, job_id: int) -> RowMapping | None:
         """Every column of job ``job_id``, or None."""
-        return (
-            connection.execute(built(statements.job, self.table), {"job_id": job_id})
-            .mappings()
-            .first()
-        )
+        return job_record(connection, self.table, job_id)
 
 
 def read_page(
