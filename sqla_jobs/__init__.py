@@ -57,11 +57,21 @@ from sqla_jobs.queue import (
     unique_key_of,
     vacuum,
 )
-from sqla_jobs.registry import Registry, Task
+from sqla_jobs.registry import Registry, Task, TaskOptions
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, ScheduleMixin, names
-from sqla_jobs.worker import Worker, WorkerHealth
+from sqla_jobs.worker import (
+    ClaimSettings,
+    MaintenanceSettings,
+    ObservabilitySettings,
+    SessionSettings,
+    TimingSettings,
+    Worker,
+    WorkerHealth,
+    WorkerOptions,
+)
 
 __all__ = [
+    "ClaimSettings",
     "ClaimedJob",
     "ConfigurationError",
     "DeadJob",
@@ -81,6 +91,8 @@ __all__ = [
     "Lease",
     "LeaseLostError",
     "LeaseMixin",
+    "MaintenanceSettings",
+    "ObservabilitySettings",
     "QueueStat",
     "Registry",
     "RetryPolicy",
@@ -88,11 +100,15 @@ __all__ = [
     "ScheduleError",
     "ScheduleMixin",
     "SchemaVersionError",
+    "SessionSettings",
     "SqlaJobsError",
     "Task",
+    "TaskOptions",
+    "TimingSettings",
     "UniqueJobError",
     "Worker",
     "WorkerHealth",
+    "WorkerOptions",
     "acquire_leases",
     "cancel",
     "claim",

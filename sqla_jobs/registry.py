@@ -38,6 +38,7 @@ The two modes:
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from types import MappingProxyType
@@ -47,6 +48,7 @@ from typing import (
     Generic,
     Literal,
     TypeAlias,
+    TypedDict,
     TypeVar,
     overload,
 )
@@ -69,6 +71,7 @@ from sqla_jobs.schema import (
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import Session
+    from typing_extensions import Unpack
 
 __all__ = [
     "DEFAULT_LEASE",
@@ -79,6 +82,7 @@ __all__ = [
     "Mode",
     "Registry",
     "Task",
+    "TaskOptions",
 ]
 
 Mode: TypeAlias = Literal["lease", "lock"]
@@ -86,6 +90,58 @@ Mode: TypeAlias = Literal["lease", "lock"]
 _R = TypeVar("_R")
 Handler: TypeAlias = Callable[["JobContext"], Any]
 """A task's function: ``def f(ctx: JobContext) -> Any`` or ``async def f(ctx) -> Any``."""
+
+
+class TaskOptions(TypedDict, total=False):
+    """A task's options, declared once: :meth:`Registry.task`, :meth:`Registry.add` and
+    :class:`Task` take them as keywords. Each left out, or None, takes the registry's
+    default (``Registry(default_queue=..., default_max_attempts=..., default_lease=...,
+    default_retry=..., default_mode=...)``); each is checked when the task is registered,
+    a bad one raising :class:`~sqla_jobs.errors.ConfigurationError`.
+
+    ``name``
+        The name its jobs carry (default: the function's ``__name__``).
+    ``queue``
+        The queue its jobs go to, unless :meth:`Task.job` says otherwise.
+    ``max_attempts``
+        How many attempts a job gets, in [1, :data:`~sqla_jobs.validation.MAX_ATTEMPTS_LIMIT`].
+    ``mode``
+        ``"lease"`` or ``"lock"`` (see :mod:`sqla_jobs.registry`).
+    ``lease``
+        How long an attempt holds its job between heartbeats (a ``timedelta`` or seconds).
+    ``retry``
+        The :class:`~sqla_jobs.RetryPolicy` of failed attempts.
+    ``priority``
+        Its jobs' priority (default 0; lower runs first), unless :meth:`Task.job` says
+        otherwise.
+    ``schedule``
+        A :class:`~sqla_jobs.Schedule` (``cron=`` or ``every=``) makes it a periodic task,
+        which every worker of the registry enqueues when a slot is due
+        (:mod:`sqla_jobs.periodic`); one that is not a Schedule, or a registry without a
+        ``schedule_model`` (unless it uses the default tables), raises
+        :class:`~sqla_jobs.errors.ScheduleError` (a ConfigurationError).
+    ``key_limit``
+        How many of its jobs with one ordering key may be in progress at once (stamped on
+        each job that has a key; without it, 1).
+    """
+
+    name: str | None
+    queue: str | None
+    max_attempts: int | None
+    mode: Mode | None
+    lease: timedelta | float | None
+    retry: RetryPolicy | None
+    priority: int | None
+    schedule: Schedule | None
+    key_limit: int | None
+
+
+def _check_option_names(options: Mapping[str, object]) -> None:
+    for option in options:
+        if option not in TaskOptions.__annotations__:
+            close = difflib.get_close_matches(option, TaskOptions.__annotations__, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigurationError(f"a task has no option {option!r}{hint}")
 
 
 def _duration(name: str, value: timedelta | float) -> timedelta:
@@ -107,29 +163,37 @@ class Task(Generic[_R]):
         self,
         registry: Registry,
         function: Callable[[JobContext], _R],
-        *,
-        name: str,
-        queue: str,
-        max_attempts: int,
-        mode: Mode,
-        lease: timedelta,
-        retry: RetryPolicy,
-        priority: int,
-        schedule: Schedule | None = None,
-        key_limit: int | None = None,
+        /,
+        **options: Unpack[TaskOptions],
     ) -> None:
+        # Each option's check, and its default (the registry's), here and only here.
+        _check_option_names(options)
+        if not callable(function):
+            raise ConfigurationError(f"a task must be a function, not {function!r}")
+        schedule = options.get("schedule")
+        if schedule is not None:
+            if not isinstance(schedule, Schedule):
+                raise ScheduleError(f"schedule must be a sqla_jobs.Schedule, not {schedule!r}")
+            registry.schedule_model  # noqa: B018 (raises now, not in the worker, if there is none)
+        lease = options.get("lease")
+        max_attempts = options.get("max_attempts")
+        priority = options.get("priority")
         self.registry = registry
         self.function = function
-        self.name = name
-        self.queue = queue
-        self.max_attempts = max_attempts
-        self.mode: Mode = mode
-        self.lease = lease
-        self.retry = retry
-        self.priority = priority
+        self.name = validation.check_name(
+            "name", options.get("name") or getattr(function, "__name__", "")
+        )
+        self.queue = validation.check_name("queue", options.get("queue") or registry.default_queue)
+        self.max_attempts = validation.check_max_attempts(
+            "max_attempts", registry.default_max_attempts if max_attempts is None else max_attempts
+        )
+        self.mode: Mode = _check_mode(options.get("mode") or registry.default_mode)
+        self.lease = registry.default_lease if lease is None else _duration("lease", lease)
+        self.retry = options.get("retry") or registry.default_retry
+        self.priority = validation.check_priority("priority", priority or 0)
         #: When the task runs by itself (a periodic task), or None.
         self.schedule = schedule
-        self.key_limit = key_limit
+        self.key_limit = _key_limit(options.get("key_limit"))
 
     def __call__(self, ctx: JobContext) -> _R:
         return self.function(ctx)
@@ -343,64 +407,27 @@ class Registry:
 
     @overload
     def task(
-        self,
-        function: None = None,
-        /,
-        *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        mode: Mode | None = None,
-        lease: timedelta | float | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        schedule: Schedule | None = None,
-        key_limit: int | None = None,
+        self, function: None = None, /, **options: Unpack[TaskOptions]
     ) -> Callable[[Callable[[JobContext], _R]], Task[_R]]: ...
 
     def task(
         self,
         function: Callable[[JobContext], Any] | None = None,
         /,
-        *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        mode: Mode | None = None,
-        lease: timedelta | float | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        schedule: Schedule | None = None,
-        key_limit: int | None = None,
+        **options: Unpack[TaskOptions],
     ) -> Task[Any] | Callable[[Callable[[JobContext], Any]], Task[Any]]:
         """Register a function or coroutine function as a task (a decorator).
 
         ``@registry.task`` or ``@registry.task(queue=..., max_attempts=..., mode="lock",
-        lease=30, retry=RetryPolicy(...), name=..., key_limit=3)``. ``key_limit`` is how
-        many of the task's jobs with one ordering key may be in progress at once (stamped on
-        each job that has a key; without it, 1). The name defaults to the function's
-        ``__name__``; a name registered twice raises
-        :class:`~sqla_jobs.errors.ConfigurationError`. ``schedule=Schedule(cron=...)``
-        (or ``every=...``) makes it a periodic task, which every worker of the registry
-        enqueues when a slot is due (:mod:`sqla_jobs.periodic`); a schedule that is not a
-        :class:`~sqla_jobs.Schedule`, or a registry without ``schedule_model`` (unless it
-        uses the default tables), raises :class:`~sqla_jobs.errors.ScheduleError` (a
-        :class:`~sqla_jobs.errors.ConfigurationError`).
+        lease=30, retry=RetryPolicy(...), name=..., key_limit=3)``: the options are
+        :class:`TaskOptions`, each defaulting to the registry's. A name registered twice
+        raises :class:`~sqla_jobs.errors.ConfigurationError`, and so does a bad option, or an
+        option no task has, before the function is registered.
         """
+        _check_option_names(options)
 
         def register(fn: Callable[[JobContext], Any]) -> Task[Any]:
-            return self.add(
-                fn,
-                name=name,
-                queue=queue,
-                max_attempts=max_attempts,
-                mode=mode,
-                lease=lease,
-                retry=retry,
-                priority=priority,
-                schedule=schedule,
-                key_limit=key_limit,
-            )
+            return self.add(fn, **options)
 
         if function is not None:
             return register(function)
@@ -409,43 +436,13 @@ class Registry:
     def add(
         self,
         function: Callable[[JobContext], Any] | Callable[[JobContext], Awaitable[Any]],
-        *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        mode: Mode | None = None,
-        lease: timedelta | float | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        schedule: Schedule | None = None,
-        key_limit: int | None = None,
+        **options: Unpack[TaskOptions],
     ) -> Task[Any]:
         """Register ``function`` as a task without the decorator syntax; see :meth:`task`."""
-        if not callable(function):
-            raise ConfigurationError(f"a task must be a function, not {function!r}")
-        if schedule is not None:
-            if not isinstance(schedule, Schedule):
-                raise ScheduleError(f"schedule must be a sqla_jobs.Schedule, not {schedule!r}")
-            self.schedule_model  # noqa: B018 (raises now, not in the worker, if there is none)
-        task_name = validation.check_name("name", name or getattr(function, "__name__", ""))
-        if task_name in self._tasks:
-            raise ConfigurationError(f"task {task_name!r} is already registered")
-        task: Task[Any] = Task(
-            self,
-            function,
-            name=task_name,
-            queue=validation.check_name("queue", queue or self.default_queue),
-            max_attempts=validation.check_max_attempts(
-                "max_attempts", self.default_max_attempts if max_attempts is None else max_attempts
-            ),
-            mode=_check_mode(mode or self.default_mode),
-            lease=self.default_lease if lease is None else _duration("lease", lease),
-            retry=retry or self.default_retry,
-            priority=validation.check_priority("priority", priority),
-            schedule=schedule,
-            key_limit=_key_limit(key_limit),
-        )
-        self._tasks[task_name] = task
+        task: Task[Any] = Task(self, function, **options)
+        if task.name in self._tasks:
+            raise ConfigurationError(f"task {task.name!r} is already registered")
+        self._tasks[task.name] = task
         return task
 
     def get(self, name: str) -> Task[Any] | None:

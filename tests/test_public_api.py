@@ -19,6 +19,7 @@ REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference"
 
 PUBLIC: dict[str, list[str]] = {
     "sqla_jobs": [
+        "ClaimSettings",
         "ClaimedJob",
         "ConfigurationError",
         "DeadJob",
@@ -38,6 +39,8 @@ PUBLIC: dict[str, list[str]] = {
         "Lease",
         "LeaseLostError",
         "LeaseMixin",
+        "MaintenanceSettings",
+        "ObservabilitySettings",
         "QueueStat",
         "Registry",
         "RetryPolicy",
@@ -45,11 +48,15 @@ PUBLIC: dict[str, list[str]] = {
         "ScheduleError",
         "ScheduleMixin",
         "SchemaVersionError",
+        "SessionSettings",
         "SqlaJobsError",
         "Task",
+        "TaskOptions",
+        "TimingSettings",
         "UniqueJobError",
         "Worker",
         "WorkerHealth",
+        "WorkerOptions",
         "acquire_leases",
         "cancel",
         "claim",

@@ -24,6 +24,7 @@ from sqla_jobs.cli.status import cmd_health, cmd_status
 from sqla_jobs.cli.tools import cmd_bench, cmd_demo
 from sqla_jobs.cli.worker import cmd_worker
 from sqla_jobs.pooler import POOLER_MODES
+from sqla_jobs.worker.settings import ClaimSettings, ObservabilitySettings, TimingSettings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,7 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("target", metavar="MODULE:REGISTRY", help="the task registry to run")
     worker.add_argument("--queues", help="comma-separated queues (default: the registry's)")
-    worker.add_argument("--concurrency", type=_positive_int, default=4, help="jobs at once")
+    worker.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        help=f"jobs at once (default {ClaimSettings.concurrency})",
+    )
     worker.add_argument("--batch-size", type=_positive_int, help="most jobs per claim")
     worker.add_argument(
         "--prefetch",
@@ -87,10 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="jobs claimed beyond the free slots (default: follows the handlers' rate; 0: none)",
     )
     worker.add_argument(
-        "--poll-interval", type=_seconds, default=1.0, help="poll period, e.g. 1s (default 1s)"
+        "--poll-interval",
+        type=_seconds,
+        help=f"poll period, e.g. 1s (default {ClaimSettings.poll_interval:g}s)",
     )
     worker.add_argument(
-        "--grace", type=_seconds, default=30.0, help="time for running jobs at shutdown (30s)"
+        "--grace",
+        type=_seconds,
+        help=f"time for running jobs at shutdown ({TimingSettings.grace:g}s)",
     )
     wakeups = worker.add_mutually_exclusive_group()
     wakeups.add_argument("--no-listen", action="store_true", help="poll only, no LISTEN/NOTIFY")
@@ -114,8 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--lock-timeout",
         type=_seconds,
-        default=5.0,
-        help="lock_timeout of the worker's own connections (5s)",
+        help=f"lock_timeout of the worker's own connections ({TimingSettings.lock_timeout:g}s)",
     )
     worker.add_argument(
         "--metrics-port",
@@ -125,9 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--metrics-host",
-        default="127.0.0.1",
         metavar="HOST",
-        help="address the metrics are served on (127.0.0.1; 0.0.0.0 for every interface)",
+        help=(
+            f"address the metrics are served on ({ObservabilitySettings.metrics_host}; "
+            "0.0.0.0 for every interface)"
+        ),
     )
     worker.add_argument(
         "--history-retention",

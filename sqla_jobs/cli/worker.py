@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from typing import Any
 
 from sqla_jobs.cli.arguments import _queue_list
 from sqla_jobs.cli.database import LISTEN_URL_VARIABLE, database_url, make_engine
@@ -12,13 +14,46 @@ from sqla_jobs.cli.loading import load_registry
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from sqla_jobs.worker import Worker
+    from sqla_jobs.worker.settings import (
+        ClaimSettings,
+        MaintenanceSettings,
+        ObservabilitySettings,
+        TimingSettings,
+    )
 
     registry = load_registry(args.target)
     url = database_url(args.database_url)
-    queues = _queue_list(args.queues) if args.queues else None
+    # An option left out is left out here too: its default is the setting's own.
+    timing = TimingSettings(
+        **_given(grace=args.grace, lock_timeout=args.lock_timeout),
+        synchronous_commit=not args.async_commit,
+    )
+    observability = ObservabilitySettings(
+        **_given(
+            name=args.name,
+            health_file=args.health_file,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+        )
+    )
+    maintenance = MaintenanceSettings(
+        history_retention=args.history_retention,
+        history_partitions=not args.no_history_partitions,
+    )
+    claiming = ClaimSettings(
+        queues=_queue_list(args.queues) if args.queues else None,
+        **_given(
+            concurrency=args.concurrency,
+            batch_size=args.batch_size,
+            prefetch=args.prefetch,
+            poll_interval=args.poll_interval,
+        ),
+        listen=not args.no_listen,
+        pooler=args.pooler,
+    )
     engine = make_engine(
         url,
-        pool_size=args.concurrency + 4,
+        pool_size=claiming.concurrency + 4,
         application_name="sqla-jobs worker",
         pooler=args.pooler,
     )
@@ -31,31 +66,24 @@ def cmd_worker(args: argparse.Namespace) -> int:
             application_name="sqla-jobs worker",
             pooler="none",
         )
+        claiming = dataclasses.replace(claiming, listen_engine=listen_engine)
     try:
         worker = Worker(
             registry,
             engine,
-            queues=queues,
-            concurrency=args.concurrency,
-            batch_size=args.batch_size,
-            prefetch=args.prefetch,
-            poll_interval=args.poll_interval,
-            grace=args.grace,
-            listen=not args.no_listen,
-            name=args.name,
-            health_file=args.health_file,
-            lock_timeout=args.lock_timeout,
-            synchronous_commit=not args.async_commit,
+            claiming=claiming,
+            timing=timing,
+            observability=observability,
+            maintenance=maintenance,
             handle_signals=True,
-            listen_engine=listen_engine,
-            pooler=args.pooler,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-            history_retention=args.history_retention,
-            history_partitions=not args.no_history_partitions,
         )
         return worker.run()
     finally:
         engine.dispose()
         if listen_engine is not None:
             listen_engine.dispose()
+
+
+def _given(**options: Any) -> dict[str, Any]:
+    """The options the command line was given (argparse leaves the others None)."""
+    return {name: value for name, value in options.items() if value is not None}

@@ -53,5 +53,22 @@ The events the worker logs are listed in :mod:`sqla_jobs.events`.
 """
 
 from sqla_jobs.worker.lifecycle import Worker, WorkerHealth
+from sqla_jobs.worker.settings import (
+    ClaimSettings,
+    MaintenanceSettings,
+    ObservabilitySettings,
+    SessionSettings,
+    TimingSettings,
+    WorkerOptions,
+)
 
-__all__ = ["Worker", "WorkerHealth"]
+__all__ = [
+    "ClaimSettings",
+    "MaintenanceSettings",
+    "ObservabilitySettings",
+    "SessionSettings",
+    "TimingSettings",
+    "Worker",
+    "WorkerHealth",
+    "WorkerOptions",
+]

@@ -33,8 +33,6 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
-from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
@@ -44,12 +42,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from sqla_jobs import _queries as statements
-from sqla_jobs import validation
 from sqla_jobs.backoff import Backoff
-from sqla_jobs.errors import ConfigurationError, InvalidJobError
+from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.observer import NO_OBSERVER, Observer
-from sqla_jobs.pooler import POOLER_MODES, behind_pooler
+from sqla_jobs.pooler import behind_pooler
 from sqla_jobs.queue import default_worker_name, vacuum
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema.history import has_history
@@ -63,18 +60,21 @@ from sqla_jobs.worker.roles import DatabaseWatch, Role
 from sqla_jobs.worker.runner import Runner
 from sqla_jobs.worker.scheduler import Scheduler
 from sqla_jobs.worker.settings import (
-    DEFAULT_BATCH_SIZE,
-    HISTORY_EVERY,
-    check_history_partitions,
-    check_metrics,
-    check_numbers,
+    ClaimSettings,
+    MaintenanceSettings,
+    ObservabilitySettings,
+    SessionSettings,
+    TimingSettings,
+    WorkerOptions,
+    WorkerSettings,
+    worker_settings,
 )
 from sqla_jobs.worker.state import Attempt, State
 from sqla_jobs.worker.table_version import check_table_version
 from sqla_jobs.worker.writer import OutcomeWriter
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncSession
+    from typing_extensions import Unpack
 
     from sqla_jobs.metrics import MetricsServer
 
@@ -94,7 +94,7 @@ _REFUSED_FOR_GOOD: Final = re.compile(
 
 
 class Worker:
-    """Runs the jobs of ``registry`` from ``queues`` (default: every queue it has tasks in).
+    """Runs the jobs of ``registry`` from its queues (default: every queue it has tasks in).
 
     ``engine`` must be a PostgreSQL engine (psycopg 3) whose pool holds at least
     ``concurrency + 3`` connections (one per lock-mode handler, the fetch loop, the outcome
@@ -102,6 +102,29 @@ class Worker:
     run at READ COMMITTED whatever the engine's isolation level, with ``lock_timeout``
     seconds as their ``lock_timeout``; after a server restart each is replaced at its first
     failure without an error logged.
+
+    Its settings come in five groups (:mod:`sqla_jobs.worker.settings`), each a frozen
+    dataclass whose fields carry their default, their limits and their check:
+
+    ``claiming`` (:class:`~sqla_jobs.ClaimSettings`)
+        ``queues``, ``concurrency``, ``batch_size``, ``prefetch``, ``poll_interval``,
+        ``listen``, ``listen_engine``, ``pooler``
+    ``timing`` (:class:`~sqla_jobs.TimingSettings`)
+        ``grace``, ``stuck_after``, ``lock_timeout``, ``synchronous_commit``
+    ``observability`` (:class:`~sqla_jobs.ObservabilitySettings`)
+        ``name``, ``health_file``, ``metrics_port``, ``metrics_host``, ``metrics_max_age``
+    ``sessions`` (:class:`~sqla_jobs.SessionSettings`)
+        ``session_factory``, ``async_session_factory``: the sessions of lock-mode handlers
+    ``maintenance`` (:class:`~sqla_jobs.MaintenanceSettings`)
+        ``scheduler``, ``history_retention``, ``history_every``, ``history_partitions``
+
+    Give a group whole (``claiming=ClaimSettings(queues=["email"], concurrency=8)``), or
+    any of its fields flat (``Worker(registry, engine, concurrency=8)``, typed by
+    :class:`~sqla_jobs.WorkerOptions`): either way the field's default and check apply, and
+    a bad value raises :class:`~sqla_jobs.errors.ConfigurationError` here, before the
+    worker touches the database. So does a setting no group has, a group given whole with
+    one of its fields also given flat, and a group that is not its class. The settings as
+    checked are :attr:`settings`.
 
     Run it in the foreground with :meth:`run` (the ``sqla-jobs worker`` command does):
     SIGTERM and SIGINT stop it gracefully, a second one at once. Or inside an application:
@@ -113,59 +136,28 @@ class Worker:
     thread install them, so a :meth:`run` off the main thread that would logs once that it
     does not (``signals_not_handled``).
 
-    ``session_factory`` (e.g. the application's ``sessionmaker``) makes the sessions of
-    lock-mode handlers, configured like the rest of the application (default: a plain
-    ``Session(engine)``); ``async_session_factory`` (an ``async_sessionmaker``) makes an
-    :class:`~sqlalchemy.ext.asyncio.AsyncSession` for lock-mode coroutine functions
-    (``ctx.async_session``).
-
     For a model with ``partitioned_history``, the worker keeps its history
     (:mod:`sqla_jobs.history`): at start and every ``history_every`` seconds it makes the
     day partitions a week ahead and moves finished jobs left in the job table into the
-    history, and with ``history_retention`` (a duration) drops the partitions older than
-    it. Every worker does it; runs of several never collide. Making and dropping partitions
-    is DDL that PostgreSQL allows to the history table's owner only: with
-    ``history_partitions=False`` the worker only moves finished jobs and leaves the
-    partitions (and retention) to the owner's ``sqla-jobs history``; a worker that finds its
-    role refused says so once and does the same until it restarts
+    history, and with ``history_retention`` drops the partitions older than it. Every
+    worker does it; runs of several never collide. A worker whose role PostgreSQL refuses
+    the partition DDL says so once and only moves finished jobs until it restarts, as
+    ``history_partitions=False`` asks from the start
     (:mod:`sqla_jobs.worker.maintenance`, docs/operations/privileges.md).
 
-    ``synchronous_commit=False`` lets the worker's own claim, outcome and heartbeat
-    transactions commit without waiting for the WAL flush (PostgreSQL's
-    ``synchronous_commit = off``): after a server crash the last few of them may be lost,
-    which only makes their jobs run again (docs/operations/deploying.md); lock-mode handler
-    transactions stay durable.
-
-    ``poll_interval`` is the longest time a runnable job waits for an idle worker when no
-    notification arrives (a delayed job starts within one interval of its ``run_at``);
-    ``batch_size`` caps one claim (default: 500, or ``concurrency`` if larger; a claim takes
-    no more jobs than there are free slots plus the prefetch); ``prefetch`` is how many jobs
-    the worker may claim beyond its free slots, to wait for a handler thread while the next
-    claim runs (default: as many as the handlers run in about two claim round trips, at most
-    ``batch_size``, following their rate; 0: none; see :mod:`sqla_jobs.worker.fetcher`);
-    ``grace`` is how long running jobs may finish after a stop is asked for;
-    ``listen=False`` turns LISTEN/NOTIFY off;
-    ``stuck_after`` is how long a stalled fetch loop, handler hand-off or outcome write may
-    last before :meth:`health` reports the worker unhealthy.
-
     Behind a connection pooler in transaction mode (PgBouncer), which ``pooler="auto"``
-    finds out at start (:func:`sqla_jobs.pooler.behind_pooler`) and ``"transaction"``
-    assumes, the worker keeps no session state: its connections set ``lock_timeout`` in
-    each transaction, and it LISTENs on ``listen_engine``, an engine with a direct
-    connection to the server, or, without one, finds new jobs by polling only. Such an
-    engine needs ``connect_args={"prepare_threshold": None}`` (the worker warns without).
-    ``pooler="none"`` keeps the direct behaviour whatever the engine goes through.
+    finds out at start and ``"transaction"`` assumes, the worker keeps no session state:
+    its connections set ``lock_timeout`` in each transaction, and it LISTENs on
+    ``listen_engine``, or, without one, finds new jobs by polling only. Such an engine
+    needs ``connect_args={"prepare_threshold": None}`` (the worker warns without).
 
-    ``metrics_port`` serves Prometheus metrics on ``metrics_host``:``metrics_port`` (0: any
-    free port; :attr:`metrics_address` says which) while the worker runs: its job counters
-    and histograms (:class:`sqla_jobs.metrics.WorkerMetrics`) and the health gauges of its
-    job table, read on scrape at most every ``metrics_max_age`` seconds. Needs the
-    ``metrics`` extra (``prometheus_client``). Without it (the default) the worker reports
-    its events to a no-op observer and imports nothing for metrics.
+    With a ``metrics_port``, the worker serves Prometheus metrics while it runs
+    (:attr:`metrics_address` says where): its job counters and histograms
+    (:class:`sqla_jobs.metrics.WorkerMetrics`) and the health gauges of its job table, read
+    on scrape at most every ``metrics_max_age`` seconds. Without one (the default) it
+    reports its events to a no-op observer and imports nothing for metrics.
     When the registry has periodic tasks (``schedule=``), the worker also enqueues their due
-    slots (the ``schedule`` role; :mod:`sqla_jobs.periodic`), whichever queues it serves:
-    every worker may, and the database lets exactly one enqueue each slot.
-    ``scheduler=False`` leaves that to the other workers.
+    slots (the ``schedule`` role; :mod:`sqla_jobs.periodic`) unless ``scheduler=False``.
     """
 
     def __init__(
@@ -173,30 +165,13 @@ class Worker:
         registry: Registry,
         engine: Engine,
         *,
-        queues: Iterable[str] | None = None,
-        concurrency: int = 4,
-        batch_size: int | None = None,
-        prefetch: int | None = None,
-        poll_interval: float = 1.0,
-        grace: float = 30.0,
-        listen: bool = True,
-        name: str | None = None,
-        stuck_after: float | None = None,
-        health_file: str | os.PathLike[str] | None = None,
+        claiming: ClaimSettings | None = None,
+        timing: TimingSettings | None = None,
+        observability: ObservabilitySettings | None = None,
+        sessions: SessionSettings | None = None,
+        maintenance: MaintenanceSettings | None = None,
         handle_signals: bool | None = None,
-        lock_timeout: float = 5.0,
-        session_factory: Callable[[], Session] | None = None,
-        async_session_factory: Callable[[], AsyncSession] | None = None,
-        synchronous_commit: bool = True,
-        listen_engine: Engine | None = None,
-        pooler: str = "auto",
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        metrics_max_age: float = 5.0,
-        scheduler: bool = True,
-        history_retention: timedelta | float | None = None,
-        history_every: float = HISTORY_EVERY,
-        history_partitions: bool = True,
+        **settings: Unpack[WorkerOptions],
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
@@ -207,72 +182,61 @@ class Worker:
                 "of their own on any driver, and async_session_factory gives lock-mode coroutines "
                 "one"
             )
-        check_numbers(
-            concurrency=concurrency,
-            batch_size=batch_size,
-            prefetch=prefetch,
-            poll_interval=poll_interval,
-            grace=grace,
-            lock_timeout=lock_timeout,
-            history_every=history_every,
+        if handle_signals is not None and not isinstance(handle_signals, bool):
+            raise ConfigurationError(
+                f"handle_signals must be True, False or None, not {handle_signals!r}"
+            )
+        groups = worker_settings(
+            {
+                "claiming": claiming,
+                "timing": timing,
+                "observability": observability,
+                "sessions": sessions,
+                "maintenance": maintenance,
+            },
+            settings,
         )
-        if pooler not in POOLER_MODES:
-            raise ConfigurationError(f"pooler must be one of {POOLER_MODES}, not {pooler!r}")
-        check_metrics(metrics_port, metrics_host, metrics_max_age)
-        self.metrics_port = metrics_port
-        self.metrics_host = metrics_host
-        self.metrics_max_age = metrics_max_age
+        #: The worker's settings, each group as given or built from the flat keywords, and
+        #: checked.
+        self.settings: WorkerSettings = groups
+        claim, times, seen, held, upkeep = groups
+        self.metrics_port = seen.metrics_port
+        self.metrics_host = seen.metrics_host
+        self.metrics_max_age = seen.metrics_max_age
         self._metrics_server: MetricsServer | None = None
         self._observer: Observer = NO_OBSERVER
-        self.history_retention = None
-        if history_retention is not None:
-            try:
-                self.history_retention = validation.check_duration(
-                    "history_retention", history_retention
-                )
-            except InvalidJobError as exc:
-                raise ConfigurationError(str(exc)) from exc
-        self.history_partitions = check_history_partitions(
-            history_partitions, self.history_retention
-        )
+        self.history_retention = upkeep.retention
+        self.history_partitions = upkeep.history_partitions
         self.history_keeper: HistoryKeeper | None = None
-        self.history_every = history_every
+        self.history_every = upkeep.history_every
         self.registry = registry
         self.engine = engine
-        self.listen_engine = listen_engine
-        self.pooler = pooler
-        self.pooled = pooler == "transaction"  # "auto": found out at start
+        self.listen_engine = claim.listen_engine
+        self.pooler = claim.pooler
+        self.pooled = claim.pooler == "transaction"  # "auto": found out at start
         self.model = registry.model
-        self.queues = [
-            validation.check_name("queues", queue)
-            for queue in dict.fromkeys(queues or registry.queues)
-        ]
+        self.queues = list(claim.queues or registry.queues)
         if not self.queues:
             raise ConfigurationError("a worker needs at least one queue")
-        self.concurrency = concurrency
-        # Default: DEFAULT_BATCH_SIZE, or the concurrency if larger. A claim takes more jobs
-        # than there are free slots only through the prefetch, which follows the handlers'
-        # rate: slow jobs are claimed for free slots as before, quick ones in large batches
-        # whatever the concurrency. Measured (issue 9, no-op drains of 20k jobs, interleaved
-        # with the plain loop): see docs/benchmarks.md.
-        self.batch_size = batch_size or max(concurrency, DEFAULT_BATCH_SIZE)
-        self.prefetch = prefetch
-        self.poll_interval = max(poll_interval, 0.01)
-        self.grace = grace
-        self.listen = listen
-        self.name = name or default_worker_name()
-        self.stuck_after = stuck_after or max(30.0, 3 * self.poll_interval)
-        self.health_file = Path(health_file) if health_file is not None else None
+        self.concurrency = claim.concurrency
+        self.batch_size = claim.largest_claim
+        self.prefetch = claim.prefetch
+        self.poll_interval = claim.poll_every
+        self.grace = times.grace
+        self.listen = claim.listen
+        self.name = seen.name or default_worker_name()
+        self.stuck_after = times.stall_limit(self.poll_interval)
+        self.health_file = Path(seen.health_file) if seen.health_file is not None else None
         self.handle_signals = handle_signals
-        self.lock_timeout = lock_timeout
-        self.synchronous_commit = synchronous_commit
+        self.lock_timeout = times.lock_timeout
+        self.synchronous_commit = times.synchronous_commit
         #: Whether this worker enqueues the due slots of the registry's periodic tasks.
-        self.scheduler = bool(scheduler) and bool(registry.periodic_tasks)
+        self.scheduler = upkeep.scheduler and bool(registry.periodic_tasks)
         self._schedule_sessions = functools.partial(Session, engine)
         self._table = self.model.__table__  # type: ignore[attr-defined]
         self._prefix = f"sqla-jobs-{self.name}"
 
-        self._state = State(concurrency)
+        self._state = State(self.concurrency)
         self._stopping = threading.Event()  # no more claims
         self._finished = threading.Event()  # the writer and the heartbeat end
         self._stop_requested = False
@@ -286,8 +250,8 @@ class Worker:
             registry,
             self.name,
             self._prefix,
-            session_factory=session_factory or functools.partial(Session, engine),
-            async_session_factory=async_session_factory,
+            session_factory=held.session_factory or functools.partial(Session, engine),
+            async_session_factory=held.async_session_factory,
         )
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
