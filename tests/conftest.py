@@ -39,6 +39,7 @@ Import helper modules of this folder by their bare name (``import models``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -47,6 +48,7 @@ import secrets
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -234,10 +236,17 @@ def fresh_database(server_url: str, pg_server: EmbeddedPostgres | None) -> Itera
         yield create
     finally:
         if pg_server is None:
-            with admin.connect() as conn:
-                for name in reversed(created):
-                    conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            # Several at once: each DROP DATABASE waits for a checkpoint, which concurrent
+            # drops share (20 databases: 6.1 s one by one on the server here, 1.0 s eight
+            # at a time), at the end of each test process.
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(functools.partial(_drop_database, admin), reversed(created)))
         admin.dispose()
+
+
+def _drop_database(admin: sa.Engine, name: str) -> None:
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture(scope="session")
