@@ -263,7 +263,7 @@ class QueueStatsRow(NamedTuple):
     status: str
     total: int
     runnable: int
-    oldest_runnable_seconds: Decimal | None
+    oldest_runnable_seconds: float | None
     expired: int
 
 
