@@ -8,7 +8,7 @@ scan), never how long it takes.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -30,7 +30,9 @@ def explain_statement(connection: sa.Connection, statement: sa.Executable) -> di
     return plan  # type: ignore[no-any-return]
 
 
-def explain_sql(cursor: Any, sql: str, params: dict[str, Any], *, generic: bool) -> dict[str, Any]:
+def explain_sql(
+    cursor: Any, sql: str, params: Mapping[str, Any], *, generic: bool
+) -> dict[str, Any]:
     """The plan of ``sql`` on a psycopg cursor, PREPAREd when ``generic`` (so that, under
     ``plan_cache_mode = force_generic_plan``, it is the generic plan)."""
     cursor.execute(EXPLAIN + sql, params, prepare=generic)
