@@ -58,21 +58,7 @@ OUTSIDE_THE_QUEUE = {
 #: Modules that still build or run statements on the queue's tables themselves: each moves
 #: into sqla_jobs._queries (the query-layer issue), and its entry goes.
 STILL_TO_MOVE = {
-    "cli/status.py",
-    "dashboard/app.py",
-    "dashboard/sources.py",
-    "health.py",
-    "history/maintenance.py",
-    "leasing/leases.py",
-    "periodic.py",
-    "pooler.py",
-    "queue/admin.py",
-    "queue/outcomes.py",
     "worker/lifecycle.py",
-    "worker/link.py",
-    "worker/listener.py",
-    "worker/locked.py",
-    "worker/maintenance.py",
 }
 
 

@@ -3,7 +3,7 @@ fail, heartbeat, release, retry, cancel, delete (see :mod:`sqla_jobs._queries`).
 
 from __future__ import annotations
 
-from typing import Any, Final, TypedDict
+from typing import Any, Final, NamedTuple, TypedDict
 
 from sqlalchemy import (
     BigInteger,
@@ -456,6 +456,21 @@ class JobIdParams(TypedDict):
     job_id: int
 
 
+class IdRow(NamedTuple):
+    """The job a statement changed."""
+
+    id: int
+
+
+class RequestedRow(NamedTuple):
+    """The running job whose cancel :func:`request_cancel` requested, its attempt, and the
+    notification it sent (``pg_notify``'s void)."""
+
+    id: int
+    attempts: int
+    pg_notify: Any = None
+
+
 LOCK: Final = Query(lock, FenceParams, LockRow)
 COMPLETE: Final = Query(complete, FenceParams, CompleteRow)
 COMPLETE_HELD: Final = Query(complete_held, FenceParams, FenceRow)
@@ -465,5 +480,10 @@ FAIL: Final = Query(fail, FailParams, FailRow)
 HEARTBEAT: Final = Query(heartbeat, LeaseFenceParams, FenceRow)
 RELEASE: Final = Query(release, FenceParams, FenceRow)
 CANCEL_ATTEMPTS: Final = Query(cancel_attempts, FenceParams, FenceRow)
+RETRY: Final = Query(retry, JobIdParams, IdRow)
+CANCEL: Final = Query(cancel, JobIdParams, IdRow)
+DELETE_JOB: Final = Query(delete_job, JobIdParams, IdRow)
+REQUEST_CANCEL: Final = Query(request_cancel, JobIdParams, RequestedRow)
+CANCEL_REQUESTS: Final = Query(cancel_requests, FenceParams, FenceRow)
 #: The job model's own columns of one job (their names differ by model: read by name).
 OWN_COLUMNS: Final[Query[JobIdParams, tuple[Any, ...]]] = Query(own_columns, JobIdParams)

@@ -4,26 +4,38 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from time import monotonic
-from typing import Any, cast
 
 from sqlalchemy import (
-    CursorResult,
     Engine,
-    Executable,
-    Table,
 )
 from sqlalchemy.exc import IntegrityError
 
-from sqla_jobs import _queries as statements
 from sqla_jobs import validation
-from sqla_jobs._queries import history as history_statements
-from sqla_jobs._queries.run import Executor, built, job_table_of
+from sqla_jobs._queries.admin import (
+    DEAD_JOBS,
+    DEAD_ROWS,
+    PRUNE,
+    QUEUE_STATS,
+    PruneParams,
+    run_vacuum,
+)
+from sqla_jobs._queries.outcomes import (
+    CANCEL,
+    CANCEL_ATTEMPTS,
+    CANCEL_REQUESTS,
+    DELETE_JOB,
+    REQUEST_CANCEL,
+    RETRY,
+    IdRow,
+    JobIdParams,
+)
+from sqla_jobs._queries.run import Executor, Query, job_table_of
+from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.errors import (
-    ConfigurationError,
     InvalidJobError,
     JobNotFoundError,
     JobStateError,
@@ -45,7 +57,6 @@ from sqla_jobs.schema import (
     JobStatus,
     names,
 )
-from sqla_jobs.schema.history import has_history, history_table
 
 logger = logging.getLogger(__name__)
 
@@ -57,27 +68,20 @@ def _admin(
     session: Executor,
     model: type[JobMixin],
     job_id: int,
-    builder: Callable[..., Executable],
+    query: Query[JobIdParams, IdRow],
     expected: str,
 ) -> None:
     validation.check_job_id("job_id", job_id)
-    table = job_table_of(model)
-    params = {"job_id": job_id}
-    history = has_history(model)
-    if session.execute(built(builder, table), params).first() is not None:
-        if history:  # a cancelled job moves into the history at once
-            session.execute(built(history_statements.move_finished, table), params)
+    tables = tables_of(model)
+    params: JobIdParams = {"job_id": job_id}
+    if query.one(session, tables.table, params) is not None:
+        if query is CANCEL:
+            tables.ended(session, job_id)
         return
-    # A finished job of a model with history is there: a retry moves it back, pending.
-    if (
-        history
-        and builder is statements.retry
-        and session.execute(built(history_statements.retry, table), params).first()
-    ):
+    # A finished job kept elsewhere (a model's history): a retry moves it back, pending.
+    if query is RETRY and tables.retry_ended(session, job_id):
         return
-    status = session.execute(built(statements.status_of, table), params).scalar()
-    if status is None and history:
-        status = session.execute(built(history_statements.status_of, table), params).scalar()
+    status = tables.status(session, job_id)
     if status is None:
         raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
     raise JobStateError(f"job {job_id} is {status}; only {expected} jobs can be changed so")
@@ -93,7 +97,7 @@ def retry(session: Executor, model: type[JobMixin], job_id: int) -> None:
     moves back into the job table (same id, ``attempts`` kept), in one statement."""
     try:
         with session.begin_nested():
-            _admin(session, model, job_id, statements.retry, "dead or cancelled")
+            _admin(session, model, job_id, RETRY, "dead or cancelled")
     except IntegrityError as exc:
         if names(job_table_of(model).name).unique_index not in str(exc.orig):
             raise
@@ -123,18 +127,14 @@ def cancel(session: Executor, model: type[JobMixin], job_id: int) -> JobStatus:
     already succeeded or is dead (use :func:`retry` first for a dead one).
     """
     validation.check_job_id("job_id", job_id)
-    table = job_table_of(model)
-    params = {"job_id": job_id}
-    history = has_history(model)
-    if session.execute(built(statements.cancel, table), params).first() is not None:
-        if history:  # a cancelled job moves into the history at once
-            session.execute(built(history_statements.move_finished, table), params)
+    tables = tables_of(model)
+    params: JobIdParams = {"job_id": job_id}
+    if CANCEL.one(session, tables.table, params) is not None:
+        tables.ended(session, job_id)  # into the history at once, for a model with one
         return JobStatus.CANCELLED
-    if session.execute(built(statements.request_cancel, table), params).first() is not None:
+    if REQUEST_CANCEL.one(session, tables.table, params) is not None:
         return JobStatus.RUNNING
-    status = session.execute(built(statements.status_of, table), params).scalar()
-    if status is None and history:
-        status = session.execute(built(history_statements.status_of, table), params).scalar()
+    status = tables.status(session, job_id)
     if status is None:
         raise JobNotFoundError(f"{model.__name__} has no job {job_id}")
     if status == JobStatus.CANCELLED.value:
@@ -149,7 +149,7 @@ def cancel_attempts(session: Executor, jobs: Sequence[ClaimedJob]) -> list[Claim
     if not jobs:
         return []
     table = job_table_of(_one_model(jobs))
-    rows = session.execute(built(statements.cancel_attempts, table), _fence_params(jobs))
+    rows = CANCEL_ATTEMPTS.tuples(session, table, _fence_params(jobs))
     return _lost(jobs, _fenced(rows))
 
 
@@ -159,8 +159,7 @@ def cancel_requests(session: Executor, jobs: Sequence[ClaimedJob]) -> list[Claim
     if not jobs:
         return []
     table = job_table_of(_one_model(jobs))
-    rows = session.execute(built(statements.cancel_requests, table), _fence_params(jobs))
-    asked = _fenced(rows)
+    asked = _fenced(CANCEL_REQUESTS.tuples(session, table, _fence_params(jobs)))
     return [job for job in jobs if (job.id, job.attempt) in asked]
 
 
@@ -170,7 +169,7 @@ def delete(session: Executor, model: type[JobMixin], job_id: int) -> None:
     the job is running (its attempt owns it until it ends). A stored result row of the job
     is kept (results are deliberately not tied to job rows; see :class:`JobResultMixin`).
     """
-    _admin(session, model, job_id, statements.delete_job, "pending or finished")
+    _admin(session, model, job_id, DELETE_JOB, "pending or finished")
 
 
 def prune(
@@ -192,17 +191,12 @@ def prune(
     A model with ``partitioned_history`` keeps no finished job here to delete: its history
     is pruned by dropping whole partitions, which :func:`sqla_jobs.history.drop_partitions`
     and ``sqla-jobs prune`` do; this raises :class:`ConfigurationError` for it."""
-    table = job_table_of(model)
-    if has_history(model):
-        raise ConfigurationError(
-            f"{model.__name__} keeps its finished jobs in a partitioned history: prune it "
-            "with sqla_jobs.history.drop_partitions(engine, model, older_than=...) or "
-            "sqla-jobs prune, which drop whole partitions"
-        )
+    tables = tables_of(model)
+    tables.check_prunable()
     _check_count("limit", limit, MAX_CLAIM_LIMIT * 100)
-    params = {"older_than_seconds": _seconds("older_than", older_than), "limit": limit}
-    result = cast(CursorResult[Any], session.execute(built(statements.prune, table), params))
-    return result.rowcount
+    seconds = _seconds("older_than", older_than)
+    params: PruneParams = {"older_than_seconds": seconds, "limit": limit}
+    return PRUNE.result(session, tables.table, params).rowcount
 
 
 def vacuum(engine: Engine, model: type[JobMixin], *, min_dead_rows: int = VACUUM_DEAD_ROWS) -> bool:
@@ -239,11 +233,12 @@ def vacuum(engine: Engine, model: type[JobMixin], *, min_dead_rows: int = VACUUM
     if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
         raise InvalidJobError("min_dead_rows", f"must be an integer >= 0, got {threshold!r}")
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        dead = connection.execute(built(statements.dead_rows, table)).scalar_one()
+        row = DEAD_ROWS.one(connection, table, {})
+        dead = 0 if row is None else row.dead_rows
         if dead < min_dead_rows:
             return False
         started = monotonic()
-        connection.execute(statements.vacuum(table))
+        run_vacuum(connection, table)
     seconds = monotonic() - started
     logger.info(
         "vacuumed %s (%d dead row versions) in %.2f s",
@@ -268,7 +263,7 @@ def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
     transaction. For the server-wide gauges (vacuum, table size) see
     :func:`sqla_jobs.health.read_gauges`.
     """
-    table = job_table_of(model)
+    tables = tables_of(model)
     return [
         QueueStat(
             queue=row.queue,
@@ -280,16 +275,10 @@ def queue_stats(session: Executor, model: type[JobMixin]) -> list[QueueStat]:
             runnable=int(row.runnable),
             expired_leases=int(row.expired),
         )
-        for row in session.execute(
-            built(statements.queue_stats, table, history=_dead_history(model, table))
-        )
+        # A model with partitioned_history keeps its dead jobs in its history table: they
+        # are read there too (from the history's dead index), other models pay nothing.
+        for row in QUEUE_STATS.rows(session, tables.table, {}, history=tables.history)
     ]
-
-
-def _dead_history(model: type[JobMixin], table: Table) -> Table | None:
-    # A model with partitioned_history keeps its dead jobs in its history table: health
-    # reads them there too (from the history's dead index), other models pay nothing.
-    return history_table(table) if has_history(model) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,12 +296,9 @@ class DeadJob:
 def dead_jobs(session: Executor, model: type[JobMixin], *, limit: int = 20) -> list[DeadJob]:
     """The ``limit`` most recently finished dead jobs, newest first, with their last error
     (for a model with ``partitioned_history``, those in its history table too)."""
-    table = job_table_of(model)
+    tables = tables_of(model)
     _check_count("limit", limit, MAX_CLAIM_LIMIT)
-    rows = session.execute(
-        built(statements.dead_jobs, table, history=_dead_history(model, table)),
-        {"limit": limit},
-    )
+    rows = DEAD_JOBS.rows(session, tables.table, {"limit": limit}, history=tables.history)
     return [
         DeadJob(
             id=row.id,

@@ -28,6 +28,7 @@ from sqla_jobs._queries.outcomes import (
 )
 from sqla_jobs._queries.rows import COMPLETE_STATUS
 from sqla_jobs._queries.run import Executor, job_table_of, result_table_of
+from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.errors import (
     InvalidJobError,
     JobCancelledError,
@@ -53,7 +54,6 @@ from sqla_jobs.schema import (
     JobResultMixin,
     JobStatus,
 )
-from sqla_jobs.schema.history import has_history
 
 # -- outcomes ---------------------------------------------------------------------------
 
@@ -120,7 +120,7 @@ def complete_attempts(
         return [], []
     model = _one_model(jobs)
     table = job_table_of(model)
-    if has_history(model):
+    if tables_of(model).history is not None:
         return _complete_into_history(session, table, jobs, results)
     result_table = _results_target(model, jobs, results, result_model)
     cancelled: set[tuple[int, int]] = set()
@@ -169,7 +169,7 @@ def complete_held(
         return []
     model = _one_model(jobs)
     table = job_table_of(model)
-    if has_history(model):
+    if tables_of(model).history is not None:
         lost, _ = _complete_into_history(session, table, jobs, results, held=True)
         return lost
     result_table = _results_target(model, jobs, results, result_model)
@@ -312,9 +312,9 @@ def fail(
         raise LeaseLostError(
             f"job {job.id} attempt {job.attempt} no longer owns the job; nothing was changed"
         )
-    if row.status == JobStatus.DEAD.value and has_history(job.model):
-        # Dead: into the history, in the same transaction as the failure.
-        history_queries.MOVE_FINISHED.result(session, table, {"job_id": job.id})
+    if row.status == JobStatus.DEAD.value:
+        # Dead: into the history (a model with one), in the same transaction as the failure.
+        tables_of(job.model).ended(session, job.id)
     return FailOutcome(job_id=row.id, status=JobStatus(row.status), run_at=row.run_at)
 
 
