@@ -529,8 +529,10 @@ def ping_on(connection: psycopg.Connection[Any]) -> None:
     connection.execute(_psycopg_sql(ping))
 
 
-#: The settings the worker gives the connections it keeps (see :func:`set_setting`).
-WORKER_SETTINGS: Final = frozenset({"lock_timeout", "synchronous_commit"})
+#: The settings the worker gives the connections it keeps (see :func:`set_setting`), and resets
+#: before giving them back to the pool: ``plan_cache_mode`` on a direct connection
+#: (:mod:`sqla_jobs.worker.link`).
+WORKER_SETTINGS: Final = frozenset({"lock_timeout", "synchronous_commit", "plan_cache_mode"})
 
 
 def set_setting(*, local: bool) -> Select[Any]:
@@ -546,7 +548,7 @@ def set_setting(*, local: bool) -> Select[Any]:
 
 
 class SettingParams(TypedDict):
-    """A setting's name (one of :data:`WORKER_SETTINGS`, or ``plan_cache_mode``) and its
+    """A setting's name (one of :data:`WORKER_SETTINGS`) and its
     value as text (:func:`set_setting`)."""
 
     name: str
