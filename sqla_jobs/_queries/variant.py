@@ -5,8 +5,9 @@ they move into a partitioned history table (``partitioned_history = True``, see
 :func:`tables_of` resolves a model to its :class:`JobTables` (or :class:`HistoryJobTables`)
 once; what differs between the two (where a finished job's status is found, what happens
 when a job ends outside a worker's completion, where a dead or cancelled job is retried
-from, whether finished jobs may be pruned one by one, which history the statistics read) is
-a method or an attribute of that object, not a branch on the model in the code above.
+from, whether finished jobs may be pruned one by one, which history the statistics and the
+dashboard read, whether a completion keeps results without a result model) is a method or
+an attribute of that object, not a branch on the model in the code above.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class JobTables:
 
     #: The partitioned history table, for a model that has one.
     history: Table | None = None
+    #: Whether a completion stores the handler's result without a result model (the history
+    #: rows hold it: :data:`~sqla_jobs._queries.history.COMPLETE`).
+    keeps_results: bool = False
 
     def __init__(self, model: type[Any], table: Table) -> None:
         self.model = model
@@ -58,6 +62,7 @@ class HistoryJobTables(JobTables):
     """A job model whose finished jobs move into its partitioned history table."""
 
     history: Table
+    keeps_results = True
 
     def __init__(self, model: type[Any], table: Table) -> None:
         super().__init__(model, table)

@@ -48,6 +48,7 @@ from starlette.routing import Route
 from sqla_jobs import queue, validation
 from sqla_jobs._queries import dashboard as statements
 from sqla_jobs._queries.dashboard import RECENT_THROUGHPUT, RESULT
+from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.dashboard import access
 from sqla_jobs.dashboard.access import AUTH_COOKIE, CSRF_COOKIE, SESSION_LIFETIME, SESSION_MAX_AGE
 from sqla_jobs.dashboard.sources import (
@@ -65,7 +66,7 @@ from sqla_jobs.errors import (
     SqlaJobsError,
 )
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
-from sqla_jobs.schema.history import RESULT_COLUMN, has_history, history_table
+from sqla_jobs.schema.history import RESULT_COLUMN, history_table
 
 __all__ = [
     "AUTH_COOKIE",
@@ -286,9 +287,8 @@ class _Dashboard:
         self.s = settings
         # The job table; for a model with partitioned_history, its history table of
         # finished jobs is a second source (the list merges both by id).
-        self.history: TableSource | None = None
-        if has_history(settings.model):
-            self.history = TableSource(history_table(settings.table), settings.scan)
+        history = tables_of(settings.model).history
+        self.history = None if history is None else TableSource(history, settings.scan)
         self.sources = [TableSource(settings.table, settings.scan)]
         if self.history is not None:
             self.sources.append(self.history)

@@ -97,12 +97,12 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 from sqlalchemy.orm import Session, SessionTransaction
 
 from sqla_jobs._queries.admin import BACKEND_TRANSACTION
+from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.context import ColumnLoader, JobContext
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
 from sqla_jobs.queue import ClaimedJob, complete_held, job_columns, lock_one, lock_started
 from sqla_jobs.registry import Registry, Task
-from sqla_jobs.schema.history import has_history
 from sqla_jobs.worker.link import as_session
 from sqla_jobs.worker.settling import Settling
 from sqla_jobs.worker.state import Attempt, Kind, Outcome
@@ -440,7 +440,7 @@ def complete(
     once the transaction has ended (fenced: it changes nothing for a job no longer the
     attempt's, and is logged as lost)."""
     result_model = registry.result_model
-    stores = result_model is not None or (bool(done) and has_history(done[0][0].model))
+    stores = result_model is not None or (bool(done) and tables_of(done[0][0].model).keeps_results)
     plain = [job for job, result in done if not (stores and result is not None)]
     valued = [(job, result) for job, result in done if stores and result is not None]
     left = complete_held(executor, plain)

@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 from sqlalchemy.orm import Session
 
 from sqla_jobs import validation
+from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.context import ColumnLoader, JobContext
 from sqla_jobs.observer import NO_OBSERVER
 from sqla_jobs.queue import ClaimedJob, UnreadableJson, job_columns
 from sqla_jobs.registry import Registry, Task
-from sqla_jobs.schema.history import has_history
 from sqla_jobs.worker import locked
 from sqla_jobs.worker.settling import Settling, job_extra
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
@@ -126,7 +126,7 @@ class Runner:
         self._own_loop = True
         self.columns_loader: ColumnLoader = self._load_columns  # one bound method, not one per job
         # Whether results are stored (checked then): once, not per job.
-        self._stores = registry.result_model is not None or has_history(registry.model)
+        self._stores = registry.result_model is not None or tables_of(registry.model).keeps_results
 
     def request_cancel(self, key: tuple[int, int]) -> None:
         """The cancel of attempt ``key`` (job id, attempt) was requested (the heartbeat read

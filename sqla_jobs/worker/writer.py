@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection
 
+from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.errors import LeaseLostError
 from sqla_jobs.events import describe
 from sqla_jobs.observer import NO_OBSERVER, Finish, Observer
@@ -32,7 +33,6 @@ from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import ClaimedJob, cancel_attempts, complete_attempts, fail, release
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobStatus
-from sqla_jobs.schema.history import has_history
 from sqla_jobs.worker.link import Link, as_session, is_transient
 from sqla_jobs.worker.settling import job_extra
 from sqla_jobs.worker.state import WRITE_BATCH, Attempt, Kind, State
@@ -137,7 +137,7 @@ class OutcomeWriter:
         completed = by_kind.get(Kind.COMPLETE, [])
         jobs = [a.job for a in completed]
         result_model = self.registry.result_model
-        history = bool(jobs) and has_history(jobs[0].model)
+        history = bool(jobs) and tables_of(jobs[0].model).keeps_results
         results = (
             [a.outcome.result if a.outcome is not None else None for a in completed]
             if history or result_model is not None
