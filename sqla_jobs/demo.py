@@ -43,6 +43,8 @@ from sqla_jobs.schema import JobStatus
 __all__ = ["DemoOrder", "DemoShipment", "registry", "run", "ship_order"]
 
 TRANSACTION_SIZE: Final = 50
+#: How long the demo waits for its worker processes to be running before it enqueues.
+READY_TIMEOUT: Final = 60.0
 
 
 class DemoBase(DeclarativeBase):
@@ -183,6 +185,15 @@ def _run(
     queue = f"demo-{run_id}"
     log_dir = Path(tempfile.mkdtemp(prefix="sqla_jobs_demo_"))
     processes = _start_workers(url, queue, workers, concurrency, log_dir)
+    # Every worker up before the first job: one still starting when the drain is over (200
+    # jobs take a second) would be stopped before it could handle the signal.
+    if not _wait_until_ready(processes, log_dir, READY_TIMEOUT):
+        _stop_workers(processes)
+        printer.line(
+            f"VERIFICATION FAILED: the workers were not all running within {READY_TIMEOUT:g}s "
+            f"(worker logs kept in {log_dir})"
+        )
+        return 1
     printer.line(
         f"started {workers} worker processes x {concurrency} slots on queue {queue} "
         f"(logs in {log_dir})"
@@ -246,6 +257,8 @@ def _start_workers(
                         str(concurrency),
                         "--grace",
                         "10s",
+                        "--health-file",
+                        str(_health_file(log_dir, n)),
                     ],
                     env=env,
                     stdout=log,
@@ -253,6 +266,25 @@ def _start_workers(
                 )
             )
     return processes
+
+
+def _health_file(log_dir: Path, n: int) -> Path:
+    return log_dir / f"worker-{n}.health"
+
+
+def _wait_until_ready(
+    processes: list[subprocess.Popen[bytes]], log_dir: Path, timeout: float
+) -> bool:
+    """Whether every worker wrote its health file (it does once it runs, healthy) within
+    ``timeout`` seconds; False at once when one of them exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(_health_file(log_dir, n).exists() for n in range(len(processes))):
+            return True
+        if any(process.poll() is not None for process in processes):
+            return False
+        time.sleep(0.05)
+    return False
 
 
 def _stop_workers(processes: list[subprocess.Popen[bytes]]) -> list[int | None]:
