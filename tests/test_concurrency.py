@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
+import pytest
 import sqlalchemy as sa
 from claimer import claim_until_empty
 from conftest import pooled_connect_args
@@ -33,6 +34,7 @@ def _claim_in_processes(url: str, batches: tuple[int, ...]) -> list[list[tuple[i
         return [future.result(timeout=240) for future in futures]
 
 
+@pytest.mark.slow
 def test_eight_processes_claim_each_job_exactly_once(queue_engine: sa.Engine) -> None:
     with queue_engine.begin() as connection:
         connection.execute(

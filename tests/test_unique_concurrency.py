@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
+import pytest
 import sqlalchemy as sa
 from conftest import pooled_connect_args
 from models import EmailJob
@@ -25,6 +26,7 @@ PROCESSES = 8
 TRANSACTIONS = 300
 
 
+@pytest.mark.slow
 def test_eight_processes_enqueue_each_key_once_through_random_rollbacks(
     queue_engine: sa.Engine,
 ) -> None:

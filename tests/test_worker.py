@@ -115,6 +115,7 @@ def test_second_signal_exits_at_once(db: JobDatabase, workers: Workers) -> None:
     assert "exiting at once" in worker.log_text()
 
 
+@pytest.mark.slow
 def test_paused_worker_completes_late_and_changes_nothing(
     db: JobDatabase, workers: Workers
 ) -> None:
