@@ -147,10 +147,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The tests marked slow first (in their order): pytest-xdist hands tests out in this
-    # order, so the long ones start at once on every process, and the session does not end
-    # waiting for one that started last.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not through_pgbouncer():
         return
     skip = pytest.mark.skip(reason=f"needs a direct connection; {PGBOUNCER_VARIABLE}=1")
