@@ -19,10 +19,13 @@ from datetime import datetime
 from typing import Any, Final, NamedTuple, TypeAlias
 
 __all__ = [
+    "CLAIM_ID",
+    "CLAIM_JOB_FIELDS",
     "CLAIM_ORDER",
     "CLAIM_RUN_AT",
     "CLAIM_STATUS",
     "COMPLETE_STATUS",
+    "FENCE",
     "ClaimRow",
     "CompleteRow",
     "DeleteRow",
@@ -128,10 +131,15 @@ RowType: TypeAlias = (
     | type[WalkKeysRow]
 )
 
-#: Each statement builder whose rows the layer reads, and its row type.
+#: A fenced row's ``(id, attempts)``: the fence of the attempt it matched. Every fenced row
+#: type starts with them (tests/test_query_rows.py holds each to it).
+FENCE: Final = operator.itemgetter(*map(FenceRow._fields.index, ("id", "attempts")))
 
-#: A claimed row's status, and its run_at (None where unreadable).
+#: A claimed row's id, status, and its run_at (None where unreadable).
+CLAIM_ID: Final = ClaimRow._fields.index("id")
 CLAIM_STATUS: Final = ClaimRow._fields.index("status")
+#: A claimed row's fields after its status: a ClaimedJob's after its model and id.
+CLAIM_JOB_FIELDS: Final = slice(CLAIM_STATUS + 1, None)
 CLAIM_RUN_AT: Final = ClaimRow._fields.index("run_at")
 #: The order a claim hands its jobs out in: the claim statement's own ``(priority, run_at, id)``.
 CLAIM_ORDER: Final = operator.itemgetter(*map(ClaimRow._fields.index, ("priority", "run_at", "id")))

@@ -24,7 +24,7 @@ from sqlalchemy import (
 from sqla_jobs import _queries as statements
 from sqla_jobs import validation
 from sqla_jobs._queries._sql import FenceParams
-from sqla_jobs._queries.rows import CLAIM_ORDER, COMPLETE_STATUS
+from sqla_jobs._queries.rows import CLAIM_ORDER, COMPLETE_STATUS, FENCE
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -179,9 +179,9 @@ def default_worker_name() -> str:
 
 def _fenced(rows: Iterable[Any]) -> set[tuple[int, int]]:
     """The ``(id, attempt)`` fences that a fenced statement's ``RETURNING`` matched."""
-    # Positional: every fenced statement's row starts with ``id, attempts`` (FenceRow; the
-    # rows' types are held to it by tests/test_query_rows.py).
-    return {(row[0], row[1]) for row in rows}
+    # Every fenced statement's row starts with ``id, attempts`` (FenceRow; the rows' types
+    # are held to it by tests/test_query_rows.py).
+    return set(map(FENCE, rows))
 
 
 def _lost(jobs: Sequence[ClaimedJob], kept: set[tuple[int, int]]) -> list[ClaimedJob]:

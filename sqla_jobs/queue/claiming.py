@@ -12,7 +12,14 @@ from typing import Any
 from sqla_jobs import validation
 from sqla_jobs._queries.claiming import claim_rows
 from sqla_jobs._queries.outcomes import LOCK, OWN_COLUMNS
-from sqla_jobs._queries.rows import CLAIM_ORDER, LockRow
+from sqla_jobs._queries.rows import (
+    CLAIM_ID,
+    CLAIM_JOB_FIELDS,
+    CLAIM_ORDER,
+    CLAIM_STATUS,
+    ClaimRow,
+    LockRow,
+)
 from sqla_jobs._queries.run import Executor, job_table_of
 from sqla_jobs.errors import (
     ConfigurationError,
@@ -164,8 +171,11 @@ def claim(
         ordered = sorted(rows, key=CLAIM_ORDER)
     except TypeError:  # a run_at came back None: a row Python cannot read (rare; see admit)
         ordered = sorted(rows, key=_claim_order_with_unreadable)
+    job_id, status, rest = CLAIM_ID, CLAIM_STATUS, CLAIM_JOB_FIELDS
     jobs: list[ClaimedJob] = [
-        new(ClaimedJob, (model, row[0], *row[2:])) for row in ordered if row[1] == running
+        new(ClaimedJob, (model, row[job_id], *row[rest]))
+        for row in ordered
+        if row[status] == running
     ]
     if len(jobs) < len(rows):
         _log_exhausted(rows, running)
@@ -177,9 +187,11 @@ def claim(
 def _log_exhausted(rows: Sequence[Any], running: str) -> None:
     # Jobs the claim made dead: their last attempt's lease ran out (its worker died). Logged
     # here, by whoever claimed, so that alerting on errors hears of a crash-looping job.
-    for job_id, status, queue, task, _args, _priority, attempt, maximum, *_ in rows:
-        if status == running:
+    for row in map(ClaimRow._make, rows):
+        if row.status == running:
             continue
+        job_id, status, queue, task = row.id, row.status, row.queue, row.task
+        attempt, maximum = row.attempts, row.max_attempts
         if status == JobStatus.CANCELLED.value:
             logger.info(
                 "job %d (%s) is cancelled: attempt %d lost its lease after its cancel was "

@@ -26,7 +26,7 @@ from sqla_jobs._queries.outcomes import (
     STORE_RESULTS,
     FailParams,
 )
-from sqla_jobs._queries.rows import COMPLETE_STATUS
+from sqla_jobs._queries.rows import COMPLETE_STATUS, FENCE
 from sqla_jobs._queries.run import Executor, job_table_of, result_table_of
 from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.errors import (
@@ -144,7 +144,7 @@ def complete_attempts(
             return [], []
         done = set()
         for row in rows:
-            (cancelled if row[COMPLETE_STATUS] == cancelled_value else done).add((row[0], row[1]))
+            (cancelled if row[COMPLETE_STATUS] == cancelled_value else done).add(FENCE(row))
     _store_results(session, result_table, jobs, results, done)
     if not cancelled:
         return _lost(jobs, done), []
@@ -244,7 +244,7 @@ def _complete_into_history(
     cancelled: set[tuple[int, int]] = set()
     for row in history_queries.COMPLETE.tuples(session, table, params, held=held):
         status = row[COMPLETE_STATUS]
-        (cancelled if status == JobStatus.CANCELLED.value else done).add((row[0], row[1]))
+        (cancelled if status == JobStatus.CANCELLED.value else done).add(FENCE(row))
     ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
     return _lost(jobs, done | cancelled), ended_cancelled
 
