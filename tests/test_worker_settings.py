@@ -108,6 +108,7 @@ BAD: list[tuple[str, object, str]] = [
     ("poll_interval", -1, "poll_interval must not be negative"),
     ("poll_interval", "1s", "poll_interval must be a number of seconds"),
     ("listen", "yes", "listen must be True or False"),
+    ("listen_engine", "postgresql://x@y/z", "listen_engine must be a sync SQLAlchemy Engine"),
     ("pooler", "pgbouncer", "pooler must be one of"),
     ("grace", float("nan"), "grace must not be negative"),
     ("stuck_after", 0, "stuck_after must be positive"),
@@ -139,9 +140,7 @@ def test_a_bad_setting_is_refused_flat_or_grouped_before_any_sql(
 
 
 def test_every_setting_has_a_bad_value_tested() -> None:
-    assert {name for name, _, _ in BAD} | {"listen_engine", "metrics_host", "metrics_max_age"} == (
-        set(HOMES)
-    )
+    assert {name for name, _, _ in BAD} | {"metrics_host", "metrics_max_age"} == (set(HOMES))
 
 
 @pytest.mark.parametrize(
@@ -179,6 +178,8 @@ def test_a_group_of_the_wrong_kind_is_refused(engine: sa.Engine) -> None:
         Worker(registry, engine, timing={"grace": 1})  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="timing must be a TimingSettings"):
         Worker(registry, engine, timing=ClaimSettings())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="expected a SQLAlchemy Engine"):
+        Worker(registry, "postgresql://x@y/z")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="handle_signals must be"):
         Worker(registry, engine, handle_signals="yes")  # type: ignore[arg-type]
 

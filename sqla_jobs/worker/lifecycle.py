@@ -175,13 +175,15 @@ class Worker:
     ) -> None:
         if not isinstance(registry, Registry):
             raise ConfigurationError(f"expected a sqla_jobs Registry, not {registry!r}")
-        if getattr(engine.dialect, "is_async", False):
+        if getattr(getattr(engine, "dialect", None), "is_async", False):
             raise ConfigurationError(
                 f"the worker needs a sync engine (postgresql+psycopg), not {engine.url.drivername}"
                 " (an async engine's sync_engine); its coroutine handlers may use an AsyncSession "
                 "of their own on any driver, and async_session_factory gives lock-mode coroutines "
                 "one"
             )
+        if not isinstance(engine, Engine):
+            raise ConfigurationError(f"expected a SQLAlchemy Engine, not {engine!r}")
         if handle_signals is not None and not isinstance(handle_signals, bool):
             raise ConfigurationError(
                 f"handle_signals must be True, False or None, not {handle_signals!r}"

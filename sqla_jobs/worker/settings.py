@@ -31,13 +31,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypedDict, cast
 
+from sqlalchemy import Engine
+
 from sqla_jobs import validation
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.pooler import POOLER_MODES
 from sqla_jobs.queue import MAX_CLAIM_LIMIT
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
     from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import Session
 
@@ -132,6 +133,10 @@ class ClaimSettings:
             )
         _check_seconds("poll_interval", self.poll_interval)
         _check_bool("listen", self.listen)
+        if self.listen_engine is not None and not isinstance(self.listen_engine, Engine):
+            raise ConfigurationError(
+                f"listen_engine must be a sync SQLAlchemy Engine, not {self.listen_engine!r}"
+            )
         if self.pooler not in POOLER_MODES:
             raise ConfigurationError(f"pooler must be one of {POOLER_MODES}, not {self.pooler!r}")
 
