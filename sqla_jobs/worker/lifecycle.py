@@ -42,6 +42,14 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from sqla_jobs import _queries as statements
+from sqla_jobs._queries.admin import (
+    STATUS_OF,
+    TABLE_LAYOUT,
+    TERMINATE_TRANSACTIONS,
+    WAKEUP_TRIGGER_EXISTS,
+    TerminateParams,
+)
+from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.backoff import Backoff
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
@@ -49,7 +57,6 @@ from sqla_jobs.observer import NO_OBSERVER, Observer
 from sqla_jobs.pooler import behind_pooler
 from sqla_jobs.queue import default_worker_name, vacuum
 from sqla_jobs.registry import Registry
-from sqla_jobs.schema.history import has_history
 from sqla_jobs.worker.fetcher import Fetcher
 from sqla_jobs.worker.health import WorkerHealth, assess
 from sqla_jobs.worker.heartbeat import Heartbeat
@@ -441,18 +448,15 @@ class Worker:
         of an older schema version (:mod:`~sqla_jobs.worker.table_version`); wait for one
         that is down (a worker may start before its server)."""
         backoff = Backoff(initial=0.2, cap=5.0)
-        probe = statements.status_of(self._table)
         while True:
             try:
                 with self.engine.connect() as connection:
-                    connection.execute(probe, {"job_id": 0})
+                    STATUS_OF.one(connection, self._table, {"job_id": 0})  # the table is there
                     driver: Any = connection.connection.driver_connection
                     if self.pooler == "auto":
                         self.pooled = behind_pooler(driver)
-                    trigger = connection.execute(
-                        statements.wakeup_trigger_exists(self._table)
-                    ).scalar()
-                    layout = connection.execute(statements.table_layout(self._table)).one()
+                    (trigger,) = WAKEUP_TRIGGER_EXISTS.rows(connection, self._table, {})
+                    (layout,) = TABLE_LAYOUT.rows(connection, self._table, {})
                 break
             except DBAPIError as exc:
                 message = str(exc.orig or exc)
@@ -475,7 +479,7 @@ class Worker:
         check_table_version(self._table, layout.columns, layout.indexes)
         if self.pooled:
             self._log_pooled(getattr(driver, "prepare_threshold", None))
-        if self.listen and not trigger:
+        if self.listen and not trigger.exists:
             logger.warning(
                 "table %s has no wake-up trigger: new jobs wait up to the poll interval "
                 "(%.1fs) instead of starting at once; add it with the migration helper "
@@ -550,7 +554,7 @@ class Worker:
                 on_database_ok=schedule_ok,
             )
             self._roles["schedule"] = Role("schedule", self._prefix, scheduler.loop)
-        if has_history(self.model):
+        if tables_of(self.model).history is not None:  # its history keeper
             history_failed, history_ok = self._database.role("history")
             self.history_keeper = HistoryKeeper(
                 self.engine,
@@ -814,13 +818,13 @@ class Worker:
                 attempt.future.cancel()
         if not backends:
             return
-        params = {
+        params: TerminateParams = {
             "pids": ",".join(str(pid) for pid, _ in backends),
             "xact_starts": ",".join(repr(float(start)) for _, start in backends),
         }
         try:
             with self.engine.connect() as connection:
-                connection.execute(statements.terminate_transactions(), params)
+                TERMINATE_TRANSACTIONS.rows(connection, None, params)
                 connection.commit()
         except Exception as exc:
             logger.warning(
