@@ -88,6 +88,7 @@ __all__ = [
 Mode: TypeAlias = Literal["lease", "lock"]
 
 _R = TypeVar("_R")
+_V = TypeVar("_V")
 Handler: TypeAlias = Callable[["JobContext"], Any]
 """A task's function: ``def f(ctx: JobContext) -> Any`` or ``async def f(ctx) -> Any``."""
 
@@ -144,11 +145,12 @@ def _check_option_names(options: Mapping[str, object]) -> None:
             raise ConfigurationError(f"a task has no option {option!r}{hint}")
 
 
-def _duration(name: str, value: timedelta | float) -> timedelta:
+def _option(check: Callable[[str, Any], _V], name: str, value: object) -> _V:
+    """``check`` (one of :mod:`sqla_jobs.validation`'s, the rule a job's field follows) on a
+    task option or a registry default: configuration, so the registry's error."""
     try:
-        return validation.check_duration(name, value)
+        return check(name, value)
     except InvalidJobError as exc:
-        # A task option is configuration: the same check, the registry's error.
         raise ConfigurationError(f"{name} {exc.reason}") from None
 
 
@@ -156,7 +158,9 @@ class Task(Generic[_R]):
     """A registered task: its name, its options and its function.
 
     Calling the task calls the function (handy in tests); :meth:`job` builds a job row for
-    it and :meth:`enqueue` adds one to a session.
+    it and :meth:`enqueue` adds one to a session. Made by :meth:`Registry.task` and
+    :meth:`Registry.add`, which register it; its constructor takes the
+    :class:`TaskOptions`, and holds their checks and defaults (the registry's).
     """
 
     def __init__(
@@ -180,20 +184,35 @@ class Task(Generic[_R]):
         priority = options.get("priority")
         self.registry = registry
         self.function = function
-        self.name = validation.check_name(
-            "name", options.get("name") or getattr(function, "__name__", "")
+        self.name: str = _option(
+            validation.check_name, "name", options.get("name") or getattr(function, "__name__", "")
         )
-        self.queue = validation.check_name("queue", options.get("queue") or registry.default_queue)
-        self.max_attempts = validation.check_max_attempts(
-            "max_attempts", registry.default_max_attempts if max_attempts is None else max_attempts
+        self.queue: str = _option(
+            validation.check_name, "queue", options.get("queue") or registry.default_queue
+        )
+        self.max_attempts: int = _option(
+            validation.check_max_attempts,
+            "max_attempts",
+            registry.default_max_attempts if max_attempts is None else max_attempts,
         )
         self.mode: Mode = _check_mode(options.get("mode") or registry.default_mode)
-        self.lease = registry.default_lease if lease is None else _duration("lease", lease)
+        self.lease = (
+            registry.default_lease
+            if lease is None
+            else _option(validation.check_duration, "lease", lease)
+        )
         self.retry = options.get("retry") or registry.default_retry
-        self.priority = validation.check_priority("priority", priority or 0)
+        self.priority: int = _option(
+            validation.check_priority, "priority", 0 if priority is None else priority
+        )
         #: When the task runs by itself (a periodic task), or None.
         self.schedule = schedule
-        self.key_limit = _key_limit(options.get("key_limit"))
+        key_limit = options.get("key_limit")
+        self.key_limit = (
+            None
+            if key_limit is None
+            else _option(validation.check_key_limit, "key_limit", key_limit)
+        )
 
     def __call__(self, ctx: JobContext) -> _R:
         return self.function(ctx)
@@ -328,11 +347,13 @@ class Registry:
         self._default_model = model is None
         self._schedule_model = schedule_model
         self._result_model = result_model
-        self.default_queue = validation.check_name("default_queue", default_queue)
-        self.default_max_attempts = validation.check_max_attempts(
-            "default_max_attempts", default_max_attempts
+        self.default_queue: str = _option(validation.check_name, "default_queue", default_queue)
+        self.default_max_attempts: int = _option(
+            validation.check_max_attempts, "default_max_attempts", default_max_attempts
         )
-        self.default_lease = _duration("default_lease", default_lease)
+        self.default_lease: timedelta = _option(
+            validation.check_duration, "default_lease", default_lease
+        )
         self.default_retry = default_retry or RetryPolicy()
         self.default_mode: Mode = _check_mode(default_mode)
         if not isinstance(ordering_keys, bool):
@@ -483,16 +504,6 @@ def _is_schedule_model(model: object) -> bool:
 
 def _is_job_model(model: object) -> bool:
     return isinstance(model, type) and issubclass(model, JobMixin)
-
-
-def _key_limit(value: object) -> int | None:
-    if value is None:
-        return None
-    try:
-        return validation.check_key_limit("key_limit", value)
-    except InvalidJobError as exc:
-        # A task option is configuration: the same check, the registry's error.
-        raise ConfigurationError(f"key_limit {exc.reason}") from None
 
 
 def _check_mode(mode: object) -> Mode:

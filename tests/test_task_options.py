@@ -73,17 +73,32 @@ def test_options_given_are_kept() -> None:
         ({"mode": "sometimes"}, "mode must be 'lease' or 'lock'"),
         ({"lease": -1}, "lease must be positive"),
         ({"priority": "high"}, "priority"),
+        ({"priority": False}, "priority"),
         ({"schedule": "* * * * *"}, "schedule must be a sqla_jobs.Schedule"),
         ({"key_limit": 0}, "key_limit"),
     ],
 )
 def test_a_bad_option_is_refused_by_each_way_in(options: dict[str, Any], message: str) -> None:
     registry = Registry(WorkerJob)
-    with pytest.raises((ConfigurationError, ValueError), match=message):
+    with pytest.raises(ConfigurationError, match=message):
         registry.add(noop, **options)
-    with pytest.raises((ConfigurationError, ValueError), match=message):
+    with pytest.raises(ConfigurationError, match=message):
         registry.task(**options)(noop)
     assert len(registry) == 0
+
+
+@pytest.mark.parametrize(
+    ("defaults", "message"),
+    [
+        ({"default_queue": ""}, "default_queue must not be empty"),
+        ({"default_max_attempts": 0}, "default_max_attempts"),
+        ({"default_lease": 0}, "default_lease must be positive"),
+        ({"default_mode": "always"}, "mode must be 'lease' or 'lock'"),
+    ],
+)
+def test_a_bad_registry_default_is_refused(defaults: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Registry(WorkerJob, **defaults)
 
 
 def test_an_option_no_task_has_is_refused_at_once_with_a_hint() -> None:
