@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("cancel", cmd_cancel, "cancel a pending job, or ask a running one's worker to stop it"),
     ):
         sub = commands.add_parser(name, parents=[db, which], help=text, description=text)
-        sub.add_argument("job_id", metavar="ID", type=_job_id)
+        sub.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id (its row's id)")
         sub.set_defaults(handler=handler)
 
     prune = commands.add_parser(
