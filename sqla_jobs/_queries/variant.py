@@ -6,24 +6,61 @@ they move into a partitioned history table (``partitioned_history = True``, see
 once; what differs between the two (where a finished job's status is found, what happens
 when a job ends outside a worker's completion, where a dead or cancelled job is retried
 from, whether finished jobs may be pruned one by one, which history the statistics and the
-dashboard read, whether a completion keeps results without a result model) is a method or
-an attribute of that object, not a branch on the model in the code above.
+dashboard read, how an attempt's completion is written and where its result goes) is a
+method or an attribute of that object, not a branch on the model in the code above.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
-from typing import Any, cast
+import json
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Table
 
-from sqla_jobs._queries import admin, history
-from sqla_jobs._queries.run import Executor, job_table_of
-from sqla_jobs.errors import ConfigurationError
+from sqla_jobs._queries import admin, history, outcomes
+from sqla_jobs._queries._sql import FenceParams
+from sqla_jobs._queries.rows import COMPLETE_STATUS, FENCE
+from sqla_jobs._queries.run import Executor, job_table_of, result_table_of
+from sqla_jobs.errors import ConfigurationError, InvalidJobError
+from sqla_jobs.schema import JobStatus
 from sqla_jobs.schema.history import has_history, history_table
 
-__all__ = ["HistoryJobTables", "JobTables", "tables_of"]
+__all__ = ["Completion", "HistoryJobTables", "JobTables", "Result", "tables_of"]
+
+_CANCELLED = JobStatus.CANCELLED.value
+
+#: JSON as the history's completion reads its results (the values are checked by the caller).
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+class Result(NamedTuple):
+    """A handler's result for one attempt, to store with its completion (the value already
+    checked to be JSON that jsonb stores)."""
+
+    job_id: int
+    attempt: int
+    task: str
+    value: Any
+
+
+class Completion(NamedTuple):
+    """What a fenced completion matched, as ``(id, attempt)`` fences: the attempts whose job
+    ended succeeded (or deleted), and those whose job ended cancelled instead (its cancel was
+    requested). An attempt in neither had lost its job: nothing changed for it."""
+
+    done: set[tuple[int, int]]
+    cancelled: set[tuple[int, int]]
+
+
+def _split(rows: Sequence[Any]) -> Completion:
+    # A completed row's status says which: cancelled (cancel requested), else done.
+    done: set[tuple[int, int]] = set()
+    cancelled: set[tuple[int, int]] = set()
+    for row in rows:
+        (cancelled if row[COMPLETE_STATUS] == _CANCELLED else done).add(FENCE(row))
+    return Completion(done, cancelled)
 
 
 class JobTables:
@@ -57,6 +94,59 @@ class JobTables:
     def check_prunable(self) -> None:
         """Raise ConfigurationError where finished jobs are not pruned one by one."""
 
+    def complete(
+        self,
+        executor: Executor,
+        fences: FenceParams,
+        count: int,
+        *,
+        held: bool = False,
+        results: Sequence[Result] | None = None,
+        result_model: type[Any] | None = None,
+    ) -> Completion:
+        """Complete the ``count`` attempts of ``fences``, each only if it still owns its job
+        (the fence), storing ``results`` for those that ended succeeded.
+
+        Here the job stays in its table, succeeded (deleted where the model sets
+        ``delete_on_success``), and the results go to ``result_model``'s table (by default
+        the job model's ``result_model``; one is required for results, checked before any
+        SQL). ``held``: the caller's transaction holds the rows locked (a lock-held group,
+        :data:`~sqla_jobs._queries.outcomes.COMPLETE_HELD`), and a job whose cancel was
+        requested is left running, untouched; otherwise it ends cancelled, its result not
+        stored.
+        """
+        result_table = None
+        if results is not None:
+            result_model = result_model or self.model.result_model
+            if result_model is None:
+                raise InvalidJobError("result_model", "is required to store results")
+            result_table = result_table_of(result_model)
+        if self.model.delete_on_success:
+            # complete_and_delete leaves a job whose cancel was requested as it is.
+            rows = outcomes.COMPLETE_AND_DELETE.tuples(executor, self.table, fences)
+            done = set(map(FENCE, rows))
+            cancelled: set[tuple[int, int]] = set()
+            if not held and len(done) < count:  # not deleted: lost, or cancel requested (rare)
+                # Fenced, so neither a deleted job nor one another attempt owns matches.
+                rows = outcomes.CANCEL_ATTEMPTS.tuples(executor, self.table, fences)
+                cancelled = set(map(FENCE, rows))
+            completion = Completion(done, cancelled)
+        elif held:
+            rows = outcomes.COMPLETE_HELD.tuples(executor, self.table, fences)
+            completion = Completion(set(map(FENCE, rows)), set())
+        else:
+            completion = _split(outcomes.COMPLETE.tuples(executor, self.table, fences))
+        if result_table is not None and results and completion.done:
+            done = completion.done
+            payload = [
+                {"job_id": result.job_id, "task": result.task, "value": result.value}
+                for result in results
+                if (result.job_id, result.attempt) in done
+            ]
+            if payload:
+                outcomes.STORE_RESULTS.result(executor, result_table, {"results": payload})
+        return completion
+
 
 class HistoryJobTables(JobTables):
     """A job model whose finished jobs move into its partitioned history table."""
@@ -83,6 +173,31 @@ class HistoryJobTables(JobTables):
     def retry_ended(self, executor: Executor, job_id: int) -> bool:
         """A dead or cancelled job in the history moves back into the job table, pending."""
         return history.RETRY.one(executor, self.table, {"job_id": job_id}) is not None
+
+    def complete(
+        self,
+        executor: Executor,
+        fences: FenceParams,
+        count: int,
+        *,
+        held: bool = False,
+        results: Sequence[Result] | None = None,
+        result_model: type[Any] | None = None,
+    ) -> Completion:
+        """Here a completed job moves into the history, succeeded, with its result, in one
+        statement (:data:`~sqla_jobs._queries.history.COMPLETE`): no result table is
+        involved, and ``result_model`` is not used."""
+        values = {
+            f"{result.job_id}:{result.attempt}": result.value
+            for result in results or ()
+            if result.value is not None  # None: no result (SQL null), as a worker stores none
+        }
+        params: history.CompleteParams = {
+            "fence_ids": fences["fence_ids"],
+            "fence_attempts": fences["fence_attempts"],
+            "results": _encode(values) if values else "{}",
+        }
+        return _split(history.COMPLETE.tuples(executor, self.table, params, held=held))
 
     def check_prunable(self) -> None:
         raise ConfigurationError(

@@ -24,7 +24,7 @@ from sqlalchemy import (
 from sqla_jobs import _queries as statements
 from sqla_jobs import validation
 from sqla_jobs._queries._sql import FenceParams
-from sqla_jobs._queries.rows import CLAIM_ORDER, COMPLETE_STATUS, FENCE
+from sqla_jobs._queries.rows import CLAIM_ORDER, FENCE
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -146,10 +146,6 @@ def _claim_order_with_unreadable(row: Sequence[Any]) -> tuple[int, datetime, int
     first, as its ``'-infinity'`` or ancient time does in the claim's own order."""
     priority, run_at, job_id = CLAIM_ORDER(row)
     return (priority, run_at or _EARLIEST, job_id)
-
-
-#: The status column of statements.complete's rows.
-_ROW_STATUS: Final = operator.itemgetter(COMPLETE_STATUS)
 
 
 def _seconds(field: str, value: timedelta | float) -> float:

@@ -8,27 +8,16 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import (
-    Table,
-)
-
 from sqla_jobs import validation
-from sqla_jobs._queries import history as history_queries
 from sqla_jobs._queries._sql import LeaseFenceParams
 from sqla_jobs._queries.outcomes import (
-    CANCEL_ATTEMPTS,
-    COMPLETE,
-    COMPLETE_AND_DELETE,
-    COMPLETE_HELD,
     FAIL,
     HEARTBEAT,
     RELEASE,
-    STORE_RESULTS,
     FailParams,
 )
-from sqla_jobs._queries.rows import COMPLETE_STATUS, FENCE
-from sqla_jobs._queries.run import Executor, job_table_of, result_table_of
-from sqla_jobs._queries.variant import tables_of
+from sqla_jobs._queries.run import Executor, job_table_of
+from sqla_jobs._queries.variant import Completion, Result, tables_of
 from sqla_jobs.errors import (
     InvalidJobError,
     JobCancelledError,
@@ -37,12 +26,10 @@ from sqla_jobs.errors import (
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue._plumbing import (
     _NO_RESULT,
-    _ROW_STATUS,
     DEFAULT_LEASE,
     MAX_ERROR_CHARS,
     ClaimedJob,
     FailOutcome,
-    _encode,
     _fence_params,
     _fenced,
     _lost,
@@ -50,7 +37,6 @@ from sqla_jobs.queue._plumbing import (
     _seconds,
 )
 from sqla_jobs.schema import (
-    JobMixin,
     JobResultMixin,
     JobStatus,
 )
@@ -118,36 +104,9 @@ def complete_attempts(
     cancel was requested): returns ``(lost, cancelled)``."""
     if not jobs:
         return [], []
-    model = _one_model(jobs)
-    table = job_table_of(model)
-    if tables_of(model).history is not None:
-        return _complete_into_history(session, table, jobs, results)
-    result_table = _results_target(model, jobs, results, result_model)
-    cancelled: set[tuple[int, int]] = set()
-    if model.delete_on_success:
-        done = _fenced(COMPLETE_AND_DELETE.tuples(session, table, _fence_params(jobs)))
-        if len(done) < len(jobs):  # not deleted: lost, or cancel requested (rare)
-            cancelled = _fenced(
-                CANCEL_ATTEMPTS.tuples(session, table, _fence_params(_lost(jobs, done)))
-            )
-    else:
-        cancelled_value = JobStatus.CANCELLED.value
-        rows = COMPLETE.tuples(session, table, _fence_params(jobs))
-        if (
-            len(rows) == len(jobs)
-            and result_table is None
-            and cancelled_value not in map(_ROW_STATUS, rows)
-        ):
-            # The common case, without a set built and searched per job: every attempt
-            # matched (a row comes back once per distinct fence matched, so as many rows as
-            # jobs means all of them), and none ended cancelled.
-            return [], []
-        done = set()
-        for row in rows:
-            (cancelled if row[COMPLETE_STATUS] == cancelled_value else done).add(FENCE(row))
-    _store_results(session, result_table, jobs, results, done)
+    done, cancelled = _complete(session, jobs, results, result_model, held=False)
     if not cancelled:
-        return _lost(jobs, done), []
+        return ([] if len(done) == len(jobs) else _lost(jobs, done)), []
     ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
     return _lost(jobs, done | cancelled), ended_cancelled
 
@@ -167,86 +126,38 @@ def complete_held(
     cancel them (fenced) once this transaction has ended."""
     if not jobs:
         return []
-    model = _one_model(jobs)
-    table = job_table_of(model)
-    if tables_of(model).history is not None:
-        lost, _ = _complete_into_history(session, table, jobs, results, held=True)
-        return lost
-    result_table = _results_target(model, jobs, results, result_model)
-    # complete_and_delete leaves a job whose cancel was requested as it is already.
-    query = COMPLETE_AND_DELETE if model.delete_on_success else COMPLETE_HELD
-    done = _fenced(query.tuples(session, table, _fence_params(jobs)))
-    _store_results(session, result_table, jobs, results, done)
-    return _lost(jobs, done)
+    done, cancelled = _complete(session, jobs, results, result_model, held=True)
+    return _lost(jobs, done | cancelled)
 
 
-def _results_target(
-    model: type[JobMixin],
+def _complete(
+    session: Executor,
     jobs: Sequence[ClaimedJob],
     results: Sequence[Any] | None,
     result_model: type[JobResultMixin] | None,
-) -> Table | None:
-    """The result table that ``results`` (checked here) go to; None without results."""
-    if results is None:
-        return None
-    result_model = result_model or model.result_model
-    if result_model is None:
-        raise InvalidJobError("result_model", "is required to store results")
-    if len(results) != len(jobs):
-        raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
-    for value in results:
-        validation.check_json("result", value)
-    return result_table_of(result_model)
-
-
-def _store_results(
-    session: Executor,
-    result_table: Table | None,
-    jobs: Sequence[ClaimedJob],
-    results: Sequence[Any] | None,
-    done: set[tuple[int, int]],
-) -> None:
-    if result_table is None or results is None or not done:
-        return
-    payload = [
-        {"job_id": job.id, "task": job.task, "value": value}
-        for job, value in zip(jobs, results, strict=True)
-        if (job.id, job.attempt) in done
-    ]
-    STORE_RESULTS.result(session, result_table, {"results": payload})
-
-
-def _complete_into_history(
-    session: Executor,
-    table: Table,
-    jobs: Sequence[ClaimedJob],
-    results: Sequence[Any] | None,
     *,
-    held: bool = False,
-) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
-    # The job moves into its history table, succeeded, with its result, in one statement
-    # (sqla_jobs._queries.history.complete): no result table is involved.
-    values: dict[str, Any] = {}
+    held: bool,
+) -> Completion:
+    # The results are checked here, before any SQL; how the completion is written and where
+    # the results go is the model's variant's (sqla_jobs._queries.variant).
+    stored = None
     if results is not None:
         if len(results) != len(jobs):
             raise InvalidJobError("results", f"has {len(results)} items for {len(jobs)} jobs")
-        for job, value in zip(jobs, results, strict=True):
+        for value in results:
             validation.check_json("result", value)
-            if value is not None:  # None: no result (SQL null), as a worker stores none
-                values[f"{job.id}:{job.attempt}"] = value
-    fences = _fence_params(jobs)
-    params: history_queries.CompleteParams = {
-        "fence_ids": fences["fence_ids"],
-        "fence_attempts": fences["fence_attempts"],
-        "results": _encode(values) if values else "{}",
-    }
-    done: set[tuple[int, int]] = set()
-    cancelled: set[tuple[int, int]] = set()
-    for row in history_queries.COMPLETE.tuples(session, table, params, held=held):
-        status = row[COMPLETE_STATUS]
-        (cancelled if status == JobStatus.CANCELLED.value else done).add(FENCE(row))
-    ended_cancelled = [job for job in jobs if (job.id, job.attempt) in cancelled]
-    return _lost(jobs, done | cancelled), ended_cancelled
+        stored = [
+            Result(job.id, job.attempt, job.task, value)
+            for job, value in zip(jobs, results, strict=True)
+        ]
+    return tables_of(_one_model(jobs)).complete(
+        session,
+        _fence_params(jobs),
+        len(jobs),
+        held=held,
+        results=stored,
+        result_model=result_model,
+    )
 
 
 def storable_text(text: str) -> str:
