@@ -30,6 +30,8 @@ __all__ = [
     "MAX_KEY_LIMIT",
     "MAX_NAME_LENGTH",
     "MAX_QUEUE_LIMIT",
+    "MAX_SNOOZES",
+    "MAX_TIME_LIMIT_SECONDS",
     "MAX_TRACE_ENTRIES",
     "MAX_TRACE_VALUE_LENGTH",
     "NAME_RULE",
@@ -48,6 +50,7 @@ __all__ = [
     "check_priority",
     "check_queue_limits",
     "check_run_at",
+    "check_time_limit",
     "check_trace_context",
     "checked_args",
     "text_problem",
@@ -66,6 +69,12 @@ MAX_QUEUE_LIMIT = 1_000_000
 #: The longest duration a lease, delay or age may be: past it, a timestamp computed from it
 #: would overflow.
 MAX_DURATION_SECONDS = 100 * 365 * 86_400
+#: The longest time limit of a job (a week): a handler meant to run longer has no use for
+#: one, and a larger figure is taken for a mistake (milliseconds given as seconds, say).
+MAX_TIME_LIMIT_SECONDS = 7 * 86_400
+#: The most times one job may snooze (:class:`~sqla_jobs.Snooze`) before the next snooze
+#: fails its attempt instead: a job cannot snooze forever unnoticed.
+MAX_SNOOZES = 1_000
 #: The deepest nesting of arrays and objects in job arguments and stored results. Python's
 #: json reads a value by recursion, a frame per level, under the interpreter's recursion
 #: limit (1,000, less what the reading thread's stack holds already): a worker must always
@@ -403,8 +412,33 @@ def _plain_json(value: object) -> bool:
 #: The job fields an enqueuer sets, each with its check. The mixin's validators and
 #: ``enqueue_many`` both go through :func:`check_field`, so they cannot disagree.
 JOB_FIELDS: Final = frozenset(
-    {"queue", "task", "args", "priority", "max_attempts", "run_at", "ordering_key", "key_limit"}
+    {
+        "queue",
+        "task",
+        "args",
+        "priority",
+        "max_attempts",
+        "run_at",
+        "ordering_key",
+        "key_limit",
+        "time_limit",
+    }
 )
+
+
+def check_time_limit(field: str, value: object) -> timedelta:
+    """A time limit: a positive ``timedelta`` or number of seconds, at most
+    :data:`MAX_TIME_LIMIT_SECONDS` (a week)."""
+    if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
+        raise InvalidJobError(
+            field, f"must be a timedelta or a number of seconds, not {type(value).__name__}"
+        )
+    limit = check_duration(field, value)
+    if limit.total_seconds() > MAX_TIME_LIMIT_SECONDS:
+        raise InvalidJobError(
+            field, f"must be at most {MAX_TIME_LIMIT_SECONDS:,} seconds (a week), got {value!r}"
+        )
+    return limit
 
 
 def check_ordering_key(field: str, value: object) -> str:
@@ -515,4 +549,6 @@ def check_field(field: str, value: object, *, max_args_bytes: int) -> object:
         if field == "ordering_key":
             return check_ordering_key(field, value)
         return check_key_limit(field, value)
+    if field == "time_limit":
+        return None if value is None else check_time_limit(field, value)  # None: the task's
     raise ValueError(f"{field!r} is not one of {sorted(JOB_FIELDS)}")

@@ -417,12 +417,13 @@ def test_a_live_table_gets_its_history_without_a_lock_and_moves_in_batches(
 
     tenant = sa.Column("tenant", sa.String(50), nullable=True)
     try:
-        migrate(lambda: jobs.create_job_table("live_jobs", tenant, version=3))
+        migrate(lambda: jobs.create_job_table("live_jobs", tenant, version=4))
         migrate(lambda: jobs.create_result_table("live_job_results"))
         with engine.connect() as connection:
             missing = (
                 "history table live_jobs_history of live_jobs: missing from the database; "
-                "create it from a revision with sqla_jobs.migrations.add_history('live_jobs') "
+                "create it from a revision with "
+                "sqla_jobs.migrations.add_history('live_jobs', version=4) "
                 "(with your own columns)"
             )
             assert jobs.check_job_tables(connection, LiveJob) == [missing]
@@ -443,7 +444,7 @@ def test_a_live_table_gets_its_history_without_a_lock_and_moves_in_batches(
         with engine.connect() as live, live.begin():
             live.execute(sa.text("SELECT id FROM live_jobs WHERE id = 2 FOR UPDATE"))
             live.execute(sa.text("UPDATE live_jobs SET priority = 1 WHERE id = 5"))
-            migrate(lambda: jobs.add_history("live_jobs", tenant))
+            migrate(lambda: jobs.add_history("live_jobs", tenant, version=4))
         assert move_finished(engine, LiveJob, result_model=LiveResult, scan=2) == 3
         with Session(engine) as session:
             statuses = session.scalars(sa.select(LiveJob.status).order_by(LiveJob.id)).all()

@@ -140,7 +140,7 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0004_history", "sqla_jobs_0003"]
+        assert sorted(versions.scalars()) == ["0005_schema_v4", "sqla_jobs_0004"]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS
@@ -229,7 +229,7 @@ def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -
         recorded = connection.execute(
             sa.text(f"SELECT version_num FROM {migrations.VERSION_TABLE}")
         )
-        assert recorded.scalars().all() == ["sqla_jobs_0003"]
+        assert recorded.scalars().all() == ["sqla_jobs_0004"]
 
     migrations.downgrade(url_of(db_engine), "base")
     assert catalog(db_engine)["tables"] == []
@@ -242,6 +242,7 @@ def test_versions_path_is_the_installed_package_directory() -> None:
         "0001_default_tables.py",
         "0002_claim_indexes.py",
         "0003_schema_v3.py",
+        "0004_schema_v4.py",
     ]
     assert (path.parent / "env.py").is_file()
     assert (path.parent / "script.py.mako").is_file()
@@ -378,8 +379,8 @@ def test_a_table_autogenerate_made_is_reported_until_the_helper_adds_the_trigger
 def test_a_table_the_helpers_made_is_clean_and_notify_false_is_reported(
     db_engine: sa.Engine,
 ) -> None:
-    migrate(db_engine, lambda: migrations.create_job_table("report_jobs", version=3))
-    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False, version=3))
+    migrate(db_engine, lambda: migrations.create_job_table("report_jobs", version=4))
+    migrate(db_engine, lambda: migrations.create_job_table("sqla_jobs", notify=False, version=4))
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, models.ReportJob) == []
         (problem,) = migrations.check_job_tables(connection, sqla_jobs.models.Job)
@@ -394,7 +395,7 @@ def test_the_trigger_is_found_by_quoted_names_in_another_schema(db_engine: sa.En
     made: list[sa.Table] = []
     migrate(
         db_engine,
-        lambda: made.append(migrations.create_job_table(name, schema=schema, version=3)),
+        lambda: made.append(migrations.create_job_table(name, schema=schema, version=4)),
     )
     migrate(db_engine, lambda: migrations.drop_notify_trigger(name, schema=schema))
     (table,) = made
@@ -732,8 +733,8 @@ def test_create_job_table_builds_version_3_on_request_and_version_1_by_default(
             ),
         ]
     with pytest.raises(ValueError, match="schema version"):
-        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=4))
-    assert migrations.SCHEMA_VERSION == 3
+        migrate(db_engine, lambda: migrations.create_job_table("other_jobs", version=5))
+    assert migrations.SCHEMA_VERSION == 4
 
 
 def test_the_dead_index_is_added_to_a_live_version_2_table_and_dropped(
@@ -918,3 +919,62 @@ def test_drop_job_table_undoes_a_table_made_with_its_history(db_engine: sa.Engin
     migrate(db_engine, lambda: migrations.drop_history("cycle_jobs"))
     migrate(db_engine, lambda: migrations.drop_job_table("cycle_jobs"))
     assert {name for name in tables() if name.startswith("cycle_jobs")} == set()
+
+
+# -- schema version 4 (job control) ------------------------------------------------------------
+
+
+def test_version_4_is_added_in_place_to_live_version_3_tables_and_their_history(
+    db_engine: sa.Engine,
+) -> None:
+    config = example_config(url_of(db_engine))
+    command.upgrade(config, "heads")
+    version_4 = catalog(db_engine)
+    command.downgrade(config, "0004_history")
+    command.downgrade(config, "sqla_jobs_0003")
+    version_3 = catalog(db_engine)
+    control = {"time_limit", "snoozes", "progress"}
+    assert not {column[1] for column in version_3["columns"]} & control
+    with db_engine.begin() as connection:  # rows of version 3, in the table and the history
+        connection.execute(sa.text("INSERT INTO email_jobs (task) VALUES ('old')"))
+        connection.execute(
+            sa.text(
+                "INSERT INTO archive_jobs_history (id, queue, task, args, status, priority, "
+                "run_at, attempts, max_attempts, created_at, finished_at) VALUES (1, 'default', "
+                "'old', '{}', 'succeeded', 0, now(), 1, 3, now(), now())"
+            )
+        )
+
+    command.upgrade(config, "heads")
+    assert catalog(db_engine) == version_4  # as the heads built it: the same catalog
+    migrate(db_engine, lambda: migrations.upgrade_job_table_to_v4("archive_jobs"))  # again
+    assert catalog(db_engine) == version_4
+    assert schema_differences(db_engine, all_metadata()) == []
+    with db_engine.connect() as connection:
+        for table in ("email_jobs", "archive_jobs_history"):
+            old = connection.execute(
+                sa.text(f"SELECT time_limit, snoozes, progress FROM {table} WHERE task = 'old'")
+            ).one()
+            assert tuple(old) == (None, 0, None)
+    migrate(db_engine, lambda: migrations.downgrade_job_table_to_v3("archive_jobs"))
+    migrate(db_engine, lambda: migrations.downgrade_job_table_to_v3("archive_jobs"))  # again
+    archive = {c[1] for c in catalog(db_engine)["columns"] if c[0].startswith("archive_jobs")}
+    assert not archive & control
+
+
+def test_create_job_table_builds_version_4_with_its_history(db_engine: sa.Engine) -> None:
+    migrate(
+        db_engine,
+        lambda: migrations.create_job_table(
+            "archive_jobs", sa.Column("tenant", sa.String(50)), version=4, history=True
+        ),
+    )
+    with db_engine.connect() as connection:
+        assert migrations.check_job_tables(connection, models.ArchiveJob) == []
+    expected = sa.MetaData()
+    for model in (models.ArchiveJob, models.ArchiveJobHistory):
+        table: sa.Table = model.__table__  # type: ignore[assignment]
+        table.to_metadata(expected)
+    assert schema_differences(db_engine, expected) == []
+    with pytest.raises(ValueError, match="schema version 3 or 4"):
+        migrate(db_engine, lambda: migrations.add_history("other_jobs", version=5))

@@ -146,10 +146,10 @@ def deployment(fresh_database: FreshDatabase) -> Iterator[Deployment]:
             engines["owner"].begin() as connection,
             Operations.context(MigrationContext.configure(connection)),
         ):
-            migrations.create_job_table("email_jobs", version=3)
+            migrations.create_job_table("email_jobs", version=4)
             migrations.create_result_table("email_job_results")
             migrations.create_schedule_table("email_job_schedules")
-            migrations.create_job_table("invoice_jobs", version=3, history=True)
+            migrations.create_job_table("invoice_jobs", version=4, history=True)
         with engines["owner"].begin() as connection:
             assert migrations.check_job_tables(connection, EmailJob, InvoiceJob) == []
             for statement in _statements(deployed.sql("owner")):

@@ -40,15 +40,20 @@ from sqla_jobs.worker.table_version import table_version
 TABLE = "worker_jobs"
 V2 = "sqla_jobs.migrations.upgrade_job_table_to_v2('worker_jobs')"
 V3 = "sqla_jobs.migrations.upgrade_job_table_to_v3('worker_jobs')"
+V4 = "sqla_jobs.migrations.upgrade_job_table_to_v4('worker_jobs')"
 # What each older layout's refusal says, word for word (docs/operations/upgrading.md).
 REFUSALS = {
     1: (
         "job table 'worker_jobs' has the layout of schema version 1 and this worker needs "
-        f"version 3: upgrade it from an Alembic revision with {V2}, then {V3}"
+        f"version 4: upgrade it from an Alembic revision with {V2}, then {V3}, then {V4}"
     ),
     2: (
         "job table 'worker_jobs' has the layout of schema version 2 and this worker needs "
-        f"version 3: upgrade it from an Alembic revision with {V3}"
+        f"version 4: upgrade it from an Alembic revision with {V3}, then {V4}"
+    ),
+    3: (
+        "job table 'worker_jobs' has the layout of schema version 3 and this worker needs "
+        f"version 4: upgrade it from an Alembic revision with {V4}"
     ),
 }
 # The columns every schema version has: what the old workers wrote, compared before and after.
@@ -290,11 +295,13 @@ def test_a_version_1_table_is_refused_then_upgraded_and_drained_with_nothing_los
     }
     finished_results = results(db.engine)
     assert len(finished_results) == PER_KIND
-    assert_refused(db, tmp_path, 1, [V2, V3])
+    assert_refused(db, tmp_path, 1, [V2, V3, V4])
 
     migrate(db.engine, lambda: migrations.upgrade_job_table_to_v2(TABLE))
-    assert_refused(db, tmp_path, 2, [V3])  # half-way: the next helper only
+    assert_refused(db, tmp_path, 2, [V3, V4])  # half-way: the next helpers only
     migrate(db.engine, lambda: migrations.upgrade_job_table_to_v3(TABLE))
+    assert_refused(db, tmp_path, 3, [V4])
+    migrate(db.engine, lambda: migrations.upgrade_job_table_to_v4(TABLE))
 
     assert rows(db.engine) == before
     assert_current(db)
@@ -308,13 +315,16 @@ def test_a_version_2_table_is_refused_until_the_whole_version_3_upgrade_has_run(
     db = old_table
     before = rows(db.engine)
     finished_results = results(db.engine)
-    assert_refused(db, tmp_path, 2, [V3])
+    assert_refused(db, tmp_path, 2, [V3, V4])
 
     # One feature of version 3 alone (what an interrupted upgrade leaves): still refused,
-    # with the same helper, which runs again over what is already there.
+    # with the same helpers, which run again over what is already there.
     migrate(db.engine, lambda: migrations.add_unique_keys(TABLE))
-    assert_refused(db, tmp_path, 2, [V3])
+    assert_refused(db, tmp_path, 2, [V3, V4])
+    migrate(db.engine, lambda: migrations.add_job_control(TABLE))  # version 4's alone
+    assert_refused(db, tmp_path, 2, [V3, V4])
     migrate(db.engine, lambda: migrations.upgrade_job_table_to_v3(TABLE))
+    migrate(db.engine, lambda: migrations.upgrade_job_table_to_v4(TABLE))
 
     assert rows(db.engine) == before
     assert_current(db)
@@ -429,7 +439,8 @@ def test_the_version_is_told_by_the_mixins_columns_and_indexes_alone() -> None:
     columns = [c.name for c in model.columns]
     v3 = [n.pending_index, n.running_index, n.dead_index, n.unique_index]
     v3 += [n.keyed_pending_index, n.key_index]
-    assert table_version(table, columns, v3) == 3
+    assert table_version(table, columns, v3) == 4  # version 4 changed no index
+    assert table_version(table, [c for c in columns if c != "snoozes"], v3) == 3
     assert table_version(table, columns, [*v3, n.claim_index]) == 1  # the old index left over
     assert table_version(table, columns, v3[1:]) == 1  # no pending index
     assert table_version(table, [c for c in columns if c != "trace_context"], v3) == 2

@@ -55,6 +55,8 @@ from sqla_jobs._queries.claims import (
 )
 from sqla_jobs._queries.enqueueing import (
     CONTEXT_COLUMNS,
+    CONTROL_COLUMNS,
+    CONTROL_INPUTS,
     ENQUEUE_COLUMNS,
     MANAGED_COLUMNS,
     ORDERING_COLUMNS,
@@ -98,6 +100,8 @@ from sqla_jobs._queries.outcomes import (
 __all__ = [
     "CANCEL_PAYLOAD_PREFIX",
     "CONTEXT_COLUMNS",
+    "CONTROL_COLUMNS",
+    "CONTROL_INPUTS",
     "ENQUEUE_COLUMNS",
     "LOCKED_KEYS",
     "LOCKED_KEY_LIMITS",

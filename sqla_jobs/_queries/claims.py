@@ -110,6 +110,8 @@ def _start_attempts(
             table.c.lease_expires_at,
             # NULL unless the job was enqueued under a span: free on the wire and to decode.
             _json(table.c.trace_context, as_text=json_text),
+            # NULL unless the job has a time limit of its own (schema version 4).
+            table.c.time_limit,
         )
     )
 

@@ -52,6 +52,8 @@ MANAGED_COLUMNS: Final = frozenset(
         "created_at",
         "finished_at",
         "cancel_requested_at",
+        "snoozes",
+        "progress",
     }
 )
 
@@ -67,6 +69,13 @@ UNIQUE_COLUMNS: Final = frozenset({"unique_key", "unique_statuses"})
 #: The columns of ordering keys (schema version 3): an enqueuer sets them like its own
 #: columns, but they are the library's, not the model's.
 ORDERING_COLUMNS: Final = frozenset({"ordering_key", "key_limit"})
+
+#: The columns of job control (schema version 4): the job's own time limit, which an
+#: enqueuer sets like the ordering columns, and two the queue manages (in
+#: :data:`MANAGED_COLUMNS`): how often the job snoozed, and its latest progress.
+CONTROL_COLUMNS: Final = frozenset({"time_limit", "snoozes", "progress"})
+#: The columns of :data:`CONTROL_COLUMNS` an enqueuer may set.
+CONTROL_INPUTS: Final = frozenset({"time_limit"})
 
 
 def enqueue_columns(table: Table) -> tuple[str, ...]:

@@ -42,7 +42,12 @@ from sqla_jobs._queries._sql import (
     _now,
     _readable_time,
 )
-from sqla_jobs._queries.enqueueing import ENQUEUE_COLUMNS, ORDERING_COLUMNS, enqueue_columns
+from sqla_jobs._queries.enqueueing import (
+    CONTROL_INPUTS,
+    ENQUEUE_COLUMNS,
+    ORDERING_COLUMNS,
+    enqueue_columns,
+)
 from sqla_jobs._queries.rows import CompleteRow, DeleteRow, FailRow, FenceRow, LockRow
 from sqla_jobs._queries.run import Query
 from sqla_jobs.schema import JobStatus, names
@@ -422,7 +427,7 @@ def own_columns(table: Table) -> Select[Any]:
     own = [
         name
         for name in enqueue_columns(table)[len(ENQUEUE_COLUMNS) :]
-        if name not in ORDERING_COLUMNS
+        if name not in ORDERING_COLUMNS and name not in CONTROL_INPUTS
     ]
     return select(*(table.c[name] for name in own)).where(
         table.c.id == bindparam("job_id", type_=BigInteger)

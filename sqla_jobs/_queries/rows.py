@@ -15,7 +15,7 @@ statements) are read as their named tuple (``LockKeysRow(*row)``).
 from __future__ import annotations
 
 import operator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final, NamedTuple, TypeAlias
 
 __all__ = [
@@ -53,6 +53,7 @@ class ClaimRow(NamedTuple):
     run_at: datetime | None
     lease_expires_at: datetime | None
     trace_context: Any
+    time_limit: timedelta | None
 
 
 class CompleteRow(NamedTuple):

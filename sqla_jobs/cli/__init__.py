@@ -99,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error_line(exc: BaseException) -> str:
+    if isinstance(exc, SqlaJobsError):
+        # Ours, written to be read whole (a schema refusal names every helper to run): one
+        # line, never cut short as another library's message is.
+        return " ".join(str(exc).split())
     if isinstance(exc, DBAPIError) and exc.orig is not None:
         reason = describe(exc.orig)
         if exc.connection_invalidated or "connect" in reason.lower():

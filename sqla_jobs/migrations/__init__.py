@@ -22,7 +22,7 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
         jobs.create_job_table(
             "email_jobs",
             sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id")),
-            version=3,
+            version=4,
         )
         jobs.create_result_table("email_job_results")
 
@@ -31,7 +31,7 @@ partial claim index, the NOTIFY trigger and the storage parameters)::
         jobs.drop_result_table("email_job_results")
         jobs.drop_job_table("email_jobs")
 
-``version=3`` is the schema version to build: the one the mixins declare today. A table an
+``version=4`` is the schema version to build: the one the mixins declare today. A table an
 earlier revision built without it is version 1; a new revision upgrades it in place, with
 indexes built concurrently on the live table::
 
@@ -43,7 +43,8 @@ indexes built concurrently on the live table::
         jobs.downgrade_job_table_to_v1("email_jobs")
 
 A version-2 table becomes version 3 with each feature's in-place helper (the trace context:
-:func:`add_trace_context` / :func:`drop_trace_context`).
+:func:`add_trace_context` / :func:`drop_trace_context`), and a version-3 table version 4
+with :func:`upgrade_job_table_to_v4` (job control: :func:`add_job_control`).
 
 **Lease columns** (:class:`~sqla_jobs.LeaseMixin`) on a table of yours that already exists:
 :func:`add_lease_columns` / :func:`drop_lease_columns` from your revision. For a new table,
@@ -127,6 +128,12 @@ from sqla_jobs.migrations.v3 import (
     drop_unique_keys,
     upgrade_job_table_to_v3,
 )
+from sqla_jobs.migrations.v4 import (
+    add_job_control,
+    downgrade_job_table_to_v3,
+    drop_job_control,
+    upgrade_job_table_to_v4,
+)
 
 __all__ = [
     "LEASE_SCHEMA_VERSION",
@@ -137,6 +144,7 @@ __all__ = [
     "add_cancel",
     "add_dead_index",
     "add_history",
+    "add_job_control",
     "add_lease_columns",
     "add_ordering_keys",
     "add_trace_context",
@@ -153,11 +161,13 @@ __all__ = [
     "downgrade",
     "downgrade_job_table_to_v1",
     "downgrade_job_table_to_v2",
+    "downgrade_job_table_to_v3",
     "drop_cancel",
     "drop_claim_index",
     "drop_claim_indexes",
     "drop_dead_index",
     "drop_history",
+    "drop_job_control",
     "drop_job_table",
     "drop_lease_columns",
     "drop_lease_index",
@@ -171,5 +181,6 @@ __all__ = [
     "upgrade",
     "upgrade_job_table_to_v2",
     "upgrade_job_table_to_v3",
+    "upgrade_job_table_to_v4",
     "versions_path",
 ]

@@ -17,6 +17,7 @@ from sqla_jobs import _queries as statements
 from sqla_jobs import ddl
 from sqla_jobs.schema import names
 from sqla_jobs.schema.history import PARTITION_KEY, history_names, is_history_partition
+from sqla_jobs.worker import table_version
 from sqla_jobs.worker.table_version import helper_call, partial_indexes
 
 __all__ = ["check_claim_indexes", "check_job_tables", "include_name"]
@@ -214,7 +215,8 @@ def _history_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
     if declared is None or declared.info.get("sqla_jobs_history_of") != table.name:
         return []
     label = f"history table {n.table} of {table.fullname}"
-    fix = f"{helper_call('add_history', table)} (with your own columns)"
+    call = helper_call("add_history", table)  # of the version the mixins declare
+    fix = f"{call[:-1]}, version={table_version.SCHEMA_VERSION}) (with your own columns)"
     row = connection.execute(
         _HISTORY_SHAPE,
         {

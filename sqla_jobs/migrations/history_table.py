@@ -1,4 +1,4 @@
-"""The partitioned history table beside a version-3 job table (:mod:`sqla_jobs.history`)."""
+"""The partitioned history table beside a version-3 or 4 job table (:mod:`sqla_jobs.history`)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,19 @@ from sqla_jobs.migrations.v3 import (
     _trace_context_column,
     _unique_columns,
 )
+from sqla_jobs.migrations.v4 import _history_job_control_columns
 from sqla_jobs.schema.history import (
     PARTITION_KEY,
     RESULT_COLUMN,
+    SNOOZES_COLUMN,
     create_default_partition,
     history_names,
 )
 
 
-def _history_items(table_name: str, extra: tuple[SchemaItem, ...]) -> list[SchemaItem]:
+def _history_items(
+    table_name: str, extra: tuple[SchemaItem, ...], version: int
+) -> list[SchemaItem]:
     # Frozen copy of what sqla_jobs.history.history_table derives from a job model (schema
     # version 3): every job column, nullable as in the job table but id and finished_at,
     # without defaults, identity or foreign keys; then the result; the key (id, finished_at).
@@ -35,10 +39,18 @@ def _history_items(table_name: str, extra: tuple[SchemaItem, ...]) -> list[Schem
         *_ordering_key_columns(),
         _trace_context_column(),
     ]
+    if version >= 4:
+        v3_columns += _history_job_control_columns()
     for item in (*_job_table_items(table_name), *v3_columns, *extra):
         if isinstance(item, sa.Column):
             nullable = False if item.name in ("id", PARTITION_KEY) else item.nullable
-            columns.append(sa.Column(item.name, item.type, nullable=bool(nullable)))
+            # Without defaults, but the snooze count's (version 4; see history_table).
+            kept = item.server_default if item.name == SNOOZES_COLUMN else None
+            default = kept.arg if isinstance(kept, sa.DefaultClause) else None
+            assert default is None or isinstance(default, str | sa.TextClause)
+            columns.append(
+                sa.Column(item.name, item.type, nullable=bool(nullable), server_default=default)
+            )
     columns.append(sa.Column(RESULT_COLUMN, JSONB, nullable=True))
     columns.append(
         sa.PrimaryKeyConstraint("id", PARTITION_KEY, name=history_names(table_name).primary_key)
@@ -46,9 +58,12 @@ def _history_items(table_name: str, extra: tuple[SchemaItem, ...]) -> list[Schem
     return columns
 
 
-def add_history(table_name: str, *extra: SchemaItem, schema: str | None = None) -> sa.Table:
-    """Create the partitioned history table of job table ``table_name`` (schema version 3),
-    with its ``DEFAULT`` partition, for a model with ``partitioned_history = True``.
+def add_history(
+    table_name: str, *extra: SchemaItem, schema: str | None = None, version: int = 3
+) -> sa.Table:
+    """Create the partitioned history table of job table ``table_name`` (of schema
+    ``version`` 3, as when this helper was written, or 4: the job table's version), with its
+    ``DEFAULT`` partition, for a model with ``partitioned_history = True``.
 
     ``extra`` are the same columns of yours that the job table has (as given to
     :func:`create_job_table`; constraints and indexes among them are left out, and foreign
@@ -68,10 +83,12 @@ def add_history(table_name: str, *extra: SchemaItem, schema: str | None = None) 
         def downgrade() -> None:
             jobs.drop_history("email_jobs")
     """
+    if version not in (3, 4):
+        raise ValueError(f"a history table is of schema version 3 or 4, not {version!r}")
     n = history_names(table_name, schema)
     table = op.create_table(
         n.table,
-        *_history_items(table_name, extra),
+        *_history_items(table_name, extra, version),
         schema=schema,
         postgresql_partition_by=f"RANGE ({PARTITION_KEY})",
     )

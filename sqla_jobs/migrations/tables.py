@@ -3,7 +3,7 @@ table at any schema version, and the schedule table.
 
 Each helper renders one schema version of the tables, from a frozen copy kept in this package
 (one module per version: :mod:`~sqla_jobs.migrations.v1`, :mod:`~sqla_jobs.migrations.v2`,
-:mod:`~sqla_jobs.migrations.v3`; the history table in
+:mod:`~sqla_jobs.migrations.v3`, :mod:`~sqla_jobs.migrations.v4`; the history table in
 :mod:`~sqla_jobs.migrations.history_table`, the lease columns in
 :mod:`~sqla_jobs.migrations.leases`), never from your live models: a revision must build
 the same tables next year as it does today.
@@ -22,7 +22,7 @@ Schema versions:
    with the jobs in flight. :func:`create_job_table` builds it with ``version=2``; a
    version-1 table is upgraded in place, on a live table, by
    :func:`upgrade_job_table_to_v2`.
-3. (What :class:`~sqla_jobs.schema.JobMixin` declares today.) Version 2 plus unique jobs:
+3. Version 2 plus unique jobs:
    the nullable columns ``unique_key`` and ``unique_statuses`` and the partial unique index
    ``(unique_key) WHERE unique_key IS NOT NULL AND status = ANY (unique_statuses)``
    (:func:`add_unique_keys`); cancel: a nullable ``cancel_requested_at`` column (when
@@ -47,6 +47,14 @@ Schema versions:
    (:mod:`sqla_jobs.history`): :func:`add_history` creates it, on a new table
    (``create_job_table(..., version=3, history=True)``) or beside a live version-2 or 3
    table without touching it, and :func:`drop_history` drops it.
+
+4. (What :class:`~sqla_jobs.schema.JobMixin` declares today.) Version 3 plus job control:
+   the nullable ``time_limit`` interval (a job's own time limit), ``snoozes integer NOT NULL
+   DEFAULT 0`` (how often it snoozed) and the nullable ``progress`` JSONB (its handler's
+   latest progress), on the job table and its history table (:func:`add_job_control`, in
+   :mod:`~sqla_jobs.migrations.v4`). :func:`create_job_table` builds it with ``version=4``;
+   :func:`upgrade_job_table_to_v4` upgrades a live version-3 table without a rewrite, and
+   :func:`downgrade_job_table_to_v3` undoes it.
 
 The result table has not changed since version 1. The schedule table of periodic jobs
 (:class:`~sqla_jobs.schema.ScheduleMixin`) is made by :func:`create_schedule_table`.
@@ -78,6 +86,7 @@ from sqla_jobs.migrations.v3 import (
     _unique_columns,
     create_claim_indexes,
 )
+from sqla_jobs.migrations.v4 import _job_control_columns
 from sqla_jobs.schema import names
 from sqla_jobs.schema.history import history_names
 from sqla_jobs.worker import table_version
@@ -98,10 +107,10 @@ def create_job_table(
     """Create a job table with its claim index(es), storage parameters and NOTIFY trigger.
 
     ``version`` is the schema version to build (see the module's docstring): a new revision
-    passes ``version=3``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
+    passes ``version=4``, the version :class:`~sqla_jobs.schema.JobMixin` declares. Without
     it the table is version 1, as it was when the revisions already written called this
     helper; upgrade such a table with :func:`upgrade_job_table_to_v2`, then
-    :func:`upgrade_job_table_to_v3`.
+    :func:`upgrade_job_table_to_v3` and :func:`upgrade_job_table_to_v4`.
 
     ``extra`` are your model's own columns and constraints (``sa.Column``,
     ``sa.ForeignKeyConstraint``, ``sa.Index``, ...), added after the job columns.
@@ -121,7 +130,7 @@ def create_job_table(
             jobs.create_job_table(
                 "email_jobs",
                 sa.Column("order_id", sa.Integer, sa.ForeignKey("orders.id")),
-                version=3,
+                version=4,
             )
             jobs.create_result_table("email_job_results")
 
@@ -129,21 +138,24 @@ def create_job_table(
             jobs.drop_result_table("email_job_results")
             jobs.drop_job_table("email_jobs")
     """
-    if version not in (1, 2, 3):
-        raise ValueError(f"schema version must be 1, 2 or 3, not {version!r}")
+    if version not in (1, 2, 3, 4):
+        raise ValueError(f"schema version must be 1, 2, 3 or 4, not {version!r}")
     if history and version < 3:
-        raise ValueError("history=True needs version=3 (the partitioned history)")
+        raise ValueError("history=True needs version=3 or 4 (the partitioned history)")
     items = _job_table_items(table_name)
     if version >= 3:
         items += _unique_columns()
         items.append(_cancel_column())
         items += _ordering_key_columns()
         items.append(_trace_context_column())
+    if version >= 4:
+        items += _job_control_columns()
     table = op.create_table(table_name, *items, *extra, schema=schema)
     if version == 1:
         create_claim_index(table_name, schema=schema)
     else:
-        create_claim_indexes(table_name, schema=schema, version=version)
+        # Version 4 changed no index: its claim indexes are version 3's.
+        create_claim_indexes(table_name, schema=schema, version=min(version, 3))
     if version >= 3:
         _create_index(
             names(table_name).dead_index,
@@ -158,7 +170,7 @@ def create_job_table(
     if notify:
         create_notify_trigger(table_name, schema=schema)
     if history:
-        add_history(table_name, *extra, schema=schema)
+        add_history(table_name, *extra, schema=schema, version=version)
     return table
 
 

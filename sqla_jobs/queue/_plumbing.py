@@ -77,6 +77,9 @@ class ClaimedJob(NamedTuple):
     lease_expires_at: datetime
     #: The enqueuer's trace context (schema version 3), or None; see :mod:`sqla_jobs.tracing`.
     trace_context: dict[str, str] | None = None
+    #: The job's own time limit (schema version 4), or None for its task's
+    #: (:class:`~sqla_jobs.Task`'s ``time_limit``; a worker enforces the two).
+    time_limit: timedelta | None = None
 
     @property
     def is_last_attempt(self) -> bool:

@@ -20,7 +20,7 @@ the migration helpers use too, so a model and its migration always agree.
 from __future__ import annotations
 
 import enum
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
@@ -31,6 +31,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    Interval,
     SmallInteger,
     String,
     Table,
@@ -250,6 +251,18 @@ class JobMixin:
     # the OpenTelemetry propagator writes them), or NULL; set at insert (sqla_jobs.tracing).
     trace_context: Mapped[dict[str, str] | None] = mapped_column(
         # (JSONB's constructor is untyped in SQLAlchemy 2.0.30, the lowest version.)
+        JSONB(none_as_null=True),  # type: ignore[no-untyped-call, unused-ignore]
+        server_default=FetchedValue(),
+    )
+
+    # Schema version 4 (job control). The job's own time limit, NULL for its task's
+    # (sqla_jobs.Task's time_limit; none when neither has one). FetchedValue(), as above.
+    time_limit: Mapped[timedelta | None] = mapped_column(Interval, server_default=FetchedValue())
+    # How many times the job snoozed (sqla_jobs.Snooze: run again later, no attempt spent).
+    snoozes: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # The latest progress its running handler reported (ctx.report_progress): {"value": a
+    # number, "message": text, "at": database time}, or NULL. Kept once the job ends.
+    progress: Mapped[dict[str, Any] | None] = mapped_column(
         JSONB(none_as_null=True),  # type: ignore[no-untyped-call, unused-ignore]
         server_default=FetchedValue(),
     )

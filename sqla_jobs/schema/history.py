@@ -32,7 +32,16 @@ from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta, timezone
 from typing import Any, Final
 
-from sqlalchemy import Column, Index, PrimaryKeyConstraint, Table, event, text
+from sqlalchemy import (
+    Column,
+    DefaultClause,
+    Index,
+    PrimaryKeyConstraint,
+    Table,
+    TextClause,
+    event,
+    text,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapper
 
@@ -128,6 +137,10 @@ def has_history(model: type[Any]) -> bool:
     return bool(getattr(model, "partitioned_history", False))
 
 
+#: The one job column whose server default the history keeps (see :func:`history_table`).
+SNOOZES_COLUMN: Final = "snoozes"
+
+
 def history_table(model: type[Any] | Table) -> Table:
     """The history table of a job model (or job table), in the job table's ``MetaData``.
 
@@ -146,7 +159,20 @@ def history_table(model: type[Any] | Table) -> Table:
     columns: list[Any] = []
     for column in job.columns:
         nullable = False if column.name in ("id", PARTITION_KEY) else column.nullable
-        columns.append(Column(column.name, column.type, nullable=bool(nullable), key=column.key))
+        # No defaults (the rows are copies), but for the snooze count of schema version 4,
+        # a NOT NULL column that a row written by hand (of an older version) leaves out.
+        kept = column.server_default if column.name == SNOOZES_COLUMN else None
+        default = kept.arg if isinstance(kept, DefaultClause) else None
+        assert default is None or isinstance(default, str | TextClause)
+        columns.append(
+            Column(
+                column.name,
+                column.type,
+                nullable=bool(nullable),
+                key=column.key,
+                server_default=default,
+            )
+        )
     if RESULT_COLUMN in job.columns:
         raise ConfigurationError(
             f"{job.name} has a column named {RESULT_COLUMN!r}, which its history table needs "

@@ -1,6 +1,6 @@
 """The job table's schema version, which the worker checks at start.
 
-This worker reads and writes every column of schema version 3 (what
+This worker reads and writes every column of schema version 4 (what
 :class:`~sqla_jobs.schema.JobMixin` declares), and its claims expect that version's partial
 indexes. On an older table its first claim would fail on a missing column, and go on failing
 between retries. So before it claims anything, :meth:`Worker.run()
@@ -14,10 +14,12 @@ The layouts, as told apart here (:mod:`sqla_jobs.migrations.tables` describes ea
 1. The version-1 claim index (``names(table).claim_index``) is there, or the pending or the
    running index of version 2 is not: :func:`~sqla_jobs.migrations.upgrade_job_table_to_v2`,
    then :func:`~sqla_jobs.migrations.upgrade_job_table_to_v3`.
-2. Those are right, but a column or a partial index of the mixin is missing (the ones
-   version 3 adds; or a version-3 upgrade that was interrupted):
-   :func:`~sqla_jobs.migrations.upgrade_job_table_to_v3`, which can run again.
-3. Everything the mixin declares is there.
+2. Those are right, but a column or a partial index of version 3 is missing (or a version-3
+   upgrade was interrupted): :func:`~sqla_jobs.migrations.upgrade_job_table_to_v3`, which
+   can run again, then :func:`~sqla_jobs.migrations.upgrade_job_table_to_v4`.
+3. Everything of version 3 is there, but a column version 4 adds is not:
+   :func:`~sqla_jobs.migrations.upgrade_job_table_to_v4`.
+4. Everything the mixin declares is there.
 
 The partial indexes are the model's indexes with a ``postgresql_where``
 (:func:`partial_indexes`, the ones :func:`sqla_jobs.migrations.check_claim_indexes`
@@ -48,12 +50,16 @@ __all__ = [
     "upgrade_calls",
 ]
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 """The schema version of the job table that this version of sqla_jobs declares and needs."""
 
 # The helpers of sqla_jobs.migrations that each upgrade a table by one schema version: the
 # version they bring it to, and the helper.
-_UPGRADES: Final = ((2, "upgrade_job_table_to_v2"), (3, "upgrade_job_table_to_v3"))
+_UPGRADES: Final = (
+    (2, "upgrade_job_table_to_v2"),
+    (3, "upgrade_job_table_to_v3"),
+    (4, "upgrade_job_table_to_v4"),
+)
 
 # Every column JobMixin declares (the model's own columns are the application's business).
 _MIXIN_COLUMNS: Final = (
@@ -63,6 +69,8 @@ _MIXIN_COLUMNS: Final = (
     | statements.ORDERING_COLUMNS
     | statements.CONTEXT_COLUMNS
 )
+# The columns version 4 adds (job control); a table with everything else is version 3.
+_V4_COLUMNS: Final = frozenset(statements.CONTROL_COLUMNS)
 
 
 def partial_indexes(table: Table) -> list[str]:
@@ -78,8 +86,8 @@ def partial_indexes(table: Table) -> list[str]:
 
 def table_version(table: Table, columns: Collection[str], indexes: Collection[str]) -> int:
     """The schema version of the job table of the model whose table is ``table``, from the
-    ``columns`` and valid ``indexes`` that :func:`~sqla_jobs._queries.table_layout` found: 1, 2 or
-    :data:`SCHEMA_VERSION` (see the module's docstring)."""
+    ``columns`` and valid ``indexes`` that :func:`~sqla_jobs._queries.table_layout` found:
+    1, 2, 3 or :data:`SCHEMA_VERSION` (see the module's docstring)."""
     n = names(table.name)
     found = frozenset(indexes)
     if n.claim_index in found or not {n.pending_index, n.running_index} <= found:
@@ -89,9 +97,10 @@ def table_version(table: Table, columns: Collection[str], indexes: Collection[st
     wanted_columns = _MIXIN_COLUMNS.intersection(c.name for c in table.columns)
     ours = {getattr(n, f.name) for f in fields(n) if f.name.endswith("_index")}
     wanted_indexes = ours.intersection(partial_indexes(table))
-    if wanted_columns <= frozenset(columns) and wanted_indexes <= found:
-        return SCHEMA_VERSION
-    return 2
+    present = frozenset(columns)
+    if not wanted_indexes <= found or not wanted_columns - _V4_COLUMNS <= present:
+        return 2
+    return SCHEMA_VERSION if wanted_columns <= present else 3
 
 
 def helper_call(helper: str, table: Table) -> str:
