@@ -8,23 +8,47 @@ is the application's side (tasks and their options); the registry re-exports it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from sqla_jobs.errors import ConfigurationError, JobCancelledError
+from sqla_jobs.errors import ConfigurationError, JobCancelledError, JobTimeoutError, SqlaJobsError
 from sqla_jobs.queue import ClaimedJob, job_columns
+from sqla_jobs.validation import check_snooze_delay
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import Session
 
-__all__ = ["CancelFlag", "ColumnLoader", "JobContext"]
+__all__ = ["CancelFlag", "ColumnLoader", "JobContext", "Snooze"]
+
+
+class Snooze(SqlaJobsError):
+    """Raise it from a handler (or return it) to run the job again after ``delay`` without
+    spending an attempt: ``raise Snooze(30)`` or ``return Snooze(timedelta(minutes=5))``.
+
+    The attempt ends with the job pending again at the database's ``now() + delay``; its
+    ``max_attempts`` grows by one instead of its attempt count shrinking (every attempt
+    keeps a fence of its own), and its ``snoozes`` count by one. A job that snoozed
+    :data:`~sqla_jobs.validation.MAX_SNOOZES` times fails the attempt instead, with an error
+    that says so. ``delay``: a ``timedelta`` or seconds, positive, at most
+    :data:`~sqla_jobs.validation.MAX_SNOOZE_SECONDS`; a bad one raises
+    :class:`~sqla_jobs.errors.InvalidJobError` here, in the handler, which fails the
+    attempt. In lock mode the handler's writes roll back, as for an error; a cancel
+    requested wins over a snooze.
+    """
+
+    def __init__(self, delay: timedelta | float) -> None:
+        self.delay: timedelta = check_snooze_delay("delay", delay)
+        super().__init__(f"snooze for {self.delay.total_seconds():g} seconds")
 
 
 class CancelFlag(Protocol):
-    """Where a :class:`JobContext` reads whether its job's cancel was requested (the
-    worker's attempt: it sets ``cancel_requested`` when it hears of the request)."""
+    """Where a :class:`JobContext` reads whether its handler should stop (the worker's
+    attempt): ``cancel_requested`` once the worker heard of a cancel request, ``timed_out``
+    once the attempt ran past its time limit."""
 
     cancel_requested: bool
+    timed_out: bool
 
 
 class ColumnLoader(Protocol):
@@ -95,14 +119,24 @@ class JobContext:
 
     @property
     def cancelled(self) -> bool:
-        """Whether this job's cancel was requested (see the class docstring)."""
-        return self._cancel is not None and self._cancel.cancel_requested
+        """Whether the handler should stop: this job's cancel was requested, or the attempt
+        ran past its time limit (see the class docstring)."""
+        flag = self._cancel
+        return flag is not None and (flag.cancel_requested or flag.timed_out)
 
     def raise_if_cancelled(self) -> None:
         """Raise :class:`~sqla_jobs.errors.JobCancelledError` if this job's cancel was
-        requested; call it between the steps of a long handler and let it propagate."""
-        if self._cancel is not None and self._cancel.cancel_requested:
+        requested, :class:`~sqla_jobs.errors.JobTimeoutError` if the attempt ran past its
+        time limit; call it between the steps of a long handler and let it propagate."""
+        flag = self._cancel
+        if flag is None:
+            return
+        if flag.cancel_requested:
             raise JobCancelledError(f"job {self.job.id} was cancelled while it ran")
+        if flag.timed_out:
+            raise JobTimeoutError(
+                f"job {self.job.id} attempt {self.job.attempt} ran past its time limit"
+            )
 
     @property
     def columns(self) -> dict[str, Any]:

@@ -38,6 +38,7 @@ __all__ = [
     "JobCancelledError",
     "JobNotFoundError",
     "JobStateError",
+    "JobTimeoutError",
     "LeaseLostError",
     "ScheduleError",
     "SchemaVersionError",
@@ -137,6 +138,16 @@ class JobCancelledError(SqlaJobsError):
     <sqla_jobs.JobContext.raise_if_cancelled>` once :func:`sqla_jobs.cancel` asked for the
     running job to stop. The worker ends the job ``cancelled`` (in lock mode, the handler's
     writes roll back), whatever the handler does next: catching it changes nothing.
+    """
+
+
+class JobTimeoutError(SqlaJobsError, TimeoutError):
+    """The attempt ran past its time limit (a task's or a job's ``time_limit``).
+
+    The worker fails the attempt with it at the limit (retried or dead by the task's retry
+    policy and ``max_attempts``), whatever the handler does next: a coroutine handler is
+    cancelled, and a thread handler that calls :meth:`JobContext.raise_if_cancelled
+    <sqla_jobs.JobContext.raise_if_cancelled>` gets it raised there.
     """
 
 

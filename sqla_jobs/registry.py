@@ -124,6 +124,12 @@ class TaskOptions(TypedDict, total=False):
     ``key_limit``
         How many of its jobs with one ordering key may be in progress at once (stamped on
         each job that has a key; without it, 1).
+    ``time_limit``
+        How long one attempt may run (a ``timedelta`` or seconds, at most a week): at the
+        limit the attempt fails with a :class:`~sqla_jobs.errors.JobTimeoutError` (retried
+        or dead by ``retry`` and ``max_attempts``), a coroutine handler is cancelled, and a
+        thread handler is told (``ctx.cancelled``, ``ctx.raise_if_cancelled()``). A job's
+        own ``time_limit`` column, when set, takes its place. Default: none.
     """
 
     name: str | None
@@ -135,6 +141,7 @@ class TaskOptions(TypedDict, total=False):
     priority: int | None
     schedule: Schedule | None
     key_limit: int | None
+    time_limit: timedelta | float | None
 
 
 def _check_option_names(options: Mapping[str, object]) -> None:
@@ -212,6 +219,13 @@ class Task(Generic[_R]):
             None
             if key_limit is None
             else _option(validation.check_key_limit, "key_limit", key_limit)
+        )
+        time_limit = options.get("time_limit")
+        #: How long one attempt may run, unless its job has a limit of its own; or None.
+        self.time_limit: timedelta | None = (
+            None
+            if time_limit is None
+            else _option(validation.check_time_limit, "time_limit", time_limit)
         )
 
     def __call__(self, ctx: JobContext) -> _R:

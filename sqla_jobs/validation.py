@@ -31,6 +31,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "MAX_QUEUE_LIMIT",
     "MAX_SNOOZES",
+    "MAX_SNOOZE_SECONDS",
     "MAX_TIME_LIMIT_SECONDS",
     "MAX_TRACE_ENTRIES",
     "MAX_TRACE_VALUE_LENGTH",
@@ -50,6 +51,7 @@ __all__ = [
     "check_priority",
     "check_queue_limits",
     "check_run_at",
+    "check_snooze_delay",
     "check_time_limit",
     "check_trace_context",
     "checked_args",
@@ -74,7 +76,9 @@ MAX_DURATION_SECONDS = 100 * 365 * 86_400
 MAX_TIME_LIMIT_SECONDS = 7 * 86_400
 #: The most times one job may snooze (:class:`~sqla_jobs.Snooze`) before the next snooze
 #: fails its attempt instead: a job cannot snooze forever unnoticed.
-MAX_SNOOZES = 1_000
+MAX_SNOOZES = 100
+#: The longest one snooze may be (a year).
+MAX_SNOOZE_SECONDS = 366 * 86_400
 #: The deepest nesting of arrays and objects in job arguments and stored results. Python's
 #: json reads a value by recursion, a frame per level, under the interpreter's recursion
 #: limit (1,000, less what the reading thread's stack holds already): a worker must always
@@ -424,6 +428,21 @@ JOB_FIELDS: Final = frozenset(
         "time_limit",
     }
 )
+
+
+def check_snooze_delay(field: str, value: object) -> timedelta:
+    """A snooze's delay: a positive ``timedelta`` or number of seconds, at most
+    :data:`MAX_SNOOZE_SECONDS` (a year)."""
+    if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
+        raise InvalidJobError(
+            field, f"must be a timedelta or a number of seconds, not {type(value).__name__}"
+        )
+    delay = check_duration(field, value)
+    if delay.total_seconds() > MAX_SNOOZE_SECONDS:
+        raise InvalidJobError(
+            field, f"must be at most {MAX_SNOOZE_SECONDS:,} seconds (a year), got {value!r}"
+        )
+    return delay
 
 
 def check_time_limit(field: str, value: object) -> timedelta:

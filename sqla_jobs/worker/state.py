@@ -126,6 +126,12 @@ class Attempt:
     # By the event loop's thread: the asyncio task awaiting a coroutine handler, which a
     # cancel request cancels.
     aio_task: asyncio.Task[Any] | None = None
+    # Under State.lock, by State.time_out only (read without it, like cancel_requested): the
+    # attempt ran past its time limit. JobContext.cancelled reads it.
+    timed_out: bool = False
+    # Monotonic: when its handler must have ended (its time limit from its start), or 0.0
+    # for none. Written by State.start.
+    deadline: float = 0.0
 
     @property
     def key(self) -> tuple[int, int]:
