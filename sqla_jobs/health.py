@@ -28,7 +28,7 @@ from sqla_jobs._queries.admin import OLDEST_XMIN, STATEMENT_TIMEOUT, TABLE_STATS
 from sqla_jobs._queries.history import DATABASE_NOW
 from sqla_jobs.errors import InvalidThresholdError
 from sqla_jobs.events import describe
-from sqla_jobs.queue import Executor, queue_stats
+from sqla_jobs.queue import Executor, paused_queues, queue_stats
 from sqla_jobs.schema import JobMixin, JobStatus
 
 __all__ = [
@@ -51,7 +51,9 @@ MAX_AGE: Final = 3600.0
 @dataclass(frozen=True, slots=True)
 class QueueGauges:
     """One queue's live jobs. ``oldest_runnable_seconds``: how long the oldest pending job
-    whose ``run_at`` has come has waited since (None when none has)."""
+    whose ``run_at`` has come has waited since (None when none has). ``paused``: the queue
+    is paused (:func:`sqla_jobs.pause_queue`), for ``paused_seconds``: its runnable jobs
+    wait for the resume (a paused queue with no job is listed too)."""
 
     queue: str
     pending: int = 0
@@ -60,6 +62,8 @@ class QueueGauges:
     expired_leases: int = 0
     dead: int = 0
     oldest_runnable_seconds: float | None = None
+    paused: bool = False
+    paused_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +134,11 @@ class Gauges:
         return sum(q.dead for q in self.queues)
 
     @property
+    def paused(self) -> tuple[str, ...]:
+        """The paused queues, by name."""
+        return tuple(q.queue for q in self.queues if q.paused)
+
+    @property
     def oldest_runnable_seconds(self) -> float | None:
         ages = [q.oldest_runnable_seconds for q in self.queues]
         known = [age for age in ages if age is not None]
@@ -152,9 +161,10 @@ def _float(value: Any) -> float | None:
 def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
     """Read every health gauge of ``model``'s job table, in the caller's transaction.
 
-    Four statements, none of which reads the finished history: :func:`~sqla_jobs.queue_stats`
+    Five statements, none of which reads the finished history: :func:`~sqla_jobs.queue_stats`
     (the pending, running and dead partial indexes, and the history's dead index for a model
-    with ``partitioned_history``), :func:`sqla_jobs._queries.table_stats`
+    with ``partitioned_history``), :func:`~sqla_jobs.paused_queues` (the pause table),
+    :func:`sqla_jobs._queries.table_stats`
     (statistics and catalog), :func:`sqla_jobs._queries.oldest_xmin` (``pg_stat_activity``,
     ``pg_prepared_xacts``, ``pg_replication_slots``) and the database's clock. Takes no lock.
     """
@@ -170,6 +180,9 @@ def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
             queue["expired_leases"] = stat.expired_leases
         elif stat.status is JobStatus.DEAD:
             queue["dead"] = stat.count
+    for pause in paused_queues(session, model):
+        queue = counts.setdefault(pause.queue, {"queue": pause.queue})
+        queue["paused"], queue["paused_seconds"] = True, pause.paused_seconds
     table = model.__table__  # type: ignore[attr-defined]
     (row,) = TABLE_STATS.rows(session, table, {})
     holders: dict[str, XminHolder] = {}

@@ -43,6 +43,7 @@ from sqla_jobs._queries.rows import ClaimRow
 from sqla_jobs._queries.run import Query, json_text_on_asyncpg
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
+from sqla_jobs.schema.pauses import pause_table
 
 # -- the plain claim -----------------------------------------------------------------------
 
@@ -161,6 +162,11 @@ def claim(
     requested is made ``cancelled`` (:func:`_cancel_requested`): callers must hand out only
     the rows whose status is ``running``.
 
+    Paused queues (:func:`sqla_jobs.pause_queue`: a row in the table's pause table,
+    :func:`~sqla_jobs.schema.pauses.pause_table`) are not read: neither their pending jobs
+    nor their expired leases are claimed, and jobs running in them go on. One probe of the
+    pause table's primary key per queue served, made before that queue's index is read.
+
     ``limited`` (one queue, whose limit is ``:queue_slots`` and whose lock this transaction
     holds, :func:`lock_queues`): at most the queue's free slots are claimed
     (:func:`limited_count`, counted in this statement).
@@ -185,6 +191,14 @@ def claim(
         )
         queue = queues.c.name
     columns = (table.c.id, table.c.priority, table.c.run_at)
+    # A paused queue (a row in the pause table) is not read: a probe of the pause table's
+    # primary key per queue served, before its index is read or a row locked. One queue:
+    # a one-time filter of each read (it names the queue, not the job); several: a filter
+    # of the queue array, so the lateral reads run only for the queues not paused.
+    pauses = pause_table(table)
+    paused = select(pauses.c.queue).where(pauses.c.queue == queue)
+    not_paused = ~(paused if queues is None else paused.correlate(queues)).exists()
+    in_reads = [not_paused] if queues is None else []
     pending_jobs = (
         select(*columns)
         .where(
@@ -192,6 +206,7 @@ def claim(
             table.c.ordering_key.is_(None),
             table.c.queue == queue,
             table.c.run_at <= now,
+            *in_reads,
         )
         .order_by(table.c.priority, table.c.run_at, table.c.id)
     )
@@ -203,6 +218,7 @@ def claim(
             table.c.lease_expires_at <= now,
             table.c.run_at <= now,
             table.c.ordering_key.is_(None),
+            *in_reads,
         )
         .order_by(table.c.lease_expires_at)
     )
@@ -217,7 +233,9 @@ def claim(
     candidates: Any = union_all(*branches).subquery("candidate")
     if queues is not None:
         candidates = candidates.lateral("candidate")
-        chosen = select(candidates.c.id).select_from(queues).join(candidates, true())
+        chosen = (
+            select(candidates.c.id).select_from(queues).join(candidates, true()).where(not_paused)
+        )
     else:
         chosen = select(candidates.c.id)
     if limited:

@@ -32,6 +32,7 @@ from sqla_jobs._queries.rows import ClaimRow, LockKeysRow, WalkKeysRow
 from sqla_jobs._queries.run import Query, json_text_on_asyncpg
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
+from sqla_jobs.schema.pauses import paused_predicate
 
 # -- the keyed claim -------------------------------------
 
@@ -144,6 +145,9 @@ def lock_keys(table: Table, *, rows: int, queue_count: int, limited: bool = Fals
         )
         queue = "q.name"
         served_by = bindparam("queue_names", type_=ARRAY(Text))
+    # A paused queue's keys are not read (a one-time filter of each read: it names the
+    # queue, not the job), so none of them is locked.
+    paused = paused_predicate(table, queue)
     # The CASE makes the cut come first: no key past it is locked. ``got`` is evaluated
     # once per key (a subquery with a volatile function in its select list is not pulled
     # up); ``full`` counts every key in line, locked or not: a claim whose keys in line are
@@ -167,12 +171,13 @@ FROM (
                 (SELECT {columns} FROM {t} AS j
                  WHERE j.status = '{pending}' AND j.ordering_key IS NOT NULL
                    AND j.queue = {queue} AND j.run_at <= statement_timestamp()
+                   AND NOT {paused}
                  ORDER BY j.priority, j.run_at, j.id LIMIT {limit})
                 UNION ALL
                 (SELECT {columns} FROM {t} AS j
                  WHERE j.status = '{running}' AND j.queue = {queue}
                    AND j.lease_expires_at <= statement_timestamp()
-                   AND j.ordering_key IS NOT NULL
+                   AND j.ordering_key IS NOT NULL AND NOT {paused}
                  ORDER BY j.lease_expires_at LIMIT {limit})
             ) AS u
         ) AS c
@@ -257,11 +262,18 @@ def walk_keys(table: Table, *, rows: int, queue_count: int, busy: bool = False) 
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
     served_by: BindParameter[Any]
+    # The queues walked: those served that are not paused.
     if queue_count == 1:
-        served = "SELECT CAST(:queue_name AS text) AS name"
+        served = (
+            "SELECT CAST(:queue_name AS text) AS name "
+            f"WHERE NOT {paused_predicate(table, ':queue_name')}"
+        )
         served_by = bindparam("queue_name", type_=Text)
     else:
-        served = "SELECT q.name FROM unnest(CAST(:queue_names AS text[])) AS q (name)"
+        served = (
+            "SELECT q.name FROM unnest(CAST(:queue_names AS text[])) AS q (name) "
+            f"WHERE NOT {paused_predicate(table, 'q.name')}"
+        )
         served_by = bindparam("queue_names", type_=ARRAY(Text))
 
     def runnable(queue: str) -> str:
@@ -387,8 +399,9 @@ def claim_keyed(table: Table, *, limited: bool = False, json_text: bool = False)
     jobs (``attempts = 0``, ``run_at`` reached; a job scheduled later blocks nobody) in
     ``(priority, run_at, id)`` order. A job in line at place ``p`` may start when ``in
     progress + p <= its key_limit`` (NULL: 1, one at a time). A job in line that this claim
-    does not serve (another queue) or cannot lock keeps its place: no job behind it is
-    taken instead. The chosen jobs of all keys are claimed best first, ``:limit`` at most.
+    does not serve (another queue, or a paused one) or cannot lock keeps its place: no job
+    behind it is taken instead. The chosen jobs of all keys are claimed best first,
+    ``:limit`` at most.
 
     Why it is exact: a key's jobs change from pending to running only in a claim that holds
     the key's lock, and this statement's snapshot was taken after the lock was granted, so it
@@ -470,7 +483,7 @@ def claim_keyed(table: Table, *, limited: bool = False, json_text: bool = False)
 ), chosen AS (
     SELECT r.row FROM ranked AS r
     WHERE r.stage IS NOT NULL AND r.held + r.place <= coalesce(r.key_limit, 1)
-      AND r.queue = ANY (CAST(:queue_names AS text[]))
+      AND r.queue = ANY (CAST(:queue_names AS text[])) AND NOT {paused_predicate(table, "r.queue")}
     ORDER BY r.priority, r.run_at, r.id
     LIMIT {limited_count(table) if limited else ":limit"}
 )

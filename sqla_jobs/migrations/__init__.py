@@ -96,6 +96,7 @@ from sqla_jobs.migrations.leases import (
     drop_lease_columns,
     drop_lease_index,
 )
+from sqla_jobs.migrations.pauses import create_pause_table, drop_pause_table
 from sqla_jobs.migrations.tables import (
     SCHEMA_VERSION,
     create_job_table,
@@ -156,6 +157,7 @@ __all__ = [
     "create_job_table",
     "create_lease_index",
     "create_notify_trigger",
+    "create_pause_table",
     "create_result_table",
     "create_schedule_table",
     "downgrade",
@@ -173,6 +175,7 @@ __all__ = [
     "drop_lease_index",
     "drop_notify_trigger",
     "drop_ordering_keys",
+    "drop_pause_table",
     "drop_result_table",
     "drop_schedule_table",
     "drop_trace_context",

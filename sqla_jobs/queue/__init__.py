@@ -83,6 +83,7 @@ from sqla_jobs.queue.outcomes import (
     release,
     storable_text,
 )
+from sqla_jobs.queue.pausing import QueuePause, pause_queue, paused_queues, resume_queue
 
 __all__ = [
     "DEFAULT_ENQUEUE_CHUNK",
@@ -99,6 +100,7 @@ __all__ = [
     "Enqueued",
     "Executor",
     "FailOutcome",
+    "QueuePause",
     "QueueStat",
     "UnreadableJson",
     "cancel",
@@ -122,11 +124,14 @@ __all__ = [
     "lock",
     "lock_one",
     "lock_started",
+    "pause_queue",
+    "paused_queues",
     "prune",
     "queue_stats",
     "readable_jsonb",
     "readable_values",
     "release",
+    "resume_queue",
     "retry",
     "storable_text",
     "unique_key_of",
