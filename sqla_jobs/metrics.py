@@ -66,15 +66,17 @@ class LabelValues:
 
 class WorkerMetrics(Observer):
     """The worker's events as Prometheus metrics in ``registry`` (a new one by default);
-    ``in_flight`` gives the attempts the worker holds, ``gauges`` the health gauges,
-    ``labels`` the task and queue names that get label values of their own (see
-    :class:`LabelValues`; the others are counted as :data:`OTHER`)."""
+    ``in_flight`` gives the attempts the worker holds, ``overrunning`` the handlers still
+    running past their time limits (``(job id, seconds past the limit)`` each), ``gauges``
+    the health gauges, ``labels`` the task and queue names that get label values of their
+    own (see :class:`LabelValues`; the others are counted as :data:`OTHER`)."""
 
     def __init__(
         self,
         registry: CollectorRegistry | None = None,
         *,
         in_flight: Callable[[], int] | None = None,
+        overrunning: Callable[[], Sequence[tuple[int, float]]] | None = None,
         gauges: GaugeCache | None = None,
         labels: LabelValues | None = None,
     ) -> None:
@@ -100,6 +102,10 @@ class WorkerMetrics(Observer):
             ),
             "lost": counter(
                 "sqla_jobs_attempts_lost", "Attempts fenced out: their lease was taken over."
+            ),
+            "snoozed": counter(
+                "sqla_jobs_jobs_snoozed",
+                "Attempts that snoozed (sqla_jobs.Snooze: run again later, no attempt spent).",
             ),
         }
         self._handler = Histogram(
@@ -131,6 +137,20 @@ class WorkerMetrics(Observer):
                 registry=registry,
             )
             held.set_function(lambda: float(in_flight()))
+        if overrunning is not None:
+            late = Gauge(
+                "sqla_jobs_handlers_overrunning",
+                "Handlers still running past their time limits (their attempts failed at "
+                "the limit; each keeps its slot until it returns).",
+                registry=registry,
+            )
+            late.set_function(lambda: float(len(overrunning())))
+            oldest = Gauge(
+                "sqla_jobs_handler_overrun_seconds",
+                "How long past its time limit the longest overrunning handler is (0: none).",
+                registry=registry,
+            )
+            oldest.set_function(lambda: max((age for _, age in overrunning()), default=0.0))
         if gauges is not None:
             registry.register(GaugeCollector(gauges, labels))
 

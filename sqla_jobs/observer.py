@@ -36,7 +36,7 @@ from sqla_jobs.queue import ClaimedJob
 
 __all__ = ["NO_OBSERVER", "Finish", "Observer"]
 
-Finish = Literal["succeeded", "failed", "dead", "cancelled", "released", "lost"]
+Finish = Literal["succeeded", "failed", "dead", "cancelled", "released", "lost", "snoozed"]
 
 
 class Observer:

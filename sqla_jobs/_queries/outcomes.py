@@ -284,6 +284,41 @@ def release(table: Table) -> Update:
     )
 
 
+def snooze(table: Table) -> Update:
+    """Snooze attempt ``:attempt`` of job ``:job_id``: pending again at ``now()`` plus
+    ``:delay_seconds``, without spending an attempt, unless the job snoozed
+    ``:max_snoozes`` times already (then nothing changes: the caller fails the attempt).
+    Fenced.
+
+    As :func:`release` does, ``attempts`` stays (the fence never repeats) and
+    ``max_attempts`` grows by one; ``snoozes`` counts the snooze. A job whose cancel was
+    requested ends cancelled instead. Returns ``id, status``.
+    """
+    cancelled = _cancel_requested(table)
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.attempts == bindparam("attempt", type_=Integer),
+            table.c.status == _lit(JobStatus.RUNNING),
+            table.c.snoozes < bindparam("max_snoozes", type_=Integer),
+        )
+        .values(
+            status=case((cancelled, _lit(JobStatus.CANCELLED)), else_=_lit(JobStatus.PENDING)),
+            run_at=case(
+                (cancelled, table.c.run_at),
+                else_=_now() + bindparam("delay_seconds", type_=Float) * _SECOND,
+            ),
+            max_attempts=case((cancelled, table.c.max_attempts), else_=table.c.max_attempts + _ONE),
+            snoozes=case((cancelled, table.c.snoozes), else_=table.c.snoozes + _ONE),
+            finished_at=case((cancelled, _now()), else_=null()),
+            lease_expires_at=null(),
+            leased_by=null(),
+        )
+        .returning(table.c.id, table.c.status)
+    )
+
+
 def retry(table: Table) -> Update:
     """Make a dead or cancelled job ``:job_id`` pending again, runnable now.
 
@@ -457,6 +492,23 @@ class FailParams(TypedDict):
     jitter: float
 
 
+class SnoozeRow(NamedTuple):
+    """The job :func:`snooze` changed, and its status: ``pending``, or ``cancelled`` when
+    its cancel was requested."""
+
+    id: int
+    status: str
+
+
+class SnoozeParams(TypedDict):
+    """One snoozed attempt (:func:`snooze`): its fence, its delay, and the snooze cap."""
+
+    job_id: int
+    attempt: int
+    delay_seconds: float
+    max_snoozes: int
+
+
 class JobIdParams(TypedDict):
     job_id: int
 
@@ -482,6 +534,7 @@ COMPLETE_HELD: Final = Query(complete_held, FenceParams, FenceRow)
 COMPLETE_AND_DELETE: Final = Query(complete_and_delete, FenceParams, DeleteRow)
 STORE_RESULTS: Final[Query[ResultsParams, tuple[()]]] = Query(store_results, ResultsParams)
 FAIL: Final = Query(fail, FailParams, FailRow)
+SNOOZE: Final = Query(snooze, SnoozeParams, SnoozeRow)
 HEARTBEAT: Final = Query(heartbeat, LeaseFenceParams, FenceRow)
 RELEASE: Final = Query(release, FenceParams, FenceRow)
 CANCEL_ATTEMPTS: Final = Query(cancel_attempts, FenceParams, FenceRow)

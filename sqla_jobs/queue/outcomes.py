@@ -14,7 +14,9 @@ from sqla_jobs._queries.outcomes import (
     FAIL,
     HEARTBEAT,
     RELEASE,
+    SNOOZE,
     FailParams,
+    SnoozeParams,
 )
 from sqla_jobs._queries.run import Executor, job_table_of
 from sqla_jobs._queries.variant import Completion, Result, tables_of
@@ -227,6 +229,43 @@ def fail(
         # Dead: into the history (a model with one), in the same transaction as the failure.
         tables_of(job.model).ended(session, job.id)
     return FailOutcome(job_id=row.id, status=JobStatus(row.status), run_at=row.run_at)
+
+
+def snooze(
+    session: Executor,
+    job: ClaimedJob,
+    delay: timedelta | float,
+    *,
+    policy: RetryPolicy | None = None,
+) -> JobStatus:
+    """Run this attempt's job again after ``delay`` (database time), without spending an
+    attempt: the job is pending at ``now() + delay``, its ``max_attempts`` one larger and
+    its ``snoozes`` counted (what a handler's :class:`~sqla_jobs.Snooze` does in a worker).
+
+    Returns the job's status: ``pending``; ``cancelled`` when its cancel was requested; or,
+    for a job that snoozed :data:`~sqla_jobs.validation.MAX_SNOOZES` times already, what
+    :func:`fail` (with ``policy``) made of the attempt instead, with an error that says so.
+    Raises :class:`LeaseLostError` when the attempt no longer owns the job (nothing
+    changes), and :class:`InvalidJobError` for a bad ``delay``, before any SQL.
+    """
+    seconds = validation.check_snooze_delay("delay", delay).total_seconds()
+    table = job_table_of(job.model)
+    params: SnoozeParams = {
+        "job_id": job.id,
+        "attempt": job.attempt,
+        "delay_seconds": seconds,
+        "max_snoozes": validation.MAX_SNOOZES,
+    }
+    row = SNOOZE.one(session, table, params)
+    if row is None:  # lost, or snoozed too often: the failure tells them apart (fenced)
+        error = (
+            f"the job asked to snooze after {validation.MAX_SNOOZES} snoozes, the most a job "
+            "may take; this attempt fails instead"
+        )
+        return fail(session, job, error, policy=policy).status
+    if row.status == JobStatus.CANCELLED.value:
+        tables_of(job.model).ended(session, job.id)
+    return JobStatus(row.status)
 
 
 def heartbeat(

@@ -28,7 +28,9 @@ class WorkerHealth:
     be read (args that Python's json cannot decode, written by another program): each is
     logged (``action="unreadable_row"``) with its job id, and the row's ``last_error`` says
     why. They leave the worker healthy (a restart would not help), but a monitor can alert
-    on them.
+    on them. ``overrunning`` lists ``(job id, seconds)`` for each handler still running past
+    its time limit (its attempt failed at the limit, but a thread cannot be stopped: it
+    keeps its slot until it returns); each takes a slot, and they leave the worker healthy.
     """
 
     healthy: bool
@@ -42,6 +44,7 @@ class WorkerHealth:
     oldest_outcome_age: float | None = None
     problems: tuple[str, ...] = ()
     unreadable_jobs: int = 0
+    overrunning: tuple[tuple[int, float], ...] = ()
 
 
 def assess(
@@ -57,6 +60,7 @@ def assess(
     database_ok: bool,
     listening: bool,
     unreadable_jobs: int = 0,
+    overrunning: Sequence[tuple[int, float]] = (),
 ) -> WorkerHealth:
     """The health of a worker that ``running`` (and whose roles have ``started``, the
     fetch loop among them), whose fetch loop last went round ``fetch_loop_age`` seconds
@@ -91,6 +95,7 @@ def assess(
         oldest_outcome_age=oldest_outcome,
         problems=tuple(problems),
         unreadable_jobs=unreadable_jobs,
+        overrunning=tuple(overrunning),
     )
 
 

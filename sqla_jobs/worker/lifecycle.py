@@ -398,6 +398,7 @@ class Worker:
             database_ok=self._database.ok,
             listening=self._notifier is not None and self._notifier.connected,
             unreadable_jobs=self._runner.unreadable,
+            overrunning=self._state.overruns(),
         )
 
     def is_healthy(self) -> bool:
@@ -414,6 +415,7 @@ class Worker:
 
         metrics = WorkerMetrics(
             in_flight=lambda: len(self._state.snapshot()),
+            overrunning=self._state.overruns,
             gauges=GaugeCache(self.engine, self.model, max_age=self.metrics_max_age),
             # Bounded label values: the registry's tasks, the queues served or registered.
             labels=LabelValues(

@@ -104,7 +104,7 @@ from sqla_jobs.events import describe
 from sqla_jobs.queue import ClaimedJob, complete_held, job_columns, lock_one, lock_started
 from sqla_jobs.registry import Registry, Task
 from sqla_jobs.worker.link import as_session
-from sqla_jobs.worker.settling import Settling
+from sqla_jobs.worker.settling import Settling, ended_by
 from sqla_jobs.worker.state import Attempt, Kind, Outcome
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class LockHost(Protocol):
     def admit(self, attempt: Attempt) -> Outcome | None: ...
     def call_handler(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any: ...
     def await_handler(self, attempt: Attempt, awaitable: Awaitable[_T]) -> _T: ...
-    def storable(self, result: Any) -> Any: ...
+    def returned(self, attempt: Attempt, result: Any) -> Any: ...
 
 
 logger = logging.getLogger("sqla_jobs.worker")
@@ -353,7 +353,7 @@ class _Group:
             _member=member,
         )
         try:
-            member.result = runner.storable(runner.call_handler(attempt, task, ctx))
+            member.result = runner.returned(attempt, runner.call_handler(attempt, task, ctx))
             if member.savepoint is not None:
                 # Only a handler that asked for the session can have ended the transaction
                 # (see "Why the savepoint can wait for the session").
@@ -363,7 +363,7 @@ class _Group:
                 # raised by the handler itself.
                 self.session.flush()
         except BaseException as exc:
-            member.outcome = Outcome(Kind.FAIL, error=exc)
+            member.outcome = ended_by(exc)
             return self._undo(member)
         if member.savepoint is None:
             self.unsaved.append(member)  # completed with the others, at the end
@@ -487,7 +487,7 @@ async def _run_async(runner: LockHost, attempt: Attempt, task: Task[Any]) -> Out
                     _cancel=attempt,
                     _loader=runner.columns_loader,
                 )
-                result = runner.storable(await task.function(ctx))
+                result = runner.returned(attempt, await task.function(ctx))
                 if not transaction.is_active or session.get_transaction() is not transaction:
                     raise ConfigurationError(_ENDED_TRANSACTION)
                 # The handler's pending writes: refused ones fail the job like an error
@@ -498,7 +498,7 @@ async def _run_async(runner: LockHost, attempt: Attempt, task: Task[Any]) -> Out
                     await session.rollback()
                 except Exception as rollback_error:  # the server rolls back for us
                     logger.debug("rollback failed: %s", describe(rollback_error))
-                return Outcome(Kind.FAIL, error=exc)
+                return ended_by(exc)
             left = await session.run_sync(lambda s: complete(s, runner.registry, [(job, result)]))
             if left:  # nothing of the handler's may commit then
                 await transaction.rollback()

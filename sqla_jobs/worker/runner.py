@@ -44,7 +44,8 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import validation
 from sqla_jobs._queries.variant import tables_of
-from sqla_jobs.context import ColumnLoader, JobContext
+from sqla_jobs.context import ColumnLoader, JobContext, Snooze
+from sqla_jobs.errors import JobTimeoutError
 from sqla_jobs.observer import NO_OBSERVER
 from sqla_jobs.queue import ClaimedJob, UnreadableJson, job_columns
 from sqla_jobs.registry import Registry, Task
@@ -74,9 +75,9 @@ async def _awaited(awaitable: Awaitable[_T], attempt: Attempt, context: contextv
         variable.set(value)
     task = asyncio.current_task()
     attempt.aio_task = task
-    if attempt.cancel_requested and task is not None:
-        # Asked before the coroutine started (see Runner.request_cancel): it is cancelled
-        # at its first await.
+    if (attempt.cancel_requested or attempt.timed_out) and task is not None:
+        # Asked (or past its time limit) before the coroutine started (see
+        # Runner.request_cancel and Runner._limit_loop): it is cancelled at its first await.
         task.cancel()
     return await awaitable
 
@@ -142,6 +143,9 @@ class Runner:
             attempt.job.id,
             extra=job_extra(attempt, "job_cancel_requested"),
         )
+        self._cancel_coroutine(attempt)
+
+    def _cancel_coroutine(self, attempt: Attempt) -> None:
         task, loop = attempt.aio_task, self._loop
         if task is not None and loop is not None and not loop.is_closed():
             # Not the concurrent future's cancel: that would let the handler thread go on
@@ -167,6 +171,26 @@ class Runner:
         )
         self.threads.append(spiller)
         spiller.start()
+        limits = threading.Thread(
+            target=self._limit_loop, name=f"{self.prefix}-time-limits", daemon=True
+        )
+        self.threads.append(limits)
+        limits.start()
+
+    def _limit_loop(self) -> None:
+        # The time limits (State.time_out holds the rule): a lease-mode attempt past its
+        # limit is failed at once, and its coroutine (if it is one) cancelled; a thread
+        # handler is told (ctx.cancelled) and keeps its slot until it returns.
+        while not self._closed:
+            for attempt in self.state.time_out(time.monotonic()):
+                logger.warning(
+                    "job %d attempt %d ran past its time limit of %g seconds; stopping it",
+                    attempt.job.id,
+                    attempt.job.attempt,
+                    attempt.time_limit,
+                    extra=job_extra(attempt, "job_timed_out"),
+                )
+                self._cancel_coroutine(attempt)
 
     def submit(self, attempts: Sequence[Attempt]) -> None:
         """Queue attempts for the handler threads.
@@ -282,6 +306,7 @@ class Runner:
             self._queue.clear()
             self._ready.notify_all()
             self._spill.notify_all()
+        self.state.close()
         loop = self._loop
         if loop is not None and self._own_loop and not loop.is_closed():
             loop.call_soon_threadsafe(_cancel_all_and_stop, loop)
@@ -320,8 +345,8 @@ class Runner:
         ctx = JobContext(
             attempt.job, self.worker_name, _cancel=attempt, _loader=self.columns_loader
         )
-        result = self.call_handler(attempt, task, ctx)
-        return _COMPLETED if result is None else Outcome(Kind.COMPLETE, self.storable(result))
+        result = self.returned(attempt, self.call_handler(attempt, task, ctx))
+        return _COMPLETED if result is None else Outcome(Kind.COMPLETE, result)
 
     def admit(self, attempt: Attempt) -> Outcome | None:
         """Whether ``attempt``'s handler may start now: None when it may (it is marked
@@ -394,7 +419,21 @@ class Runner:
         except concurrent.futures.CancelledError:
             raise asyncio.CancelledError("the worker cancelled the coroutine") from None
 
-    def storable(self, result: Any) -> Any:
+    def returned(self, attempt: Attempt, result: Any) -> Any:
+        """What ``attempt``'s handler returned, as the result to complete its job with: the
+        one place a handler's return value becomes a result, in both modes. Raises instead
+        (and the attempt ends as if its handler had raised it) when the attempt ran past its
+        time limit (:class:`~sqla_jobs.errors.JobTimeoutError`: a lease-mode attempt is
+        failed at the limit already, and this is refused; a lock-mode one fails now, its
+        writes rolled back), when the handler returned a :class:`~sqla_jobs.Snooze`, and
+        when the result is not storable."""
+        if attempt.timed_out:
+            raise JobTimeoutError(
+                f"job {attempt.job.id} attempt {attempt.job.attempt} returned after its time "
+                f"limit of {attempt.time_limit:g} seconds; its result is refused"
+            )
+        if isinstance(result, Snooze):
+            raise result
         # A result jsonb cannot store fails its own job here, not the batch it is written in.
         if self._stores and result is not None:
             try:

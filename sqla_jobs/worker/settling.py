@@ -10,9 +10,10 @@ from types import TracebackType
 from typing import Any, Final
 
 from sqla_jobs import tracing
+from sqla_jobs.context import Snooze
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
-__all__ = ["ENDED_UNEXPECTEDLY", "Settling", "job_extra"]
+__all__ = ["ENDED_UNEXPECTEDLY", "Settling", "ended_by", "job_extra"]
 
 logger = logging.getLogger("sqla_jobs.worker")
 
@@ -30,6 +31,14 @@ def job_extra(attempt: Attempt, action: str, **more: Any) -> dict[str, Any]:
         "attempt": job.attempt,
         **more,
     }
+
+
+def ended_by(exc: BaseException) -> Outcome:
+    """The outcome of an attempt whose handler raised ``exc``: a snooze for a
+    :class:`~sqla_jobs.Snooze` (after its delay, no attempt spent), else a failure."""
+    if isinstance(exc, Snooze):
+        return Outcome(Kind.SNOOZE, result=exc.delay)
+    return Outcome(Kind.FAIL, error=exc)
 
 
 class Settling:
@@ -80,6 +89,6 @@ class Settling:
             exc = exc or error
         finally:
             if exc is not None:
-                self.outcome = Outcome(Kind.FAIL, error=exc)
+                self.outcome = ended_by(exc)
             self._state.settle(self.attempt, self.outcome)
         return True

@@ -42,12 +42,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import heapq
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from sqla_jobs.errors import JobTimeoutError
 from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.registry import Task
 
@@ -69,6 +71,7 @@ class Kind(enum.Enum):
     RELEASE = "release"  # not run to the end: give the job back, the attempt not charged
     LOST = "lost"  # another attempt owns the job: nothing to write
     COMMITTED = "committed"  # a lock-mode handler's transaction completed it: nothing to write
+    SNOOZE = "snooze"  # the handler asked to run again later (Snooze): pending, no attempt spent
 
     # Members are singletons that compare by identity: hash them by identity too, in C.
     # (Enum's own __hash__ is Python code, and kinds are hashed for every job written.)
@@ -80,13 +83,15 @@ class Kind(enum.Enum):
         return self in _WRITES
 
 
-_WRITES = frozenset((Kind.COMPLETE, Kind.FAIL, Kind.CANCEL, Kind.RELEASE))
+_WRITES = frozenset((Kind.COMPLETE, Kind.FAIL, Kind.CANCEL, Kind.RELEASE, Kind.SNOOZE))
+#: The outcomes a cancel requested turns into a cancel: whatever the handler did.
+_HANDLER_ENDS = frozenset((Kind.COMPLETE, Kind.FAIL, Kind.SNOOZE))
 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
     kind: Kind
-    result: Any = None
+    result: Any = None  # COMPLETE: the handler's result; SNOOZE: the delay (a timedelta)
     error: str | BaseException = ""
     retry: bool = True
     # The log action of a failure: job_failed (logged when written), or an action already
@@ -130,8 +135,11 @@ class Attempt:
     # attempt ran past its time limit. JobContext.cancelled reads it.
     timed_out: bool = False
     # Monotonic: when its handler must have ended (its time limit from its start), or 0.0
-    # for none. Written by State.start.
+    # for none. Under State.lock, by State.start.
     deadline: float = 0.0
+    # Under State.lock: settled at its time limit while its handler still runs, which keeps
+    # its slot (State.busy) until it returns (State.settle releases it then).
+    overrun: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -141,6 +149,15 @@ class Attempt:
     def lease_seconds(self) -> float:
         task = self.task
         return task.lease.total_seconds() if task is not None else 0.0
+
+    @property
+    def time_limit(self) -> float:
+        """Seconds its handler may run: the job's own limit, else its task's; 0.0 for none."""
+        limit = self.job.time_limit
+        if limit is None:
+            task = self.task
+            limit = None if task is None else task.time_limit
+        return 0.0 if limit is None else limit.total_seconds()
 
 
 _CANCELLED = Outcome(Kind.CANCEL, why="its cancel was requested")
@@ -167,10 +184,17 @@ class State:
     busy_wanted: int = -1
     writer_waiting: bool = False
     fetch_waits_for_writer: bool = False  # the fetch loop waits for written() (backpressure)
+    # Started attempts with a time limit, as (deadline, job id, attempt) in a heap: the
+    # earliest first. An entry stays until its deadline passes (whether or not it ended).
+    deadlines: list[tuple[float, int, int, Attempt]] = field(default_factory=list)
+    # Attempts settled at their time limit whose handlers still run, by key.
+    overrunning: dict[tuple[int, int], Attempt] = field(default_factory=dict)
+    closed: bool = False  # the worker has stopped: the time limits are no longer watched
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition(self.lock)
         self.outcomes_ready = threading.Condition(self.lock)
+        self.deadline_added = threading.Condition(self.lock)
 
     # -- the fetch loop's side ----------------------------------------------------------
 
@@ -255,19 +279,86 @@ class State:
         """
         with self.lock:
             if attempt.outcome is not None:
+                if attempt.overrun:  # its handler, settled at its time limit, has returned
+                    attempt.overrun = False
+                    del self.overrunning[attempt.key]
+                    self._free_slot()
                 return False
-            if attempt.cancel_requested and outcome.kind in (Kind.COMPLETE, Kind.FAIL):
+            if attempt.cancel_requested and outcome.kind in _HANDLER_ENDS:
                 outcome = _CANCELLED
             attempt.outcome = outcome
             attempt.settled_at = time.monotonic()
-            self.busy -= 1
             self.settled_count += 1
             self.outcomes.append(attempt)
             if self.writer_waiting:
                 self.outcomes_ready.notify()
-            if self.busy == self.busy_wanted:  # once, as it falls to what the loop waits for
-                self.changed.notify_all()
+            self._free_slot()
             return True
+
+    def _free_slot(self) -> None:
+        # Under self.lock.
+        self.busy -= 1
+        if self.busy == self.busy_wanted:  # once, as it falls to what the loop waits for
+            self.changed.notify_all()
+
+    def time_out(self, now: float) -> list[Attempt]:
+        """Wait for the next time limit to pass (or the worker to stop), then end the
+        attempts whose limits have passed: each is marked ``timed_out`` (its handler sees
+        ``ctx.cancelled``), and a lease-mode one is settled as a failure with a
+        :class:`~sqla_jobs.errors.JobTimeoutError` at once, keeping its slot until its
+        handler returns (``overrun``). A lock-mode one is left to end with its handler,
+        whose transaction holds the job's row: its result is refused then
+        (:meth:`Runner.returned <sqla_jobs.worker.runner.Runner.returned>`). Returns the
+        attempts that ran past their limits (the caller cancels their coroutines)."""
+        with self.lock:
+            heap = self.deadlines
+            if not self.closed:
+                wait = heap[0][0] - now if heap else None
+                if wait is None or wait > 0:
+                    self.deadline_added.wait(wait)
+            due = time.monotonic()
+            late: list[Attempt] = []
+            while heap and heap[0][0] <= due:
+                attempt = heapq.heappop(heap)[3]
+                if attempt.outcome is not None or attempt.timed_out:
+                    continue  # it ended in time
+                attempt.timed_out = True
+                late.append(attempt)
+        for attempt in late:
+            task = attempt.task
+            if task is not None and task.mode == "lock":
+                continue
+            limit = attempt.time_limit
+            error = JobTimeoutError(
+                f"job {attempt.job.id} attempt {attempt.job.attempt} ran past its time limit "
+                f"of {limit:g} seconds"
+            )
+            with self.lock:
+                # Its slot stays taken until its handler returns (settle() frees it then).
+                if attempt.outcome is None:
+                    attempt.overrun = True
+                    self.overrunning[attempt.key] = attempt
+                    self.busy += 1
+            if not self.settle(attempt, Outcome(Kind.FAIL, error=error, action="job_timed_out")):
+                with self.lock:  # it ended meanwhile: no overrun after all
+                    if attempt.overrun:
+                        attempt.overrun = False
+                        del self.overrunning[attempt.key]
+                        self._free_slot()
+        return late
+
+    def overruns(self) -> list[tuple[int, float]]:
+        """``(job id, seconds since its time limit)`` of each handler still running past
+        its limit (its attempt settled already): for health and metrics."""
+        now = time.monotonic()
+        with self.lock:
+            return [(a.job.id, now - a.deadline) for a in self.overrunning.values()]
+
+    def close(self) -> None:
+        """The worker has stopped: wake the time-limit watcher to end."""
+        with self.lock:
+            self.closed = True
+            self.deadline_added.notify_all()
 
     def request_cancel(self, key: tuple[int, int]) -> Attempt | None:
         """The job's cancel was requested: mark the attempt so that its handler can see it
@@ -287,10 +378,17 @@ class State:
     def start(self, attempt: Attempt) -> bool:
         """Mark the attempt's handler as starting; False when its outcome is fixed already
         (shutdown gave it back while it waited for a thread): then it must not start."""
+        limit = attempt.time_limit
         with self.lock:
             if attempt.outcome is not None:
                 return False
-            attempt.started_at = time.monotonic()
+            attempt.started_at = now = time.monotonic()
+            if limit:
+                attempt.deadline = now + limit
+                heap = self.deadlines
+                heapq.heappush(heap, (attempt.deadline, *attempt.key, attempt))
+                if heap[0][3] is attempt:  # the earliest now: the watcher waits for it
+                    self.deadline_added.notify()
             return True
 
     def abandon(self, why: str) -> list[Attempt]:

@@ -31,6 +31,7 @@ from sqla_jobs.events import describe
 from sqla_jobs.observer import NO_OBSERVER, Finish, Observer
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import ClaimedJob, cancel_attempts, complete_attempts, fail, release
+from sqla_jobs.queue.outcomes import snooze
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.worker.link import Link, as_session, is_transient
@@ -181,6 +182,15 @@ class OutcomeWriter:
                 ).status
             except LeaseLostError:  # fenced out; nothing changed
                 lost.append(attempt.job)
+        for attempt in sorted(by_kind.get(Kind.SNOOZE, []), key=lambda a: a.job.id):
+            outcome = attempt.outcome
+            assert outcome is not None
+            try:
+                statuses[attempt.key] = snooze(
+                    session, attempt.job, outcome.result, policy=self._policy(attempt)
+                )
+            except LeaseLostError:  # fenced out; nothing changed
+                lost.append(attempt.job)
         released = by_kind.get(Kind.RELEASE, [])
         if released:
             lost += release(session, [a.job for a in released])
@@ -276,6 +286,21 @@ class OutcomeWriter:
             elif kind is Kind.RELEASE:
                 released.setdefault(outcome.why, []).append(attempt.job.id)
                 how = "released"
+            elif kind is Kind.SNOOZE:
+                status = statuses[attempt.key]
+                if status is JobStatus.PENDING:
+                    logger.info(
+                        "job %d (%s) snoozed for %g seconds (attempt %d not spent)",
+                        attempt.job.id,
+                        attempt.job.task,
+                        outcome.result.total_seconds(),
+                        attempt.job.attempt,
+                        extra=job_extra(attempt, "job_snoozed"),
+                    )
+                    how = "snoozed"
+                else:  # it had snoozed too often: failed instead (snooze says why)
+                    _log_failure(attempt, status, "it snoozed too often")
+                    how = "dead" if status is JobStatus.DEAD else "failed"
             else:
                 if debug:
                     logger.debug("job succeeded", extra=job_extra(attempt, "job_succeeded"))
