@@ -1,0 +1,320 @@
+"""Job control: time limits (a task's or a job's own) and snoozes, proven from SQL with real
+workers; their bad inputs refused before any SQL."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from models import EmailJob, EmailJobResult, Order
+from sqlalchemy.orm import Session
+from worker_harness import wait_until
+
+import sqla_jobs
+from sqla_jobs import ConfigurationError, InvalidJobError, JobContext, LeaseLostError, Registry
+from sqla_jobs.context import Snooze
+from sqla_jobs.queue.outcomes import snooze
+from sqla_jobs.validation import MAX_SNOOZES
+from sqla_jobs.worker import Worker
+
+#: How long a test waits for what must happen (a failing test, not a hang).
+PATIENCE = 30.0
+
+
+def enqueue(engine: sa.Engine, *jobs: Any) -> list[int]:
+    with Session(engine) as session, session.begin():
+        session.add_all(jobs)
+        session.flush()
+        return [job.id for job in jobs]
+
+
+def row(engine: sa.Engine, job_id: int) -> Any:
+    with engine.connect() as connection:
+        return connection.execute(
+            sa.text(
+                "SELECT status, attempts, max_attempts, snoozes, last_error, run_at, "
+                "run_at - now() AS wait FROM email_jobs WHERE id = :id"
+            ),
+            {"id": job_id},
+        ).one()
+
+
+def results(engine: sa.Engine) -> dict[int, Any]:
+    with Session(engine) as session:
+        return {r.job_id: r.value for r in session.scalars(sa.select(EmailJobResult))}
+
+
+def until(condition: Any) -> None:
+    wait_until(condition, timeout=PATIENCE, message="the job control test's condition")
+
+
+@contextmanager
+def running(registry: Registry, engine: sa.Engine, **options: Any) -> Iterator[Worker]:
+    worker = Worker(registry, engine, poll_interval=0.1, grace=5, **options)
+    with worker:
+        yield worker
+
+
+# -- time limits ---------------------------------------------------------------------------
+
+
+def test_a_thread_handler_past_its_limit_fails_at_the_limit_and_keeps_its_slot(
+    queue_engine: sa.Engine,
+) -> None:
+    registry = Registry(EmailJob, result_model=EmailJobResult)
+    release = threading.Event()
+    started = threading.Event()
+
+    @registry.task(time_limit=0.5, max_attempts=1)
+    def stubborn(ctx: JobContext) -> str:
+        started.set()
+        release.wait(PATIENCE)  # ignores ctx.cancelled: a thread cannot be stopped
+        return "too late"
+
+    (job_id,) = enqueue(queue_engine, stubborn.job())
+    with running(registry, queue_engine, concurrency=1) as worker:
+        assert started.wait(PATIENCE)
+        # At the limit, while the handler still runs: dead (one attempt), from SQL.
+        until(lambda: row(queue_engine, job_id).status == "dead")
+        dead = row(queue_engine, job_id)
+        assert "ran past its time limit of 0.5 seconds" in dead.last_error
+        assert "JobTimeoutError" in dead.last_error
+        # Its thread keeps its slot, and health says which job and for how long.
+        (overrun,) = worker.health().overrunning
+        assert overrun[0] == job_id
+        assert overrun[1] >= 0
+        assert worker.health().healthy
+        release.set()
+        until(lambda: not worker.health().overrunning)
+    # What the handler returned after its limit changed nothing.
+    assert row(queue_engine, job_id).status == "dead"
+    assert results(queue_engine) == {}
+
+
+def test_a_thread_handler_that_watches_ctx_stops_and_is_retried(queue_engine: sa.Engine) -> None:
+    registry = Registry(EmailJob)
+    told: list[int] = []
+
+    @registry.task(time_limit=timedelta(milliseconds=300), max_attempts=2)
+    def polite(ctx: JobContext) -> None:
+        if ctx.attempt == 2:
+            return
+        while not ctx.cancelled:
+            threading.Event().wait(0.01)
+        told.append(ctx.attempt)
+        ctx.raise_if_cancelled()  # JobTimeoutError: the same outcome, already settled
+
+    (job_id,) = enqueue(queue_engine, polite.job())
+    with running(registry, queue_engine):
+        # The failure retries after the backoff; move the job's clock instead of waiting.
+        until(lambda: row(queue_engine, job_id).attempts == 1)
+        until(lambda: row(queue_engine, job_id).status == "pending")
+        with queue_engine.begin() as connection:
+            connection.execute(
+                sa.text("UPDATE email_jobs SET run_at = now() WHERE id = :id"), {"id": job_id}
+            )
+        until(lambda: row(queue_engine, job_id).status == "succeeded")
+    assert told == [1]
+    assert "time limit" in row(queue_engine, job_id).last_error
+
+
+def test_a_coroutine_handler_is_cancelled_at_its_limit(queue_engine: sa.Engine) -> None:
+    registry = Registry(EmailJob)
+    cancelled = threading.Event()
+
+    @registry.task(time_limit=0.3, max_attempts=1)
+    async def sleepy(ctx: JobContext) -> None:
+        try:
+            await asyncio.sleep(PATIENCE)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    (job_id,) = enqueue(queue_engine, sleepy.job())
+    with running(registry, queue_engine) as worker:
+        until(lambda: row(queue_engine, job_id).status == "dead")
+        assert cancelled.wait(PATIENCE)
+        until(lambda: not worker.health().overrunning)
+    assert "time limit of 0.3 seconds" in row(queue_engine, job_id).last_error
+
+
+def test_a_jobs_own_limit_takes_the_place_of_its_tasks(queue_engine: sa.Engine) -> None:
+    registry = Registry(EmailJob)
+    release = threading.Event()
+
+    @registry.task(max_attempts=1)  # no limit of its own: only the job's applies
+    def slow(ctx: JobContext) -> None:
+        release.wait(PATIENCE)
+
+    limited, free = enqueue(queue_engine, slow.job(time_limit=timedelta(seconds=0.3)), slow.job())
+    try:
+        with running(registry, queue_engine, concurrency=2):
+            until(lambda: row(queue_engine, limited).status == "dead")
+            assert row(queue_engine, free).status == "running"  # no limit: still running
+            release.set()
+            until(lambda: row(queue_engine, free).status == "succeeded")
+    finally:
+        release.set()
+
+
+def test_a_lock_mode_handler_past_its_limit_fails_and_its_writes_roll_back(
+    queue_engine: sa.Engine,
+) -> None:
+    registry = Registry(EmailJob)
+
+    @registry.task(mode="lock", time_limit=0.3, max_attempts=1)
+    def writer(ctx: JobContext) -> None:
+        ctx.session.add(Order(id=7, customer="ada"))
+        ctx.session.flush()
+        while not ctx.cancelled:  # told at the limit; its transaction holds the row
+            threading.Event().wait(0.01)
+
+    (job_id,) = enqueue(queue_engine, writer.job())
+    with running(registry, queue_engine):
+        until(lambda: row(queue_engine, job_id).status == "dead")
+    assert "time limit" in row(queue_engine, job_id).last_error
+    with Session(queue_engine) as session:
+        assert session.scalars(sa.select(Order)).all() == []
+
+
+# -- snooze --------------------------------------------------------------------------------
+
+
+def test_a_snooze_makes_the_job_pending_later_without_spending_an_attempt(
+    queue_engine: sa.Engine,
+) -> None:
+    registry = Registry(EmailJob)
+
+    @registry.task(max_attempts=3)
+    def later(ctx: JobContext) -> None:
+        raise Snooze(timedelta(hours=1))
+
+    (job_id,) = enqueue(queue_engine, later.job())
+    with running(registry, queue_engine):
+        until(lambda: row(queue_engine, job_id).snoozes == 1)
+    snoozed = row(queue_engine, job_id)
+    assert (snoozed.status, snoozed.attempts, snoozed.max_attempts) == ("pending", 1, 4)
+    # Database time: an hour from the snooze (give or take the test's own seconds).
+    assert timedelta(minutes=59) < snoozed.wait <= timedelta(hours=1)
+    assert snoozed.last_error is None  # not a failure
+
+
+@pytest.mark.parametrize("how", ["raise", "return", "coroutine"])
+def test_a_snoozed_job_runs_again_after_its_delay(queue_engine: sa.Engine, how: str) -> None:
+    registry = Registry(EmailJob, result_model=EmailJobResult)
+
+    if how == "coroutine":
+
+        @registry.task(name="again", max_attempts=1)
+        async def again_async(ctx: JobContext) -> Any:
+            if ctx.attempt == 1:
+                raise Snooze(0.2)
+            return {"attempt": ctx.attempt}
+
+    else:
+
+        @registry.task(name="again", max_attempts=1)
+        def again(ctx: JobContext) -> Any:
+            if ctx.attempt == 1:
+                if how == "raise":
+                    raise Snooze(0.2)
+                return Snooze(0.2)
+            return {"attempt": ctx.attempt}
+
+    task = registry.get("again")
+    assert task is not None
+    (job_id,) = enqueue(queue_engine, task.job())
+    with running(registry, queue_engine):
+        until(lambda: row(queue_engine, job_id).status == "succeeded")
+    done = row(queue_engine, job_id)
+    # One attempt allowed, and it still ran twice: the snooze spent none.
+    assert (done.attempts, done.max_attempts, done.snoozes) == (2, 2, 1)
+    assert results(queue_engine) == {job_id: {"attempt": 2}}
+
+
+def test_a_job_that_snoozed_too_often_fails_instead(queue_engine: sa.Engine) -> None:
+    registry = Registry(EmailJob)
+
+    @registry.task(max_attempts=1)
+    def forever(ctx: JobContext) -> None:
+        raise Snooze(1)
+
+    (job_id,) = enqueue(queue_engine, forever.job())
+    with queue_engine.begin() as connection:  # as if it had snoozed the most already
+        connection.execute(sa.text("UPDATE email_jobs SET snoozes = :n"), {"n": MAX_SNOOZES})
+    with running(registry, queue_engine):
+        until(lambda: row(queue_engine, job_id).status == "dead")
+    dead = row(queue_engine, job_id)
+    assert dead.snoozes == MAX_SNOOZES
+    assert f"after {MAX_SNOOZES} snoozes" in dead.last_error
+
+
+def test_a_lock_mode_snooze_rolls_back_the_handlers_writes(queue_engine: sa.Engine) -> None:
+    registry = Registry(EmailJob)
+
+    @registry.task(mode="lock")
+    def wrote(ctx: JobContext) -> None:
+        ctx.session.add(Order(id=8, customer="ada"))
+        ctx.session.flush()
+        raise Snooze(3600)
+
+    (job_id,) = enqueue(queue_engine, wrote.job())
+    with running(registry, queue_engine):
+        until(lambda: row(queue_engine, job_id).snoozes == 1)
+    assert row(queue_engine, job_id).status == "pending"
+    with Session(queue_engine) as session:
+        assert session.scalars(sa.select(Order)).all() == []
+
+
+def test_snooze_is_fenced_by_the_attempt(queue_engine: sa.Engine) -> None:
+    (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
+    with Session(queue_engine) as session, session.begin():
+        (first,) = sqla_jobs.claim(session, EmailJob, lease=0.001)
+    with queue_engine.begin() as connection:  # its lease ran out: another attempt takes it
+        connection.execute(
+            sa.text("UPDATE email_jobs SET lease_expires_at = now() - interval '1 s'")
+        )
+    with Session(queue_engine) as session, session.begin():
+        (second,) = sqla_jobs.claim(session, EmailJob)
+    assert second.attempt == first.attempt + 1
+    with Session(queue_engine) as session, session.begin(), pytest.raises(LeaseLostError):
+        snooze(session, first, 60)
+    assert row(queue_engine, job_id).status == "running"  # the second attempt's, untouched
+    with Session(queue_engine) as session, session.begin():
+        assert snooze(session, second, 60) is sqla_jobs.JobStatus.PENDING
+    assert row(queue_engine, job_id).snoozes == 1
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -1, 8 * 86_400, float("nan"), True, "5", timedelta(0)])
+def test_a_bad_time_limit_is_refused_before_any_sql(queue_engine: sa.Engine, bad: Any) -> None:
+    registry = Registry(EmailJob)
+    with pytest.raises(ConfigurationError, match="time_limit"):
+        registry.add(lambda ctx: None, name="t", time_limit=bad)
+    assert registry.get("t") is None
+    with pytest.raises(InvalidJobError, match="time_limit"):
+        EmailJob(task="t", time_limit=bad)
+    unbound = Session()  # any SQL would raise UnboundExecutionError
+    with pytest.raises(InvalidJobError, match="time_limit"):
+        sqla_jobs.enqueue_many(unbound, EmailJob, [{"task": "t", "time_limit": bad}])
+
+
+@pytest.mark.parametrize("bad", [0, -5, 367 * 86_400, float("inf"), None, "1", False])
+def test_a_bad_snooze_delay_is_refused_before_any_sql(queue_engine: sa.Engine, bad: Any) -> None:
+    with pytest.raises(InvalidJobError, match="delay"):
+        Snooze(bad)
+    (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
+    with Session(queue_engine) as session, session.begin():
+        (job,) = sqla_jobs.claim(session, EmailJob)
+    unbound = Session()
+    with pytest.raises(InvalidJobError, match="delay"):
+        snooze(unbound, job, bad)
+    assert row(queue_engine, job_id).status == "running"
