@@ -7,19 +7,24 @@ is the application's side (tasks and their options); the registry re-exports it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from sqla_jobs.errors import ConfigurationError, JobCancelledError, JobTimeoutError, SqlaJobsError
 from sqla_jobs.queue import ClaimedJob, job_columns
-from sqla_jobs.validation import check_snooze_delay
+from sqla_jobs.queue.outcomes import store_progress
+from sqla_jobs.validation import check_progress, check_snooze_delay
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import Session
 
-__all__ = ["CancelFlag", "ColumnLoader", "JobContext", "Snooze"]
+__all__ = ["PROGRESS_EVERY", "CancelFlag", "ColumnLoader", "JobContext", "Snooze"]
+
+#: How often (seconds) a lock-mode handler's progress is written through its session.
+PROGRESS_EVERY: Final = 1.0
 
 
 class Snooze(SqlaJobsError):
@@ -43,12 +48,15 @@ class Snooze(SqlaJobsError):
 
 
 class CancelFlag(Protocol):
-    """Where a :class:`JobContext` reads whether its handler should stop (the worker's
-    attempt): ``cancel_requested`` once the worker heard of a cancel request, ``timed_out``
-    once the attempt ran past its time limit."""
+    """The worker's side of a :class:`JobContext` (its attempt): where the context reads
+    whether its handler should stop (``cancel_requested`` once the worker heard of a cancel
+    request, ``timed_out`` once the attempt ran past its time limit), and leaves the
+    progress its handler reports (``progress``, ``progress_at``)."""
 
     cancel_requested: bool
     timed_out: bool
+    progress: dict[str, Any] | None
+    progress_at: float
 
 
 class ColumnLoader(Protocol):
@@ -137,6 +145,31 @@ class JobContext:
             raise JobTimeoutError(
                 f"job {self.job.id} attempt {self.job.attempt} ran past its time limit"
             )
+
+    def report_progress(self, value: float, message: str = "") -> None:
+        """Report this attempt's progress: ``value`` a number (a fraction done, a count: yours
+        to choose), ``message`` a short text (at most
+        :data:`~sqla_jobs.validation.MAX_PROGRESS_MESSAGE` characters). Cheap to call often:
+        nothing is written per call. In lease mode the latest report is stored in the job's
+        ``progress`` column with the worker's next heartbeat (every third of the lease) and
+        with the attempt's outcome; in lock mode it is written through :attr:`session`, at
+        most once a second, and seen by others when the job's transaction commits (a
+        coroutine handler with an AsyncSession: kept in the worker only). The column keeps
+        the last report once the job ends (``{"value", "message", "at"}``, ``at`` in
+        database time). A bad value or message raises
+        :class:`~sqla_jobs.errors.InvalidJobError`.
+        """
+        report = check_progress(value, message)
+        flag = self._cancel
+        if flag is None:
+            return  # a context built by hand (a test): no worker to report to
+        flag.progress = report
+        session = self._session
+        if session is not None:
+            now = time.monotonic()
+            if now - flag.progress_at >= PROGRESS_EVERY:
+                flag.progress_at = now
+                store_progress(session, [(self.job, report)])
 
     @property
     def columns(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "MAX_KEY_LIMIT",
     "MAX_NAME_LENGTH",
+    "MAX_PROGRESS_MESSAGE",
     "MAX_QUEUE_LIMIT",
     "MAX_SNOOZES",
     "MAX_SNOOZE_SECONDS",
@@ -49,6 +50,7 @@ __all__ = [
     "check_name",
     "check_ordering_key",
     "check_priority",
+    "check_progress",
     "check_queue_limits",
     "check_run_at",
     "check_snooze_delay",
@@ -428,6 +430,30 @@ JOB_FIELDS: Final = frozenset(
         "time_limit",
     }
 )
+
+
+#: The longest progress message, in characters.
+MAX_PROGRESS_MESSAGE = 200
+
+
+def check_progress(value: object, message: object) -> dict[str, Any]:
+    """A handler's progress report: ``value`` a finite number (a fraction, a count: the
+    handler's to choose), ``message`` text of at most :data:`MAX_PROGRESS_MESSAGE`
+    characters without NUL. Returns ``{"value": float, "message": str}``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidJobError("value", f"must be a number, not {type(value).__name__}")
+    if not math.isfinite(value):
+        raise InvalidJobError("value", f"must be a finite number, got {value!r}")
+    if not isinstance(message, str):
+        raise InvalidJobError("message", f"must be a string, not {type(message).__name__}")
+    if len(message) > MAX_PROGRESS_MESSAGE:
+        raise InvalidJobError(
+            "message", f"is {len(message)} characters, the limit is {MAX_PROGRESS_MESSAGE}"
+        )
+    problem = text_problem(message)
+    if problem is not None:
+        raise InvalidJobError("message", problem)
+    return {"value": float(value), "message": message}
 
 
 def check_snooze_delay(field: str, value: object) -> timedelta:

@@ -19,7 +19,7 @@ from worker_harness import wait_until
 import sqla_jobs
 from sqla_jobs import ConfigurationError, InvalidJobError, JobContext, LeaseLostError, Registry
 from sqla_jobs.context import Snooze
-from sqla_jobs.queue.outcomes import snooze
+from sqla_jobs.queue.outcomes import report_progress, snooze
 from sqla_jobs.validation import MAX_SNOOZES
 from sqla_jobs.worker import Worker
 
@@ -318,3 +318,83 @@ def test_a_bad_snooze_delay_is_refused_before_any_sql(queue_engine: sa.Engine, b
     with pytest.raises(InvalidJobError, match="delay"):
         snooze(unbound, job, bad)
     assert row(queue_engine, job_id).status == "running"
+
+
+# -- progress ------------------------------------------------------------------------------
+
+
+def progress_of(engine: sa.Engine, job_id: int) -> Any:
+    with engine.connect() as connection:
+        return connection.execute(
+            sa.text("SELECT progress FROM email_jobs WHERE id = :id"), {"id": job_id}
+        ).scalar_one()
+
+
+def test_progress_is_stored_with_the_heartbeat_and_kept_with_the_outcome(
+    queue_engine: sa.Engine,
+) -> None:
+    registry = Registry(EmailJob)
+    go_on = threading.Event()
+
+    @registry.task(lease=0.6)  # a heartbeat every 0.2 s
+    def long(ctx: JobContext) -> None:
+        for step in range(1000):  # many reports, few writes
+            ctx.report_progress(step / 2000, "first half")
+        go_on.wait(PATIENCE)
+        ctx.report_progress(1, "done")
+
+    (job_id,) = enqueue(queue_engine, long.job())
+    try:
+        with running(registry, queue_engine):
+            until(lambda: progress_of(queue_engine, job_id) is not None)
+            seen = progress_of(queue_engine, job_id)
+            assert (seen["value"], seen["message"]) == (999 / 2000, "first half")
+            assert row(queue_engine, job_id).status == "running"
+            go_on.set()
+            until(lambda: row(queue_engine, job_id).status == "succeeded")
+    finally:
+        go_on.set()
+    kept = progress_of(queue_engine, job_id)
+    assert (kept["value"], kept["message"]) == (1.0, "done")
+    assert kept["at"] >= seen["at"]  # database time, as JSON text
+
+
+def test_a_lock_mode_handlers_progress_is_kept_with_its_job(queue_engine: sa.Engine) -> None:
+    registry = Registry(EmailJob)
+
+    @registry.task(mode="lock")
+    def counted(ctx: JobContext) -> None:
+        ctx.report_progress(3, "three of three")
+
+    (job_id,) = enqueue(queue_engine, counted.job())
+    with running(registry, queue_engine):
+        until(lambda: row(queue_engine, job_id).status == "succeeded")
+    assert progress_of(queue_engine, job_id)["message"] == "three of three"
+
+
+@pytest.mark.parametrize(
+    ("value", "message", "field"),
+    [
+        ("1", "", "value"),
+        (float("nan"), "", "value"),
+        (True, "", "value"),
+        (1, "x" * 201, "message"),
+        (1, "a\x00b", "message"),
+        (1, None, "message"),
+    ],
+)
+def test_bad_progress_is_refused_before_any_sql(
+    queue_engine: sa.Engine, value: Any, message: Any, field: str
+) -> None:
+    (job_id,) = enqueue(queue_engine, EmailJob(task="t"))
+    with Session(queue_engine) as session, session.begin():
+        (job,) = sqla_jobs.claim(session, EmailJob)
+    with pytest.raises(InvalidJobError, match=field):
+        JobContext(job, "w").report_progress(value, message)
+    unbound = Session()  # any SQL would raise UnboundExecutionError
+    with pytest.raises(InvalidJobError, match=field):
+        report_progress(unbound, job, value, message)
+    assert progress_of(queue_engine, job_id) is None
+    with Session(queue_engine) as session, session.begin():
+        assert report_progress(session, job, 0.25, "a quarter")
+    assert progress_of(queue_engine, job_id)["value"] == 0.25

@@ -16,6 +16,7 @@ from sqlalchemy import (
     Table,
     Text,
     Update,
+    and_,
     bindparam,
     case,
     column,
@@ -251,6 +252,55 @@ def heartbeat(table: Table) -> Update:
         update(table)
         .where(table.c.id == held.c.id)
         .values(lease_expires_at=_now() + held.c.lease * _SECOND)
+        .returning(table.c.id, table.c.attempts)
+    )
+
+
+def progress(table: Table) -> Update:
+    """Store the progress running attempts reported: ``:progress``, a JSON array (as text)
+    of ``{"id", "attempt", "value", "message"}`` objects. Fenced (a finished or taken-over
+    attempt's progress is dropped). Each row's ``progress`` becomes ``{"value", "message",
+    "at"}``, ``at`` the database's time.
+
+    Like :func:`heartbeat` it never waits on a row lock (``SKIP LOCKED``, in id order): a
+    row another transaction holds is left for the next write, and this statement takes part
+    in no deadlock. ``progress`` is indexed by nothing, so the update is HOT where the page
+    has room. Returns ``id, attempts`` of the attempts whose progress was stored.
+    """
+    reported = (
+        func.jsonb_to_recordset(func.cast(bindparam("progress", type_=Text), JSONB))
+        .table_valued(
+            column("id", BigInteger),
+            column("attempt", Integer),
+            column("value", Float),
+            column("message", Text),
+        )
+        .render_derived(name="p", with_types=True)
+    )
+    held = (
+        select(table.c.id, reported.c.value, reported.c.message)
+        .select_from(table)
+        .join(
+            reported,
+            and_(table.c.id == reported.c.id, table.c.attempts == reported.c.attempt),
+        )
+        .where(table.c.status == _lit(JobStatus.RUNNING))
+        .order_by(table.c.id)
+        .with_for_update(of=table, skip_locked=True)
+        .cte("held")
+    )
+    stored = func.jsonb_build_object(
+        literal_column("'value'"),
+        held.c.value,
+        literal_column("'message'"),
+        held.c.message,
+        literal_column("'at'"),
+        _now(),
+    )
+    return (
+        update(table)
+        .where(table.c.id == held.c.id)
+        .values(progress=stored)
         .returning(table.c.id, table.c.attempts)
     )
 
@@ -492,6 +542,13 @@ class FailParams(TypedDict):
     jitter: float
 
 
+class ProgressParams(TypedDict):
+    """Progress to store (:func:`progress`): a JSON array of ``{"id", "attempt", "value",
+    "message"}`` objects, as text."""
+
+    progress: str
+
+
 class SnoozeRow(NamedTuple):
     """The job :func:`snooze` changed, and its status: ``pending``, or ``cancelled`` when
     its cancel was requested."""
@@ -535,6 +592,7 @@ COMPLETE_AND_DELETE: Final = Query(complete_and_delete, FenceParams, DeleteRow)
 STORE_RESULTS: Final[Query[ResultsParams, tuple[()]]] = Query(store_results, ResultsParams)
 FAIL: Final = Query(fail, FailParams, FailRow)
 SNOOZE: Final = Query(snooze, SnoozeParams, SnoozeRow)
+PROGRESS: Final = Query(progress, ProgressParams, FenceRow)
 HEARTBEAT: Final = Query(heartbeat, LeaseFenceParams, FenceRow)
 RELEASE: Final = Query(release, FenceParams, FenceRow)
 CANCEL_ATTEMPTS: Final = Query(cancel_attempts, FenceParams, FenceRow)

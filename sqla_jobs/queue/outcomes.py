@@ -13,6 +13,7 @@ from sqla_jobs._queries._sql import LeaseFenceParams
 from sqla_jobs._queries.outcomes import (
     FAIL,
     HEARTBEAT,
+    PROGRESS,
     RELEASE,
     SNOOZE,
     FailParams,
@@ -32,6 +33,7 @@ from sqla_jobs.queue._plumbing import (
     MAX_ERROR_CHARS,
     ClaimedJob,
     FailOutcome,
+    _encode,
     _fence_params,
     _fenced,
     _lost,
@@ -266,6 +268,33 @@ def snooze(
     if row.status == JobStatus.CANCELLED.value:
         tables_of(job.model).ended(session, job.id)
     return JobStatus(row.status)
+
+
+def report_progress(session: Executor, job: ClaimedJob, value: float, message: str = "") -> bool:
+    """Store this attempt's progress in its job's ``progress`` column now: ``{"value",
+    "message", "at"}`` (``at`` in database time). Fenced, and it never waits on a row
+    lock: returns False when nothing was stored (the attempt no longer owns the job, or
+    another transaction holds its row). A worker's handler calls
+    :meth:`JobContext.report_progress <sqla_jobs.JobContext.report_progress>` instead,
+    which writes no more often than the heartbeat. Bad input raises
+    :class:`InvalidJobError` before any SQL.
+    """
+    report = validation.check_progress(value, message)
+    return bool(store_progress(session, [(job, report)]))
+
+
+def store_progress(
+    session: Executor, reports: Sequence[tuple[ClaimedJob, dict[str, Any]]]
+) -> set[tuple[int, int]]:
+    """Store checked progress reports (:func:`~sqla_jobs.validation.check_progress`'s), one
+    statement for the batch; returns the ``(id, attempt)`` of those stored."""
+    if not reports:
+        return set()
+    table = job_table_of(_one_model([job for job, _ in reports]))
+    document = _encode(
+        [{"id": job.id, "attempt": job.attempt, **report} for job, report in reports]
+    )
+    return _fenced(PROGRESS.tuples(session, table, {"progress": document}))
 
 
 def heartbeat(

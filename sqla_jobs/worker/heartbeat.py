@@ -13,6 +13,12 @@ the outcome writer; a lock-mode attempt's row lock keeps other claims away meanw
 an attempt whose outcome is being written is no longer at risk. Only a lease-mode attempt
 whose handler still runs is taken for lost when its lease was not extended.
 
+Progress. The latest progress each lease-mode handler reported since the last beat
+(:meth:`JobContext.report_progress <sqla_jobs.JobContext.report_progress>`) is stored in
+the same transaction, in one statement that skips locked rows like the lease's
+(:func:`sqla_jobs.queue.outcomes.store_progress`); the outcome writer stores what is left
+with the attempt's outcome.
+
 Cancels. The heartbeat is the one place where the worker learns that a held attempt's
 cancel was requested: only from the job's row in its own table
 (:func:`sqla_jobs.queue.cancel_requests`, a plain read, fenced by attempt, that sees
@@ -38,6 +44,7 @@ from typing import TypeVar
 from sqlalchemy import Connection
 
 from sqla_jobs.queue import ClaimedJob, cancel_requests, heartbeat
+from sqla_jobs.queue.outcomes import store_progress
 from sqla_jobs.worker.link import Link, as_session
 from sqla_jobs.worker.settling import job_extra
 from sqla_jobs.worker.state import Attempt, State
@@ -140,14 +147,20 @@ class Heartbeat:
         sent = time.monotonic()
 
         running = [a.job for a in held if a.outcome is None and not a.cancel_requested]
+        # The progress lease-mode handlers reported since the last beat, stored with it.
+        reported = [(a, p) for a in held if (p := a.unstored_progress) is not None]
 
         def extend(connection: Connection) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
             session = as_session(connection)
-            return heartbeat(session, jobs, lease=leases), cancel_requests(session, running)
+            refused = heartbeat(session, jobs, lease=leases)
+            store_progress(session, [(a.job, progress) for a, progress in reported])
+            return refused, cancel_requests(session, running)
 
         read = self._transaction(extend)
         if read is None:
             return
+        for attempt, progress in reported:
+            attempt.progress_stored = progress  # or skipped (locked, lost): not tried again
         refused, cancels = read
         self._cancel(cancels)
         refused_keys = {(job.id, job.attempt) for job in refused}

@@ -137,6 +137,12 @@ class Attempt:
     # Monotonic: when its handler must have ended (its time limit from its start), or 0.0
     # for none. Under State.lock, by State.start.
     deadline: float = 0.0
+    # By the handler thread (JobContext.report_progress): the latest progress it reported,
+    # and by the heartbeat or the outcome writer: the last one they stored (the same object
+    # once stored). A lock-mode handler's progress is written through its own transaction.
+    progress: dict[str, Any] | None = None
+    progress_stored: dict[str, Any] | None = None
+    progress_at: float = 0.0  # monotonic: when a lock-mode handler's progress was written
     # Under State.lock: settled at its time limit while its handler still runs, which keeps
     # its slot (State.busy) until it returns (State.settle releases it then).
     overrun: bool = False
@@ -149,6 +155,15 @@ class Attempt:
     def lease_seconds(self) -> float:
         task = self.task
         return task.lease.total_seconds() if task is not None else 0.0
+
+    @property
+    def unstored_progress(self) -> dict[str, Any] | None:
+        """The progress its lease-mode handler reported since the last one stored, or None."""
+        progress = self.progress
+        if progress is None or progress is self.progress_stored:
+            return None
+        task = self.task
+        return progress if task is not None and task.mode == "lease" else None
 
     @property
     def time_limit(self) -> float:

@@ -31,7 +31,7 @@ from sqla_jobs.events import describe
 from sqla_jobs.observer import NO_OBSERVER, Finish, Observer
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import ClaimedJob, cancel_attempts, complete_attempts, fail, release
-from sqla_jobs.queue.outcomes import snooze
+from sqla_jobs.queue.outcomes import snooze, store_progress
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.worker.link import Link, as_session, is_transient
@@ -135,6 +135,18 @@ class OutcomeWriter:
         session = as_session(connection)
         lost: list[ClaimedJob] = []
         statuses: dict[tuple[int, int], JobStatus] = {}
+        # Progress reported since the last heartbeat: stored before the outcomes, so that a
+        # finished job keeps its handler's last report (a moment's work for batches without).
+        reported = [
+            (a, p)
+            for attempts in by_kind.values()
+            for a in attempts
+            if a.progress is not None and (p := a.unstored_progress) is not None
+        ]
+        if reported:
+            store_progress(session, [(a.job, progress) for a, progress in reported])
+            for attempt, progress in reported:
+                attempt.progress_stored = progress
         completed = by_kind.get(Kind.COMPLETE, [])
         jobs = [a.job for a in completed]
         result_model = self.registry.result_model
