@@ -36,6 +36,7 @@ import sqla_jobs
 import sqla_jobs.models
 from sqla_jobs import _queries as statements
 from sqla_jobs import ddl, migrations, names
+from sqla_jobs.schema.pauses import pause_table
 from sqla_jobs.urls import libpq_url
 
 EXAMPLE_ENV = Path(__file__).resolve().parents[1] / "alembic"
@@ -193,7 +194,7 @@ def test_library_branch_alone(db_engine: sa.Engine) -> None:
     command.upgrade(example_config(url_of(db_engine)), "sqla_jobs@head")
 
     tables = {row[0] for row in catalog(db_engine)["tables"]}
-    assert tables == {"sqla_jobs", "sqla_jobs_results", "sqla_jobs_schedules"}
+    assert tables == {"sqla_jobs", "sqla_jobs_pauses", "sqla_jobs_results", "sqla_jobs_schedules"}
 
 
 def test_offline_sql_renders_the_trigger(db_engine: sa.Engine) -> None:
@@ -220,6 +221,7 @@ def test_programmatic_upgrade_creates_the_default_tables(db_engine: sa.Engine) -
 
     assert {row[0] for row in catalog(db_engine)["tables"]} == {
         "sqla_jobs",
+        "sqla_jobs_pauses",
         "sqla_jobs_results",
         "sqla_jobs_schedules",
     }
@@ -975,6 +977,7 @@ def test_create_job_table_builds_version_4_with_its_history(db_engine: sa.Engine
     for model in (models.ArchiveJob, models.ArchiveJobHistory):
         table: sa.Table = model.__table__  # type: ignore[assignment]
         table.to_metadata(expected)
+    pause_table(models.ArchiveJob).to_metadata(expected)
     assert schema_differences(db_engine, expected) == []
     with pytest.raises(ValueError, match="schema version 3 or 4"):
         migrate(db_engine, lambda: migrations.add_history("other_jobs", version=5))

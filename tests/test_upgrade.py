@@ -445,3 +445,13 @@ def test_the_version_is_told_by_the_mixins_columns_and_indexes_alone() -> None:
     assert table_version(table, columns, v3[1:]) == 1  # no pending index
     assert table_version(table, [c for c in columns if c != "trace_context"], v3) == 2
     assert table_version(table, columns, [i for i in v3 if i != n.key_index]) == 2
+
+
+def test_a_version_4_table_without_its_pause_table_is_version_3() -> None:
+    model: sa.Table = WorkerJob.__table__  # type: ignore[assignment]
+    n = names(TABLE)
+    columns = [c.name for c in model.columns]
+    indexes = [n.pending_index, n.running_index, n.dead_index, n.unique_index]
+    indexes += [n.keyed_pending_index, n.key_index]
+    assert table_version(model, columns, indexes, pauses=True) == 4
+    assert table_version(model, columns, indexes, pauses=False) == 3

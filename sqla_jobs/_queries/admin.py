@@ -50,6 +50,7 @@ from sqla_jobs._queries._sql import (
 from sqla_jobs._queries.run import NoParams, Query
 from sqla_jobs.ddl import TRANSITION_TABLE, executable, qualified_name
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names
+from sqla_jobs.schema.pauses import pause_names
 
 
 def transaction_isolation() -> Select[Any]:
@@ -717,21 +718,26 @@ _LAYOUT: Final = """
             SELECT c.relname::text
             FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
             WHERE i.indrelid = t.oid AND i.indisvalid
-        ) AS indexes
+        ) AS indexes,
+        to_regclass(:pause_table) IS NOT NULL AS pauses
     FROM (SELECT to_regclass(:layout_table) AS oid) AS t
 """
 
 
 def table_layout(table: Table) -> TextClause:
     """The job table's columns and valid indexes: one row, ``columns`` and ``indexes``, two
-    arrays of names (empty when the table does not exist).
+    arrays of names (empty when the table does not exist), and ``pauses``, whether its pause
+    table (schema version 4: :mod:`sqla_jobs.schema.pauses`) exists.
 
     The table's name is bound into the statement: execute it without parameters. Reads
     ``pg_attribute`` and ``pg_index`` by the table's ``oid``; takes no lock on the table.
     Names resolve through the connection's ``search_path``, as the queue's own statements
     do."""
     name = qualified_name(table.name, table.schema)
-    return text(_LAYOUT).bindparams(bindparam("layout_table", name, type_=Text))
+    pauses = qualified_name(pause_names(table.name).table, table.schema)
+    return text(_LAYOUT).bindparams(
+        bindparam("layout_table", name, type_=Text), bindparam("pause_table", pauses, type_=Text)
+    )
 
 
 class LayoutRow(NamedTuple):
@@ -739,6 +745,7 @@ class LayoutRow(NamedTuple):
 
     columns: list[str]
     indexes: list[str]
+    pauses: bool
 
 
 TABLE_LAYOUT: Final = Query(table_layout, NoParams, LayoutRow)

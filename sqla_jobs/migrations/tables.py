@@ -52,9 +52,10 @@ Schema versions:
    the nullable ``time_limit`` interval (a job's own time limit), ``snoozes integer NOT NULL
    DEFAULT 0`` (how often it snoozed) and the nullable ``progress`` JSONB (its handler's
    latest progress), on the job table and its history table (:func:`add_job_control`, in
-   :mod:`~sqla_jobs.migrations.v4`). :func:`create_job_table` builds it with ``version=4``;
-   :func:`upgrade_job_table_to_v4` upgrades a live version-3 table without a rewrite, and
-   :func:`downgrade_job_table_to_v3` undoes it.
+   :mod:`~sqla_jobs.migrations.v4`), and the pause table beside the job table
+   (``<table>_pauses``, :func:`create_pause_table`). :func:`create_job_table` builds it
+   with ``version=4``; :func:`upgrade_job_table_to_v4` upgrades a live version-3 table
+   without a rewrite, and :func:`downgrade_job_table_to_v3` undoes it.
 
 The result table has not changed since version 1. The schedule table of periodic jobs
 (:class:`~sqla_jobs.schema.ScheduleMixin`) is made by :func:`create_schedule_table`.
@@ -68,6 +69,7 @@ from sqlalchemy.schema import SchemaItem
 
 from sqla_jobs import ddl
 from sqla_jobs.migrations.history_table import add_history
+from sqla_jobs.migrations.pauses import create_pause_table, drop_pause_table
 from sqla_jobs.migrations.steps import _create_index, _execute
 from sqla_jobs.migrations.v1 import (
     _NAME_LENGTH,
@@ -169,6 +171,8 @@ def create_job_table(
     _execute(ddl.set_storage_parameters(table_name, schema))
     if notify:
         create_notify_trigger(table_name, schema=schema)
+    if version >= 4:
+        create_pause_table(table_name, schema=schema)
     if history:
         add_history(table_name, *extra, schema=schema, version=version)
     return table
@@ -176,12 +180,14 @@ def create_job_table(
 
 def drop_job_table(table_name: str, *, schema: str | None = None) -> None:
     """Drop a job table with its trigger and trigger function (whether or not it had them),
-    and its partitioned history table with its partitions, if it has one (``DROP TABLE IF
-    EXISTS``: so that it undoes ``create_job_table(..., history=True)`` whole, and a
-    downgrade that called :func:`drop_history` first still runs)."""
+    its pause table (if it has one), and its partitioned history table with its partitions,
+    if it has one (``DROP TABLE IF EXISTS``: so that it undoes ``create_job_table(...,
+    history=True)`` whole, and a downgrade that called :func:`drop_history` first still
+    runs)."""
     drop_notify_trigger(table_name, schema=schema)
     history = sa.Table(history_names(table_name, schema).table, sa.MetaData(), schema=schema)
     op.execute(sa.schema.DropTable(history, if_exists=True))
+    drop_pause_table(table_name, schema=schema)
     op.drop_table(table_name, schema=schema)
 
 

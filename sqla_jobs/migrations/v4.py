@@ -1,5 +1,6 @@
-"""Schema version 4: job control (time limits, snoozes, progress), with its in-place helper
-for a live version-3 table (and its history table, if it has one), and the upgrade.
+"""Schema version 4: job control (time limits, snoozes, progress: three columns) and the
+pause table beside each job table (:mod:`sqla_jobs.migrations.pauses`), with the in-place
+helpers for a live version-3 table (and its history table, if it has one), and the upgrade.
 
 A frozen copy of what the mixins declared in that version, like :mod:`~sqla_jobs.migrations.v3`:
 a change to the mixins needs a new version, not an edit here.
@@ -13,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
 from sqla_jobs import ddl
+from sqla_jobs.migrations.pauses import create_pause_table, drop_pause_table
 from sqla_jobs.migrations.steps import _execute
 from sqla_jobs.schema.history import history_names
 
@@ -84,7 +86,9 @@ def drop_job_control(table_name: str, *, schema: str | None = None) -> None:
 
 def upgrade_job_table_to_v4(table_name: str, *, schema: str | None = None) -> None:
     """Upgrade a live version-3 job table (and its history table) to version 4: job control
-    (:func:`add_job_control`). No rewrite, no index. A revision of yours::
+    (:func:`add_job_control`) and the pause table
+    (:func:`~sqla_jobs.migrations.create_pause_table`, a new empty table). No rewrite, no
+    index; each step can run again. A revision of yours::
 
         from sqla_jobs import migrations as jobs
 
@@ -95,8 +99,11 @@ def upgrade_job_table_to_v4(table_name: str, *, schema: str | None = None) -> No
             jobs.downgrade_job_table_to_v3("email_jobs")
     """
     add_job_control(table_name, schema=schema)
+    create_pause_table(table_name, schema=schema)
 
 
 def downgrade_job_table_to_v3(table_name: str, *, schema: str | None = None) -> None:
-    """Undo :func:`upgrade_job_table_to_v4`."""
+    """Undo :func:`upgrade_job_table_to_v4` (the pauses go with their table: every queue
+    runs again)."""
+    drop_pause_table(table_name, schema=schema)
     drop_job_control(table_name, schema=schema)

@@ -478,7 +478,7 @@ class Worker:
                     raise
                 time.sleep(delay)
         # A table of an older schema version: refuse, naming the helpers that upgrade it.
-        check_table_version(self._table, layout.columns, layout.indexes)
+        check_table_version(self._table, layout.columns, layout.indexes, pauses=layout.pauses)
         if self.pooled:
             self._log_pooled(getattr(driver, "prepare_threshold", None))
         if self.listen and not trigger.exists:

@@ -17,7 +17,8 @@ The layouts, as told apart here (:mod:`sqla_jobs.migrations.tables` describes ea
 2. Those are right, but a column or a partial index of version 3 is missing (or a version-3
    upgrade was interrupted): :func:`~sqla_jobs.migrations.upgrade_job_table_to_v3`, which
    can run again, then :func:`~sqla_jobs.migrations.upgrade_job_table_to_v4`.
-3. Everything of version 3 is there, but a column version 4 adds is not:
+3. Everything of version 3 is there, but a column version 4 adds is not, or its pause table
+   (:mod:`sqla_jobs.schema.pauses`) is missing:
    :func:`~sqla_jobs.migrations.upgrade_job_table_to_v4`.
 4. Everything the mixin declares is there.
 
@@ -84,10 +85,13 @@ def partial_indexes(table: Table) -> list[str]:
     )
 
 
-def table_version(table: Table, columns: Collection[str], indexes: Collection[str]) -> int:
+def table_version(
+    table: Table, columns: Collection[str], indexes: Collection[str], *, pauses: bool = True
+) -> int:
     """The schema version of the job table of the model whose table is ``table``, from the
     ``columns`` and valid ``indexes`` that :func:`~sqla_jobs._queries.table_layout` found:
-    1, 2, 3 or :data:`SCHEMA_VERSION` (see the module's docstring)."""
+    1, 2, 3 or :data:`SCHEMA_VERSION` (see the module's docstring); ``pauses``: whether its
+    pause table exists (version 4)."""
     n = names(table.name)
     found = frozenset(indexes)
     if n.claim_index in found or not {n.pending_index, n.running_index} <= found:
@@ -100,7 +104,7 @@ def table_version(table: Table, columns: Collection[str], indexes: Collection[st
     present = frozenset(columns)
     if not wanted_indexes <= found or not wanted_columns - _V4_COLUMNS <= present:
         return 2
-    return SCHEMA_VERSION if wanted_columns <= present else 3
+    return SCHEMA_VERSION if wanted_columns <= present and pauses else 3
 
 
 def helper_call(helper: str, table: Table) -> str:
@@ -116,10 +120,12 @@ def upgrade_calls(table: Table, version: int) -> list[str]:
     return [helper_call(helper, table) for to, helper in _UPGRADES if to > version]
 
 
-def check_table_version(table: Table, columns: Collection[str], indexes: Collection[str]) -> None:
+def check_table_version(
+    table: Table, columns: Collection[str], indexes: Collection[str], *, pauses: bool = True
+) -> None:
     """Raise :class:`~sqla_jobs.errors.SchemaVersionError` unless the table that
     :func:`~sqla_jobs._queries.table_layout` read has the layout of :data:`SCHEMA_VERSION`."""
-    version = table_version(table, columns, indexes)
+    version = table_version(table, columns, indexes, pauses=pauses)
     if version == SCHEMA_VERSION:
         return
     calls = upgrade_calls(table, version)
