@@ -4,7 +4,7 @@ Importing this package defines the mixins and functions below and nothing else: 
 no thread, opens no connection, and does not import Alembic or the command line.
 """
 
-from sqla_jobs.context import JobContext
+from sqla_jobs.context import JobContext, Snooze
 from sqla_jobs.errors import (
     ConfigurationError,
     EmbeddedPostgresError,
@@ -14,6 +14,7 @@ from sqla_jobs.errors import (
     JobCancelledError,
     JobNotFoundError,
     JobStateError,
+    JobTimeoutError,
     LeaseLostError,
     ScheduleError,
     SchemaVersionError,
@@ -56,8 +57,10 @@ from sqla_jobs.queue import (
     prune,
     queue_stats,
     release,
+    report_progress,
     resume_queue,
     retry,
+    snooze,
     unique_key_of,
     vacuum,
 )
@@ -92,6 +95,7 @@ __all__ = [
     "JobResultMixin",
     "JobStateError",
     "JobStatus",
+    "JobTimeoutError",
     "Lease",
     "LeaseLostError",
     "LeaseMixin",
@@ -106,6 +110,7 @@ __all__ = [
     "ScheduleMixin",
     "SchemaVersionError",
     "SessionSettings",
+    "Snooze",
     "SqlaJobsError",
     "Task",
     "TaskOptions",
@@ -138,8 +143,10 @@ __all__ = [
     "release_leases",
     "renew_lease",
     "renew_leases",
+    "report_progress",
     "resume_queue",
     "retry",
+    "snooze",
     "unique_key_of",
     "vacuum",
 ]

@@ -57,7 +57,9 @@ __all__ = [
     "release_leases",
     "renew_lease",
     "renew_leases",
+    "report_progress",
     "retry",
+    "snooze",
 ]
 
 _P = ParamSpec("_P")
@@ -83,6 +85,8 @@ enqueue_many = _awaitable(queue.enqueue_many)
 enqueue_unique = _awaitable(queue.enqueue_unique)
 enqueue_unique_many = _awaitable(queue.enqueue_unique_many)
 fail = _awaitable(queue.fail)
+snooze = _awaitable(queue.snooze)
+report_progress = _awaitable(queue.report_progress)
 heartbeat = _awaitable(queue.heartbeat)
 release = _awaitable(queue.release)
 retry = _awaitable(queue.retry)

@@ -81,6 +81,8 @@ from sqla_jobs.queue.outcomes import (
     fail,
     heartbeat,
     release,
+    report_progress,
+    snooze,
     storable_text,
 )
 from sqla_jobs.queue.pausing import QueuePause, pause_queue, paused_queues, resume_queue
@@ -131,8 +133,10 @@ __all__ = [
     "readable_jsonb",
     "readable_values",
     "release",
+    "report_progress",
     "resume_queue",
     "retry",
+    "snooze",
     "storable_text",
     "unique_key_of",
     "vacuum",
