@@ -21,6 +21,7 @@ from sqla_jobs.errors import (
     SqlaJobsError,
     UniqueJobError,
 )
+from sqla_jobs.hooks import Hooks
 from sqla_jobs.leasing import (
     Lease,
     LeaseMixin,
@@ -85,6 +86,7 @@ __all__ = [
     "EmbeddedPostgresError",
     "Enqueued",
     "FailOutcome",
+    "Hooks",
     "InvalidJobError",
     "InvalidLeaseError",
     "JobArgumentsError",

@@ -56,6 +56,7 @@ from typing import (
 from sqla_jobs import validation
 from sqla_jobs.context import CancelFlag, ColumnLoader, JobContext
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, ScheduleError
+from sqla_jobs.hooks import AfterHook, BeforeHook, ErrorHook, Hooks, checked_hooks
 from sqla_jobs.periodic import Schedule
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import DEFAULT_LEASE, Enqueued, enqueue_unique
@@ -89,6 +90,9 @@ Mode: TypeAlias = Literal["lease", "lock"]
 
 _R = TypeVar("_R")
 _V = TypeVar("_V")
+_B = TypeVar("_B", bound=BeforeHook)
+_A = TypeVar("_A", bound=AfterHook)
+_E = TypeVar("_E", bound=ErrorHook)
 Handler: TypeAlias = Callable[["JobContext"], Any]
 """A task's function: ``def f(ctx: JobContext) -> Any`` or ``async def f(ctx) -> Any``."""
 
@@ -130,6 +134,10 @@ class TaskOptions(TypedDict, total=False):
         or dead by ``retry`` and ``max_attempts``), a coroutine handler is cancelled, and a
         thread handler is told (``ctx.cancelled``, ``ctx.raise_if_cancelled()``). A job's
         own ``time_limit`` column, when set, takes its place. Default: none.
+    ``hooks``
+        :class:`~sqla_jobs.Hooks` run around this task's handler, inside the registry's
+        (:mod:`sqla_jobs.hooks`); anything else raises
+        :class:`~sqla_jobs.errors.ConfigurationError`. Default: none of its own.
     """
 
     name: str | None
@@ -142,6 +150,7 @@ class TaskOptions(TypedDict, total=False):
     schedule: Schedule | None
     key_limit: int | None
     time_limit: timedelta | float | None
+    hooks: Hooks | None
 
 
 def _check_option_names(options: Mapping[str, object]) -> None:
@@ -227,6 +236,19 @@ class Task(Generic[_R]):
             if time_limit is None
             else _option(validation.check_time_limit, "time_limit", time_limit)
         )
+        self._own_hooks = checked_hooks("hooks", options.get("hooks"))
+        self._hooks_of: Hooks | None = None  # the registry's hooks self._hooks was made with
+        self._hooks: Hooks | None = None
+
+    @property
+    def hooks(self) -> Hooks | None:
+        """The hooks around this task's handler: the registry's, then the task's own
+        (:mod:`sqla_jobs.hooks` says in which order they run); None when there are none."""
+        registry_hooks = self.registry.hooks
+        if self._hooks_of is not registry_hooks:  # the registry's changed (or first use)
+            combined = registry_hooks + self._own_hooks
+            self._hooks, self._hooks_of = (combined or None), registry_hooks
+        return self._hooks
 
     def __call__(self, ctx: JobContext) -> _R:
         return self.function(ctx)
@@ -335,6 +357,9 @@ class Registry:
     The defaults apply to tasks that do not set the option.
     ``queue_limits`` (``{"emails": 3}``) caps how many jobs of a queue run at once across
     all the registry's workers (:attr:`queue_limits`).
+    ``hooks`` (a :class:`~sqla_jobs.Hooks`) run around every task's handler
+    (:mod:`sqla_jobs.hooks`; more with :meth:`add_hooks` and the decorators :meth:`before`,
+    :meth:`after`, :meth:`on_error`).
     """
 
     def __init__(
@@ -350,6 +375,7 @@ class Registry:
         schedule_model: type[ScheduleMixin] | None = None,
         ordering_keys: bool = False,
         queue_limits: Mapping[str, int] | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
         if model is not None and not _is_job_model(model):
             raise ConfigurationError(f"{model!r} is not a model class that mixes in JobMixin")
@@ -378,7 +404,46 @@ class Registry:
         except InvalidJobError as exc:
             raise ConfigurationError(f"queue_limits: {exc.reason}") from None
         self._queue_limits: Mapping[str, int] = MappingProxyType(limits)
+        self._hooks = checked_hooks("hooks", hooks)
         self._tasks: dict[str, Task[Any]] = {}
+
+    @property
+    def hooks(self) -> Hooks:
+        """The hooks run around every task's handler (``Registry(..., hooks=...)``,
+        :meth:`add_hooks`, :meth:`before`, :meth:`after`, :meth:`on_error`), outside each
+        task's own; see :mod:`sqla_jobs.hooks`."""
+        return self._hooks
+
+    def add_hooks(self, hooks: Hooks) -> None:
+        """Add ``hooks`` to every task's, inside those added before (they run after them in
+        ``before``, and before them in ``after`` and ``on_error``). Anything but a
+        :class:`~sqla_jobs.Hooks` raises :class:`~sqla_jobs.errors.ConfigurationError`.
+        Applies to tasks registered before and after; add hooks before a worker starts."""
+        self._hooks = self._hooks + checked_hooks("hooks", hooks)
+
+    def before(self, hook: _B) -> _B:
+        """Decorator: run ``hook(ctx)`` before every task's handler (``def`` or ``async
+        def``); see :mod:`sqla_jobs.hooks`. ``add_hooks(Hooks(before=hook))``."""
+        if not callable(hook):
+            raise ConfigurationError(f"a before hook must be callable, not {hook!r}")
+        self.add_hooks(Hooks(before=hook))
+        return hook
+
+    def after(self, hook: _A) -> _A:
+        """Decorator: run ``hook(ctx, result)`` after every task's handler returned (or
+        snoozed); see :mod:`sqla_jobs.hooks`. ``add_hooks(Hooks(after=hook))``."""
+        if not callable(hook):
+            raise ConfigurationError(f"a after hook must be callable, not {hook!r}")
+        self.add_hooks(Hooks(after=hook))
+        return hook
+
+    def on_error(self, hook: _E) -> _E:
+        """Decorator: run ``hook(ctx, error)`` after every task's handler raised; see
+        :mod:`sqla_jobs.hooks`. ``add_hooks(Hooks(on_error=hook))``."""
+        if not callable(hook):
+            raise ConfigurationError(f"a on_error hook must be callable, not {hook!r}")
+        self.add_hooks(Hooks(on_error=hook))
+        return hook
 
     @property
     def result_model(self) -> type[JobResultMixin] | None:

@@ -101,6 +101,7 @@ from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.context import ColumnLoader, JobContext
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
+from sqla_jobs.hooks import around_async, hook_context
 from sqla_jobs.queue import ClaimedJob, complete_held, job_columns, lock_one, lock_started
 from sqla_jobs.registry import Registry, Task
 from sqla_jobs.worker.link import as_session
@@ -131,7 +132,13 @@ class LockHost(Protocol):
     def take_queued(self, accept: Callable[[Attempt], bool], limit: int) -> list[Settling]: ...
     def working(self) -> AbstractContextManager[None]: ...
     def admit(self, attempt: Attempt) -> Outcome | None: ...
-    def call_handler(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any: ...
+    def handle(
+        self,
+        attempt: Attempt,
+        task: Task[Any],
+        ctx: JobContext,
+        check: Callable[[], object] | None = None,
+    ) -> Any: ...
     def await_handler(self, attempt: Attempt, awaitable: Awaitable[_T]) -> _T: ...
     def returned(self, attempt: Attempt, result: Any) -> Any: ...
 
@@ -353,15 +360,8 @@ class _Group:
             _member=member,
         )
         try:
-            member.result = runner.returned(attempt, runner.call_handler(attempt, task, ctx))
-            if member.savepoint is not None:
-                # Only a handler that asked for the session can have ended the transaction
-                # (see "Why the savepoint can wait for the session").
-                if not self._open():
-                    raise ConfigurationError(_ENDED_TRANSACTION)
-                # The handler's pending writes: refused ones fail the job like an error
-                # raised by the handler itself.
-                self.session.flush()
+            # Its hooks (if any) run around this, without the session (sqla_jobs.hooks).
+            member.result = runner.handle(attempt, task, ctx, lambda: self._flush(member))
         except BaseException as exc:
             member.outcome = ended_by(exc)
             return self._undo(member)
@@ -374,6 +374,16 @@ class _Group:
             return self._undo(member)
         member.savepoint.commit()
         return True
+
+    def _flush(self, member: _Member) -> None:
+        if member.savepoint is not None:
+            # Only a handler that asked for the session can have ended the transaction
+            # (see "Why the savepoint can wait for the session").
+            if not self._open():
+                raise ConfigurationError(_ENDED_TRANSACTION)
+            # The handler's pending writes: refused ones fail the job like an error raised
+            # by the handler itself.
+            self.session.flush()
 
     def _undo(self, member: _Member) -> bool:
         """Roll back what ``member`` did in the transaction; False if that failed or the
@@ -479,20 +489,30 @@ async def _run_async(runner: LockHost, attempt: Attempt, task: Task[Any]) -> Out
                 return Outcome(Kind.LOST, why="it was taken over before it could be locked")
             pid = await session.run_sync(_backend_pid, ask=runner.pooled)
             attempt.backend = None if pid is None else (pid, started)
-            try:
-                ctx = JobContext(
-                    job,
-                    runner.worker_name,
-                    _async_session=session,
-                    _cancel=attempt,
-                    _loader=runner.columns_loader,
-                )
+            ctx = JobContext(
+                job,
+                runner.worker_name,
+                _async_session=session,
+                _cancel=attempt,
+                _loader=runner.columns_loader,
+            )
+
+            async def handled() -> Any:
                 result = runner.returned(attempt, await task.function(ctx))
                 if not transaction.is_active or session.get_transaction() is not transaction:
                     raise ConfigurationError(_ENDED_TRANSACTION)
                 # The handler's pending writes: refused ones fail the job like an error
                 # raised by the handler itself.
                 await session.flush()
+                return result
+
+            task_hooks = task.hooks
+            try:
+                if task_hooks is None:
+                    result = await handled()
+                else:  # in this task, without the session (sqla_jobs.hooks)
+                    seen = hook_context(ctx, attempt, runner.columns_loader)
+                    result = await around_async(task_hooks, seen, attempt, handled)
             except BaseException as exc:
                 try:
                     await session.rollback()

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from sqlalchemy.orm import Session
 
-from sqla_jobs import validation
+from sqla_jobs import hooks, validation
 from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.context import ColumnLoader, JobContext, Snooze
 from sqla_jobs.errors import JobTimeoutError
@@ -79,6 +79,12 @@ async def _awaited(awaitable: Awaitable[_T], attempt: Attempt, context: contextv
         # Asked (or past its time limit) before the coroutine started (see
         # Runner.request_cancel and Runner._limit_loop): it is cancelled at its first await.
         task.cancel()
+    return await awaitable
+
+
+async def _in_context(awaitable: Awaitable[_T], context: contextvars.Context) -> _T:
+    for variable, value in context.items():
+        variable.set(value)
     return await awaitable
 
 
@@ -345,7 +351,7 @@ class Runner:
         ctx = JobContext(
             attempt.job, self.worker_name, _cancel=attempt, _loader=self.columns_loader
         )
-        result = self.returned(attempt, self.call_handler(attempt, task, ctx))
+        result = self.handle(attempt, task, ctx)
         return _COMPLETED if result is None else Outcome(Kind.COMPLETE, result)
 
     def admit(self, attempt: Attempt) -> Outcome | None:
@@ -401,6 +407,56 @@ class Runner:
             return job_columns(job, session)
         with self.session_factory() as own, own.begin():
             return job_columns(job, own)
+
+    def handle(
+        self,
+        attempt: Attempt,
+        task: Task[Any],
+        ctx: JobContext,
+        check: Callable[[], object] | None = None,
+    ) -> Any:
+        """Call ``task``'s handler with ``ctx``, and return what it returned as the result
+        to complete the job with (:meth:`returned`), after ``check()`` (a lock group's flush
+        of the handler's writes); with the task's hooks around all that
+        (:mod:`sqla_jobs.hooks`): on this thread for a thread handler, in the handler's own
+        asyncio task for a coroutine function. Raises what ends the attempt otherwise."""
+        task_hooks = task.hooks
+        if task_hooks is None:
+            result = self.returned(attempt, self.call_handler(attempt, task, ctx))
+            if check is not None:
+                check()
+            return result
+        seen = hooks.hook_context(ctx, attempt, self.columns_loader)
+        if inspect.iscoroutinefunction(task.function):
+
+            async def handled() -> Any:
+                result = self.returned(attempt, await task.function(ctx))
+                if check is not None:
+                    check()
+                return result
+
+            return self.await_handler(
+                attempt, hooks.around_async(task_hooks, seen, attempt, handled)
+            )
+
+        def called() -> Any:
+            result = self.returned(attempt, self.call_handler(attempt, task, ctx))
+            if check is not None:
+                check()
+            return result
+
+        return hooks.around(task_hooks, seen, attempt, called, self.run_on_loop)
+
+    def run_on_loop(self, awaitable: Awaitable[_T]) -> _T:
+        """Await ``awaitable`` (a coroutine hook) on the event loop, from this handler thread,
+        in a copy of its context."""
+        future = asyncio.run_coroutine_threadsafe(
+            _in_context(awaitable, contextvars.copy_context()), self._event_loop()
+        )
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise asyncio.CancelledError("the worker cancelled the coroutine") from None
 
     def call_handler(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any:
         value = task.function(ctx)
