@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -19,9 +20,11 @@ from worker_harness import wait_until
 import sqla_jobs
 from sqla_jobs import ConfigurationError, InvalidJobError, JobContext, LeaseLostError, Registry
 from sqla_jobs.context import Snooze
+from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.queue.outcomes import report_progress, snooze
 from sqla_jobs.validation import MAX_SNOOZES
 from sqla_jobs.worker import Worker
+from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
 #: How long a test waits for what must happen (a failing test, not a hang).
 PATIENCE = 30.0
@@ -398,3 +401,24 @@ def test_bad_progress_is_refused_before_any_sql(
     with Session(queue_engine) as session, session.begin():
         assert report_progress(session, job, 0.25, "a quarter")
     assert progress_of(queue_engine, job_id)["value"] == 0.25
+
+
+def test_the_time_limit_bookkeeping_holds_only_the_running_attempts() -> None:
+    # A worker with a long limit and many quick jobs: each settled attempt leaves the
+    # watcher's table at once, so it never grows past the attempts running.
+    state = State(concurrency=1000)
+    now = datetime.now(timezone.utc)
+    hour = timedelta(hours=1)
+    attempts = [
+        Attempt(ClaimedJob(EmailJob, n, "q", "t", {}, 0, 1, 3, now, now, None, hour), None, 0, 1e9)
+        for n in range(1000)
+    ]
+    assert state.admit(attempts)
+    for attempt in attempts:
+        assert state.start(attempt)
+    assert len(state.limited) == 1000
+    assert state.next_deadline == min(a.deadline for a in attempts)
+    for attempt in attempts:
+        assert state.settle(attempt, Outcome(Kind.COMPLETE))
+    assert state.limited == {}
+    assert state.time_out(time.monotonic() + 2 * 3600) == []  # nothing left to time out

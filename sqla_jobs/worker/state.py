@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-import heapq
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -199,9 +199,11 @@ class State:
     busy_wanted: int = -1
     writer_waiting: bool = False
     fetch_waits_for_writer: bool = False  # the fetch loop waits for written() (backpressure)
-    # Started attempts with a time limit, as (deadline, job id, attempt) in a heap: the
-    # earliest first. An entry stays until its deadline passes (whether or not it ended).
-    deadlines: list[tuple[float, int, int, Attempt]] = field(default_factory=list)
+    # Started attempts with a time limit, not settled and not yet past it, by key (at most
+    # the running attempts: settle() takes each out), and the earliest of their deadlines
+    # the time-limit watcher waits for (inf: none).
+    limited: dict[tuple[int, int], Attempt] = field(default_factory=dict)
+    next_deadline: float = math.inf
     # Attempts settled at their time limit whose handlers still run, by key.
     overrunning: dict[tuple[int, int], Attempt] = field(default_factory=dict)
     closed: bool = False  # the worker has stopped: the time limits are no longer watched
@@ -303,6 +305,8 @@ class State:
                 outcome = _CANCELLED
             attempt.outcome = outcome
             attempt.settled_at = time.monotonic()
+            if attempt.deadline:
+                self.limited.pop(attempt.key, None)
             self.settled_count += 1
             self.outcomes.append(attempt)
             if self.writer_waiting:
@@ -326,19 +330,16 @@ class State:
         (:meth:`Runner.returned <sqla_jobs.worker.runner.Runner.returned>`). Returns the
         attempts that ran past their limits (the caller cancels their coroutines)."""
         with self.lock:
-            heap = self.deadlines
             if not self.closed:
-                wait = heap[0][0] - now if heap else None
-                if wait is None or wait > 0:
-                    self.deadline_added.wait(wait)
+                wait = self.next_deadline - now
+                if wait > 0:
+                    self.deadline_added.wait(None if wait == math.inf else wait)
             due = time.monotonic()
-            late: list[Attempt] = []
-            while heap and heap[0][0] <= due:
-                attempt = heapq.heappop(heap)[3]
-                if attempt.outcome is not None or attempt.timed_out:
-                    continue  # it ended in time
+            late = [a for a in self.limited.values() if a.deadline <= due]
+            for attempt in late:
+                del self.limited[attempt.key]
                 attempt.timed_out = True
-                late.append(attempt)
+            self.next_deadline = min((a.deadline for a in self.limited.values()), default=math.inf)
         for attempt in late:
             task = attempt.task
             if task is not None and task.mode == "lock":
@@ -399,10 +400,10 @@ class State:
                 return False
             attempt.started_at = now = time.monotonic()
             if limit:
-                attempt.deadline = now + limit
-                heap = self.deadlines
-                heapq.heappush(heap, (attempt.deadline, *attempt.key, attempt))
-                if heap[0][3] is attempt:  # the earliest now: the watcher waits for it
+                attempt.deadline = deadline = now + limit
+                self.limited[attempt.key] = attempt
+                if deadline < self.next_deadline:  # the earliest now: the watcher waits for it
+                    self.next_deadline = deadline
                     self.deadline_added.notify()
             return True
 
