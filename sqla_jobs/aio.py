@@ -50,6 +50,8 @@ __all__ = [
     "fail",
     "heartbeat",
     "lock",
+    "pause_queue",
+    "paused_queues",
     "prune",
     "queue_stats",
     "release",
@@ -58,6 +60,7 @@ __all__ = [
     "renew_lease",
     "renew_leases",
     "report_progress",
+    "resume_queue",
     "retry",
     "snooze",
 ]
@@ -93,6 +96,9 @@ retry = _awaitable(queue.retry)
 cancel = _awaitable(queue.cancel)
 prune = _awaitable(queue.prune)
 queue_stats = _awaitable(queue.queue_stats)
+pause_queue = _awaitable(queue.pause_queue)
+resume_queue = _awaitable(queue.resume_queue)
+paused_queues = _awaitable(queue.paused_queues)
 
 # Leasing any row (sqla_jobs.leasing): the same one-implementation wrappers.
 acquire_leases = _awaitable(leasing.acquire_leases)

@@ -198,6 +198,8 @@ def fold_queues(queues: Sequence[QueueGauges], labels: LabelValues) -> list[Queu
                 expired_leases=queue.expired_leases,
                 dead=queue.dead,
                 oldest_runnable_seconds=queue.oldest_runnable_seconds,
+                paused=queue.paused,
+                paused_seconds=queue.paused_seconds,
             )
             continue
         waits = (seen.oldest_runnable_seconds, queue.oldest_runnable_seconds)
@@ -210,6 +212,7 @@ def fold_queues(queues: Sequence[QueueGauges], labels: LabelValues) -> list[Queu
             expired_leases=seen.expired_leases + queue.expired_leases,
             dead=seen.dead + queue.dead,
             oldest_runnable_seconds=max(ages) if ages else None,
+            paused=seen.paused or queue.paused,
         )
     return list(folded.values())
 
@@ -254,6 +257,16 @@ class GaugeCollector(Collector):
         expired = family(
             "sqla_jobs_queue_expired_leases", "Running jobs whose lease ran out.", ["queue"]
         )
+        paused = family(
+            "sqla_jobs_queue_paused",
+            "1 while the queue is paused (sqla_jobs.pause_queue), else 0; for the other "
+            "queues' label, how many of them are paused.",
+            ["queue"],
+        )
+        paused_count: dict[str, int] = {}
+        for queue in gauges.queues:
+            label = self.labels.queue(queue.queue)
+            paused_count[label] = paused_count.get(label, 0) + queue.paused
         for queue in fold_queues(gauges.queues, self.labels):
             for status, count in (
                 ("pending", queue.pending),
@@ -264,7 +277,8 @@ class GaugeCollector(Collector):
             runnable.add_metric([table, queue.queue], float(queue.runnable))
             oldest.add_metric([table, queue.queue], queue.oldest_runnable_seconds or 0.0)
             expired.add_metric([table, queue.queue], float(queue.expired_leases))
-        yield from (jobs, runnable, oldest, expired)
+            paused.add_metric([table, queue.queue], float(paused_count.get(queue.queue, 0)))
+        yield from (jobs, runnable, oldest, expired, paused)
         stats = gauges.table
         for name, text, value in (
             ("sqla_jobs_table_live_tuples", "Live rows of the job table.", stats.live_tuples),

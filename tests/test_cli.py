@@ -199,6 +199,8 @@ def test_status_retry_cancel(
         "dead",
         "oldest",
         "runnable",
+        "paused",
+        "for",
     ]
     assert lines[2].split() == ["billing", "0", "0", "0", "0", "1", "-"]
     mail = lines[3].split()

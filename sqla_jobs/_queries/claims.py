@@ -191,14 +191,15 @@ def claim(
         )
         queue = queues.c.name
     columns = (table.c.id, table.c.priority, table.c.run_at)
-    # A paused queue (a row in the pause table) is not read: a probe of the pause table's
-    # primary key per queue served, before its index is read or a row locked. One queue:
-    # a one-time filter of each read (it names the queue, not the job); several: a filter
-    # of the queue array, so the lateral reads run only for the queues not paused.
+    # A paused queue (a row in the pause table) is not read: one read of the pause table
+    # per claim, before any index is read or a row locked. One queue: a one-time filter
+    # over the candidates (it names the queue, not a job; PostgreSQL pushes no qual with a
+    # subquery down into the reads, so it is evaluated once, not once per read), and when
+    # it fails the reads do not run; several: a filter of the queue array (an anti-join),
+    # so the lateral reads run only for the queues not paused.
     pauses = pause_table(table)
     paused = select(pauses.c.queue).where(pauses.c.queue == queue)
     not_paused = ~(paused if queues is None else paused.correlate(queues)).exists()
-    in_reads = [not_paused] if queues is None else []
     pending_jobs = (
         select(*columns)
         .where(
@@ -206,7 +207,6 @@ def claim(
             table.c.ordering_key.is_(None),
             table.c.queue == queue,
             table.c.run_at <= now,
-            *in_reads,
         )
         .order_by(table.c.priority, table.c.run_at, table.c.id)
     )
@@ -218,7 +218,6 @@ def claim(
             table.c.lease_expires_at <= now,
             table.c.run_at <= now,
             table.c.ordering_key.is_(None),
-            *in_reads,
         )
         .order_by(table.c.lease_expires_at)
     )
@@ -237,7 +236,7 @@ def claim(
             select(candidates.c.id).select_from(queues).join(candidates, true()).where(not_paused)
         )
     else:
-        chosen = select(candidates.c.id)
+        chosen = select(candidates.c.id).where(not_paused)
     if limited:
         slots = (
             text(f"SELECT {limited_count(table)} AS n")

@@ -20,6 +20,7 @@ from sqla_jobs.cli.dashboard import DASHBOARD_TOKEN_VARIABLE, cmd_dashboard
 from sqla_jobs.cli.database import DATABASE_URL_VARIABLE, LISTEN_URL_VARIABLE
 from sqla_jobs.cli.history import cmd_history
 from sqla_jobs.cli.loading import DEFAULT_MODEL
+from sqla_jobs.cli.pausing import cmd_pause, cmd_resume
 from sqla_jobs.cli.status import cmd_health, cmd_status
 from sqla_jobs.cli.tools import cmd_bench, cmd_demo
 from sqla_jobs.cli.worker import cmd_worker
@@ -221,6 +222,31 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, parents=[db, which], help=text, description=text)
         sub.add_argument("job_id", metavar="ID", type=_job_id, help="the job's id (its row's id)")
         sub.set_defaults(handler=handler)
+
+    pause = commands.add_parser(
+        "pause",
+        parents=[db, which],
+        help="stop workers from starting a queue's jobs (running ones finish)",
+        description=(
+            "Pause a queue: from now on no claim, on any worker, starts a job of it (running "
+            "jobs finish; enqueueing goes on, the jobs wait). Idempotent; a queue without "
+            "jobs can be paused too. `sqla-jobs status` lists the paused queues."
+        ),
+    )
+    pause.add_argument("queue", metavar="QUEUE", help="the queue's name")
+    pause.add_argument("--reason", help="why, kept with the pause and shown by status")
+    pause.set_defaults(handler=cmd_pause)
+    resume = commands.add_parser(
+        "resume",
+        parents=[db, which],
+        help="let workers start a paused queue's jobs again",
+        description=(
+            "Resume a paused queue: claims start its jobs again, and idle workers serving it "
+            "are woken at once. Resuming a queue that is not paused changes nothing."
+        ),
+    )
+    resume.add_argument("queue", metavar="QUEUE", help="the queue's name")
+    resume.set_defaults(handler=cmd_resume)
 
     prune = commands.add_parser(
         "prune",

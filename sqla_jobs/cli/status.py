@@ -38,7 +38,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     table = gauges.table
     out.write(f"{table.table}\n")
     if gauges.queues:
-        header = ["queue", "pending", "runnable", "running", "expired", "dead", "oldest runnable"]
+        header = [
+            "queue",
+            "pending",
+            "runnable",
+            "running",
+            "expired",
+            "dead",
+            "oldest runnable",
+            "paused for",
+        ]
         rows = [
             [
                 q.queue,
@@ -48,6 +57,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 str(q.expired_leases),
                 str(q.dead),
                 _age(q.oldest_runnable_seconds),
+                _age(q.paused_seconds) if q.paused else "",
             ]
             for q in gauges.queues
         ]
@@ -61,12 +71,18 @@ def cmd_status(args: argparse.Namespace) -> int:
                     str(gauges.expired_leases),
                     str(gauges.dead),
                     _age(gauges.oldest_runnable_seconds),
+                    "",
                 ]
             )
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for line in [header, *rows]:
             cells = zip(line, widths, strict=True)
             out.write("  ".join(cell.ljust(w) for cell, w in cells).rstrip() + "\n")
+        if gauges.paused:
+            out.write(
+                f"paused: {', '.join(gauges.paused)} (no job of theirs starts until "
+                "sqla-jobs resume QUEUE)\n"
+            )
     else:
         out.write("no pending, running or dead jobs\n")
     estimate = (
@@ -123,6 +139,7 @@ def cmd_health(args: argparse.Namespace) -> int:
         f"healthy: {gauges.runnable} runnable, {gauges.running} running, "
         f"{gauges.expired_leases} expired leases, {gauges.dead} dead; oldest runnable "
         f"{_age(gauges.oldest_runnable_seconds)}; vacuum held back "
-        f"{_age(holder.age_seconds if holder else None)}\n"
+        f"{_age(holder.age_seconds if holder else None)}"
+        f"{'; paused: ' + ', '.join(gauges.paused) if gauges.paused else ''}\n"
     )
     return HEALTHY

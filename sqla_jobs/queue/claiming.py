@@ -131,6 +131,10 @@ def claim(
     claim with no limited queue among ``queues`` runs exactly as before). The queue locks
     last until the transaction ends: keep it short.
 
+    **Paused queues** (:func:`~sqla_jobs.pause_queue`) are skipped by every form above: the
+    claim statements read the table's pause table themselves, so a queue paused (or
+    resumed) in a committed transaction is honoured by the next claim of every worker.
+
     Returns the claimed jobs, possibly none. Raises :class:`InvalidJobError` for bad
     arguments, before any SQL runs.
     """
