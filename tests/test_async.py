@@ -159,7 +159,10 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
             if isinstance(built, sa.ClauseElement) and not isinstance(
                 built, sa.schema.ExecutableDDLElement
             ):
-                yield f"{name}{options or ''}", built
+                # Tables by name: a Table's repr holds object addresses, which differ between
+                # the test processes that must collect the same ids.
+                shown = {k: v.name if isinstance(v, sa.Table) else v for k, v in options.items()}
+                yield f"{name}{shown or ''}", built
 
 
 @pytest.mark.parametrize(("name", "statement"), list(_built_statements()), ids=lambda v: v)
