@@ -16,11 +16,12 @@ from alembic.operations import Operations
 from conftest import FreshDatabase, advance_clock
 from models import EmailJob, ReportJob
 from no_sql import no_sql
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 import sqla_jobs
-from sqla_jobs import ConfigurationError, InvalidJobError, JobStatus, migrations
+from sqla_jobs import ConfigurationError, InvalidJobError, JobStatus, cli, migrations
 from sqla_jobs.health import read_gauges
 from sqla_jobs.schema import names
 from sqla_jobs.schema.pauses import pause_names, pause_table
@@ -284,3 +285,106 @@ def test_the_migration_helper_makes_the_table_the_model_declares(
     migrate(scratch_engine, lambda: migrations.drop_pause_table("email_jobs"))
     migrate(scratch_engine, lambda: migrations.drop_pause_table("email_jobs"))
     assert not sa.inspect(scratch_engine).has_table("email_jobs_pauses")
+
+
+@pytest.mark.usefixtures("restore_root_logging")
+def test_the_commands_pause_and_resume_and_status_shows_the_paused_queues(
+    capsys: pytest.CaptureFixture[str], queue_engine: sa.Engine
+) -> None:
+    enqueue(queue_engine, *jobs("mail", 1))
+    url = queue_engine.url.render_as_string(hide_password=False)
+    common = ["--database-url", url, "--model", "models:EmailJob"]
+
+    def run(*args: str) -> tuple[int, str, str]:
+        status = cli.main([*args[:1], *common, *args[1:]])
+        captured = capsys.readouterr()
+        return status, captured.out, captured.err
+
+    status, out, _ = run("pause", "mail", "--reason", "deploy")
+    assert status == 0
+    assert out.startswith("queue mail is paused (since ")
+    assert claim(queue_engine, queues=["mail"]) == []
+    status, out, _ = run("status")
+    assert status == 0
+    (mail,) = [line.split() for line in out.splitlines() if line.startswith("mail ")]
+    assert mail[:6] == ["mail", "1", "1", "0", "0", "0"]
+    assert mail[-1].endswith("s")  # paused for that long
+    assert "paused: mail (no job of theirs starts until sqla-jobs resume QUEUE)" in out
+    assert run("health")[1].endswith("; paused: mail\n")
+
+    assert run("resume", "mail")[:2] == (0, "queue mail is resumed\n")
+    assert run("resume", "mail")[:2] == (0, "queue mail was not paused\n")
+    assert len(claim(queue_engine, queues=["mail"])) == 1
+    status, _, err = run("pause", "bad name")
+    assert status == 1
+    assert err.startswith("sqla-jobs: error: queue: 'bad name' is malformed")
+
+
+def test_the_dashboard_pauses_and_resumes_a_queue(queue_engine: sa.Engine) -> None:
+    pytest.importorskip("starlette", reason="the dashboard extra")
+    from dashboard_pages import csrf_of
+    from starlette.testclient import TestClient
+
+    from sqla_jobs.dashboard import create_app
+
+    enqueue(queue_engine, *jobs("mail", 1))
+    with TestClient(create_app(queue_engine, EmailJob)) as client:
+        csrf = csrf_of(client, "/")
+        assert 'id="pause-mail"' in client.get("/").text
+        paused = client.post("/queues/mail/pause", data={"csrf": csrf}, follow_redirects=False)
+        assert paused.status_code == 303
+        assert claim(queue_engine, queues=["mail"]) == []
+        assert 'id="resume-mail"' in client.get("/").text
+        forged = client.post("/queues/mail/resume", data={"csrf": "forged"})
+        assert forged.status_code == 403
+        bad = client.post("/queues/bad%20name/pause", data={"csrf": csrf})
+        assert bad.status_code == 400
+        assert client.post("/queues/mail/explode", data={"csrf": csrf}).status_code == 404
+        resumed = client.post("/queues/mail/resume", data={"csrf": csrf}, follow_redirects=False)
+        assert resumed.status_code == 303
+    assert len(claim(queue_engine, queues=["mail"])) == 1
+    with TestClient(create_app(queue_engine, EmailJob, read_only=True)) as client:
+        page = client.get("/").text
+        assert 'id="pause-mail"' not in page
+        assert client.post("/queues/mail/pause", data={"csrf": csrf}).status_code == 403
+
+
+def test_the_metrics_export_the_paused_queues(queue_engine: sa.Engine) -> None:
+    pytest.importorskip("prometheus_client", reason="the metrics extra")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sqla_jobs.health import GaugeCache
+    from sqla_jobs.metrics import OTHER, GaugeCollector, LabelValues
+
+    enqueue(queue_engine, *jobs("mail", 1), *jobs("open", 1))
+    for name in ("mail", "stranger-1", "stranger-2"):
+        pause(queue_engine, name)
+    registry = CollectorRegistry()
+    cache = GaugeCache(queue_engine, EmailJob)
+    registry.register(GaugeCollector(cache, LabelValues(queues={"mail", "open"})))
+
+    text = generate_latest(registry).decode()
+
+    paused = {
+        sample.labels["queue"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "sqla_jobs_queue_paused"
+    }
+    assert paused == {"mail": 1.0, "open": 0.0, OTHER: 2.0}
+
+
+async def test_the_async_session_pauses_and_resumes(queue_async_engine: AsyncEngine) -> None:
+    import sqla_jobs.aio
+
+    async with AsyncSession(queue_async_engine) as session, session.begin():
+        session.add(EmailJob(task="t", queue="mail"))
+        await sqla_jobs.aio.pause_queue(session, EmailJob, "mail", reason="async")
+    async with AsyncSession(queue_async_engine) as session, session.begin():
+        assert await sqla_jobs.aio.claim(session, EmailJob, queues="mail") == []
+        (paused,) = await sqla_jobs.aio.paused_queues(session, EmailJob)
+        assert (paused.queue, paused.reason) == ("mail", "async")
+        assert await sqla_jobs.aio.resume_queue(session, EmailJob, "mail") is True
+    async with AsyncSession(queue_async_engine) as session, session.begin():
+        assert len(await sqla_jobs.aio.claim(session, EmailJob, queues="mail")) == 1

@@ -7,6 +7,7 @@ Pages (every one plain HTML, no JavaScript):
 ``GET /jobs``             the job list: ``?queue=&task=&status=&before=`` (keyset cursor)
 ``GET /jobs/{id}``        a job: every column, the last error's traceback, its result
 ``POST /jobs/{id}/retry`` ``.../cancel``, ``.../delete``: the admin actions
+``POST /queues/{name}/pause`` ``.../resume``: pause or resume a queue
 ``GET|POST /login``       the access token form (only with a token)
 
 Every POST carries a CSRF token: a form field signed by the server for the browser's
@@ -272,6 +273,12 @@ def create_app(
                 methods=["POST"],
                 name="action",
             ),
+            Route(
+                "/queues/{queue}/{action}",
+                dashboard.page(dashboard.queue_action),
+                methods=["POST"],
+                name="queue_action",
+            ),
             Route("/login", dashboard.login, methods=["GET", "POST"], name="login"),
         ],
         middleware=middleware,
@@ -419,8 +426,9 @@ class _Dashboard:
             raise PageError(400, "this page takes no parameters")
         scan = self.s.scan
 
-        def read(connection: Connection) -> tuple[list[Any], list[Any]]:
+        def read(connection: Connection) -> tuple[list[Any], list[Any], list[Any]]:
             stats = queue.queue_stats(connection, self.s.model)
+            paused = queue.paused_queues(connection, self.s.model)
             # Each source's newest window (a model with history: its finished jobs are there).
             recent = [
                 row
@@ -429,10 +437,12 @@ class _Dashboard:
                     connection, source.table, {"before": statements.MAX_ID}, scan=scan
                 )
             ]
-            return stats, recent
+            return stats, recent, paused
 
-        stats, recent = await self.run(read)
+        stats, recent, paused = await self.run(read)
         queues: dict[str, dict[str, Any]] = {}
+        for pause in paused:  # a paused queue is listed, with or without jobs
+            queues[pause.queue] = {"counts": {}, "oldest": None, "recent": None, "paused": pause}
         for stat in stats:
             row = queues.setdefault(stat.queue, {"counts": {}, "oldest": None, "recent": None})
             row["counts"][stat.status.value] = stat.count
@@ -520,6 +530,32 @@ class _Dashboard:
             in_history=in_history,
             done=_DONE.get(request.query_params.get("done", "")),
         )
+
+    async def queue_action(self, request: Request, csrf: str) -> Response:
+        action = request.path_params["action"]
+        if action not in ("pause", "resume"):
+            raise PageError(404, "no such page")
+        name = request.path_params["queue"]
+        if self.s.read_only:
+            raise PageError(403, "this dashboard is read-only: nothing was changed")
+        form = await request.form()
+        if not access.csrf_matches(request, csrf, str(form.get("csrf", ""))):
+            raise PageError(
+                403,
+                "the form's CSRF token did not match (reload the page and try again): "
+                "nothing was changed",
+            )
+
+        def act(connection: Connection) -> object:
+            if action == "pause":
+                return queue.pause_queue(connection, self.s.model, name)
+            return queue.resume_queue(connection, self.s.model, name)
+
+        try:
+            await self.run(act)
+        except SqlaJobsError as exc:  # a malformed queue name, before any SQL
+            raise PageError(400, f"{exc}: nothing was changed") from None
+        return RedirectResponse(request.url_for("overview").path, status_code=303, headers=_HEADERS)
 
     async def job_action(self, request: Request, csrf: str) -> Response:
         action = request.path_params["action"]
