@@ -311,8 +311,9 @@ def tests_pgbouncer(session: nox.Session) -> None:
 # -- the lowest declared versions --------------------------------------------------------------
 
 
-#: Extras whose own floors the lowest sessions pin too (asyncpg: the async tests run on it).
-LOWEST_EXTRAS = ("asyncpg",)
+#: Extras whose own floors the lowest sessions pin too (asyncpg: the async tests run on it;
+#: sentry: tests/test_sentry.py runs the integration on sentry-sdk's floor).
+LOWEST_EXTRAS = ("asyncpg", "sentry")
 
 
 def _lowest_pins() -> list[str]:

@@ -48,6 +48,8 @@ PUBLIC_MODULES = (
     "sqla_jobs.health",
     "sqla_jobs.metrics",
     "sqla_jobs.tracing",
+    "sqla_jobs.hooks",
+    "sqla_jobs.integrations.sentry",
     "sqla_jobs.dashboard",
     "sqla_jobs.embedded",
     "sqla_jobs.events",

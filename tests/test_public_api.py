@@ -26,6 +26,7 @@ PUBLIC: dict[str, list[str]] = {
         "EmbeddedPostgresError",
         "Enqueued",
         "FailOutcome",
+        "Hooks",
         "InvalidJobError",
         "InvalidLeaseError",
         "JobArgumentsError",
@@ -155,6 +156,15 @@ PUBLIC: dict[str, list[str]] = {
         "Thresholds",
         "XminHolder",
         "read_gauges",
+    ],
+    "sqla_jobs.hooks": [
+        "AfterHook",
+        "BeforeHook",
+        "ErrorHook",
+        "Hooks",
+    ],
+    "sqla_jobs.integrations.sentry": [
+        "sentry_hooks",
     ],
     "sqla_jobs.history": [
         "DEFAULT_DAYS_AHEAD",
