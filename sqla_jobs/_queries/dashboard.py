@@ -1,4 +1,5 @@
-"""The dashboard's SQL: the job list, a job's record, its result, recent throughput.
+"""The dashboard's SQL: the job list, a job's record, its result, recent throughput, the
+last hour by minute (the charts) and the failing jobs by task and error.
 
 Pure builders over the user's tables, like :mod:`sqla_jobs._queries`. None of them takes
 a lock.
@@ -26,33 +27,45 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    case,
+    cast,
     func,
     literal_column,
     select,
 )
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 
-from sqla_jobs._queries.run import Query
+from sqla_jobs._queries.run import NoParams, Query
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.schema import JobStatus
 
 __all__ = [
+    "FAILURES",
+    "FAILURE_HOURS",
     "JOB",
     "JOB_PAGE",
     "LIST_COLUMNS",
     "MAX_ID",
+    "MINUTES",
+    "MINUTE_COUNTS",
     "RECENT_THROUGHPUT",
     "RESULT",
     "WINDOW_FLOOR",
     "BeforeParams",
+    "FailureRow",
     "JobIdParams",
     "JobListRow",
     "JobPageParams",
+    "MinuteRow",
+    "NoParams",
     "ResultRow",
     "ThroughputRow",
     "WindowFloorRow",
+    "failures",
     "job",
     "job_page",
     "job_record",
+    "minute_counts",
     "recent_throughput",
     "result",
     "window_floor",
@@ -258,3 +271,185 @@ class ThroughputRow(NamedTuple):
 
 #: Option: ``scan``.
 RECENT_THROUGHPUT: Final = Query(recent_throughput, BeforeParams, ThroughputRow)
+
+
+#: The charts' span: this many minutes, the last one the current (partial) minute.
+MINUTES: Final = 60
+
+
+def _int(value: int) -> Any:
+    # A constant rendered into the text (no bind parameter: the plan knows it).
+    return literal_column(str(int(value)), Integer)
+
+
+_MINUTE: Final = "'minute'"
+
+
+def _since() -> Any:
+    # The first minute of the charts, by the database's clock.
+    return func.date_trunc(literal_column(_MINUTE), func.statement_timestamp()) - literal_column(
+        f"interval '{MINUTES - 1} minutes'"
+    )
+
+
+def _minute(column: Any) -> Any:
+    # 0 for the first minute of the charts, MINUTES - 1 for the current one.
+    return cast(
+        func.floor(
+            func.extract("epoch", func.date_trunc(literal_column(_MINUTE), column) - _since())
+            / _int(60)
+        ),
+        Integer,
+    )
+
+
+def minute_counts(table: Table, *, scan: int) -> Any:
+    """By queue and minute of the last hour (:data:`MINUTES`, by the database's clock), among
+    the newest ``scan`` jobs below ``:before``: how many jobs finished succeeded, dead, or at
+    all (cancelled too), and how many were enqueued.
+
+    ``queue, minute, succeeded, dead, finished, enqueued``; ``minute`` 0 is the first minute
+    of the hour, ``MINUTES - 1`` the current one; minutes with nothing are left out. Bounded
+    like the job list (one window of the primary key, read once): on a table busier than
+    ``scan`` jobs an hour these are lower bounds, and the page says so.
+    """
+    window = (
+        select(table.c.id, table.c.queue, table.c.status, table.c.created_at, table.c.finished_at)
+        .where(table.c.id < bindparam("before", type_=BigInteger))
+        .order_by(table.c.id.desc())
+        .limit(literal_column(str(_count("scan", scan)), Integer))
+        .cte("window")
+    )
+    zero = literal_column("0", BigInteger)
+
+    def status(value: JobStatus) -> Any:
+        return window.c.status == literal_column(f"'{value.value}'")
+
+    ended = (
+        select(
+            window.c.queue,
+            _minute(window.c.finished_at).label("minute"),
+            func.count().filter(status(JobStatus.SUCCEEDED)).label("succeeded"),
+            func.count().filter(status(JobStatus.DEAD)).label("dead"),
+            func.count().label("finished"),
+            zero.label("enqueued"),
+        )
+        .where(window.c.finished_at >= _since())
+        .group_by(window.c.queue, literal_column("2"))
+    )
+    enqueued = (
+        select(
+            window.c.queue,
+            _minute(window.c.created_at).label("minute"),
+            zero.label("succeeded"),
+            zero.label("dead"),
+            zero.label("finished"),
+            func.count().label("enqueued"),
+        )
+        .where(window.c.created_at >= _since())
+        .group_by(window.c.queue, literal_column("2"))
+    )
+    both = ended.union_all(enqueued).subquery("counts")
+    return (
+        select(
+            both.c.queue,
+            both.c.minute,
+            *(
+                func.sum(both.c[name]).cast(BigInteger).label(name)
+                for name in ("succeeded", "dead", "finished", "enqueued")
+            ),
+        )
+        .where(both.c.minute < _int(MINUTES))  # a time ahead of the database's clock
+        .group_by(both.c.queue, both.c.minute)
+        .order_by(both.c.queue, both.c.minute)
+    )
+
+
+class MinuteRow(NamedTuple):
+    """One queue and minute of :func:`minute_counts`."""
+
+    queue: str
+    minute: int
+    succeeded: int
+    dead: int
+    finished: int
+    enqueued: int
+
+
+#: Option: ``scan``.
+MINUTE_COUNTS: Final = Query(minute_counts, BeforeParams, MinuteRow)
+
+#: How far back the failing jobs are read, and how long a message or error kind may be.
+FAILURE_HOURS: Final = 24
+_MESSAGE_LENGTH: Final = 300
+_KIND_LENGTH: Final = 120
+
+
+def failures(table: Table, *, scan: int) -> Any:
+    """The dead jobs that finished in the last :data:`FAILURE_HOURS` hours (database time),
+    grouped by task and error kind: ``task, error, jobs, latest, latest_id, message``.
+
+    The error kind is the last line of the job's ``last_error`` (a traceback's last line is
+    its exception), up to its first colon: ``ValueError`` for ``ValueError: card declined``;
+    ``message`` is the newest job's last line, ``latest`` its finish time, ``latest_id`` its
+    id. Reads the dead index (the job table's, or each history partition's of the last
+    day) and the rows it points to, at most ``scan`` of them (then ``jobs`` are lower
+    bounds), never the other jobs. Most jobs first.
+    """
+    dead: Any = literal_column(f"'{JobStatus.DEAD.value}'")
+    empty: Any = literal_column("''")
+    error = func.coalesce(table.c.last_error, empty)
+    last_line = func.substring(
+        func.rtrim(error, literal_column("E' \\t\\r\\n'")),
+        literal_column("'[^\\n]*$'"),
+    )
+    read = (
+        select(
+            table.c.id,
+            table.c.task,
+            table.c.finished_at,
+            func.left(last_line, _int(_MESSAGE_LENGTH)).label("message"),
+        )
+        .where(
+            table.c.status == dead,
+            table.c.finished_at
+            >= func.statement_timestamp() - literal_column(f"interval '{FAILURE_HOURS} hours'"),
+        )
+        .limit(literal_column(str(_count("scan", scan)), Integer))
+        .subquery("dead")
+    )
+    kind = func.left(
+        case(
+            (read.c.message == empty, literal_column("'(no error recorded)'")),
+            else_=func.btrim(func.split_part(read.c.message, literal_column("':'"), _int(1))),
+        ),
+        _int(_KIND_LENGTH),
+    ).label("error")
+    newest = (read.c.finished_at.desc(), read.c.id.desc())
+    return (
+        select(
+            read.c.task,
+            kind,
+            func.count().label("jobs"),
+            func.max(read.c.finished_at).label("latest"),
+            func.max(read.c.id).label("latest_id"),
+            func.array_agg(aggregate_order_by(read.c.message, *newest))[_int(1)].label("message"),
+        )
+        .group_by(read.c.task, literal_column("2"))
+        .order_by(literal_column("3").desc(), read.c.task, literal_column("2"))
+    )
+
+
+class FailureRow(NamedTuple):
+    """One task and error kind of :func:`failures`."""
+
+    task: str
+    error: str
+    jobs: int
+    latest: datetime | None
+    latest_id: int
+    message: str
+
+
+#: Option: ``scan``.
+FAILURES: Final = Query(failures, NoParams, FailureRow)

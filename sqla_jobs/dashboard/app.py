@@ -6,6 +6,8 @@ Pages (every one plain HTML, no JavaScript):
 ``GET /``                 queues: counts by status, oldest pending job, recent throughput
 ``GET /jobs``             the job list: ``?queue=&task=&status=&before=`` (keyset cursor)
 ``GET /jobs/{id}``        a job: every column, the last error's traceback, its result
+``GET /activity``         per queue, the last hour by minute: jobs finished and failed, depth
+``GET /failures``         the dead jobs of the last day, grouped by task and error
 ``POST /jobs/{id}/retry`` ``.../cancel``, ``.../delete``: the admin actions
 ``POST /queues/{name}/pause`` ``.../resume``: pause or resume a queue
 ``GET|POST /login``       the access token form (only with a token)
@@ -50,7 +52,7 @@ from sqla_jobs import queue, validation
 from sqla_jobs._queries import dashboard as statements
 from sqla_jobs._queries.dashboard import RECENT_THROUGHPUT, RESULT
 from sqla_jobs._queries.variant import tables_of
-from sqla_jobs.dashboard import access
+from sqla_jobs.dashboard import access, activity
 from sqla_jobs.dashboard.access import AUTH_COOKIE, CSRF_COOKIE, SESSION_LIFETIME, SESSION_MAX_AGE
 from sqla_jobs.dashboard.sources import (
     ListQuery,
@@ -266,6 +268,8 @@ def create_app(
         routes=[
             Route("/", dashboard.page(dashboard.overview), name="overview"),
             Route("/jobs", dashboard.page(dashboard.job_list), name="jobs"),
+            Route("/activity", dashboard.page(dashboard.activity), name="activity"),
+            Route("/failures", dashboard.page(dashboard.failures), name="failures"),
             Route("/jobs/{job_id}", dashboard.page(dashboard.job_detail), name="job"),
             Route(
                 "/jobs/{job_id}/{action}",
@@ -465,6 +469,40 @@ class _Dashboard:
             scanned=scanned,
             scan=scan,
             age=_age,
+        )
+
+    async def activity(self, request: Request, csrf: str) -> Response:
+        if request.query_params:
+            raise PageError(400, "this page takes no parameters")
+
+        def read(connection: Connection) -> list[activity.QueueActivity]:
+            return activity.read_activity(connection, self.s.model, self.sources)
+
+        queues = await self.run(read)
+        return self.render(
+            request,
+            "activity.html",
+            csrf,
+            queues=queues,
+            minutes=statements.MINUTES,
+            scan=self.s.scan,
+        )
+
+    async def failures(self, request: Request, csrf: str) -> Response:
+        if request.query_params:
+            raise PageError(400, "this page takes no parameters")
+
+        def read(connection: Connection) -> list[activity.Failure]:
+            return activity.read_failures(connection, self.sources)
+
+        failures = await self.run(read)
+        return self.render(
+            request,
+            "failures.html",
+            csrf,
+            failures=failures,
+            hours=statements.FAILURE_HOURS,
+            scan=self.s.scan,
         )
 
     async def job_list(self, request: Request, csrf: str) -> Response:
