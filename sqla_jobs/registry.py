@@ -39,6 +39,7 @@ The two modes:
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from types import MappingProxyType
@@ -134,6 +135,13 @@ class TaskOptions(TypedDict, total=False):
         or dead by ``retry`` and ``max_attempts``), a coroutine handler is cancelled, and a
         thread handler is told (``ctx.cancelled``, ``ctx.raise_if_cancelled()``). A job's
         own ``time_limit`` column, when set, takes its place. Default: none.
+    ``process``
+        True runs the handler in a child process of the worker's pool
+        (:mod:`sqla_jobs.worker.processes`): for CPU-bound work, and for a time limit that
+        kills (the child is killed at the limit or on a cancel and replaced; a child that
+        dies fails only its attempt). Lease mode only, and a plain function the child finds
+        by its module and name (defined at the top level of an importable module);
+        otherwise :class:`~sqla_jobs.errors.ConfigurationError`. Default: False.
     ``hooks``
         :class:`~sqla_jobs.Hooks` run around this task's handler, inside the registry's
         (:mod:`sqla_jobs.hooks`); anything else raises
@@ -151,6 +159,7 @@ class TaskOptions(TypedDict, total=False):
     key_limit: int | None
     time_limit: timedelta | float | None
     hooks: Hooks | None
+    process: bool | None
 
 
 def _check_option_names(options: Mapping[str, object]) -> None:
@@ -237,6 +246,8 @@ class Task(Generic[_R]):
             else _option(validation.check_time_limit, "time_limit", time_limit)
         )
         self._own_hooks = checked_hooks("hooks", options.get("hooks"))
+        #: Whether the handler runs in a child process (see :class:`TaskOptions`).
+        self.process: bool = _check_process(function, self.mode, options.get("process"))
         self._hooks_of: Hooks | None = None  # the registry's hooks self._hooks was made with
         self._hooks: Hooks | None = None
 
@@ -583,6 +594,34 @@ def _is_schedule_model(model: object) -> bool:
 
 def _is_job_model(model: object) -> bool:
     return isinstance(model, type) and issubclass(model, JobMixin)
+
+
+def _check_process(function: Callable[..., Any], mode: Mode, process: object) -> bool:
+    """The ``process`` option: False unless True, and then a function a child process can
+    find and a lease-mode task (lock mode writes through the claim's transaction, which
+    stays in the worker)."""
+    if process is None or process is False:
+        return False
+    if process is not True:
+        raise ConfigurationError(f"process must be True or False, not {process!r}")
+    name = getattr(function, "__qualname__", None)
+    module = getattr(function, "__module__", None)
+    if mode == "lock":
+        raise ConfigurationError(
+            f"task {name!r}: process=True needs lease mode; a lock-mode handler writes "
+            "through the claim's transaction, which a child process cannot share"
+        )
+    if inspect.iscoroutinefunction(function):
+        raise ConfigurationError(
+            f"task {name!r}: process=True needs a plain function, not a coroutine function"
+        )
+    if not isinstance(name, str) or not isinstance(module, str) or "<" in name:
+        raise ConfigurationError(
+            f"task {name or function!r}: process=True needs a function defined at the top "
+            "level of a module, which the child process imports to find it by its module "
+            "and name (not a lambda, a nested function or another callable)"
+        )
+    return True
 
 
 def _check_mode(mode: object) -> Mode:

@@ -110,6 +110,7 @@ BAD: list[tuple[str, object, str]] = [
     ("listen", "yes", "listen must be True or False"),
     ("listen_engine", "postgresql://x@y/z", "listen_engine must be a sync SQLAlchemy Engine"),
     ("pooler", "pgbouncer", "pooler must be one of"),
+    ("processes", 0, r"processes must be an integer in \[1, concurrency=4\]"),
     ("grace", float("nan"), "grace must not be negative"),
     ("stuck_after", 0, "stuck_after must be positive"),
     ("lock_timeout", 0, r"lock_timeout must be in \(0, 3600\) seconds"),

@@ -115,7 +115,8 @@ class Worker:
 
     ``claiming`` (:class:`~sqla_jobs.ClaimSettings`)
         ``queues``, ``concurrency``, ``batch_size``, ``prefetch``, ``poll_interval``,
-        ``listen``, ``listen_engine``, ``pooler``
+        ``listen``, ``listen_engine``, ``pooler``, ``processes`` (the child processes of
+        process tasks: :mod:`sqla_jobs.worker.processes`)
     ``timing`` (:class:`~sqla_jobs.TimingSettings`)
         ``grace``, ``stuck_after``, ``lock_timeout``, ``synchronous_commit``
     ``observability`` (:class:`~sqla_jobs.ObservabilitySettings`)
@@ -261,6 +262,7 @@ class Worker:
             self._prefix,
             session_factory=held.session_factory or functools.partial(Session, engine),
             async_session_factory=held.async_session_factory,
+            processes=claim.processes,
         )
         self._thread: threading.Thread | None = None
         self._started = threading.Event()

@@ -35,6 +35,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -50,6 +51,7 @@ from sqla_jobs.observer import NO_OBSERVER
 from sqla_jobs.queue import ClaimedJob, UnreadableJson, job_columns
 from sqla_jobs.registry import Registry, Task
 from sqla_jobs.worker import locked
+from sqla_jobs.worker.processes import ProcessPool, check_process_tasks
 from sqla_jobs.worker.settling import Settling, job_extra
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
@@ -101,6 +103,7 @@ class Runner:
         *,
         session_factory: Callable[[], Session],
         async_session_factory: Callable[[], AsyncSession] | None,
+        processes: int | None = None,
     ) -> None:
         self.state = state
         self.registry = registry
@@ -134,6 +137,12 @@ class Runner:
         self.columns_loader: ColumnLoader = self._load_columns  # one bound method, not one per job
         # Whether results are stored (checked then): once, not per job.
         self._stores = registry.result_model is not None or tables_of(registry.model).keeps_results
+        # The child processes of process tasks (sqla_jobs.worker.processes): their functions
+        # checked now, before any SQL; started with the handler threads when there are any.
+        self._process_tasks = bool(check_process_tasks(registry))
+        self._processes = ProcessPool(
+            processes or min(state.concurrency, os.cpu_count() or 1), prefix
+        )
 
     def request_cancel(self, key: tuple[int, int]) -> None:
         """The cancel of attempt ``key`` (job id, attempt) was requested (the heartbeat read
@@ -152,6 +161,8 @@ class Runner:
         self._cancel_coroutine(attempt)
 
     def _cancel_coroutine(self, attempt: Attempt) -> None:
+        # A process handler's child is killed (its thread raises at once).
+        self._processes.stop(attempt)
         task, loop = attempt.aio_task, self._loop
         if task is not None and loop is not None and not loop.is_closed():
             # Not the concurrent future's cancel: that would let the handler thread go on
@@ -182,6 +193,8 @@ class Runner:
         )
         self.threads.append(limits)
         limits.start()
+        if self._process_tasks:
+            self._processes.start()
 
     def _limit_loop(self) -> None:
         # The time limits (State.time_out holds the rule): a lease-mode attempt past its
@@ -313,6 +326,7 @@ class Runner:
             self._ready.notify_all()
             self._spill.notify_all()
         self.state.close()
+        self._processes.close()
         loop = self._loop
         if loop is not None and self._own_loop and not loop.is_closed():
             loop.call_soon_threadsafe(_cancel_all_and_stop, loop)
@@ -459,6 +473,8 @@ class Runner:
             raise asyncio.CancelledError("the worker cancelled the coroutine") from None
 
     def call_handler(self, attempt: Attempt, task: Task[Any], ctx: JobContext) -> Any:
+        if task.process:  # in a child process of the pool (sqla_jobs.worker.processes)
+            return self._processes.call(attempt, task, self.worker_name)
         value = task.function(ctx)
         if value is not None and inspect.isawaitable(value):
             value = self.await_handler(attempt, value)

@@ -110,6 +110,11 @@ class ClaimSettings:
     #: transaction mode (:func:`sqla_jobs.pooler.behind_pooler`), ``"transaction"`` assumes
     #: it, ``"none"`` keeps the direct behaviour whatever the engine goes through.
     pooler: str = "auto"
+    #: How many child processes run the handlers of process tasks (``process=True``:
+    #: :mod:`sqla_jobs.worker.processes`), in [1, ``concurrency``] (each holds a handler
+    #: thread while it runs a job); started with the worker when the registry has such a
+    #: task. Default: the CPU count, at most ``concurrency``.
+    processes: int | None = None
 
     def __post_init__(self) -> None:
         if self.queues is not None:
@@ -139,6 +144,11 @@ class ClaimSettings:
             )
         if self.pooler not in POOLER_MODES:
             raise ConfigurationError(f"pooler must be one of {POOLER_MODES}, not {self.pooler!r}")
+        if self.processes is not None and not int_in(self.processes, 1, self.concurrency):
+            raise ConfigurationError(
+                f"processes must be an integer in [1, concurrency={self.concurrency}] (a "
+                f"process handler holds a handler thread), not {self.processes!r}"
+            )
 
     @property
     def largest_claim(self) -> int:
@@ -315,6 +325,7 @@ class WorkerOptions(TypedDict, total=False):
     listen: bool
     listen_engine: Engine | None
     pooler: str
+    processes: int | None
     # TimingSettings
     grace: float
     stuck_after: float | None
