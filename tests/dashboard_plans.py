@@ -115,6 +115,16 @@ def reads(table: sa.Table, rows: int, *, scan: int, page: int) -> Iterator[Read]
     yield Read("a job's record", statements.job(table), {"job_id": middle})
 
 
+def picture_reads(table: sa.Table, *, scan: int) -> Iterator[Read]:
+    """The reads of the dashboard's pictures (/activity, /failures)."""
+    yield Read(
+        "minute counts (charts)",
+        statements.minute_counts(table, scan=scan),
+        {"before": statements.MAX_ID},
+    )
+    yield Read("failures by task and error", statements.failures(table, scan=scan), {})
+
+
 def explain(connection: sa.Connection, read: Read, *, generic: bool) -> dict[str, Any]:
     """EXPLAIN (ANALYZE, BUFFERS) of the read: as the driver sends it (a custom plan), or
     ``generic``: PREPAREd with ``plan_cache_mode = force_generic_plan`` (the plan a pooled
@@ -185,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
                 sa.text(f"SELECT pg_size_pretty(pg_total_relation_size('{table.name}'))")
             ).scalar()
             print(f"table with indexes: {size}")
-            for read in reads(table, args.rows, scan=args.scan, page=args.page):
+            every = [
+                *reads(table, args.rows, scan=args.scan, page=args.page),
+                *picture_reads(table, scan=args.scan),
+            ]
+            for read in every:
                 for generic in (False, True):
                     explain(connection, read, generic=generic)  # warm the cache
                     figures = summary(explain(connection, read, generic=generic))

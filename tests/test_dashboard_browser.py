@@ -272,3 +272,51 @@ def test_screenshot_of_the_overview_is_a_real_page(
     commonest = max(counts.values())
     assert len(counts) >= 20, f"only {len(counts)} colours: a blank or broken page ({path})"
     assert commonest < 0.95 * len(sample), f"the page is almost uniform ({path})"
+
+
+def colour_near(pixel: bytes, colour: tuple[int, int, int], tolerance: int = 40) -> bool:
+    return all(abs(have - want) <= tolerance for have, want in zip(pixel, colour, strict=True))
+
+
+SUCCEEDED_GREEN = (0x06, 0x76, 0x47)  # the bars' fill (activity.html)
+DEPTH_BLUE = (0x2F, 0x5B, 0xEA)  # the depth line's stroke
+
+
+def test_screenshot_of_the_charts_shows_their_series(
+    browser: WebDriver, dashboard_url: str, queue_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """The activity page's charts, drawn: a screenshot of each chart element holds pixels of
+    its series' colour, over many rows of pixels (an empty or undrawn chart has only its
+    background and axis, or a flat line at the bottom)."""
+    with queue_engine.begin() as connection:
+        for minutes in range(0, 30, 3):  # a job succeeded every 3 minutes, the last half hour
+            connection.execute(
+                sa.insert(EmailJob).values(
+                    queue="email",
+                    task="send_receipt",
+                    status="succeeded",
+                    attempts=1,
+                    created_at=sa.text(f"now() - interval '{minutes + 1} minutes'"),
+                    finished_at=sa.text(f"now() - interval '{minutes} minutes'"),
+                )
+            )
+        for _ in range(3):  # and three waiting now
+            connection.execute(sa.insert(EmailJob).values(queue="email", task="send_receipt"))
+    browser.get(dashboard_url + "/activity")
+    wait_for(browser, "#activity")
+    card = browser.find_element(By.CSS_SELECTOR, 'section[data-queue="email"]')
+    folder = Path(os.environ.get("SQLA_JOBS_SCREENSHOT_DIR", tmp_path))
+    for kind, colour in (("throughput", SUCCEEDED_GREEN), ("depth", DEPTH_BLUE)):
+        chart = card.find_element(By.CSS_SELECTOR, f"svg.chart.{kind}")
+        assert chart.size["width"] >= 200
+        path = folder / f"dashboard-chart-{kind}.png"
+        path.write_bytes(chart.screenshot_as_png)
+        _, _, rows = png_pixels(path.read_bytes())
+        drawn = [sum(colour_near(pixel, colour) for pixel in row) for row in rows]
+        assert sum(drawn) >= 50, f"the {kind} chart shows no series ({path})"
+        tall = sum(1 for count in drawn if count)
+        assert tall >= 20, f"the {kind} chart is flat: {tall} rows of its colour ({path})"
+    # The failing jobs page answers too, from the nav.
+    browser.find_element(By.ID, "nav-failures").click()
+    wait_for(browser, "h1")
+    assert browser.find_element(By.TAG_NAME, "h1").text.startswith("Failing jobs")

@@ -14,9 +14,11 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 from conftest import FreshDatabase
-from dashboard_plans import EMAIL_JOBS, explain, reads, seed, summary
+from dashboard_plans import EMAIL_JOBS, explain, picture_reads, reads, seed, summary
 from models import Base, EmailJob
 from sqlalchemy.pool import NullPool
+
+from sqla_jobs.naming import names
 
 ROWS = 100_000
 SCAN = 2_000  # small beside ROWS: a read that walked the table would show it
@@ -56,3 +58,25 @@ def test_every_read_is_bounded_by_its_window(large_table: sa.Engine, generic: bo
     with large_table.begin() as connection:
         sparse = next(r for r in reads(table, ROWS, scan=SCAN, page=PAGE) if "rare" in r.name)
         assert summary(explain(connection, sparse, generic=generic))["scanned_rows"] == SCAN
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_the_pictures_read_a_window_and_the_dead_index(
+    large_table: sa.Engine, generic: bool
+) -> None:
+    """The charts read one window of the primary key (at most SCAN rows, read once), the
+    failures only the dead index and its rows (one job in 500 is dead here), never the
+    table."""
+    table = EMAIL_JOBS
+    dead = ROWS // 500 + 1
+    with large_table.begin() as connection:
+        charts, failures = (
+            summary(explain(connection, read, generic=generic))
+            for read in picture_reads(table, scan=SCAN)
+        )
+    assert "Seq Scan" not in charts["nodes"], charts
+    assert charts["indexes"] == [f"{table.name}_pkey"], charts
+    assert charts["scanned_rows"] <= SCAN, charts
+    assert "Seq Scan" not in failures["nodes"], failures
+    assert failures["indexes"] == [names(table.name).dead_index], failures
+    assert 0 < failures["scanned_rows"] <= dead, failures

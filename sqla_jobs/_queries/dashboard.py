@@ -293,14 +293,12 @@ def _since() -> Any:
 
 
 def _minute(column: Any) -> Any:
-    # 0 for the first minute of the charts, MINUTES - 1 for the current one.
-    return cast(
-        func.floor(
-            func.extract("epoch", func.date_trunc(literal_column(_MINUTE), column) - _since())
-            / _int(60)
-        ),
-        Integer,
-    )
+    # 0 for the first minute of the charts, MINUTES - 1 for the current one. In float8
+    # seconds (date_part), cheaper per row than numeric (extract) and date_trunc.
+    def epoch(value: Any) -> Any:
+        return func.date_part(literal_column("'epoch'"), value)
+
+    return cast(func.floor((epoch(column) - epoch(_since())) / _int(60)), Integer)
 
 
 def minute_counts(table: Table, *, scan: int) -> Any:
