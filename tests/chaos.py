@@ -13,8 +13,12 @@ What it does
     that ``--database-url`` / ``SQLA_JOBS_TEST_DATABASE_URL`` names), creates the tables of
     ``tests/chaos_tasks.py`` and enqueues a mix of jobs whose ``run_at`` is spread over
     most of the run, so that work is under way whenever a fault lands: lease-mode jobs
-    (``leased``), lease-mode coroutines (``async_leased``), lock-held jobs (``locked``) and
-    poison jobs (``poison``, always raise, ``max_attempts=3``). Leases are 2 s.
+    (``leased``), lease-mode coroutines (``async_leased``), lock-held jobs (``locked``),
+    poison jobs (``poison``, always raise, ``max_attempts=3``), time-limited jobs (``timed``
+    and the coroutine ``async_timed``, ``max_attempts=3``: a limit of 1.5 s, or 0.8 s or 4 s
+    of the job's own; each attempt planned quick or slow, see :func:`timed_args`) and
+    snoozing jobs (``snoozy``: one to four snoozes, raised or returned, on
+    ``max_attempts=3``, then an effect like ``leased``). Leases are 2 s.
 
     It runs ``--workers`` processes of ``python -m sqla_jobs --log-format json worker
     chaos_tasks:registry`` (logs in files), and while they work it injects:
@@ -35,11 +39,15 @@ The checks (each must hold; the exit status is 1 when one does not, and the repo
     ``faults_injected``                 the kills, the restart and the pause did happen
     ``no_job_lost``                     every enqueued job exists and is finished
     ``no_job_stuck``                    no job is pending or running
-    ``non_poison_succeeded``            every job but the poison ones succeeded
+    ``non_poison_succeeded``            every job but the poison and time-limited ones
+                                        succeeded (snoozing ones included)
     ``lock_effect_exactly_once``        every lock-held job has exactly one committed effect,
                                         written by the attempt that succeeded
-    ``lease_final_attempt_recorded``    every lease-mode job has the effect of the attempt that
-                                        succeeded, and the stored result is that attempt's
+    ``lease_final_attempt_recorded``    every lease-mode job (time-limited and snoozing ones
+                                        included) that succeeded has the effect of the
+                                        attempt that succeeded, and the stored result is
+                                        that attempt's (a result returned past the time
+                                        limit was refused)
     ``lease_duplicates_bounded``        lease-mode duplicate effects <= the bound below
     ``lease_duplicates_explained``      each duplicate traced to a fault: its attempt started
                                         at most 10 s before a SIGKILL or SIGSTOP of the worker
@@ -47,6 +55,32 @@ The checks (each must hold; the exit status is 1 when one does not, and the repo
     ``poison_dead_at_max_attempts``     every poison job is dead with attempts == max_attempts
                                         == 3, plus one per attempt a worker gave back unstarted
                                         (logged ``jobs_released``: ``release`` adds one)
+    ``timed_finished``                  every time-limited job succeeded or is dead: none
+                                        pending, running (stuck) or cancelled
+    ``timed_limits_enforced``           every slow attempt (planned to sleep twice its limit)
+                                        that started was logged ``job_timed_out``, wrote no
+                                        effect and did not succeed; no quick attempt (a
+                                        quarter of its limit at most, or 2 s under a 4 s limit
+                                        of the job's own: past the task's 1.5 s) was logged
+                                        timed out. An attempt a fault hit is excused (see
+                                        *Faults hit attempts* below), and counted apart
+    ``timed_dead_explained``            every dead time-limited job is dead at its last
+                                        attempt (attempts == max_attempts == 3, +1 per attempt
+                                        given back unstarted) for one of these reasons only:
+                                        the last attempt ran past its time limit (last_error
+                                        ``attempt N ran past its time limit`` or ``attempt N
+                                        returned after its time limit``, N the last attempt)
+                                        and was a slow one, or a quick one a fault hit; or it
+                                        failed otherwise (its lease lost, a database error)
+                                        and a fault hit it; or it never wrote its start row
+                                        and lost its lease (last_error ``attempt N lost its
+                                        lease: ...``: its worker died or stopped before the
+                                        handler's first statement)
+    ``snoozed_succeeded``               every snoozing job succeeded with snoozes == its planned
+                                        snoozes (>= 1; it snoozes while its row holds fewer),
+                                        max_attempts == 3 + snoozes (+1 per attempt given back
+                                        unstarted) and attempts > snoozes: no snooze spent an
+                                        attempt (some snooze as often as 3 attempts allow runs)
     ``deaths_logged``                   every dead job's id is in exactly one worker log line
                                         with action ``job_dead`` or ``attempts_exhausted``,
                                         and no job that is not dead is logged so; a death
@@ -56,7 +90,10 @@ The checks (each must hold; the exit status is 1 when one does not, and the repo
                                         its log line), or the restart cut off (the death
                                         committed as the server went down; the retry after
                                         it found the job dead and logged lease_lost), is
-                                        counted apart
+                                        counted apart; so is a death at the time limit,
+                                        which the worker logs as ``job_timed_out`` of the
+                                        last attempt (when the limit passes) and not as
+                                        ``job_dead``
     ``workers_survived``                no worker exited but those the harness killed, and none
                                         logged ``thread_crashed``
     ``workers_stopped_cleanly``         every worker exited 0 after the final SIGTERM
@@ -79,6 +116,22 @@ The bound on lease-mode duplicate effects
     is the sharper check: it attributes each duplicate to the fault that caused it, by the
     writing process and the time its attempt was claimed (a lease that ran out with no
     fault, say a heartbeat starved for 1.3 s, would show up there).
+
+    Time-limited and snoozing jobs count here as lease-mode jobs: a timed-out attempt writes
+    no effect (its handler looks at ``ctx.cancelled`` first, or its coroutine is cancelled),
+    a snoozing attempt writes none, and a handler running past its limit keeps its slot, so
+    the bound stands as it is.
+
+Faults hit attempts
+    An attempt was *hit by a fault* when it was claimed (database clock, from its start row's
+    ``claimed_at``) in a window of one: from 10 s before a SIGKILL (or SIGSTOP) of the
+    process that ran it to the kill (or the SIGCONT), or from 10 s before the server went
+    down to 2 s after it came back (any process).
+    Without a start row, the claim is taken as the limit before the worker's
+    ``job_timed_out`` line. Duplicates are attributed so, and so are the exceptions the
+    time-limit checks allow: a stopped worker's monotonic clock runs on, so its quick
+    attempts are past their limits when it resumes, and a handler may end before the
+    worker's time-limit thread looks.
 """
 
 from __future__ import annotations
@@ -88,6 +141,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -104,16 +158,23 @@ from typing import Any
 
 import sqlalchemy as sa
 from chaos_tasks import (
+    EFFECT_LEASE_TASKS,
     LEASE_SECONDS,
     LEASE_TASKS,
     LOCK_TASKS,
     POISON_MAX_ATTEMPTS,
     POISON_TASKS,
     QUEUES,
+    SNOOZY_MAX_ATTEMPTS,
+    SNOOZY_TASKS,
+    TIMED_LIMIT,
+    TIMED_MAX_ATTEMPTS,
+    TIMED_TASKS,
     Base,
     ChaosEffect,
     ChaosJob,
     ChaosJobResult,
+    planned_sleep,
     registry,
 )
 from sqlalchemy.engine import URL, make_url
@@ -127,15 +188,27 @@ SERVER_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
 WORKER_URL_VARIABLE = "SQLA_JOBS_DATABASE_URL"
 DEATH_ACTIONS = frozenset({"job_dead", "attempts_exhausted"})
 FINISHED = frozenset({"succeeded", "dead", "cancelled"})
-#: The job mix: task -> (share of the jobs, shortest and longest sleep in seconds).
+#: The job mix: task -> (share of the jobs, shortest and longest sleep in seconds). A timed
+#: job's sleeps are planned per attempt instead (:func:`timed_args`).
 MIX: dict[str, tuple[float, float, float]] = {
-    "leased": (0.35, 0.02, 0.4),
-    "async_leased": (0.20, 0.02, 0.4),
-    "locked": (0.30, 0.01, 0.2),
-    "poison": (0.15, 0.0, 0.3),
+    "leased": (0.30, 0.02, 0.4),
+    "async_leased": (0.16, 0.02, 0.4),
+    "locked": (0.26, 0.01, 0.2),
+    "poison": (0.12, 0.0, 0.3),
+    "timed": (0.06, 0.0, 0.0),
+    "async_timed": (0.04, 0.0, 0.0),
+    "snoozy": (0.06, 0.02, 0.2),
 }
 #: Lease-mode jobs also work a little after their effect (``after``, up to this many seconds).
 AFTER_EFFECT = 0.15
+#: A timed job's own time limit, when it has one (else its task's ``TIMED_LIMIT``): tighter
+#: than the task's, or looser (then its attempts sleep past the task's limit, within its own).
+TIGHT_LIMIT = 0.8
+LOOSE_LIMIT = 4.0
+#: What a dead timed job's ``last_error`` says when its last attempt ran past its limit
+#: (the worker's words at the limit, the handler's ``raise_if_cancelled``, or a result
+#: refused after the limit).
+TIMED_OUT = re.compile(r"\battempt (\d+) (?:ran past|returned after) its time limit")
 CHECKS = (
     "faults_injected",
     "no_job_lost",
@@ -146,6 +219,10 @@ CHECKS = (
     "lease_duplicates_bounded",
     "lease_duplicates_explained",
     "poison_dead_at_max_attempts",
+    "timed_finished",
+    "timed_limits_enforced",
+    "timed_dead_explained",
+    "snoozed_succeeded",
     "deaths_logged",
     "workers_survived",
     "workers_stopped_cleanly",
@@ -389,6 +466,9 @@ class JobRow:
     attempts: int
     max_attempts: int
     last_error: str | None
+    args: dict[str, Any]
+    time_limit: timedelta | None
+    snoozes: int
 
 
 @dataclass(frozen=True)
@@ -415,6 +495,34 @@ def _psycopg(url: str) -> URL:
     return parsed
 
 
+def timed_args(rng: random.Random) -> tuple[dict[str, Any], float | None]:
+    """A timed job's args and its own time limit (None: its task's).
+
+    Its limit: the task's (60 %), a tighter one of its own (20 %) or a looser one (20 %).
+    Under the looser one every attempt sleeps about 2 s: past the task's limit, well
+    within its own. Under the others, a quick attempt sleeps at most a quarter of the limit,
+    a slow one twice it; the job's first attempt is slow (40 %), every one (20 %) or none.
+    """
+    own = rng.choices([None, TIGHT_LIMIT, LOOSE_LIMIT], [0.6, 0.2, 0.2])[0]
+    watch = rng.random() < 0.5
+    if own == LOOSE_LIMIT:
+        return {"sleeps": [round(rng.uniform(1.8, 2.2), 3)], "watch": watch}, own
+    limit = own or TIMED_LIMIT
+    quick = round(rng.uniform(0.02, limit / 4), 3)
+    slow = round(2 * limit, 3)
+    sleeps = rng.choices([[quick], [slow, quick], [slow]], [0.4, 0.4, 0.2])[0]
+    return {"sleeps": sleeps, "watch": watch}, own
+
+
+def snoozy_args(rng: random.Random) -> dict[str, Any]:
+    """A snoozing job's args: one to four snoozes of 0.1 to 0.5 s, raised or returned."""
+    return {
+        "snoozes": rng.randint(1, 4),
+        "delay": round(rng.uniform(0.1, 0.5), 3),
+        "how": rng.choice(["raise", "return"]),
+    }
+
+
 def enqueue(engine: sa.Engine, count: int, rng: random.Random, spread: float) -> dict[int, str]:
     """``count`` jobs of the mix, runnable from now to ``spread`` seconds from now."""
     tasks = list(MIX)
@@ -424,11 +532,18 @@ def enqueue(engine: sa.Engine, count: int, rng: random.Random, spread: float) ->
     for _ in range(count):
         task = rng.choices(tasks, weights)[0]
         _, shortest, longest = MIX[task]
-        args = {"sleep": round(rng.uniform(shortest, longest), 3)}
-        if task in LEASE_TASKS:
+        args: dict[str, Any] = {"sleep": round(rng.uniform(shortest, longest), 3)}
+        columns: dict[str, Any] = {}
+        if task in TIMED_TASKS:
+            args, own = timed_args(rng)
+            if own is not None:
+                columns["time_limit"] = timedelta(seconds=own)
+        if task in SNOOZY_TASKS:
+            args.update(snoozy_args(rng))
+        if task in LEASE_TASKS or task in SNOOZY_TASKS:
             args["after"] = round(rng.uniform(0.0, AFTER_EFFECT), 3)
         run_at = now + timedelta(seconds=rng.uniform(0.0, spread))
-        rows.append(registry[task].job(args, run_at=run_at))
+        rows.append(registry[task].job(args, run_at=run_at, **columns))
     with Session(engine) as session, session.begin():
         session.add_all(rows)
         session.flush()
@@ -453,7 +568,15 @@ def read_back(
     with engine.connect() as connection:
         jobs = {
             row.id: JobRow(
-                row.id, row.task, row.status, row.attempts, row.max_attempts, row.last_error
+                row.id,
+                row.task,
+                row.status,
+                row.attempts,
+                row.max_attempts,
+                row.last_error,
+                row.args,
+                row.time_limit,
+                row.snoozes,
             )
             for row in connection.execute(
                 sa.select(
@@ -463,6 +586,9 @@ def read_back(
                     ChaosJob.attempts,
                     ChaosJob.max_attempts,
                     ChaosJob.last_error,
+                    ChaosJob.args,
+                    ChaosJob.time_limit,
+                    ChaosJob.snoozes,
                 )
             )
         }
@@ -508,6 +634,10 @@ class Logs:
     not_json: list[str] = field(default_factory=list)
     # When each (job, attempt)'s own outcome came back fenced out (action lease_lost).
     fenced: dict[tuple[int, int], list[datetime]] = field(default_factory=lambda: defaultdict(list))
+    # Attempts a worker logged as past their time limits (action job_timed_out): the pid of
+    # that worker and when, per (job, attempt).
+    timed_out: dict[tuple[int, int], tuple[int, datetime]] = field(default_factory=dict)
+    snoozed: Counter[int] = field(default_factory=Counter)  # action job_snoozed, per job
 
 
 def read_logs(procs: Sequence[WorkerProc]) -> Logs:
@@ -548,13 +678,13 @@ def read_logs(procs: Sequence[WorkerProc]) -> Logs:
             if action == "thread_crashed":
                 logs.crashes.append(shown)
             attempt, at = entry.get("attempt"), entry.get("time")
-            if (
-                action == "lease_lost"
-                and isinstance(job_id, int)
-                and isinstance(attempt, int)
-                and isinstance(at, str)
-            ):
-                logs.fenced[(job_id, attempt)].append(datetime.fromisoformat(at))
+            if isinstance(job_id, int) and isinstance(attempt, int) and isinstance(at, str):
+                if action == "lease_lost":
+                    logs.fenced[(job_id, attempt)].append(datetime.fromisoformat(at))
+                elif action == "job_timed_out":
+                    logs.timed_out[(job_id, attempt)] = (proc.pid, datetime.fromisoformat(at))
+            if action == "job_snoozed" and isinstance(job_id, int):
+                logs.snoozed[job_id] += 1
     return logs
 
 
@@ -1053,12 +1183,13 @@ class _Accounting:
         return Check("no_job_stuck", not stuck, summary, self.details(stuck))
 
     def non_poison_succeeded(self) -> Check:
-        ids = [i for i, task in self.enqueued.items() if task not in POISON_TASKS]
+        # Timed jobs may die at their limits: timed_finished and timed_dead_explained.
+        ids = [i for i, task in self.enqueued.items() if task not in POISON_TASKS + TIMED_TASKS]
         failed = sorted(i for i in ids if self.succeeded(i) is None)
         return Check(
             "non_poison_succeeded",
             not failed,
-            f"{len(ids) - len(failed)} of {len(ids)} non-poison jobs succeeded",
+            f"{len(ids) - len(failed)} of {len(ids)} jobs neither poison nor timed succeeded",
             self.details(failed),
         )
 
@@ -1083,12 +1214,12 @@ class _Accounting:
         )
 
     def lease_final_attempt_recorded(self) -> Check:
-        ids = self.ids(LEASE_TASKS)
+        ids = self.ids(EFFECT_LEASE_TASKS)
         bad = []
         for i in ids:
             job = self.succeeded(i)
             if job is None:
-                continue  # non_poison_succeeded says so
+                continue  # non_poison_succeeded (timed: timed_dead_explained) says so
             finals = [r for r in self.effect_rows.get(i, []) if r.attempt == job.attempts]
             if len(finals) != 1 or self.results.get(i) != {"attempt": job.attempts}:
                 bad.append(i)
@@ -1102,7 +1233,7 @@ class _Accounting:
 
     def duplicates(self) -> _Duplicates:
         rows: list[EffectRow] = []
-        for i in self.ids(LEASE_TASKS):
+        for i in self.ids(EFFECT_LEASE_TASKS):
             effects = self.effect_rows.get(i, [])
             job = self.succeeded(i)
             if job is None:
@@ -1123,14 +1254,7 @@ class _Accounting:
         by_cause = dict.fromkeys(("kill", "pause", "restart", "unexplained"), 0)
         unexplained = []
         for row in rows:
-            cause = next(
-                (
-                    w.cause
-                    for w in state.windows
-                    if w.pid in (None, row.pid) and w.start <= row.claimed_at <= w.end
-                ),
-                "unexplained",
-            )
+            cause = self.fault_at(row.pid, row.claimed_at) or "unexplained"
             by_cause[cause] += 1
             if cause == "unexplained":
                 unexplained.append(row)
@@ -1195,6 +1319,191 @@ class _Accounting:
             self.details(bad),
         )
 
+    # -- time limits and snoozes
+
+    def fault_at(self, pid: int, claimed_at: datetime) -> str | None:
+        """The fault (kill, pause, restart) an attempt claimed at ``claimed_at`` (database
+        clock) by worker ``pid`` was at risk from, or None."""
+        return next(
+            (
+                w.cause
+                for w in self.state.windows
+                if w.pid in (None, pid) and w.start <= claimed_at <= w.end
+            ),
+            None,
+        )
+
+    def limit(self, job: JobRow) -> float:
+        """A timed job's time limit in seconds: its own, else its task's."""
+        return TIMED_LIMIT if job.time_limit is None else job.time_limit.total_seconds()
+
+    def slow(self, job: JobRow, attempt: int) -> bool:
+        """Whether this attempt of a timed job was planned to run past its limit (a slow one
+        sleeps twice the limit, a quick one at most a quarter: nothing in between)."""
+        return planned_sleep(job.args, attempt) > self.limit(job)
+
+    def hit(self, job: JobRow, attempt: int) -> str | None:
+        """The fault this attempt was at risk from, or None: by its start row (when and by
+        whom it was claimed) or, without one, by the worker that logged it past its limit
+        (claimed about the limit before that line)."""
+        start = self.starts.get((job.id, attempt))
+        if start is not None:
+            return self.fault_at(start.pid, start.claimed_at)
+        logged = self.logs.timed_out.get((job.id, attempt))
+        if logged is None:
+            return None
+        pid, at = logged
+        return self.fault_at(pid, at - timedelta(seconds=self.limit(job)))
+
+    def timed_finished(self) -> Check:
+        ids = self.ids(TIMED_TASKS)
+        bad = [i for i in ids if i not in self.jobs or self.jobs[i].status not in FINISHED]
+        bad += [i for i in ids if i not in bad and self.jobs[i].status == "cancelled"]
+        counts = Counter(self.jobs[i].status for i in ids if i in self.jobs)
+        return Check(
+            "timed_finished",
+            not bad,
+            f"{len(ids) - len(bad)} of {len(ids)} time-limited jobs succeeded or dead "
+            f"({counts['succeeded']} succeeded, {counts['dead']} dead); {len(bad)} not",
+            self.details(bad),
+        )
+
+    def timed_limits_enforced(self) -> Check:
+        """Slow attempts timed out (logged job_timed_out), wrote no effect and did not
+        succeed; quick ones did not time out. An attempt a fault hit is excused (a paused
+        worker's clock runs on: its quick attempts are past their limits when it wakes, and
+        its handlers may end before its time-limit thread looks)."""
+        problems: dict[int, list[str]] = defaultdict(list)
+        excused: Counter[str] = Counter()
+
+        def wrong(job: JobRow, attempt: int, what: str) -> None:
+            cause = self.hit(job, attempt)
+            if cause is None:
+                problems[job.id].append(f"attempt {attempt} {what}")
+            else:
+                excused[cause] += 1
+
+        ids = self.ids(TIMED_TASKS)
+        slow_started = timed_out = 0
+        for (job_id, attempt), start in self.starts.items():
+            job = self.jobs.get(job_id)
+            if job is not None and job.task in TIMED_TASKS and self.slow(job, attempt):
+                slow_started += 1
+                if (job_id, attempt) not in self.logs.timed_out:
+                    wrong(job, attempt, f"(slow, pid {start.pid}) was not logged timed out")
+        for i in ids:
+            job = self.jobs.get(i)
+            if job is None:
+                continue  # no_job_lost says so
+            for row in self.effect_rows.get(i, []):
+                if self.slow(job, row.attempt):
+                    wrong(job, row.attempt, "(slow) wrote its effect")
+            if job.status == "succeeded" and self.slow(job, job.attempts):
+                wrong(job, job.attempts, "(slow) succeeded")
+        for job_id, attempt in self.logs.timed_out:
+            job = self.jobs.get(job_id)
+            if job is None or job.task not in TIMED_TASKS:
+                problems[job_id].append(f"attempt {attempt} of a task without a time limit")
+                continue
+            timed_out += 1
+            if not self.slow(job, attempt):
+                wrong(job, attempt, "(quick) was logged timed out")
+        summary = (
+            f"{slow_started} slow attempts started, {timed_out} attempts logged timed out; "
+            f"{len(problems)} of {len(ids)} time-limited jobs break the limits"
+        )
+        if excused:
+            summary += " (excused as hit by a fault: " + ", ".join(
+                f"{cause} {n}" for cause, n in sorted(excused.items())
+            )
+            summary += ")"
+        shown = [f"job {i}: {'; '.join(p)}" for i, p in sorted(problems.items())[:_SHOWN]]
+        return Check(
+            "timed_limits_enforced",
+            not problems,
+            summary,
+            shown + self.details(sorted(problems)),
+        )
+
+    def timed_dead_explained(self) -> Check:
+        """Every dead timed job is dead at its last attempt (attempts == max_attempts == 3,
+        plus one per attempt given back unstarted), and that attempt either ran past its
+        time limit (last_error says so) being a slow one or hit by a fault, or failed
+        otherwise (its lease lost, a database error) being hit by a fault, or never wrote
+        its start row and lost its lease (its worker died or stopped before its handler's
+        first statement)."""
+        ids = self.ids(TIMED_TASKS)
+        dead = [self.jobs[i] for i in ids if i in self.jobs and self.jobs[i].status == "dead"]
+        bad: list[int] = []
+        why: Counter[str] = Counter()
+        for job in dead:
+            n = job.attempts
+            most = TIMED_MAX_ATTEMPTS + self.logs.released[job.id]
+            error = (job.last_error or "").strip()
+            timed = TIMED_OUT.search(error)
+            cause = self.hit(job, n)
+            if (n, job.max_attempts) != (most, most):
+                bad.append(job.id)
+            elif timed is not None and int(timed.group(1)) == n:
+                if self.slow(job, n):
+                    why["slow last attempt timed out"] += 1
+                elif cause is not None:
+                    why[f"quick last attempt timed out, hit by {cause}"] += 1
+                else:
+                    bad.append(job.id)
+            elif cause is not None:
+                why[f"last attempt failed, hit by {cause}"] += 1
+            elif (job.id, n) not in self.starts and error == (
+                f"attempt {n} lost its lease: its worker stopped or crashed mid-job"
+            ):
+                why["last attempt lost its lease before its first statement"] += 1
+            else:
+                bad.append(job.id)
+        return Check(
+            "timed_dead_explained",
+            not bad,
+            f"{len(dead) - len(bad)} of {len(dead)} dead time-limited jobs dead at "
+            f"max_attempts == {TIMED_MAX_ATTEMPTS} (+1 per attempt given back unstarted) "
+            "for a reason allowed: "
+            + (", ".join(f"{reason} {count}" for reason, count in sorted(why.items())) or "-"),
+            self.details(bad),
+        )
+
+    def snoozed_succeeded(self) -> Check:
+        """Every snoozing job succeeded after exactly its planned snoozes (it snoozes while
+        its row holds fewer), each of which added one to its max_attempts (as does an
+        attempt given back unstarted), and ran at least once more than it snoozed."""
+        ids = self.ids(SNOOZY_TASKS)
+        bad = []
+        for i in ids:
+            job = self.jobs.get(i)
+            if job is None:
+                bad.append(i)
+                continue
+            planned = int(job.args["snoozes"])
+            grown = job.max_attempts - SNOOZY_MAX_ATTEMPTS - self.logs.released[i]
+            if (
+                job.status != "succeeded"
+                or job.snoozes != planned
+                or job.snoozes < 1
+                or grown != job.snoozes
+                or job.attempts < job.snoozes + 1
+            ):
+                bad.append(i)
+        snoozes = sum(self.jobs[i].snoozes for i in ids if i in self.jobs)
+        beyond = sum(
+            1 for i in ids if i in self.jobs and self.jobs[i].snoozes >= SNOOZY_MAX_ATTEMPTS
+        )
+        return Check(
+            "snoozed_succeeded",
+            not bad,
+            f"{len(ids) - len(bad)} of {len(ids)} snoozing jobs succeeded with snoozes == "
+            f"planned >= 1 and max_attempts == {SNOOZY_MAX_ATTEMPTS} + snoozes (+1 per attempt "
+            f"given back unstarted); {snoozes} snoozes in all ({sum(self.logs.snoozed.values())}"
+            f" logged job_snoozed), {beyond} jobs snoozed as often as max_attempts allows runs",
+            self.details(bad),
+        )
+
     def deaths_logged(self) -> Check:
         # Exactly once each way: every dead job is logged dead by one worker (the one whose
         # fenced transition, or claim, made it dead), and no job that is not dead is.
@@ -1223,7 +1532,17 @@ class _Accounting:
             and self.ack_lost_in_restart(i, self.jobs[i].attempts)
         ]
         killed += acked
-        unlogged = [i for i in dead if i not in deaths and i not in killed]
+        # A death at the time limit is logged when the limit passes, as job_timed_out of the
+        # last attempt (the worker logs that failure then, and nothing more when it writes
+        # it: no job_dead line). Counted apart.
+        at_limit = [
+            i
+            for i in dead
+            if i not in deaths
+            and i not in killed
+            and (i, self.jobs[i].attempts) in self.logs.timed_out
+        ]
+        unlogged = [i for i in dead if i not in deaths and i not in killed and i not in at_limit]
         twice = sorted(i for i, n in deaths.items() if n > 1)
         phantom = sorted(i for i in deaths if i not in self.jobs or self.jobs[i].status != "dead")
         problems = []
@@ -1234,9 +1553,11 @@ class _Accounting:
         if phantom:
             problems.append(f"logged dead but not dead: {phantom[:50]}")
         summary = (
-            f"{len(dead) - len(unlogged) - len(killed)} of {len(dead)} dead jobs logged with "
-            "action job_dead or attempts_exhausted"
+            f"{len(dead) - len(unlogged) - len(killed) - len(at_limit)} of {len(dead)} dead "
+            "jobs logged with action job_dead or attempts_exhausted"
         )
+        if at_limit:
+            summary += f", {len(at_limit)} dead at the time limit logged job_timed_out only"
         if killed:
             summary += (
                 f", {len(killed)} not logged because the harness killed the worker that ran "
@@ -1343,7 +1664,7 @@ class _Accounting:
             },
             duplicates={
                 "total": len(dup.rows),
-                "lease_jobs": len(self.ids(LEASE_TASKS)),
+                "lease_jobs": len(self.ids(EFFECT_LEASE_TASKS)),
                 "bound": dup.bound,
                 "bound_formula": dup.formula,
                 "by_cause": dup.by_cause,

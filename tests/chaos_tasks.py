@@ -17,6 +17,22 @@ The four tasks, and what the harness expects of each:
 ``async_leased``  the same as a coroutine (runs on the worker's event loop)
 ``locked``        lock mode: start, effect through the claim's session, sleep
 ``poison``        lease mode, ``max_attempts=3``, a fast retry policy: start, sleep, raise
+``timed``         lease mode with a time limit (the task's ``TIMED_LIMIT``, or the job's own
+                  ``time_limit``), ``max_attempts=3``, a fast retry policy: start, sleep
+                  the attempt's planned time (:func:`planned_sleep`: ``args["sleeps"]``,
+                  one per attempt, the last repeated), then the effect unless the attempt
+                  ran past its limit (``ctx.cancelled``), and return. A planned sleep is
+                  either well under the limit or twice it (a *slow* attempt, which must
+                  time out). ``args["watch"]``: the handler watches ``ctx.cancelled`` and
+                  raises ``JobTimeoutError`` at once; otherwise it sleeps on past the limit
+                  (keeping its slot) and returns a result the worker must refuse
+``async_timed``   the same as a coroutine: cancelled at its limit, mid-sleep
+``snoozy``        lease mode, ``max_attempts=3``: start, then, while the job has snoozed
+                  fewer than ``args["snoozes"]`` times (read from its row), snooze for
+                  ``args["delay"]`` seconds (``raise Snooze``, or ``return Snooze`` when
+                  ``args["how"] == "return"``); then sleep, effect, sleep and succeed, like
+                  ``leased``. Up to four snoozes on three attempts: a snooze that spent an
+                  attempt would leave the job dead
 
 Leases are two seconds (heartbeats every 0.67 s), so a killed or paused worker's jobs come
 back within a few seconds, and retries are quick, so a job that failed during a fault does
@@ -35,7 +51,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from sqla_jobs import JobMixin, JobResultMixin, RetryPolicy
+from sqla_jobs import JobMixin, JobResultMixin, RetryPolicy, Snooze
 from sqla_jobs.registry import JobContext, Registry
 
 #: The variable the ``sqla-jobs`` command reads its database URL from; the handlers too.
@@ -50,9 +66,21 @@ POISON_MAX_ATTEMPTS = 3
 RETRY = RetryPolicy(base=timedelta(milliseconds=200), cap=timedelta(seconds=2))
 POISON_RETRY = RetryPolicy(base=timedelta(milliseconds=50), cap=timedelta(milliseconds=200))
 
+#: The time-limited tasks' limit (a job's own ``time_limit`` takes its place), attempts and
+#: retries. The harness plans each attempt's sleep: a quick one at most a quarter of its
+#: limit (or 2 s under a job's own 4 s limit), a slow one twice it.
+TIMED_LIMIT = 1.5
+TIMED_MAX_ATTEMPTS = 3
+#: Snoozing jobs' attempts: fewer than the snoozes some of them take (up to four).
+SNOOZY_MAX_ATTEMPTS = 3
+
 LEASE_TASKS = ("leased", "async_leased")
 LOCK_TASKS = ("locked",)
 POISON_TASKS = ("poison",)
+TIMED_TASKS = ("timed", "async_timed")
+SNOOZY_TASKS = ("snoozy",)
+#: Every lease-mode task whose jobs must end with an effect (at least once).
+EFFECT_LEASE_TASKS = LEASE_TASKS + TIMED_TASKS + SNOOZY_TASKS
 
 
 class Base(DeclarativeBase):
@@ -171,3 +199,62 @@ def poison(ctx: JobContext) -> None:
     record(ctx, "start")
     time.sleep(_sleep(ctx))
     raise RuntimeError(f"poisoned on attempt {ctx.attempt}")
+
+
+def planned_sleep(args: dict[str, Any], attempt: int) -> float:
+    """How long attempt ``attempt`` of a timed job sleeps: ``args["sleeps"]`` holds one
+    time per attempt, the last one for every later attempt."""
+    sleeps = [float(s) for s in args["sleeps"]]
+    return sleeps[min(attempt, len(sleeps)) - 1]
+
+
+@registry.task(time_limit=TIMED_LIMIT, max_attempts=TIMED_MAX_ATTEMPTS, retry=POISON_RETRY)
+def timed(ctx: JobContext) -> dict[str, Any]:
+    """Time-limited: start, sleep the attempt's planned time, effect unless past the limit."""
+    record(ctx, "start")
+    sleep = planned_sleep(ctx.args, ctx.attempt)
+    if ctx.args.get("watch"):
+        until = time.monotonic() + sleep
+        while (left := until - time.monotonic()) > 0:
+            ctx.raise_if_cancelled()  # JobTimeoutError once past the limit
+            time.sleep(min(0.05, left))
+    else:
+        time.sleep(sleep)  # on past the limit: the worker keeps this slot until it returns
+    if not ctx.cancelled:  # past the limit the attempt has failed already: no effect
+        record(ctx, "effect")
+    # Returned past the limit too: the worker must refuse it (the job does not succeed).
+    return {"attempt": ctx.attempt}
+
+
+@registry.task(time_limit=TIMED_LIMIT, max_attempts=TIMED_MAX_ATTEMPTS, retry=POISON_RETRY)
+async def async_timed(ctx: JobContext) -> dict[str, Any]:
+    """``timed`` as a coroutine: the worker cancels it at its limit, mid-sleep."""
+    await asyncio.to_thread(record, ctx, "start")
+    await asyncio.sleep(planned_sleep(ctx.args, ctx.attempt))
+    if not ctx.cancelled:
+        await asyncio.to_thread(record, ctx, "effect")
+    return {"attempt": ctx.attempt}
+
+
+def snoozed_so_far(job_id: int) -> int:
+    """The job's ``snoozes`` as its row holds them (committed snoozes only)."""
+    with own_engine().connect() as connection:
+        count: int = connection.execute(
+            sa.select(ChaosJob.snoozes).where(ChaosJob.id == job_id)
+        ).scalar_one()
+    return count
+
+
+@registry.task(max_attempts=SNOOZY_MAX_ATTEMPTS, retry=POISON_RETRY)
+def snoozy(ctx: JobContext) -> dict[str, Any] | Snooze:
+    """Snoozes until its job snoozed ``args["snoozes"]`` times, then works like ``leased``."""
+    record(ctx, "start")
+    if snoozed_so_far(ctx.id) < int(ctx.args["snoozes"]):
+        snooze = Snooze(float(ctx.args["delay"]))
+        if ctx.args.get("how") == "return":
+            return snooze
+        raise snooze
+    time.sleep(_sleep(ctx))
+    record(ctx, "effect")
+    time.sleep(_sleep(ctx, "after"))
+    return {"attempt": ctx.attempt}

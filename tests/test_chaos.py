@@ -3,9 +3,10 @@
 Worker processes are SIGKILLed and replaced every few seconds, the server is restarted once
 (on the embedded server the harness starts for itself; against an external server named by
 ``SQLA_JOBS_TEST_DATABASE_URL`` that fault is skipped and the report says so) and a worker
-is SIGSTOPped past its leases. The harness runs once, in one test that asserts every check
-(of CHECKS, each by name) and fails naming each failed one, with the whole report: one test,
-not one per check, so that pytest-xdist does not run the 35 s harness once per process.
+is SIGSTOPped past its leases; time-limited and snoozing jobs are in the mix (checks
+``timed_*`` and ``snoozed_succeeded``). The harness runs once, in one test that asserts every
+check (of CHECKS, each by name) and fails naming each failed one, with the whole report: one
+test, not one per check, so that pytest-xdist does not run the 35 s harness once per process.
 ``python3 -m nox -s chaos`` runs the long form.
 """
 
