@@ -21,6 +21,7 @@ SECTIONS: Final = (
     "async",
     "keys",
     "baseline",
+    "processes",
 )
 
 #: The batch sizes the ceiling's plain loops are measured at; the best is the ceiling.

@@ -27,6 +27,7 @@ from sqla_jobs.bench.history import run_history
 from sqla_jobs.bench.keys import run_keys
 from sqla_jobs.bench.latency import run_latency
 from sqla_jobs.bench.memory import run_memory
+from sqla_jobs.bench.processes import run_processes
 from sqla_jobs.bench.results import SECTIONS, Config, Results
 from sqla_jobs.bench.tasks import Q_LEASE
 from sqla_jobs.embedded import EmbeddedPostgres
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_keys(cfg, engine, results)
             if "baseline" in cfg.sections:
                 run_baseline(cfg, results)
+            if "processes" in cfg.sections:
+                run_processes(cfg, engine, results)
         if "history" in cfg.sections:
             run_history(cfg, engine, results)
             partitioned.run_partitioned_history(cfg, engine, results, scratch.progress)
