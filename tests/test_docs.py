@@ -48,6 +48,7 @@ from worker_harness import wait_until
 import sqla_jobs
 from sqla_jobs import InvalidJobError, JobMixin, JobResultMixin, Registry, validation
 from sqla_jobs.migrations import check_job_tables
+from sqla_jobs.schema.pauses import pause_names
 
 PAGES = docs_pages()
 BY_SOURCE = {page.source: page for page in PAGES}
@@ -370,7 +371,7 @@ def test_the_revisions_build_what_the_models_declare(
     namespace = ran("docs/tutorial.md").namespace
     job_model, result_model = namespace["EmailJob"], namespace["EmailJobResult"]
     first, upgrades = revision_groups(page("docs/how-to/migrations.md"))
-    assert [len(first), len(upgrades)] == [1, 3]
+    assert [len(first), len(upgrades)] == [1, 4]
     for group, models in ((first, (job_model, result_model)), (upgrades, (job_model,))):
         engine = sa.create_engine(fresh_database("sqla_jobs_docs_models"), poolclass=sa.NullPool)
 
@@ -378,6 +379,8 @@ def test_the_revisions_build_what_the_models_declare(
             with engine.connect() as connection:
                 assert check_job_tables(connection, job_model) == []
                 inspector = sa.inspect(connection)
+                # Schema version 4's pause table, which every claim reads.
+                assert pause_names(job_model.__tablename__).table in inspector.get_table_names()
                 for model in models:
                     table = model.__table__  # type: ignore[attr-defined]
                     columns = {c["name"] for c in inspector.get_columns(table.name)}
@@ -518,8 +521,25 @@ def test_the_dashboard_page_names_its_routes_and_cookies() -> None:
     text = page("docs/operations/dashboard.md").section("## URLs, forms, cookies and status codes")
     app = create_app(sa.create_engine("postgresql+psycopg://"), EmailJob)
     paths = {route.path for route in app.routes}  # type: ignore[attr-defined]
-    assert paths == {"/", "/jobs", "/jobs/{job_id}", "/jobs/{job_id}/{action}", "/login"}
-    for shown in ("`GET /`", "`GET /jobs`", "`GET /jobs/{id}`", "`POST /jobs/{id}/retry`"):
+    assert paths == {
+        "/",
+        "/jobs",
+        "/jobs/{job_id}",
+        "/jobs/{job_id}/{action}",
+        "/queues/{queue}/{action}",
+        "/activity",
+        "/failures",
+        "/login",
+    }
+    for shown in (
+        "`GET /`",
+        "`GET /jobs`",
+        "`GET /jobs/{id}`",
+        "`POST /jobs/{id}/retry`",
+        "`POST /queues/{name}/pause`",
+        "`GET /activity`",
+        "`GET /failures`",
+    ):
         assert shown in text
     assert f"`{access.CSRF_COOKIE}`" in text
     assert f"`{access.AUTH_COOKIE}`" in text

@@ -336,6 +336,13 @@ def test_a_version_2_table_is_refused_until_the_whole_version_3_upgrade_has_run(
 GUIDE = DOCS / "operations" / "upgrading.md"
 
 
+def test_the_upgrade_guide_quotes_each_refusal_word_for_word() -> None:
+    text = GUIDE.read_text()
+    for version, refusal in REFUSALS.items():
+        line = f"sqla-jobs: error: {refusal}".replace(repr(TABLE), "'email_jobs'")
+        assert f"\n{line}\n" in text, f"the guide does not quote the version-{version} refusal"
+
+
 def guide_revisions() -> dict[str, dict[str, Any]]:
     """The revision files of the upgrade guide by file name (``0007_email_jobs_v2.py``), each
     executed into a namespace of its own (tests/test_docs.py runs them too, without looking
@@ -347,7 +354,7 @@ def guide_revisions() -> dict[str, dict[str, Any]]:
             namespace: dict[str, Any] = {}
             exec(compile(block.code, block.where, "exec"), namespace)
             found[name.group(1)] = namespace
-    assert len(found) == 5, sorted(found)
+    assert len(found) == 6, sorted(found)
     return found
 
 
@@ -359,7 +366,7 @@ def tables(engine: sa.Engine) -> set[str]:
 def layout_version(engine: sa.Engine, table: sa.Table) -> int:
     with engine.connect() as connection:
         found = connection.execute(table_layout(table)).one()
-    return table_version(table, found.columns, found.indexes)
+    return table_version(table, found.columns, found.indexes, pauses=found.pauses)
 
 
 @pytest.fixture
@@ -377,7 +384,12 @@ def test_the_upgrade_guides_revisions_upgrade_a_version_1_table_and_back(
     guide_engine: sa.Engine,
 ) -> None:
     revisions = guide_revisions()
-    names = ("0001_email_jobs.py", "0007_email_jobs_v2.py", "0008_email_jobs_v3.py")
+    names = (
+        "0001_email_jobs.py",
+        "0007_email_jobs_v2.py",
+        "0008_email_jobs_v3.py",
+        "0009_email_jobs_v4.py",
+    )
     steps = [revisions[name] for name in names]
     email_jobs: sa.Table = models.EmailJob.__table__  # type: ignore[assignment]
     before = tables(guide_engine)
@@ -385,7 +397,7 @@ def test_the_upgrade_guides_revisions_upgrade_a_version_1_table_and_back(
     for revision in steps:
         migrate(guide_engine, revision["upgrade"])
         versions.append(layout_version(guide_engine, email_jobs))
-    assert versions == [1, 2, 3]
+    assert versions == [1, 2, 3, 4]
     with guide_engine.connect() as connection:
         assert migrations.check_job_tables(connection, models.EmailJob) == []
     for revision in reversed(steps):
@@ -412,10 +424,13 @@ def test_the_upgrade_guides_downgrade_keeps_the_finished_jobs_of_a_history(
         connection.execute(sa.text("INSERT INTO invoice_jobs (task) VALUES ('bill')"))
     assert "invoice_jobs_history" in tables(guide_engine)
 
+    assert "invoice_jobs_pauses" in tables(guide_engine)  # made at version 4
+
     migrate(guide_engine, back["upgrade"])
-    assert "invoice_jobs_history" not in tables(guide_engine)
+    assert {"invoice_jobs_history", "invoice_jobs_pauses"}.isdisjoint(tables(guide_engine))
     invoice_jobs = sa.Table("invoice_jobs", sa.MetaData(), autoload_with=guide_engine)
     assert "ordering_key" not in invoice_jobs.c  # version 2
+    assert "snoozes" not in invoice_jobs.c
     with guide_engine.connect() as connection:
         kept = connection.execute(
             sa.text("SELECT id, status, customer FROM invoice_jobs ORDER BY status")
@@ -423,7 +438,7 @@ def test_the_upgrade_guides_downgrade_keeps_the_finished_jobs_of_a_history(
     assert [tuple(row) for row in kept] == [(1, "pending", None), (41, "succeeded", "ada")]
 
     migrate(guide_engine, back["downgrade"])
-    assert "invoice_jobs_history" in tables(guide_engine)
+    assert {"invoice_jobs_history", "invoice_jobs_pauses"} <= tables(guide_engine)
     migrate(guide_engine, made["downgrade"])
     assert tables(guide_engine) == before
 
