@@ -164,8 +164,10 @@ def claim(
 
     Paused queues (:func:`sqla_jobs.pause_queue`: a row in the table's pause table,
     :func:`~sqla_jobs.schema.pauses.pause_table`) are not read: neither their pending jobs
-    nor their expired leases are claimed, and jobs running in them go on. One probe of the
-    pause table's primary key per queue served, made before that queue's index is read.
+    nor their expired leases are claimed, and jobs running in them go on. The pause table
+    (one row per paused queue) is read once per claim, before any index is read or a row
+    locked: for one queue, a one-time filter over the candidates; for several, an
+    anti-join of the queue array, so only the queues not paused are read.
 
     ``limited`` (one queue, whose limit is ``:queue_slots`` and whose lock this transaction
     holds, :func:`lock_queues`): at most the queue's free slots are claimed

@@ -1,4 +1,4 @@
-"""The pause table beside a job table (:mod:`sqla_jobs.schema.pauses`): the queues whose
+"""The pause table beside a job table (``sqla_jobs.schema.pauses``): the queues whose
 jobs no claim starts (:func:`sqla_jobs.pause_queue`)."""
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ def pause_queue(
     """Pause ``queue``: from the caller's commit on, no claim of ``model``'s jobs starts an
     attempt of a job of that queue, on any worker, with no worker restarted and no leader.
 
-    The claim statements themselves read the table's pause table
-    (:func:`~sqla_jobs.schema.pauses.pause_table`): a plain, keyed, limited, lease-mode or
+    The claim statements themselves read the table's pause table (``<table>_pauses``,
+    ``sqla_jobs.schema.pauses.pause_table``): a plain, keyed, limited, lease-mode or
     lock-held claim skips the queue's pending jobs and its expired leases (a job whose
     worker died is taken over once the queue is resumed). Jobs running in the queue go on
     and end as usual (complete, fail, retry: a retry waits, pending, for the resume).
@@ -64,7 +64,7 @@ def pause_queue(
     until the caller commits. Returns the pause.
 
     Raises :class:`~sqla_jobs.errors.InvalidJobError` for a malformed ``queue`` (the rule of
-    every queue name, :data:`sqla_jobs.validation.NAME_RULE`) or ``reason`` (a string of at
+    every queue name, ``sqla_jobs.validation.NAME_RULE``) or ``reason`` (a string of at
     most 1000 characters, or None), and :class:`~sqla_jobs.errors.ConfigurationError` for a
     ``model`` that is not a job model, before any SQL::
 

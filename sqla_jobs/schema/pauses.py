@@ -11,8 +11,8 @@ Every job table has one, derived from its name when the model is mapped, in the 
     )
 
 A row is a paused queue: :func:`sqla_jobs.pause_queue` inserts it, :func:`sqla_jobs.resume_queue`
-deletes it, and every claim statement reads it (one probe of its primary key per queue
-served), so that a pause takes effect at the next claim of every worker, with no leader and
+deletes it, and every claim statement reads it (once per claim, before any job is read),
+so that a pause takes effect at the next claim of every worker, with no leader and
 no restart. A queue needs no jobs to be paused: a pause made before the first job of a queue
 is enqueued holds that job too. The table is as small as the number of paused queues;
 migrations create it with :func:`sqla_jobs.migrations.create_pause_table`.
@@ -32,7 +32,14 @@ from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.naming import identifier
 from sqla_jobs.schema import JobMixin
 
-__all__ = ["PAUSE_COLUMNS", "PauseNames", "pause_names", "pause_table", "paused_predicate"]
+__all__ = [
+    "MAX_REASON_LENGTH",
+    "PAUSE_COLUMNS",
+    "PauseNames",
+    "pause_names",
+    "pause_table",
+    "paused_predicate",
+]
 
 #: The pause table's columns, in order.
 PAUSE_COLUMNS: Final = ("queue", "paused_at", "reason")
