@@ -17,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 from models import EmailJob, EmailJobResult, Order
 from no_sql import no_sql
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
 from worker_harness import wait_until
 
@@ -331,3 +332,85 @@ def test_bad_hooks_are_refused_before_any_sql(queue_engine: sa.Engine) -> None:
     assert both == Hooks(before=(fine, fine, fine))
     with pytest.raises(AttributeError):
         both.before = ()
+
+
+def test_a_lock_mode_coroutine_in_a_sync_group_has_its_hooks_in_its_task(
+    queue_engine: sa.Engine,
+) -> None:
+    registry = Registry(EmailJob, default_mode="lock")
+    tasks: list[asyncio.Task[Any] | None] = []
+
+    @registry.before
+    async def before(ctx: JobContext) -> None:
+        tasks.append(asyncio.current_task())
+
+    @registry.after
+    def after(ctx: JobContext, result: Any) -> None:
+        tasks.append(asyncio.current_task())
+        raise RuntimeError("a broken hook")
+
+    @registry.task
+    async def writes(ctx: JobContext) -> None:
+        tasks.append(asyncio.current_task())
+        ctx.session.add(Order(id=ctx.args["order"], customer="ada"))  # flushed by the worker
+
+    (job_id,) = enqueue(queue_engine, writes.job({"order": 3}))
+    with running(registry, queue_engine):
+        ended(queue_engine, job_id)
+    with Session(queue_engine) as session:
+        assert session.scalars(sa.select(Order.id)).all() == [3]
+    assert len(tasks) == 3
+    assert tasks[0] is not None
+    assert tasks == [tasks[0]] * 3
+
+
+async def test_lock_mode_with_an_async_session_runs_hooks_outside_its_transaction(
+    queue_engine: sa.Engine,
+) -> None:
+    registry = Registry(EmailJob, default_mode="lock")
+    calls: list[str] = []
+
+    @registry.before
+    async def before(ctx: JobContext) -> None:
+        try:
+            ctx.async_session  # noqa: B018
+        except ConfigurationError:
+            calls.append(f"before {ctx.args['order']}: no session")
+
+    @registry.on_error
+    async def on_error(ctx: JobContext, error: BaseException) -> None:
+        calls.append(f"on_error {ctx.args['order']}: {error}")
+        raise RuntimeError("a broken hook")
+
+    @registry.after
+    def after(ctx: JobContext, result: Any) -> None:
+        calls.append(f"after {ctx.args['order']}")
+
+    @registry.task(max_attempts=1)
+    async def charge(ctx: JobContext) -> None:
+        ctx.async_session.add(Order(id=ctx.args["order"], customer="ada"))
+        await ctx.async_session.flush()
+        if ctx.args["order"] == 2:
+            raise ValueError("declined")
+
+    async_engine = create_async_engine(queue_engine.url)
+    sessions: async_sessionmaker[AsyncSession] = async_sessionmaker(async_engine)
+    try:
+        async with Worker(
+            registry, queue_engine, poll_interval=0.1, grace=5, async_session_factory=sessions
+        ):
+            kept, failed = await asyncio.to_thread(
+                enqueue, queue_engine, charge.job({"order": 1}), charge.job({"order": 2})
+            )
+            await asyncio.to_thread(ended, queue_engine, kept)
+            await asyncio.to_thread(ended, queue_engine, failed, "dead")
+    finally:
+        await async_engine.dispose()
+    with Session(queue_engine) as session:
+        assert session.scalars(sa.select(Order.id)).all() == [1]  # 2's write rolled back
+    assert sorted(calls) == [
+        "after 1",
+        "before 1: no session",
+        "before 2: no session",
+        "on_error 2: declined",
+    ]
