@@ -49,6 +49,9 @@ around the handler, but they do not take part in it: their context has no sessio
 (``ctx.session`` raises :class:`~sqla_jobs.errors.ConfigurationError`), so a hook can neither
 write into the job's transaction nor abort it. ``after`` runs before that transaction
 commits: a commit that fails gives the job back, and it runs again.
+
+Hooks belong to workers: :func:`sqla_jobs.testing.run_inline` and calling a task directly
+run the handler alone.
 """
 
 from __future__ import annotations
