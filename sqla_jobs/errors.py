@@ -15,6 +15,8 @@ The tree::
     ├── JobStateError              an administrative operation does not apply to the job's status
     ├── JobCancelledError          raised inside a handler by ctx.raise_if_cancelled(): its
     │                              job's cancel was requested
+    ├── JobTimeoutError            the attempt ran past its time limit (also a TimeoutError);
+    │                              raised by ctx.raise_if_cancelled() past it
     ├── ConfigurationError         the library was set up wrongly (a model without the mixin, ...)
     │   ├── ScheduleError          a periodic task's schedule is malformed (cron, timezone, ...)
     │   └── SchemaVersionError     the job table is at an older schema version than the worker

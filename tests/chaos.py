@@ -90,10 +90,8 @@ The checks (each must hold; the exit status is 1 when one does not, and the repo
                                         its log line), or the restart cut off (the death
                                         committed as the server went down; the retry after
                                         it found the job dead and logged lease_lost), is
-                                        counted apart; so is a death at the time limit,
-                                        which the worker logs as ``job_timed_out`` of the
-                                        last attempt (when the limit passes) and not as
-                                        ``job_dead``
+                                        counted apart (a death at the time limit is a
+                                        death like any other: ``job_dead``)
     ``workers_survived``                no worker exited but those the harness killed, and none
                                         logged ``thread_crashed``
     ``workers_stopped_cleanly``         every worker exited 0 after the final SIGTERM
@@ -1532,17 +1530,7 @@ class _Accounting:
             and self.ack_lost_in_restart(i, self.jobs[i].attempts)
         ]
         killed += acked
-        # A death at the time limit is logged when the limit passes, as job_timed_out of the
-        # last attempt (the worker logs that failure then, and nothing more when it writes
-        # it: no job_dead line). Counted apart.
-        at_limit = [
-            i
-            for i in dead
-            if i not in deaths
-            and i not in killed
-            and (i, self.jobs[i].attempts) in self.logs.timed_out
-        ]
-        unlogged = [i for i in dead if i not in deaths and i not in killed and i not in at_limit]
+        unlogged = [i for i in dead if i not in deaths and i not in killed]
         twice = sorted(i for i, n in deaths.items() if n > 1)
         phantom = sorted(i for i in deaths if i not in self.jobs or self.jobs[i].status != "dead")
         problems = []
@@ -1553,11 +1541,9 @@ class _Accounting:
         if phantom:
             problems.append(f"logged dead but not dead: {phantom[:50]}")
         summary = (
-            f"{len(dead) - len(unlogged) - len(killed) - len(at_limit)} of {len(dead)} dead "
+            f"{len(dead) - len(unlogged) - len(killed)} of {len(dead)} dead "
             "jobs logged with action job_dead or attempts_exhausted"
         )
-        if at_limit:
-            summary += f", {len(at_limit)} dead at the time limit logged job_timed_out only"
         if killed:
             summary += (
                 f", {len(killed)} not logged because the harness killed the worker that ran "

@@ -4,6 +4,7 @@ workers; their bad inputs refused before any SQL."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -422,3 +423,30 @@ def test_the_time_limit_bookkeeping_holds_only_the_running_attempts() -> None:
         assert state.settle(attempt, Outcome(Kind.COMPLETE))
     assert state.limited == {}
     assert state.time_out(time.monotonic() + 2 * 3600) == []  # nothing left to time out
+
+
+def test_a_job_dead_at_its_time_limit_is_logged_like_any_death(
+    queue_engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by the fault harness: the failure settled at the limit was logged only as the
+    # limit passed (job_timed_out), never as job_dead, which is what alerting listens to.
+    registry = Registry(EmailJob)
+    release = threading.Event()
+
+    @registry.task(time_limit=0.3, max_attempts=1)
+    def slow(ctx: JobContext) -> None:
+        release.wait(PATIENCE)
+
+    (job_id,) = enqueue(queue_engine, slow.job())
+    caplog.set_level(logging.INFO, logger="sqla_jobs")
+    try:
+        with running(registry, queue_engine):
+            until(lambda: row(queue_engine, job_id).status == "dead")
+            until(lambda: any(getattr(r, "action", None) == "job_dead" for r in caplog.records))
+    finally:
+        release.set()
+    actions = [
+        getattr(r, "action", None) for r in caplog.records if getattr(r, "job_id", 0) == job_id
+    ]
+    assert actions.count("job_timed_out") == 1
+    assert actions.count("job_dead") == 1

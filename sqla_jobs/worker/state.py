@@ -355,7 +355,9 @@ class State:
                     attempt.overrun = True
                     self.overrunning[attempt.key] = attempt
                     self.busy += 1
-            if not self.settle(attempt, Outcome(Kind.FAIL, error=error, action="job_timed_out")):
+            # A failure like any other (the writer logs job_failed or job_dead when it is
+            # written); the watcher logs job_timed_out as the limit passes.
+            if not self.settle(attempt, Outcome(Kind.FAIL, error=error)):
                 with self.lock:  # it ended meanwhile: no overrun after all
                     if attempt.overrun:
                         attempt.overrun = False
