@@ -38,9 +38,9 @@ handler_thread_error             ERROR    a handler thread met an error outside 
                                           defect): the attempt is failed, the thread goes on
 job_cancel_requested             INFO     the job's row holds a cancel request: its running handler
                                           is told
-job_timed_out                    WARNING  the attempt ran past its time limit: its handler is told (a
-                                          coroutine cancelled); a lease-mode attempt is failed now
-                                          (``job_failed`` or ``job_dead`` follow when written)
+job_timed_out                    WARNING  the attempt ran past its time limit: its handler is told
+                                          (a coroutine cancelled); a lease-mode attempt is failed
+                                          now (``job_failed`` or ``job_dead`` follow when written)
 job_snoozed                      INFO     the handler asked to run again later (``Snooze``): the job
                                           is pending at ``run_at``, no attempt spent
 hook_failed                      ERROR    a hook around the handler raised: logged, ignored (the
