@@ -981,3 +981,18 @@ def test_create_job_table_builds_version_4_with_its_history(db_engine: sa.Engine
     assert schema_differences(db_engine, expected) == []
     with pytest.raises(ValueError, match="schema version 3 or 4"):
         migrate(db_engine, lambda: migrations.add_history("other_jobs", version=5))
+
+
+def test_a_history_added_at_version_3_beside_a_version_4_table_is_reported(
+    db_engine: sa.Engine,
+) -> None:
+    tenant = sa.Column("tenant", sa.String(50))
+    migrate(db_engine, lambda: migrations.create_job_table("archive_jobs", tenant, version=4))
+    migrate(db_engine, lambda: migrations.add_history("archive_jobs", tenant))  # version 3
+    with db_engine.connect() as connection:
+        (problem,) = migrations.check_job_tables(connection, models.ArchiveJob)
+    assert "lacks the column(s) time_limit, snoozes, progress" in problem
+    assert "upgrade_job_table_to_v4('archive_jobs')" in problem
+    migrate(db_engine, lambda: migrations.upgrade_job_table_to_v4("archive_jobs"))  # as it says
+    with db_engine.connect() as connection:
+        assert migrations.check_job_tables(connection, models.ArchiveJob) == []

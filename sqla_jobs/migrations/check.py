@@ -55,7 +55,11 @@ _HISTORY_SHAPE = sa.text(
         EXISTS (
             SELECT 1 FROM pg_index AS x
             WHERE x.indexrelid = to_regclass(:dead_index) AND x.indrelid = c.oid
-        ) AS has_dead_index
+        ) AS has_dead_index,
+        ARRAY(
+            SELECT a.attname::text FROM pg_attribute AS a
+            WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+        ) AS columns
     FROM pg_class AS c
     WHERE c.oid = to_regclass(:history)
     """
@@ -237,6 +241,16 @@ def _history_problems(connection: sa.Connection, table: sa.Table) -> list[str]:
             f"{n.dead_index} ON {ddl.qualified_name(n.table, table.schema)} "
             "(finished_at, id, queue) WHERE status = 'dead' (or recreate the table with "
             f"{fix})"
+        )
+        return [problem]
+    missing = [c.name for c in declared.columns if c.name not in row.columns]
+    if missing:
+        # A history added at an older schema version (add_history without version=4), or
+        # the job table's own columns not copied: the moves into it would fail.
+        problem = (
+            f"{label}: lacks the column(s) {', '.join(missing)} of its job table, which every "
+            "move into it copies; add them from a revision (the version-4 ones with "
+            f"{helper_call('upgrade_job_table_to_v4', table)}, which runs again safely)"
         )
         return [problem]
     return []
