@@ -292,13 +292,9 @@ def _since() -> Any:
     )
 
 
-def _minute(column: Any) -> Any:
-    # 0 for the first minute of the charts, MINUTES - 1 for the current one. In float8
-    # seconds (date_part), cheaper per row than numeric (extract) and date_trunc.
-    def epoch(value: Any) -> Any:
-        return func.date_part(literal_column("'epoch'"), value)
-
-    return cast(func.floor((epoch(column) - epoch(_since())) / _int(60)), Integer)
+def _epoch(value: Any) -> Any:
+    # Seconds as float8 (date_part): cheaper per row than numeric (extract) and date_trunc.
+    return func.date_part(literal_column("'epoch'"), value)
 
 
 def minute_counts(table: Table, *, scan: int) -> Any:
@@ -318,33 +314,43 @@ def minute_counts(table: Table, *, scan: int) -> Any:
         .limit(literal_column(str(_count("scan", scan)), Integer))
         .cte("window")
     )
+    # The clock, read once (not per row): the first minute, also in epoch seconds.
+    since = _since()
+    clock = select(since.label("since"), _epoch(since).label("since_epoch")).cte("clock")
+    rows = window.join(clock, literal_column("true"))
     zero = literal_column("0", BigInteger)
 
     def status(value: JobStatus) -> Any:
         return window.c.status == literal_column(f"'{value.value}'")
 
+    def minute(column: Any) -> Any:
+        # 0 for the first minute of the charts, MINUTES - 1 for the current one.
+        return cast(func.floor((_epoch(column) - clock.c.since_epoch) / _int(60)), Integer)
+
     ended = (
         select(
             window.c.queue,
-            _minute(window.c.finished_at).label("minute"),
+            minute(window.c.finished_at).label("minute"),
             func.count().filter(status(JobStatus.SUCCEEDED)).label("succeeded"),
             func.count().filter(status(JobStatus.DEAD)).label("dead"),
             func.count().label("finished"),
             zero.label("enqueued"),
         )
-        .where(window.c.finished_at >= _since())
+        .select_from(rows)
+        .where(window.c.finished_at >= clock.c.since)
         .group_by(window.c.queue, literal_column("2"))
     )
     enqueued = (
         select(
             window.c.queue,
-            _minute(window.c.created_at).label("minute"),
+            minute(window.c.created_at).label("minute"),
             zero.label("succeeded"),
             zero.label("dead"),
             zero.label("finished"),
             func.count().label("enqueued"),
         )
-        .where(window.c.created_at >= _since())
+        .select_from(rows)
+        .where(window.c.created_at >= clock.c.since)
         .group_by(window.c.queue, literal_column("2"))
     )
     both = ended.union_all(enqueued).subquery("counts")
