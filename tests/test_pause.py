@@ -22,7 +22,7 @@ from sqlalchemy.pool import NullPool
 
 import sqla_jobs
 from sqla_jobs import ConfigurationError, InvalidJobError, JobStatus, cli, migrations
-from sqla_jobs._queries.pauses import PAUSE_TABLE_EXISTS
+from sqla_jobs._queries.admin import TABLE_LAYOUT
 from sqla_jobs.health import read_gauges
 from sqla_jobs.schema import names
 from sqla_jobs.schema.pauses import pause_names, pause_table
@@ -286,14 +286,14 @@ def test_the_migration_helper_makes_the_table_the_model_declares(
         )
         assert compare_metadata(context, declared) == []
     with scratch_engine.connect() as connection:  # what a worker's start-up check asks
-        found = PAUSE_TABLE_EXISTS.one(connection, EMAIL_JOBS, {})
-        assert found is not None
-        assert found.present is True
+        (layout,) = TABLE_LAYOUT.rows(connection, EMAIL_JOBS, {})
+        assert layout.pauses is True
     migrate(scratch_engine, lambda: migrations.drop_pause_table("email_jobs"))
     migrate(scratch_engine, lambda: migrations.drop_pause_table("email_jobs"))
     assert not sa.inspect(scratch_engine).has_table("email_jobs_pauses")
     with scratch_engine.connect() as connection:
-        assert PAUSE_TABLE_EXISTS.one(connection, EMAIL_JOBS, {}) == (False,)
+        (layout,) = TABLE_LAYOUT.rows(connection, EMAIL_JOBS, {})
+        assert layout.pauses is False
 
 
 @pytest.mark.usefixtures("restore_root_logging")

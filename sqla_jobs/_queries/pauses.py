@@ -18,23 +18,20 @@ from sqlalchemy import (
     Select,
     Table,
     Text,
-    TextClause,
     bindparam,
     cast,
     delete,
     func,
     literal_column,
     select,
-    text,
 )
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.sql.dml import ReturningDelete, ReturningInsert
 
 from sqla_jobs._queries._sql import _now
 from sqla_jobs._queries.run import NoParams, Query
-from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import names
-from sqla_jobs.schema.pauses import pause_names, pause_table
+from sqla_jobs.schema.pauses import pause_table
 
 
 def pause(table: Table) -> ReturningInsert[Any]:
@@ -84,14 +81,6 @@ def paused_queues(table: Table) -> Select[Any]:
     ).order_by(pauses.c.queue)
 
 
-def pause_table_exists(table: Table) -> TextClause:
-    """Whether ``table``'s pause table exists (``to_regclass``, one catalog lookup): what a
-    worker's start-up check of the schema asks, since every claim reads it. Returns
-    ``present``."""
-    name = qualified_name(pause_names(table.name).table, table.schema).replace("'", "''")
-    return text(f"SELECT to_regclass('{name}') IS NOT NULL AS present")
-
-
 # -- the queries --------------------------------------------------------------------------
 
 
@@ -132,13 +121,6 @@ class PausedQueueRow(NamedTuple):
     paused_seconds: float | Decimal | None
 
 
-class PauseTableRow(NamedTuple):
-    """:func:`pause_table_exists`'s row."""
-
-    present: bool
-
-
 PAUSE: Final = Query(pause, PauseParams, PauseRow)
 RESUME: Final = Query(resume, QueueParams, ResumeRow)
 PAUSED_QUEUES: Final = Query(paused_queues, NoParams, PausedQueueRow)
-PAUSE_TABLE_EXISTS: Final = Query(pause_table_exists, NoParams, PauseTableRow)
