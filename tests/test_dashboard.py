@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from dashboard_data import Seeded, seed, statuses
 from dashboard_pages import Browser, csrf_of, ids_on, set_cookies
 from models import EmailJob, EmailJobResult, ReportJob
+from sqlalchemy.orm import Session
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
@@ -743,3 +744,29 @@ def test_the_job_list_merges_a_second_source(queue_engine: sa.Engine) -> None:
             assert find_job(connection, sources, 3) is not None
             assert find_job(connection, sources, 61) is None
         assert seen == expected
+
+
+def test_job_detail_shows_progress_time_limit_and_snoozes(
+    client: TestClient, queue_engine: sa.Engine
+) -> None:
+    with Session(queue_engine) as session, session.begin():
+        job = EmailJob(task="import", time_limit=timedelta(seconds=90))
+        session.add(job)
+        session.flush()
+        job_id = job.id
+    with Session(queue_engine) as session, session.begin():
+        (claimed,) = sqla_jobs.claim(session, EmailJob)
+        assert sqla_jobs.report_progress(session, claimed, 0.25, "250 of <1000> rows")
+    with queue_engine.begin() as connection:
+        connection.execute(
+            sa.text("UPDATE email_jobs SET snoozes = 2 WHERE id = :id"), {"id": job_id}
+        )
+    page = client.get(f"/jobs/{job_id}")
+    assert page.status_code == 200
+    assert '<progress max="1" value="0.25">' in page.text
+    assert "250 of &lt;1000&gt; rows" in page.text  # escaped
+    assert re.search(r'id="time-limit">90\.0 s \(its own\)', page.text)
+    assert 'id="snoozes">2<' in page.text
+    with queue_engine.begin() as connection:  # no progress section for a job without one
+        connection.execute(sa.text("UPDATE email_jobs SET progress = NULL"))
+    assert 'id="progress"' not in client.get(f"/jobs/{job_id}").text

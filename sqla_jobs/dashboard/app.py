@@ -51,6 +51,7 @@ from starlette.routing import Route
 from sqla_jobs import queue, validation
 from sqla_jobs._queries import dashboard as statements
 from sqla_jobs._queries.dashboard import RECENT_THROUGHPUT, RESULT
+from sqla_jobs._queries.enqueueing import CONTROL_COLUMNS
 from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.dashboard import access, activity
 from sqla_jobs.dashboard.access import AUTH_COOKIE, CSRF_COOKIE, SESSION_LIFETIME, SESSION_MAX_AGE
@@ -553,6 +554,7 @@ class _Dashboard:
             "last_error",
             "leased_by",
             "lease_expires_at",
+            *CONTROL_COLUMNS,  # time limit, snoozes, progress: shown on their own
         }
         if in_history:
             shown.add(RESULT_COLUMN)
