@@ -260,7 +260,7 @@ class Run:
 #: What a run must have seen before it stops (past its duration, up to CAP times it): on
 #: a machine busy with other work a fixed duration may not be enough to exercise it all
 #: (seen: 3 and 24 grants in 45 s at a load average of 15-19 on 2 cores).
-CAP = 8
+CAP = 12
 MINIMUMS = {"grant": 30, "renew": 1, "release": 1, "lost": 1, "hold grant": 2, "kills": 5}
 
 

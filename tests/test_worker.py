@@ -209,6 +209,8 @@ def test_workers_survive_a_database_restart(
     ids = db.enqueue_many(jobs)
     locked_ids = {job_id for job_id, (task, _) in zip(ids, jobs, strict=True) if "locked" in task}
     pool = [workers.start(concurrency=4), workers.start(concurrency=4)]
+    for process in pool:  # both connected before the restart (a slow start may miss it)
+        process.wait_log("action=listener_connected")
     wait_until(
         lambda: db.count_by_status().get("succeeded", 0) >= 20,
         timeout=20,
