@@ -456,34 +456,29 @@ def check_progress(value: object, message: object) -> dict[str, Any]:
     return {"value": float(value), "message": message}
 
 
-def check_snooze_delay(field: str, value: object) -> timedelta:
-    """A snooze's delay: a positive ``timedelta`` or number of seconds, at most
-    :data:`MAX_SNOOZE_SECONDS` (a year)."""
+def _bounded_duration(field: str, value: object, maximum: int, said: str) -> timedelta:
+    """A positive ``timedelta`` or number of seconds (not a bool), at most ``maximum``
+    seconds (``said`` in words, for the message)."""
     if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
         raise InvalidJobError(
             field, f"must be a timedelta or a number of seconds, not {type(value).__name__}"
         )
-    delay = check_duration(field, value)
-    if delay.total_seconds() > MAX_SNOOZE_SECONDS:
-        raise InvalidJobError(
-            field, f"must be at most {MAX_SNOOZE_SECONDS:,} seconds (a year), got {value!r}"
-        )
-    return delay
+    duration = check_duration(field, value)
+    if duration.total_seconds() > maximum:
+        raise InvalidJobError(field, f"must be at most {maximum:,} seconds ({said}), got {value!r}")
+    return duration
+
+
+def check_snooze_delay(field: str, value: object) -> timedelta:
+    """A snooze's delay: a positive ``timedelta`` or number of seconds, at most
+    :data:`MAX_SNOOZE_SECONDS` (a year)."""
+    return _bounded_duration(field, value, MAX_SNOOZE_SECONDS, "a year")
 
 
 def check_time_limit(field: str, value: object) -> timedelta:
     """A time limit: a positive ``timedelta`` or number of seconds, at most
     :data:`MAX_TIME_LIMIT_SECONDS` (a week)."""
-    if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
-        raise InvalidJobError(
-            field, f"must be a timedelta or a number of seconds, not {type(value).__name__}"
-        )
-    limit = check_duration(field, value)
-    if limit.total_seconds() > MAX_TIME_LIMIT_SECONDS:
-        raise InvalidJobError(
-            field, f"must be at most {MAX_TIME_LIMIT_SECONDS:,} seconds (a week), got {value!r}"
-        )
-    return limit
+    return _bounded_duration(field, value, MAX_TIME_LIMIT_SECONDS, "a week")
 
 
 def check_ordering_key(field: str, value: object) -> str:
