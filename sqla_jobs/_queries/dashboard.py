@@ -14,11 +14,13 @@ the page says so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Final, NamedTuple, TypedDict
 
 from sqlalchemy import (
     BigInteger,
+    ColumnElement,
     Connection,
     Integer,
     RowMapping,
@@ -33,11 +35,14 @@ from sqlalchemy import (
     literal_column,
     select,
 )
-from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.dialects.postgresql import aggregate_order_by as _untyped_aggregate_order_by
 
 from sqla_jobs._queries.run import NoParams, Query
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.schema import JobStatus
+
+# Untyped in SQLAlchemy 2.0.30, the lowest version we support: typed once, here.
+aggregate_order_by: Callable[..., ColumnElement[Any]] = _untyped_aggregate_order_by
 
 __all__ = [
     "FAILURES",

@@ -93,7 +93,7 @@ def sentry_hooks() -> Hooks:
     global _installed
     with _install_lock:
         if not _installed:
-            sentry_sdk.Scope.get_global_scope().add_event_processor(_drop_logged_duplicate)
+            sentry_sdk.scope.add_global_event_processor(_drop_logged_duplicate)
             _installed = True
     return Hooks(before=_before, after=_after, on_error=_on_error)
 
