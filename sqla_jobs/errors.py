@@ -42,6 +42,7 @@ __all__ = [
     "JobStateError",
     "JobTimeoutError",
     "LeaseLostError",
+    "ProcessHandlerError",
     "ScheduleError",
     "SchemaVersionError",
     "SqlaJobsError",
@@ -151,6 +152,13 @@ class JobTimeoutError(SqlaJobsError, TimeoutError):
     cancelled, and a thread handler that calls :meth:`JobContext.raise_if_cancelled
     <sqla_jobs.JobContext.raise_if_cancelled>` gets it raised there.
     """
+
+
+class ProcessHandlerError(SqlaJobsError):
+    """A process handler's attempt could not end with what its handler did: its child
+    process died mid-job (the message names its exit code or signal), could not find the
+    task's function, or what it raised or returned could not be sent back. The attempt
+    fails with it (retried or dead by the task's policy); the worker goes on."""
 
 
 class ConfigurationError(SqlaJobsError, TypeError):

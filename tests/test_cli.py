@@ -98,6 +98,14 @@ def test_python_dash_m_help(tmp_path: Path) -> None:
         ),
         (["worker", "os:path", "--database-url", "postgresql://x@y/z"], "not a sqla_jobs Registry"),
         (["worker", "os", "--database-url", "postgresql://x@y/z"], "must look like module:name"),
+        (
+            # --processes reaches the worker's settings, which refuse it past --concurrency.
+            [
+                *("worker", "process_tasks:registry", "--concurrency", "2", "--processes", "3"),
+                *("--database-url", "postgresql://x@y/z"),
+            ],
+            "processes must be an integer in [1, concurrency=2]",
+        ),
         (["status", "--model", "os:getcwd", "--database-url", "postgresql://x@y/z"], "JobMixin"),
     ],
 )
@@ -123,6 +131,7 @@ def test_mistakes_are_one_line_errors(
     [
         ["worker", "m:r", "--concurrency", "0"],
         ["worker", "m:r", "--prefetch", "-1"],
+        ["worker", "m:r", "--processes", "0"],
         ["worker", "m:r", "--no-listen", "--listen-url", "postgresql://x@y/z"],
         ["status", "--pooler", "session"],
         ["prune", "--older-than", "soon"],

@@ -288,7 +288,8 @@ def test_sigterm_ends_lock_mode_transactions_behind_the_pooler(
     long = {"sleep": 60, "sleep_attempts": [1]}
     ids = worker_db.enqueue_many([("sleepy_locked", long), ("sleepy", long)])
     worker = bounced_workers.start(concurrency=2, grace="1s")
-    wait_until(lambda: all(worker_db.started(i) for i in ids), timeout=15, message="started")
+    # A worker process starts in seconds, more on a busy machine (seen: 15 s not enough).
+    wait_until(lambda: all(worker_db.started(i) for i in ids), timeout=45, message="started")
     stopped_at = time.monotonic()
     worker.send(signal.SIGTERM)
     assert worker.wait(15) == 0

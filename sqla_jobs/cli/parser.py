@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help=f"jobs at once (default {ClaimSettings.concurrency})",
     )
+    worker.add_argument(
+        "--processes",
+        type=_positive_int,
+        help="child processes for the process tasks, at most --concurrency (default: the "
+        "CPU count, at most --concurrency)",
+    )
     worker.add_argument("--batch-size", type=_positive_int, help="most jobs per claim")
     worker.add_argument(
         "--prefetch",

@@ -44,6 +44,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         queues=_queue_list(args.queues) if args.queues else None,
         **_given(
             concurrency=args.concurrency,
+            processes=args.processes,
             batch_size=args.batch_size,
             prefetch=args.prefetch,
             poll_interval=args.poll_interval,

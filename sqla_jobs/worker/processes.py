@@ -51,7 +51,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from sqla_jobs.context import JobContext, Snooze
-from sqla_jobs.errors import ConfigurationError, JobCancelledError, JobTimeoutError, SqlaJobsError
+from sqla_jobs.errors import (
+    ConfigurationError,
+    JobCancelledError,
+    JobTimeoutError,
+    ProcessHandlerError,
+)
 from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.registry import Registry, Task
 
@@ -61,7 +66,7 @@ if TYPE_CHECKING:
 
     from sqla_jobs.worker.state import Attempt
 
-__all__ = ["PROGRESS_EVERY", "ProcessHandlerError", "ProcessPool", "check_process_tasks"]
+__all__ = ["PROGRESS_EVERY", "ProcessPool", "check_process_tasks"]
 
 logger = logging.getLogger("sqla_jobs.worker")
 
@@ -71,12 +76,6 @@ PROGRESS_EVERY: Final = 0.5
 _ORPHAN_CHECK_EVERY: Final = 1.0
 #: How long (seconds) the pool waits for a killed child to be gone.
 _EXIT_WAIT: Final = 2.0
-
-
-class ProcessHandlerError(SqlaJobsError):
-    """A process handler's attempt could not end with what its handler did: its child
-    process died mid-job (the message names its exit code or signal), could not find the
-    task's function, or what it raised or returned could not be sent back."""
 
 
 class _ChildTraceback(Exception):
