@@ -376,6 +376,38 @@ def test_a_lock_mode_handlers_progress_is_kept_with_its_job(queue_engine: sa.Eng
     assert progress_of(queue_engine, job_id)["message"] == "three of three"
 
 
+def test_progress_survives_an_outcome_write_tried_again(
+    queue_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The outcome writer's first try fails as a lost connection would (a transient error):
+    # the batch is written again, and the handler's last progress with it.
+    import psycopg
+
+    from sqla_jobs.queue import complete_attempts
+    from sqla_jobs.worker import writer
+
+    failed: list[int] = []
+
+    def fail_once(session: Any, jobs: Any, **kwargs: Any) -> Any:
+        if not failed and jobs:
+            failed.append(jobs[0].id)
+            raise sa.exc.OperationalError("UPDATE", {}, psycopg.OperationalError("gone"))
+        return complete_attempts(session, jobs, **kwargs)
+
+    monkeypatch.setattr(writer, "complete_attempts", fail_once)
+    registry = Registry(EmailJob)
+
+    @registry.task(lease=30)  # no heartbeat before the outcome: only the writer stores it
+    def quick(ctx: JobContext) -> None:
+        ctx.report_progress(1, "all of it")
+
+    (job_id,) = enqueue(queue_engine, quick.job())
+    with running(registry, queue_engine):
+        until(lambda: row(queue_engine, job_id).status == "succeeded")
+    assert failed == [job_id]
+    assert progress_of(queue_engine, job_id)["message"] == "all of it"
+
+
 @pytest.mark.parametrize(
     ("value", "message", "field"),
     [

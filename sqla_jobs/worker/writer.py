@@ -137,16 +137,16 @@ class OutcomeWriter:
         statuses: dict[tuple[int, int], JobStatus] = {}
         # Progress reported since the last heartbeat: stored before the outcomes, so that a
         # finished job keeps its handler's last report (a moment's work for batches without).
+        # Not marked stored here: a batch tried again (a transient error, a split) stores it
+        # again, and once the outcome is written nothing else does (the fence refuses it).
         reported = [
-            (a, p)
+            (a.job, p)
             for attempts in by_kind.values()
             for a in attempts
             if a.progress is not None and (p := a.unstored_progress) is not None
         ]
         if reported:
-            store_progress(session, [(a.job, progress) for a, progress in reported])
-            for attempt, progress in reported:
-                attempt.progress_stored = progress
+            store_progress(session, reported)
         completed = by_kind.get(Kind.COMPLETE, [])
         jobs = [a.job for a in completed]
         result_model = self.registry.result_model
