@@ -254,7 +254,8 @@ def _run_tests(
     # keeps the source tree off sys.path, so the tests import the installed package;
     # tests/conftest.py checks that when SQLA_JOBS_EXPECT_INSTALLED=1.
     _install_wheel(session, "embedded", *_group("test"), *pins)
-    args = session.posargs or [*PARALLEL, *(default or [])]
+    # The slowest tests are named in every CI log: where a session's time goes, at a glance.
+    args = session.posargs or [*PARALLEL, "--durations=15", *(default or [])]
     session.run("pytest", *args, env={"SQLA_JOBS_EXPECT_INSTALLED": "1", **env})
 
 
