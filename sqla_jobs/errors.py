@@ -17,6 +17,8 @@ The tree::
     │                              job's cancel was requested
     ├── JobTimeoutError            the attempt ran past its time limit (also a TimeoutError);
     │                              raised by ctx.raise_if_cancelled() past it
+    ├── ProcessHandlerError        a process handler's child died mid-job, or its function
+    │                              or what it raised or returned could not cross over
     ├── ConfigurationError         the library was set up wrongly (a model without the mixin, ...)
     │   ├── ScheduleError          a periodic task's schedule is malformed (cron, timezone, ...)
     │   └── SchemaVersionError     the job table is at an older schema version than the worker
