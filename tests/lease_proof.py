@@ -194,7 +194,9 @@ def _lease_cycle(engine: sa.Engine, rng: random.Random, name: str) -> None:
     elif plan < 0.75:
         # A zombie: it stalls past the expiry, wakes up and carries on as if nothing
         # happened, renewing or releasing; where the seat was taken, the fence refuses it.
-        time.sleep(duration * rng.uniform(1.0, 2.0))
+        # Up to three times its duration: on a busy machine the others take an expired seat
+        # slowly, and a zombie that always woke just past its expiry was seldom refused.
+        time.sleep(duration * rng.uniform(1.0, 3.0))
         if rng.random() < 0.5:
             leases = _renew(engine, leases, duration, "lease")
         _release(engine, leases, "lease")

@@ -3,7 +3,7 @@ ever held by two holders at once, and none is lost (tests/lease_proof.py explain
 why it is sound).
 
 The suite runs a 15-second form (longer on a busy machine: lease_proof.run goes on, up to
-eight times the duration, until it has seen enough of every kind of event). The full form,
+twelve times the duration, until it has seen enough of every kind of event). The full form,
 a minute, by hand::
 
     SQLA_JOBS_LEASE_PROOF_SECONDS=60 python3 -m nox -s tests -- tests/test_lease_proof.py -s
