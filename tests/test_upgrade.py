@@ -246,14 +246,15 @@ def drain_and_check(db: JobDatabase, before: Rows, finished_results: list[tuple[
         )
     after = rows(db.engine)
     assert set(after) == set(before)  # none lost, none added
-    # Every runnable job ran exactly once, as the attempt after the old workers' last one.
+    # Every runnable job ran exactly once (one committed effect, by the attempt that
+    # succeeded), after the old workers' last attempt. Usually as the very next attempt; on a
+    # busy machine a claimed job whose 1 s lease ran out before it started is given back
+    # unstarted, and the attempt that runs it has a higher number.
     ran = {**runnable, **waiting}
-    assert effects(db.engine) == sorted(
-        (job_id, job["attempts"] + 1) for job_id, job in ran.items()
-    )
+    assert effects(db.engine) == sorted((job_id, after[job_id]["attempts"]) for job_id in ran)
     for job_id, job in ran.items():
         assert after[job_id]["status"] == "succeeded"
-        assert after[job_id]["attempts"] == job["attempts"] + 1
+        assert after[job_id]["attempts"] > job["attempts"]
     # The finished jobs, and the results of the succeeded ones, are as they were.
     assert of_kind(after, *FINISHED) == finished
     assert [r for r in results(db.engine) if r[0] in finished] == finished_results
