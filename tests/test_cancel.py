@@ -14,6 +14,7 @@ from typing import Any, Literal
 import pytest
 import sqlalchemy as sa
 from conftest import FreshDatabase
+from in_process import enqueue, running
 from models import EmailJob, EmailJobResult, Order, ReportJob
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Session
@@ -39,13 +40,6 @@ from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
 
 #: How long a handler waits for its cancel before giving up (a failing test, not a hang).
 HANDLER_PATIENCE = 20.0
-
-
-def enqueue(engine: sa.Engine, *jobs: Any) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
 
 
 def claim(engine: sa.Engine, model: Any = EmailJob, **options: Any) -> list[sqla_jobs.ClaimedJob]:
@@ -89,13 +83,6 @@ def wait_for(flag: Callable[[], bool]) -> bool:
             return False
         time.sleep(0.01)
     return True
-
-
-@contextmanager
-def running(registry: Registry, engine: sa.Engine, **options: Any) -> Iterator[Worker]:
-    worker = Worker(registry, engine, poll_interval=0.1, grace=5, **options)
-    with worker:
-        yield worker
 
 
 # -- the queue API ----------------------------------------------------------------------

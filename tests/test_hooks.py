@@ -9,12 +9,11 @@ import asyncio
 import contextvars
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from in_process import PATIENCE, enqueue, running
 from models import EmailJob, EmailJobResult, Order
 from no_sql import no_sql
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
@@ -25,15 +24,6 @@ from sqla_jobs import ConfigurationError, Hooks, JobContext, Registry
 from sqla_jobs.context import Snooze
 from sqla_jobs.errors import JobTimeoutError
 from sqla_jobs.worker import Worker
-
-PATIENCE = 30.0
-
-
-def enqueue(engine: sa.Engine, *jobs: Any) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
 
 
 def row(engine: sa.Engine, job_id: int) -> Any:
@@ -57,13 +47,6 @@ def until(condition: Any) -> None:
 
 def ended(engine: sa.Engine, job_id: int, status: str = "succeeded") -> None:
     until(lambda: row(engine, job_id).status == status)
-
-
-@contextmanager
-def running(registry: Registry, engine: sa.Engine, **options: Any) -> Iterator[Worker]:
-    worker = Worker(registry, engine, poll_interval=0.1, grace=5, **options)
-    with worker:
-        yield worker
 
 
 def recorder(calls: list[str], name: str) -> Hooks:

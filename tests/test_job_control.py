@@ -7,13 +7,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from in_process import PATIENCE, enqueue, running
 from models import EmailJob, EmailJobResult, Order
 from sqlalchemy.orm import Session
 from worker_harness import wait_until
@@ -24,18 +23,7 @@ from sqla_jobs.context import Snooze
 from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.queue.outcomes import report_progress, snooze
 from sqla_jobs.validation import MAX_SNOOZES
-from sqla_jobs.worker import Worker
 from sqla_jobs.worker.state import Attempt, Kind, Outcome, State
-
-#: How long a test waits for what must happen (a failing test, not a hang).
-PATIENCE = 30.0
-
-
-def enqueue(engine: sa.Engine, *jobs: Any) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
 
 
 def row(engine: sa.Engine, job_id: int) -> Any:
@@ -56,13 +44,6 @@ def results(engine: sa.Engine) -> dict[int, Any]:
 
 def until(condition: Any) -> None:
     wait_until(condition, timeout=PATIENCE, message="the job control test's condition")
-
-
-@contextmanager
-def running(registry: Registry, engine: sa.Engine, **options: Any) -> Iterator[Worker]:
-    worker = Worker(registry, engine, poll_interval=0.1, grace=5, **options)
-    with worker:
-        yield worker
 
 
 # -- time limits ---------------------------------------------------------------------------

@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from in_process import enqueue
 from models import EmailJob, EmailJobResult, Order
 from sqlalchemy.orm import Session
 from worker_harness import wait_until
 
 import sqla_jobs
-from sqla_jobs import JobContext, JobMixin, Registry, RetryPolicy, Worker
+from sqla_jobs import JobContext, Registry, RetryPolicy, Worker
 from sqla_jobs.worker import locked, runner
 
 FAST_RETRY = RetryPolicy(base=timedelta(milliseconds=50), cap=timedelta(milliseconds=100))
@@ -49,13 +50,6 @@ def running(registry: Registry, engine: sa.Engine, **options: Any) -> Iterator[W
     worker = Worker(registry, engine, concurrency=8, poll_interval=0.1, grace=5, **options)
     with worker:
         yield worker
-
-
-def enqueue(engine: sa.Engine, *jobs: JobMixin) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
 
 
 def statuses(engine: sa.Engine, ids: list[int]) -> list[str]:

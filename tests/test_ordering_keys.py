@@ -11,19 +11,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import advance_clock
+from in_process import enqueue
 from models import EmailJob
 from sqlalchemy.orm import Session
 
 import sqla_jobs
 from sqla_jobs import ClaimedJob
 from sqla_jobs.errors import InvalidJobError
-
-
-def enqueue(engine: sa.Engine, *jobs: EmailJob) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
 
 
 def claim(

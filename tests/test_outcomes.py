@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import advance_clock
+from in_process import enqueue
 from models import EmailJob, EmailJobResult, ReportJob, ReportJobResult
 from sqlalchemy.orm import Session
 
@@ -21,13 +22,6 @@ from sqla_jobs import (
     LeaseLostError,
     RetryPolicy,
 )
-
-
-def enqueue(engine: sa.Engine, *jobs: JobMixin) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
 
 
 def claim(engine: sa.Engine, model: type[JobMixin] = EmailJob, **kwargs: Any) -> list[ClaimedJob]:

@@ -14,6 +14,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
 from conftest import FreshDatabase, advance_clock
+from in_process import enqueue
 from models import EmailJob, ReportJob
 from no_sql import no_sql
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -28,13 +29,6 @@ from sqla_jobs.schema import names
 from sqla_jobs.schema.pauses import pause_names, pause_table
 
 EMAIL_JOBS: sa.Table = EmailJob.__table__  # type: ignore[assignment]
-
-
-def enqueue(engine: sa.Engine, *jobs: EmailJob) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
 
 
 def claim(engine: sa.Engine, **options: Any) -> list[sqla_jobs.ClaimedJob]:

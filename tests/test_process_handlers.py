@@ -14,6 +14,7 @@ from typing import Any
 import process_tasks
 import pytest
 import sqlalchemy as sa
+from in_process import PATIENCE, enqueue
 from models import EmailJob, EmailJobResult
 from process_tasks import registry
 from sqlalchemy.orm import Session
@@ -22,16 +23,6 @@ from worker_harness import wait_until
 import sqla_jobs
 from sqla_jobs import ConfigurationError, JobContext, Registry
 from sqla_jobs.worker import Worker
-
-#: How long a test waits for what must happen (a failing test, not a hang).
-PATIENCE = 30.0
-
-
-def enqueue(engine: sa.Engine, *jobs: Any) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
 
 
 def rows(engine: sa.Engine, ids: list[int]) -> dict[int, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from in_process import enqueue
 from models import EmailJob
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
@@ -20,13 +21,6 @@ from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.registry import Registry
 
 LIMITS = {"limited": 2}
-
-
-def enqueue(engine: sa.Engine, *jobs: EmailJob) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
 
 
 def claim(engine: sa.Engine, *, limit: int = 10, **options: Any) -> list[ClaimedJob]:

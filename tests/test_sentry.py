@@ -8,13 +8,13 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib import metadata
 from typing import Any
 
 import pytest
 import sentry_sdk
 import sqlalchemy as sa
+from in_process import PATIENCE, enqueue, running
 from models import EmailJob
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -28,9 +28,7 @@ from sqla_jobs import JobContext, Registry, cancel
 from sqla_jobs.context import Snooze
 from sqla_jobs.integrations import sentry
 from sqla_jobs.integrations.sentry import sentry_hooks
-from sqla_jobs.worker import Worker
 
-PATIENCE = 30.0
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 
@@ -83,19 +81,6 @@ def row(engine: sa.Engine, job_id: int) -> Any:
 
 def until(condition: Any) -> None:
     wait_until(condition, timeout=PATIENCE, message="the Sentry test's condition")
-
-
-def enqueue(engine: sa.Engine, *jobs: Any) -> list[int]:
-    with Session(engine) as session, session.begin():
-        session.add_all(jobs)
-        session.flush()
-        return [job.id for job in jobs]
-
-
-@contextmanager
-def running(registry: Registry, engine: sa.Engine) -> Iterator[Worker]:
-    with Worker(registry, engine, poll_interval=0.1, grace=5) as worker:
-        yield worker
 
 
 def test_each_failed_attempt_is_captured_once_tagged_in_the_jobs_trace(
