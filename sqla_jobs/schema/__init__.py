@@ -44,7 +44,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import InstanceState, Mapped, Mapper, declared_attr, mapped_column
 
 from sqla_jobs import ddl, tracing, validation
-from sqla_jobs.errors import InvalidJobError, UniqueJobError
+from sqla_jobs.errors import ConfigurationError, InvalidJobError, UniqueJobError
 from sqla_jobs.naming import TableNames, names
 
 __all__ = [
@@ -374,6 +374,17 @@ class JobMixin:
                 f"attempts={loaded.get('attempts', '?')}/{loaded.get('max_attempts', '?')}"
             )
         return f"<{type(self).__name__} {' '.join(parts)}>"
+
+
+def job_table_of(model: object) -> Table:
+    """The job table of ``model`` (a mapped class that mixes in :class:`JobMixin`, or the
+    table itself); ConfigurationError for anything else."""
+    if isinstance(model, Table):
+        return model
+    table = getattr(model, "__table__", None)
+    if not (isinstance(model, type) and issubclass(model, JobMixin) and isinstance(table, Table)):
+        raise ConfigurationError(f"{model!r} is not a mapped class that mixes in JobMixin")
+    return table
 
 
 class ScheduleMixin:

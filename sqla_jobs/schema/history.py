@@ -48,7 +48,7 @@ from sqlalchemy.orm import Mapper
 from sqla_jobs.ddl import executable, qualified_name
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.naming import identifier
-from sqla_jobs.schema import JobMixin, dead_predicate
+from sqla_jobs.schema import JobMixin, dead_predicate, job_table_of
 
 __all__ = [
     "PARTITION_KEY",
@@ -123,15 +123,6 @@ def day_bounds(day: date) -> tuple[datetime, datetime]:
     return start, start + timedelta(days=1)
 
 
-def _job_table(model: object) -> Table:
-    if isinstance(model, Table):
-        return model
-    table = getattr(model, "__table__", None)
-    if not (isinstance(model, type) and issubclass(model, JobMixin) and isinstance(table, Table)):
-        raise ConfigurationError(f"{model!r} is not a mapped class that mixes in JobMixin")
-    return table
-
-
 def has_history(model: type[Any]) -> bool:
     """Whether a job model keeps its finished jobs in a partitioned history table."""
     return bool(getattr(model, "partitioned_history", False))
@@ -150,7 +141,7 @@ def history_table(model: type[Any] | Table) -> Table:
     ``DEFAULT`` partition; the day partitions come from the migration helper and from the
     maintenance (:func:`sqla_jobs.history.maintain`).
     """
-    job = _job_table(model)
+    job = job_table_of(model)
     n = history_names(job.name, job.schema)
     key = n.table if job.schema is None else f"{job.schema}.{n.table}"
     existing = job.metadata.tables.get(key)

@@ -28,9 +28,8 @@ from sqlalchemy.orm import Mapper
 
 from sqla_jobs import validation
 from sqla_jobs.ddl import qualified_name
-from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.naming import identifier
-from sqla_jobs.schema import JobMixin
+from sqla_jobs.schema import JobMixin, job_table_of
 
 __all__ = [
     "MAX_REASON_LENGTH",
@@ -63,15 +62,6 @@ def pause_names(job_table: str) -> PauseNames:
     return PauseNames(job_table=job_table, table=table, primary_key=identifier(table, "pkey"))
 
 
-def _job_table(model: object) -> Table:
-    if isinstance(model, Table):
-        return model
-    table = getattr(model, "__table__", None)
-    if not (isinstance(model, type) and issubclass(model, JobMixin) and isinstance(table, Table)):
-        raise ConfigurationError(f"{model!r} is not a mapped class that mixes in JobMixin")
-    return table
-
-
 def pause_table(model: type[Any] | Table) -> Table:
     """The pause table of a job model (or job table), in the job table's ``MetaData``.
 
@@ -81,7 +71,7 @@ def pause_table(model: type[Any] | Table) -> Table:
         class EmailJobPause(Base):
             __table__ = sqla_jobs.schema.pauses.pause_table(EmailJob)
     """
-    job = _job_table(model)
+    job = job_table_of(model)
     n = pause_names(job.name)
     key = n.table if job.schema is None else f"{job.schema}.{n.table}"
     existing = job.metadata.tables.get(key)
