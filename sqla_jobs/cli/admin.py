@@ -10,7 +10,7 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session
 
 from sqla_jobs import history, queue
-from sqla_jobs.cli.database import database_url, make_engine
+from sqla_jobs.cli.database import command_engine, command_session
 from sqla_jobs.cli.display import _age
 from sqla_jobs.cli.history import _history_report
 from sqla_jobs.cli.loading import load_model
@@ -19,12 +19,8 @@ from sqla_jobs.schema import JobMixin, JobStatus
 
 def _admin(args: argparse.Namespace, operation: Callable[..., None], done: str) -> int:
     model = load_model(args)
-    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
-    try:
-        with Session(engine) as session, session.begin():
-            operation(session, model, args.job_id)
-    finally:
-        engine.dispose()
+    with command_session(args) as session:
+        operation(session, model, args.job_id)
     sys.stdout.write(f"job {args.job_id} {done}\n")
     return 0
 
@@ -35,12 +31,8 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     model = load_model(args)
-    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
-    try:
-        with Session(engine) as session, session.begin():
-            status = queue.cancel(session, model, args.job_id)
-    finally:
-        engine.dispose()
+    with command_session(args) as session:
+        status = queue.cancel(session, model, args.job_id)
     if status is JobStatus.RUNNING:
         sys.stdout.write(f"job {args.job_id} is running: its worker was asked to cancel it\n")
     else:
@@ -49,13 +41,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def _prune_history(args: argparse.Namespace, model: type[JobMixin]) -> int:
-    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
-    try:
+    with command_engine(args) as engine:
         report = history.drop_partitions(
             engine, model, older_than=args.older_than, batch_size=args.batch_size
         )
-    finally:
-        engine.dispose()
     _history_report(report)
     sys.stdout.write(
         f"pruned the history of {model.__name__}: {len(report.dropped)} partitions older than "
@@ -68,27 +57,26 @@ def cmd_prune(args: argparse.Namespace) -> int:
     model = load_model(args)
     if history.has_history(model):
         return _prune_history(args, model)
-    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
     total = 0
     started = time.monotonic()
     progress = sys.stderr
     live = progress.isatty()
     try:
-        while True:
-            with Session(engine) as session, session.begin():
-                deleted = queue.prune(
-                    session, model, older_than=args.older_than, limit=args.batch_size
-                )
-            total += deleted
-            if deleted:
-                rate = total / max(time.monotonic() - started, 1e-6)
-                line = f"pruned {total} jobs ({rate:.0f}/s)"
-                progress.write(f"\r{line}" if live else f"{line}\n")
-                progress.flush()
-            if deleted < args.batch_size:
-                break
+        with command_engine(args) as engine:
+            while True:
+                with Session(engine) as session, session.begin():
+                    deleted = queue.prune(
+                        session, model, older_than=args.older_than, limit=args.batch_size
+                    )
+                total += deleted
+                if deleted:
+                    rate = total / max(time.monotonic() - started, 1e-6)
+                    line = f"pruned {total} jobs ({rate:.0f}/s)"
+                    progress.write(f"\r{line}" if live else f"{line}\n")
+                    progress.flush()
+                if deleted < args.batch_size:
+                    break
     finally:
-        engine.dispose()
         if live and total:
             progress.write("\n")
     sys.stdout.write(

@@ -3,13 +3,17 @@ engine made for it."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError
+from sqlalchemy.orm import Session
 
 from sqla_jobs.cli.arguments import CommandError
 from sqla_jobs.pooler import unprepared_behind_pooler
@@ -83,3 +87,22 @@ def make_engine(
     if pooler == "auto":
         unprepared_behind_pooler(engine)
     return engine
+
+
+@contextmanager
+def command_engine(args: argparse.Namespace) -> Iterator[Engine]:
+    """The engine of a one-shot command (``--database-url``, ``--pooler``): one connection,
+    disposed at the end."""
+    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@contextmanager
+def command_session(args: argparse.Namespace) -> Iterator[Session]:
+    """A session of a one-shot command in one transaction, committed at the end (see
+    :func:`command_engine`)."""
+    with command_engine(args) as engine, Session(engine) as session, session.begin():
+        yield session

@@ -7,7 +7,7 @@ import sys
 
 from sqla_jobs import history
 from sqla_jobs.cli.arguments import CommandError
-from sqla_jobs.cli.database import database_url, make_engine
+from sqla_jobs.cli.database import command_engine
 from sqla_jobs.cli.loading import load_model, load_registry
 
 
@@ -40,8 +40,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             f"{model.__name__} has no partitioned history (set partitioned_history = True)"
         )
     result_model = load_registry(args.registry).result_model if args.registry else None
-    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
-    try:
+    with command_engine(args) as engine:
         if args.list:
             for partition in history.list_partitions(engine, model):
                 span = (
@@ -59,8 +58,6 @@ def cmd_history(args: argparse.Namespace) -> int:
             result_model=result_model,
             lock_timeout=args.lock_timeout,
         )
-    finally:
-        engine.dispose()
     _history_report(report)
     if not (report.created or report.dropped or report.moved or report.skipped):
         sys.stdout.write("the history is up to date\n")

@@ -6,11 +6,9 @@ import argparse
 import sys
 from typing import Final
 
-from sqlalchemy.orm import Session
-
 from sqla_jobs import health, queue
 from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
-from sqla_jobs.cli.database import database_url, make_engine
+from sqla_jobs.cli.database import command_session
 from sqla_jobs.cli.display import _age, _bytes, _last_line
 from sqla_jobs.cli.loading import load_model
 from sqla_jobs.schema import JobMixin
@@ -19,15 +17,11 @@ from sqla_jobs.schema import JobMixin
 def _read_gauges(
     args: argparse.Namespace, model: type[JobMixin], dead: int = 0
 ) -> tuple[health.Gauges, list[queue.DeadJob]]:
-    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
-    try:
-        with Session(engine) as session, session.begin():
-            timeout = f"{max(1, round(args.timeout * 1000))}ms"
-            STATEMENT_TIMEOUT.one(session, None, {"timeout": timeout})
-            gauges = health.read_gauges(session, model)
-            listed = queue.dead_jobs(session, model, limit=dead) if dead and gauges.dead else []
-    finally:
-        engine.dispose()
+    with command_session(args) as session:
+        timeout = f"{max(1, round(args.timeout * 1000))}ms"
+        STATEMENT_TIMEOUT.one(session, None, {"timeout": timeout})
+        gauges = health.read_gauges(session, model)
+        listed = queue.dead_jobs(session, model, limit=dead) if dead and gauges.dead else []
     return gauges, listed
 
 
