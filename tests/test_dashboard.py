@@ -301,6 +301,31 @@ def login(browser: Browser, token: str = TOKEN) -> None:
     assert done.status_code == 303, done.text
 
 
+def test_logout_ends_the_browsers_login(queue_engine: sa.Engine, seeded: Seeded) -> None:
+    with TestClient(create_app(queue_engine, EmailJob, token=TOKEN)) as client:
+        browser = Browser(client)
+        assert 'id="logout"' not in browser.get("/").text  # the login form: no one to log out
+        login(browser)
+        page = browser.get(f"/jobs/{seeded.dead}")
+        found = re.search(
+            r'id="logout"><input type="hidden" name="csrf" value="([^"]+)"', page.text
+        )
+        assert found is not None, page.text
+        # Without the field of a page of this login: refused, still logged in.
+        refused = browser.post("/logout", {"csrf": FORGED_NONCE})
+        assert refused.status_code == 403
+        assert AUTH_COOKIE not in set_cookies(refused)
+        assert browser.get("/").status_code == 200
+        done = browser.post("/logout", {"csrf": found.group(1)})
+        assert (done.status_code, done.headers["location"]) == (303, "/login")
+        deleted = set_cookies(done)[AUTH_COOKIE]
+        assert (deleted.value, deleted["max-age"], deleted["path"]) == ("", "0", "/")
+        del browser.cookies[AUTH_COOKIE]  # what a browser does with a cookie of Max-Age 0
+        assert browser.get("/").status_code == 401
+    with TestClient(create_app(queue_engine, EmailJob)) as client:  # no token, no login
+        assert client.post("/logout", data={"csrf": "x"}).status_code == 404
+
+
 def test_a_csrf_token_is_bound_to_the_login(queue_engine: sa.Engine, seeded: Seeded) -> None:
     """With a token, a form's CSRF token holds only for the login that drew it, and a login
     cookie that the server did not sign is refused, whatever CSRF pair comes with it."""

@@ -530,6 +530,7 @@ def test_the_dashboard_page_names_its_routes_and_cookies() -> None:
         "/activity",
         "/failures",
         "/login",
+        "/logout",
     }
     for shown in (
         "`GET /`",
@@ -539,6 +540,7 @@ def test_the_dashboard_page_names_its_routes_and_cookies() -> None:
         "`POST /queues/{name}/pause`",
         "`GET /activity`",
         "`GET /failures`",
+        "`POST /logout`",
     ):
         assert shown in text
     assert f"`{access.CSRF_COOKIE}`" in text

@@ -234,6 +234,17 @@ class Keys:
                 samesite="strict",
             )
 
+    @staticmethod
+    def end_login(request: Request, response: Response) -> None:
+        """Delete the login cookie (same path and attributes as it was set with)."""
+        response.delete_cookie(
+            AUTH_COOKIE,
+            path=cookie_path(request),
+            secure=request.url.scheme == "https",
+            httponly=True,
+            samesite="strict",
+        )
+
 
 def csrf_nonce(request: Request) -> str:
     """The browser's CSRF nonce cookie, or a new one to set."""

@@ -11,6 +11,7 @@ Pages (every one plain HTML, no JavaScript):
 ``POST /jobs/{id}/retry`` ``.../cancel``, ``.../delete``: the admin actions
 ``POST /queues/{name}/pause`` ``.../resume``: pause or resume a queue
 ``GET|POST /login``       the access token form (only with a token)
+``POST /logout``          ends the browser's login: its cookie is deleted (only with a token)
 
 Every POST carries a CSRF token: a form field signed by the server for the browser's
 ``SameSite=Strict`` nonce cookie and its login (:mod:`.access`), so a cookie and field that
@@ -285,6 +286,7 @@ def create_app(
                 name="queue_action",
             ),
             Route("/login", dashboard.login, methods=["GET", "POST"], name="login"),
+            Route("/logout", dashboard.logout, methods=["POST"], name="logout"),
         ],
         middleware=middleware,
         exception_handlers={HTTPException: dashboard.http_error},
@@ -331,6 +333,7 @@ class _Dashboard:
             title=self.s.title,
             table=self.s.table.fullname,
             read_only=self.s.read_only,
+            logged_in=getattr(request.state, "logged_in", False),
             statuses=self.statuses,
             csrf=csrf,
             url=url,
@@ -376,6 +379,7 @@ class _Dashboard:
                 return self.login_page(request, denied.status, denied.message)
             nonce = access.csrf_nonce(request)
             csrf = self.keys.csrf_token(nonce, "" if login is None else login.session)
+            request.state.logged_in = login is not None  # the page offers a logout
             try:
                 response = await handler(request, csrf)
             except PageError as exc:
@@ -422,6 +426,34 @@ class _Dashboard:
         response = RedirectResponse(target, status_code=303, headers=_HEADERS)
         at = access.now()
         self.keys.set_cookies(request, response, login=self.keys.new_login(at), at=at)
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        """End this browser's login: its cookie is deleted, and the login form drawn. Only
+        with the CSRF field of a page of that login (else 403, and the login stays). The
+        login cookie is signed, not stored: a copy taken before stays valid until it expires;
+        a new ``token`` or ``secret`` ends every login at once."""
+        if self.s.token is None:
+            return self.error(request, 404, "this dashboard has no login to end")
+        at = access.now()
+        try:
+            login = self._authorized(request, at)
+        except access.Denied:
+            login = None  # no valid login: nothing to protect, the cookie goes all the same
+        if login is not None:
+            csrf = self.keys.csrf_token(access.csrf_nonce(request), login.session)
+            form = await request.form()
+            if not access.csrf_matches(request, csrf, str(form.get("csrf", ""))):
+                return self.error(
+                    request,
+                    403,
+                    "the form's CSRF token did not match (reload the page and try again): "
+                    "still logged in",
+                )
+        response = RedirectResponse(
+            request.url_for("login").path, status_code=303, headers=_HEADERS
+        )
+        self.keys.end_login(request, response)
         return response
 
     # -- pages ------------------------------------------------------------------------------
