@@ -122,6 +122,16 @@ class PageError(Exception):
         self.message = message
 
 
+async def _check_csrf(request: Request, csrf: str, kept: str) -> None:
+    """PageError 403 unless the posted form's ``csrf`` field is ``csrf``, the request's own
+    token (:func:`.access.csrf_matches`); ``kept`` tells the reader what stayed as it was."""
+    form = await request.form()
+    if not access.csrf_matches(request, csrf, str(form.get("csrf", ""))):
+        raise PageError(
+            403, f"the form's CSRF token did not match (reload the page and try again): {kept}"
+        )
+
+
 @dataclass(frozen=True)
 class _Settings:
     engine: Engine
@@ -442,14 +452,10 @@ class _Dashboard:
             login = None  # no valid login: nothing to protect, the cookie goes all the same
         if login is not None:
             csrf = self.keys.csrf_token(access.csrf_nonce(request), login.session)
-            form = await request.form()
-            if not access.csrf_matches(request, csrf, str(form.get("csrf", ""))):
-                return self.error(
-                    request,
-                    403,
-                    "the form's CSRF token did not match (reload the page and try again): "
-                    "still logged in",
-                )
+            try:
+                await _check_csrf(request, csrf, "still logged in")
+            except PageError as exc:
+                return self.error(request, exc.status, exc.message)
         response = RedirectResponse(
             request.url_for("login").path, status_code=303, headers=_HEADERS
         )
@@ -610,13 +616,7 @@ class _Dashboard:
         name = request.path_params["queue"]
         if self.s.read_only:
             raise PageError(403, "this dashboard is read-only: nothing was changed")
-        form = await request.form()
-        if not access.csrf_matches(request, csrf, str(form.get("csrf", ""))):
-            raise PageError(
-                403,
-                "the form's CSRF token did not match (reload the page and try again): "
-                "nothing was changed",
-            )
+        await _check_csrf(request, csrf, "nothing was changed")
 
         def act(connection: Connection) -> object:
             if action == "pause":
@@ -636,13 +636,7 @@ class _Dashboard:
         job_id = _job_id(request.path_params["job_id"])
         if self.s.read_only:
             raise PageError(403, "this dashboard is read-only: nothing was changed")
-        form = await request.form()
-        if not access.csrf_matches(request, csrf, str(form.get("csrf", ""))):
-            raise PageError(
-                403,
-                "the form's CSRF token did not match (reload the page and try again): "
-                "nothing was changed",
-            )
+        await _check_csrf(request, csrf, "nothing was changed")
         operation, done = _ACTIONS[action]
 
         history = self.history
