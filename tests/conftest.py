@@ -399,8 +399,9 @@ def queue_engine(_queue_database: sa.Engine) -> sa.Engine:
     return _queue_database
 
 
-#: The columns that hold when something is due (a job's run_at, a lease's end).
-CLOCK_COLUMNS = ("run_at", "lease_expires_at")
+#: The columns that hold when something is due (a job's run_at, a lease's end), or when
+#: something started that the database's clock is compared with (an attempt's start).
+CLOCK_COLUMNS = ("run_at", "lease_expires_at", "attempted_at")
 
 
 def advance_clock(engine: sa.Engine, model: type[Any], seconds: float) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from conftest import advance_clock
 from in_process import PATIENCE, enqueue, running
 from models import EmailJob, EmailJobResult, Order
 from sqlalchemy.orm import Session
@@ -166,6 +167,46 @@ def test_a_lock_mode_handler_past_its_limit_fails_and_its_writes_roll_back(
     assert "time limit" in row(queue_engine, job_id).last_error
     with Session(queue_engine) as session:
         assert session.scalars(sa.select(Order)).all() == []
+
+
+def clock(engine: sa.Engine) -> datetime:
+    with engine.connect() as connection:
+        return connection.scalar(sa.select(sa.func.clock_timestamp()))  # type: ignore[no-any-return]
+
+
+def attempted_at(engine: sa.Engine, job_id: int) -> datetime | None:
+    with engine.connect() as connection:
+        return connection.scalar(  # type: ignore[no-any-return]
+            sa.text("SELECT attempted_at FROM email_jobs WHERE id = :id"), {"id": job_id}
+        )
+
+
+@pytest.mark.parametrize("keys", [False, True], ids=["plain", "keyed"])
+@pytest.mark.parametrize("hold", [False, True], ids=["lease", "lock"])
+def test_each_claim_stamps_its_attempts_start_in_database_time(
+    queue_engine: sa.Engine, keys: bool, hold: bool
+) -> None:
+    key = "k" if keys else None
+    (job_id,) = enqueue(queue_engine, EmailJob(task="t", max_attempts=2, ordering_key=key))
+    assert attempted_at(queue_engine, job_id) is None  # never claimed
+    starts = []
+    for _attempt in (1, 2):
+        before = clock(queue_engine)
+        with Session(queue_engine) as session, session.begin():
+            (job,) = sqla_jobs.claim(session, EmailJob, lease=60, keys=keys, hold=hold)
+        after = clock(queue_engine)
+        start = attempted_at(queue_engine, job.id)
+        assert start is not None and before <= start <= after
+        starts.append(start)
+        advance_clock(queue_engine, EmailJob, 120)  # the lease runs out: taken over next
+    assert starts[1] > starts[0]  # the second attempt's own start
+    # Its last attempt's lease ran out: the next claim makes it dead, not a new attempt,
+    # and the time its last attempt started stays.
+    last = attempted_at(queue_engine, job_id)
+    with Session(queue_engine) as session, session.begin():
+        assert sqla_jobs.claim(session, EmailJob, lease=60, keys=keys, hold=hold) == []
+    assert row(queue_engine, job_id).status == "dead"
+    assert attempted_at(queue_engine, job_id) == last
 
 
 # -- snooze --------------------------------------------------------------------------------

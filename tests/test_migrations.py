@@ -935,7 +935,7 @@ def test_version_4_is_added_in_place_to_live_version_3_tables_and_their_history(
     command.downgrade(config, "0004_history")
     command.downgrade(config, "sqla_jobs_0003")
     version_3 = catalog(db_engine)
-    control = {"time_limit", "snoozes", "progress"}
+    control = {"time_limit", "snoozes", "progress", "attempted_at"}
     assert not {column[1] for column in version_3["columns"]} & control
     with db_engine.begin() as connection:  # rows of version 3, in the table and the history
         connection.execute(sa.text("INSERT INTO email_jobs (task) VALUES ('old')"))
@@ -955,9 +955,12 @@ def test_version_4_is_added_in_place_to_live_version_3_tables_and_their_history(
     with db_engine.connect() as connection:
         for table in ("email_jobs", "archive_jobs_history"):
             old = connection.execute(
-                sa.text(f"SELECT time_limit, snoozes, progress FROM {table} WHERE task = 'old'")
+                sa.text(
+                    f"SELECT time_limit, snoozes, progress, attempted_at FROM {table} "
+                    "WHERE task = 'old'"
+                )
             ).one()
-            assert tuple(old) == (None, 0, None)
+            assert tuple(old) == (None, 0, None, None)
     migrate(db_engine, lambda: migrations.downgrade_job_table_to_v3("archive_jobs"))
     migrate(db_engine, lambda: migrations.downgrade_job_table_to_v3("archive_jobs"))  # again
     archive = {c[1] for c in catalog(db_engine)["columns"] if c[0].startswith("archive_jobs")}
@@ -991,7 +994,7 @@ def test_a_history_added_at_version_3_beside_a_version_4_table_is_reported(
     migrate(db_engine, lambda: migrations.add_history("archive_jobs", tenant))  # version 3
     with db_engine.connect() as connection:
         (problem,) = migrations.check_job_tables(connection, models.ArchiveJob)
-    assert "lacks the column(s) time_limit, snoozes, progress" in problem
+    assert "lacks the column(s) time_limit, snoozes, progress, attempted_at" in problem
     assert "upgrade_job_table_to_v4('archive_jobs')" in problem
     migrate(db_engine, lambda: migrations.upgrade_job_table_to_v4("archive_jobs"))  # as it says
     with db_engine.connect() as connection:

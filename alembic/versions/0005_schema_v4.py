@@ -1,7 +1,7 @@
 """The job tables of tests/models.py to schema version 4 (job control), the history table of
 archive_jobs with them.
 
-Added in place (sqla_jobs.migrations.upgrade_job_table_to_v4): three columns, no rewrite,
+Added in place (sqla_jobs.migrations.upgrade_job_table_to_v4): four columns, no rewrite,
 and the empty pause table.
 
 Revision ID: 0005_schema_v4

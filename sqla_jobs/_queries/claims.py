@@ -97,6 +97,7 @@ def _start_attempts(
             leased_by=case((exhausted, null()), else_=bindparam("worker", type_=Text)),
             finished_at=case((exhausted, now), else_=null()),
             last_error=case((expired, lost_lease), else_=table.c.last_error),
+            attempted_at=case((exhausted, table.c.attempted_at), else_=now),
         )
         .returning(
             table.c.id,

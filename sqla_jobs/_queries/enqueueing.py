@@ -54,6 +54,7 @@ MANAGED_COLUMNS: Final = frozenset(
         "cancel_requested_at",
         "snoozes",
         "progress",
+        "attempted_at",
     }
 )
 
@@ -71,9 +72,10 @@ UNIQUE_COLUMNS: Final = frozenset({"unique_key", "unique_statuses"})
 ORDERING_COLUMNS: Final = frozenset({"ordering_key", "key_limit"})
 
 #: The columns of job control (schema version 4): the job's own time limit, which an
-#: enqueuer sets like the ordering columns, and two the queue manages (in
-#: :data:`MANAGED_COLUMNS`): how often the job snoozed, and its latest progress.
-CONTROL_COLUMNS: Final = frozenset({"time_limit", "snoozes", "progress"})
+#: enqueuer sets like the ordering columns, and three the queue manages (in
+#: :data:`MANAGED_COLUMNS`): how often the job snoozed, its latest progress, and when its
+#: latest attempt started.
+CONTROL_COLUMNS: Final = frozenset({"time_limit", "snoozes", "progress", "attempted_at"})
 #: The columns of :data:`CONTROL_COLUMNS` an enqueuer may set.
 CONTROL_INPUTS: Final = frozenset({"time_limit"})
 

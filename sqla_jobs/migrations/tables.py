@@ -50,8 +50,9 @@ Schema versions:
 
 4. (What :class:`~sqla_jobs.schema.JobMixin` declares today.) Version 3 plus job control:
    the nullable ``time_limit`` interval (a job's own time limit), ``snoozes integer NOT NULL
-   DEFAULT 0`` (how often it snoozed) and the nullable ``progress`` JSONB (its handler's
-   latest progress), on the job table and its history table (:func:`add_job_control`, in
+   DEFAULT 0`` (how often it snoozed), the nullable ``progress`` JSONB (its handler's
+   latest progress) and the nullable ``attempted_at`` timestamptz (when its latest attempt
+   started, set by the claim), on the job table and its history table (:func:`add_job_control`, in
    :mod:`~sqla_jobs.migrations.v4`), and the pause table beside the job table
    (``<table>_pauses``, :func:`create_pause_table`). :func:`create_job_table` builds it
    with ``version=4``; :func:`upgrade_job_table_to_v4` upgrades a live version-3 table

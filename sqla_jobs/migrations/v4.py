@@ -1,6 +1,7 @@
-"""Schema version 4: job control (time limits, snoozes, progress: three columns) and the
-pause table beside each job table (:mod:`sqla_jobs.migrations.pauses`), with the in-place
-helpers for a live version-3 table (and its history table, if it has one), and the upgrade.
+"""Schema version 4: job control (time limits, snoozes, progress, attempt starts: four
+columns) and the pause table beside each job table (:mod:`sqla_jobs.migrations.pauses`),
+with the in-place helpers for a live version-3 table (and its history table, if it has
+one), and the upgrade.
 
 A frozen copy of what the mixins declared in that version, like :mod:`~sqla_jobs.migrations.v3`:
 a change to the mixins needs a new version, not an edit here.
@@ -22,6 +23,7 @@ from sqla_jobs.schema.history import history_names
 TIME_LIMIT_COLUMN = "time_limit"
 SNOOZES_COLUMN = "snoozes"
 PROGRESS_COLUMN = "progress"
+ATTEMPTED_AT_COLUMN = "attempted_at"
 
 
 def _job_control_columns() -> list[sa.Column[Any]]:
@@ -30,6 +32,7 @@ def _job_control_columns() -> list[sa.Column[Any]]:
         sa.Column(TIME_LIMIT_COLUMN, sa.Interval(), nullable=True),
         sa.Column(SNOOZES_COLUMN, sa.Integer(), server_default=sa.text("0"), nullable=False),
         sa.Column(PROGRESS_COLUMN, JSONB, nullable=True),
+        sa.Column(ATTEMPTED_AT_COLUMN, sa.DateTime(timezone=True), nullable=True),
     ]
 
 
@@ -41,14 +44,14 @@ def _history_job_control_columns() -> list[sa.Column[Any]]:
 
 def add_job_control(table_name: str, *, schema: str | None = None) -> None:
     """Upgrade a version-3 job table to version 4 in place: add the ``time_limit``,
-    ``snoozes`` and ``progress`` columns, to the job table and to its partitioned history
-    table if it has one.
+    ``snoozes``, ``progress`` and ``attempted_at`` columns, to the job table and to its
+    partitioned history table if it has one.
 
-    Two nullable columns without a default, and ``snoozes integer NOT NULL DEFAULT 0``:
-    PostgreSQL (11 and later) adds all three without rewriting the table or reading a row,
+    Three nullable columns without a default, and ``snoozes integer NOT NULL DEFAULT 0``:
+    PostgreSQL (11 and later) adds all four without rewriting the table or reading a row,
     under a brief ``ACCESS EXCLUSIVE`` lock (set a ``lock_timeout`` in the revision on a busy
     table). Deploy the revision before the code that declares the
-    columns: the claim returns ``time_limit``. Re-runnable (``IF NOT EXISTS``).
+    columns: the claim returns ``time_limit`` and sets ``attempted_at``. Re-runnable (``IF NOT EXISTS``).
 
     A revision of yours::
 
@@ -65,19 +68,21 @@ def add_job_control(table_name: str, *, schema: str | None = None) -> None:
     _execute(
         f"ALTER TABLE {job} ADD COLUMN IF NOT EXISTS {TIME_LIMIT_COLUMN} interval, "
         f"ADD COLUMN IF NOT EXISTS {SNOOZES_COLUMN} integer NOT NULL DEFAULT 0, "
-        f"ADD COLUMN IF NOT EXISTS {PROGRESS_COLUMN} jsonb"
+        f"ADD COLUMN IF NOT EXISTS {PROGRESS_COLUMN} jsonb, "
+        f"ADD COLUMN IF NOT EXISTS {ATTEMPTED_AT_COLUMN} timestamptz"
     )
     _execute(
         f"ALTER TABLE IF EXISTS {history} ADD COLUMN IF NOT EXISTS {TIME_LIMIT_COLUMN} interval, "
         f"ADD COLUMN IF NOT EXISTS {SNOOZES_COLUMN} integer NOT NULL DEFAULT 0, "
-        f"ADD COLUMN IF NOT EXISTS {PROGRESS_COLUMN} jsonb"
+        f"ADD COLUMN IF NOT EXISTS {PROGRESS_COLUMN} jsonb, "
+        f"ADD COLUMN IF NOT EXISTS {ATTEMPTED_AT_COLUMN} timestamptz"
     )
 
 
 def drop_job_control(table_name: str, *, schema: str | None = None) -> None:
-    """Undo :func:`add_job_control`: drop the three columns (with the jobs' time limits,
-    snooze counts and progress), from the history table too."""
-    columns = (TIME_LIMIT_COLUMN, SNOOZES_COLUMN, PROGRESS_COLUMN)
+    """Undo :func:`add_job_control`: drop the four columns (with the jobs' time limits,
+    snooze counts, progress and attempt starts), from the history table too."""
+    columns = (TIME_LIMIT_COLUMN, SNOOZES_COLUMN, PROGRESS_COLUMN, ATTEMPTED_AT_COLUMN)
     drops = ", ".join(f"DROP COLUMN IF EXISTS {column}" for column in columns)
     history = ddl.qualified_name(history_names(table_name, schema).table, schema)
     _execute(f"ALTER TABLE IF EXISTS {history} {drops}")

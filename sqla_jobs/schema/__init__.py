@@ -266,6 +266,12 @@ class JobMixin:
         JSONB(none_as_null=True),  # type: ignore[no-untyped-call, unused-ignore]
         server_default=FetchedValue(),
     )
+    # When its latest attempt started: set by the claim that started it, in the same UPDATE
+    # (database time: the claim statement's start), NULL until its first claim. What the
+    # dashboard counts a running job's time from.
+    attempted_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), server_default=FetchedValue()
+    )
 
     @declared_attr.directive
     @classmethod

@@ -1,6 +1,7 @@
-"""The default job table to schema version 4 (job control: time limits, snoozes, progress).
+"""The default job table to schema version 4 (job control: time limits, snoozes, progress,
+attempt starts).
 
-Added in place (sqla_jobs.migrations.upgrade_job_table_to_v4): three columns, no rewrite,
+Added in place (sqla_jobs.migrations.upgrade_job_table_to_v4): four columns, no rewrite,
 and the empty pause table.
 
 Revision ID: sqla_jobs_0004
