@@ -485,6 +485,13 @@ class Registry:
         return self._queue_limits
 
     @property
+    def time_limits(self) -> dict[str, timedelta]:
+        """Each task's time limit by task name, for the tasks that have one: what the
+        dashboard needs to show a running job's time left
+        (``create_app(..., time_limits=registry.time_limits)``)."""
+        return {task.name: task.time_limit for task in self if task.time_limit is not None}
+
+    @property
     def model(self) -> type[JobMixin]:
         """The job model whose table this registry's jobs live in."""
         if self._model is None:

@@ -44,6 +44,9 @@ def seed(engine: sa.Engine) -> Seeded:
             attempts=1,
             leased_by="host:1",
             lease_expires_at=now + sa.text("interval '1 hour'"),
+            attempted_at=now - sa.text("interval '20 seconds'"),
+            time_limit=sa.text("interval '1 minute'"),
+            progress={"value": 0.4, "message": "4 of 10 pages"},
         )
         succeeded = add(
             connection,

@@ -25,6 +25,7 @@ import pytest
 import sqlalchemy as sa
 from dashboard_data import Seeded, seed, statuses
 from dashboard_pages import Browser, csrf_of, ids_on, set_cookies
+from in_process import enqueue
 from models import EmailJob, EmailJobResult, ReportJob
 from sqlalchemy.orm import Session
 from starlette.applications import Starlette
@@ -35,6 +36,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from worker_harness import subprocess_env
 
 import sqla_jobs
+from sqla_jobs import JobContext, Registry
 from sqla_jobs._queries.dashboard import MAX_ID
 from sqla_jobs.dashboard import access, create_app
 from sqla_jobs.dashboard.access import SESSION_LIFETIME, SESSION_MAX_AGE
@@ -620,6 +622,10 @@ def test_mounted_inside_an_app(queue_engine: sa.Engine, seeded: Seeded) -> None:
         ({"session_lifetime": 10}, "session_lifetime"),
         ({"session_lifetime": "1h"}, "session_lifetime"),
         ({"session_lifetime": 7200, "session_max_age": 3600}, "session_max_age"),
+        ({"time_limits": [("import", 60)]}, "time_limits must be a mapping"),
+        ({"time_limits": {"import": -1}}, r"time_limits\['import'\]"),
+        ({"time_limits": {"import": 10**9}}, "a week"),
+        ({"time_limits": {1: 60}}, "a task name is a string"),
     ],
 )
 def test_create_app_checks_its_arguments(
@@ -679,9 +685,34 @@ def test_the_command_refuses_bad_settings(
     assert result.stderr.count("\n") == 1, result.stderr
 
 
+#: A registry of the command test's: its task's time limit, and its result model.
+APP_TASKS = """
+from models import EmailJob, EmailJobResult
+from sqla_jobs import Registry
+
+registry = Registry(EmailJob, result_model=EmailJobResult)
+
+
+@registry.task(time_limit=600)
+def send_receipt(ctx):
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "named",
+    [
+        ["--model", "models:EmailJob", "--result-model", "models:EmailJobResult"],
+        ["--registry", "app_tasks:registry"],
+    ],
+    ids=["model", "registry"],
+)
 def test_the_command_serves_the_dashboard(
-    tmp_path: Path, queue_engine: sa.Engine, seeded: Seeded
+    tmp_path: Path, queue_engine: sa.Engine, seeded: Seeded, named: list[str]
 ) -> None:
+    (tmp_path / "app_tasks.py").write_text(APP_TASKS)
+    with queue_engine.begin() as connection:
+        connection.execute(sa.update(EmailJob).values(time_limit=None))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -691,10 +722,7 @@ def test_the_command_serves_the_dashboard(
         "-m",
         "sqla_jobs",
         "dashboard",
-        "--model",
-        "models:EmailJob",
-        "--result-model",
-        "models:EmailJobResult",
+        *named,
         "--port",
         str(port),
         "--read-only",
@@ -719,6 +747,12 @@ def test_the_command_serves_the_dashboard(
                 time.sleep(0.1)
         assert "R-77" in page
         assert 'id="read-only"' in page
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/") as r:
+            running = running_cells(r.read().decode(), seeded.running)
+        # The seeded running job (20 s into its attempt, no limit of its own) and its task's
+        # limit, known only from the registry.
+        known = "10 min of 10 min" if "--registry" in named else "its task's, if any"
+        assert known in running
         # A TLS proxy on this machine says the request came over HTTPS: uvicorn believes it
         # (FORWARDED_ALLOW_IPS: 127.0.0.1 by default), so the cookie is Secure.
         for proto, secure in (("https", True), ("http", False)):
@@ -788,10 +822,112 @@ def test_job_detail_shows_progress_time_limit_and_snoozes(
         )
     page = client.get(f"/jobs/{job_id}")
     assert page.status_code == 200
-    assert '<progress max="1" value="0.25">' in page.text
+    assert 'aria-label="25.0% done"' in page.text  # a quarter of the bar
+    assert '<rect width="30.0" height="10"' in page.text
     assert "250 of &lt;1000&gt; rows" in page.text  # escaped
     assert re.search(r'id="time-limit">90\.0 s \(its own\)', page.text)
     assert 'id="snoozes">2<' in page.text
     with queue_engine.begin() as connection:  # no progress section for a job without one
         connection.execute(sa.text("UPDATE email_jobs SET progress = NULL"))
     assert 'id="progress"' not in client.get(f"/jobs/{job_id}").text
+
+
+def running_jobs(queue_engine: sa.Engine, *jobs: EmailJob, started: list[int]) -> list[int]:
+    """Enqueue ``jobs``, claim them (a lease of an hour) and set each one's attempt start
+    back by its ``started`` seconds, as if it had run that long; their ids."""
+    ids = enqueue(queue_engine, *jobs)
+    with Session(queue_engine) as session, session.begin():
+        claimed = sqla_jobs.claim(session, EmailJob, limit=len(ids), lease=3600)
+    assert sorted(job.id for job in claimed) == ids
+    with queue_engine.begin() as connection:
+        for job_id, seconds in zip(ids, started, strict=True):
+            connection.execute(
+                sa.text(
+                    "UPDATE email_jobs SET attempted_at = attempted_at - make_interval(secs => :s) "
+                    "WHERE id = :id"
+                ),
+                {"s": seconds, "id": job_id},
+            )
+    return ids
+
+
+def running_cells(page: str, job_id: int) -> str:
+    found = re.search(rf'<tr data-job-id="{job_id}">(.*?)</tr>', page, re.S)
+    assert found is not None, f"job {job_id} is not in the running table"
+    return found.group(1)
+
+
+def test_overview_shows_each_running_jobs_progress_and_time_left(
+    queue_engine: sa.Engine,
+) -> None:
+    own, tasks, unlimited, late = running_jobs(
+        queue_engine,
+        EmailJob(task="resize", time_limit=timedelta(seconds=90)),
+        EmailJob(task="import"),
+        EmailJob(task="other"),
+        EmailJob(task="resize", time_limit=timedelta(seconds=1)),
+        started=[30, 60, 5, 30],
+    )
+    with queue_engine.begin() as connection:
+        connection.execute(
+            sa.text(
+                "UPDATE email_jobs SET progress = jsonb_build_object('value', 0.4, "
+                "'message', '4 of <10> pages', 'at', now()) WHERE id = :id"
+            ),
+            {"id": own},
+        )
+        connection.execute(  # its worker stopped: the lease ran out
+            sa.text(
+                "UPDATE email_jobs SET lease_expires_at = now() - interval '1 second' "
+                "WHERE id = :id"
+            ),
+            {"id": unlimited},
+        )
+    app = create_app(queue_engine, EmailJob, time_limits={"import": timedelta(minutes=5)})
+    with TestClient(app) as client:
+        page = client.get("/").text
+    assert 'id="running"' in page
+    shown = re.findall(r'<tr data-job-id="(\d+)">', page)
+    assert [int(i) for i in shown] == [tasks, own, late, unlimited]  # longest running first
+    cells = running_cells(page, own)
+    assert 'aria-label="40.0% done"' in cells
+    assert "4 of &lt;10&gt; pages" in cells  # escaped
+    assert re.search(r'<span class="left">(59|60) s of 90 s</span>', cells)
+    assert re.search(r'<span class="left">4 min of 5 min</span>', running_cells(page, tasks))
+    assert "no limit" in running_cells(page, unlimited)
+    assert "lease expired" in running_cells(page, unlimited)
+    assert "lease expired" not in cells
+    assert re.search(
+        r'<span class="left overdue">(29|30) s past 1 s</span>', running_cells(page, late)
+    )
+    # Not given the tasks' limits, the dashboard does not guess them.
+    with TestClient(create_app(queue_engine, EmailJob)) as client:
+        page = client.get("/").text
+        detail = client.get(f"/jobs/{tasks}").text
+    assert "its task's, if any" in running_cells(page, tasks)
+    assert re.search(r'<span class="left">(59|60) s of 90 s</span>', running_cells(page, own))
+    assert "its task's, if any</dd>" in detail
+    with TestClient(app) as client:
+        limit = 'id="time-limit">300.0 s (its task' + "'s)</dd>"
+        assert limit in client.get(f"/jobs/{tasks}").text
+        assert 'id="time-limit">none</dd>' in client.get(f"/jobs/{unlimited}").text
+        assert re.search(r'id="attempted-at">\d{4}-', client.get(f"/jobs/{own}").text)
+
+
+def test_overview_says_when_no_job_runs(client: TestClient, queue_engine: sa.Engine) -> None:
+    enqueue(queue_engine, EmailJob(task="waiting"))
+    page = client.get("/").text
+    assert 'id="none-running"' in page
+    assert 'id="running"' not in page
+
+
+def test_a_registrys_time_limits_are_its_tasks_with_one() -> None:
+    registry = Registry(EmailJob)
+
+    @registry.task(time_limit=30)
+    def limited(ctx: JobContext) -> None: ...
+
+    @registry.task
+    def free(ctx: JobContext) -> None: ...
+
+    assert registry.time_limits == {"limited": timedelta(seconds=30)}

@@ -236,6 +236,14 @@ def png_pixels(data: bytes) -> tuple[int, int, list[list[bytes]]]:
     return width, height, rows
 
 
+def colour_near(pixel: bytes, colour: tuple[int, int, int], tolerance: int = 40) -> bool:
+    return all(abs(have - want) <= tolerance for have, want in zip(pixel, colour, strict=True))
+
+
+SUCCEEDED_GREEN = (0x06, 0x76, 0x47)  # the charts' bars, a time-left bar (_widgets.html)
+DEPTH_BLUE = (0x2F, 0x5B, 0xEA)  # the depth line's stroke, a progress bar
+
+
 def test_screenshot_of_the_overview_is_a_real_page(
     browser: WebDriver, dashboard_url: str, queue_engine: sa.Engine, tmp_path: Path
 ) -> None:
@@ -272,14 +280,15 @@ def test_screenshot_of_the_overview_is_a_real_page(
     commonest = max(counts.values())
     assert len(counts) >= 20, f"only {len(counts)} colours: a blank or broken page ({path})"
     assert commonest < 0.95 * len(sample), f"the page is almost uniform ({path})"
-
-
-def colour_near(pixel: bytes, colour: tuple[int, int, int], tolerance: int = 40) -> bool:
-    return all(abs(have - want) <= tolerance for have, want in zip(pixel, colour, strict=True))
-
-
-SUCCEEDED_GREEN = (0x06, 0x76, 0x47)  # the bars' fill (activity.html)
-DEPTH_BLUE = (0x2F, 0x5B, 0xEA)  # the depth line's stroke
+    # The running job's pictures, drawn: its progress bar (40%) and the time left to its
+    # limit (40 of 60 s), each in its colour.
+    for cell, colour in (("progress", DEPTH_BLUE), ("time-left", SUCCEEDED_GREEN)):
+        bar = browser.find_element(By.CSS_SELECTOR, f"#running td.{cell} svg.bar")
+        path = path.with_name(f"dashboard-running-{cell}.png")
+        path.write_bytes(bar.screenshot_as_png)
+        _, _, rows = png_pixels(path.read_bytes())
+        drawn = sum(colour_near(pixel, colour) for row in rows for pixel in row)
+        assert drawn >= 100, f"the running job's {cell} bar is empty ({path})"
 
 
 def test_screenshot_of_the_charts_shows_their_series(

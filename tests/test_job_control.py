@@ -171,7 +171,8 @@ def test_a_lock_mode_handler_past_its_limit_fails_and_its_writes_roll_back(
 
 def clock(engine: sa.Engine) -> datetime:
     with engine.connect() as connection:
-        return connection.scalar(sa.select(sa.func.clock_timestamp()))  # type: ignore[no-any-return]
+        now: datetime = connection.execute(sa.select(sa.func.clock_timestamp())).scalar_one()
+        return now
 
 
 def attempted_at(engine: sa.Engine, job_id: int) -> datetime | None:
@@ -196,7 +197,8 @@ def test_each_claim_stamps_its_attempts_start_in_database_time(
             (job,) = sqla_jobs.claim(session, EmailJob, lease=60, keys=keys, hold=hold)
         after = clock(queue_engine)
         start = attempted_at(queue_engine, job.id)
-        assert start is not None and before <= start <= after
+        assert start is not None
+        assert before <= start <= after
         starts.append(start)
         advance_clock(queue_engine, EmailJob, 120)  # the lease runs out: taken over next
     assert starts[1] > starts[0]  # the second attempt's own start

@@ -55,6 +55,7 @@ __all__ = [
     "MINUTE_COUNTS",
     "RECENT_THROUGHPUT",
     "RESULT",
+    "RUNNING",
     "WINDOW_FLOOR",
     "BeforeParams",
     "FailureRow",
@@ -64,6 +65,8 @@ __all__ = [
     "MinuteRow",
     "NoParams",
     "ResultRow",
+    "RunningParams",
+    "RunningRow",
     "ThroughputRow",
     "WindowFloorRow",
     "failures",
@@ -73,6 +76,7 @@ __all__ = [
     "minute_counts",
     "recent_throughput",
     "result",
+    "running",
     "window_floor",
 ]
 
@@ -232,6 +236,64 @@ class ResultRow(NamedTuple):
 
 
 RESULT: Final = Query(result, JobIdParams, ResultRow)
+
+
+def running(table: Table) -> Select[Any]:
+    """The running jobs, longest running first, at most ``:limit``: each one's attempt, its
+    worker, when the attempt started (``attempted_at``, set by its claim) and, by the
+    database's clock, the seconds since (``elapsed``) and the seconds its lease has left
+    (``lease_left``, negative once it ran out: its worker stopped or stalled), its own time
+    limit in seconds (``time_limit``, NULL for its task's) and its latest ``progress``.
+
+    Reads the running jobs only (``status = 'running'``, the running index's rows: the jobs
+    in flight, bounded by the workers' slots, and the expired leases not yet taken over),
+    never the backlog or the finished jobs. Parameter: ``:limit``.
+    """
+    clock = func.statement_timestamp()
+    return (
+        select(
+            table.c.id,
+            table.c.queue,
+            table.c.task,
+            table.c.attempts,
+            table.c.max_attempts,
+            table.c.leased_by,
+            table.c.attempted_at,
+            _epoch(clock - table.c.attempted_at).label("elapsed"),
+            _epoch(table.c.lease_expires_at - clock).label("lease_left"),
+            _epoch(table.c.time_limit).label("time_limit"),
+            table.c.progress,
+        )
+        .where(table.c.status == literal_column(f"'{JobStatus.RUNNING.value}'"))
+        .order_by(table.c.attempted_at.asc().nulls_first(), table.c.id)
+        .limit(bindparam("limit", type_=Integer))
+    )
+
+
+class RunningParams(TypedDict):
+    """How many running jobs to read."""
+
+    limit: int
+
+
+class RunningRow(NamedTuple):
+    """A running job of :func:`running`; the seconds are the database's (NULL where the
+    time they count from is: ``attempted_at`` of a job a version before it was claimed)."""
+
+    id: int
+    queue: str
+    task: str
+    attempts: int
+    max_attempts: int
+    leased_by: str | None
+    attempted_at: datetime | str | None
+    elapsed: float | None
+    lease_left: float | None
+    time_limit: float | None
+    progress: Any
+
+
+RUNNING: Final = Query(running, RunningParams, RunningRow)
 
 
 def recent_throughput(table: Table, *, scan: int) -> Select[Any]:

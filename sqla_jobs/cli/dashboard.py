@@ -10,7 +10,7 @@ from typing import Final
 
 from sqla_jobs.cli.arguments import CommandError
 from sqla_jobs.cli.database import database_url, make_engine
-from sqla_jobs.cli.loading import load_model, load_object
+from sqla_jobs.cli.loading import load_model, load_object, load_registry
 from sqla_jobs.schema import JobResultMixin
 
 DASHBOARD_TOKEN_VARIABLE: Final = "SQLA_JOBS_DASHBOARD_TOKEN"
@@ -47,6 +47,11 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         raise CommandError(f"the access token must have at least {MIN_TOKEN_LENGTH} characters")
     model = load_model(args)
     result_model = None
+    time_limits = None
+    if args.registry:  # its tasks' time limits, and its result model unless one is named
+        registry = load_registry(args.registry)
+        time_limits = registry.time_limits
+        result_model = registry.result_model
     if args.result_model:
         result_model = load_object(args.result_model, "the result model")
         if not (isinstance(result_model, type) and issubclass(result_model, JobResultMixin)):
@@ -70,6 +75,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
             read_only=args.read_only,
             token=token,
             allowed_hosts=hosts,
+            time_limits=time_limits,
         )
         shown = f"[{args.host}]" if ":" in args.host else args.host
         mode = " (read-only)" if args.read_only else ""

@@ -278,8 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[db, which],
         help="serve the web dashboard (extra: dashboard)",
         description=(
-            "Serve a web page of the job table: queues, the job list, each job, and retry, "
-            "cancel and delete. Binds to 127.0.0.1; anywhere else it needs an access token "
+            "Serve a web page of the job table: queues, the running jobs, the job list, each "
+            "job, and retry, cancel and delete. With --registry, each running job shows the "
+            "time left to its task's time limit, and the registry's result model its "
+            "results. Binds to 127.0.0.1; anywhere else it needs an access token "
             f"(${DASHBOARD_TOKEN_VARIABLE})."
         ),
     )

@@ -3,7 +3,8 @@ or to mount in an application of your own.
 
 Pages (every one plain HTML, no JavaScript):
 
-``GET /``                 queues: counts by status, oldest pending job, recent throughput
+``GET /``                 queues: counts by status, oldest pending job, recent throughput,
+                          pause buttons; the running jobs: progress, time left to the limit
 ``GET /jobs``             the job list: ``?queue=&task=&status=&before=`` (keyset cursor)
 ``GET /jobs/{id}``        a job: every column, the last error's traceback, its result
 ``GET /activity``         per queue, the last hour by minute: jobs finished and failed, depth
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -51,7 +52,7 @@ from starlette.routing import Route
 
 from sqla_jobs import queue, validation
 from sqla_jobs._queries import dashboard as statements
-from sqla_jobs._queries.dashboard import RECENT_THROUGHPUT, RESULT
+from sqla_jobs._queries.dashboard import RECENT_THROUGHPUT, RESULT, RUNNING, RunningRow
 from sqla_jobs._queries.enqueueing import CONTROL_COLUMNS
 from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.dashboard import access, activity
@@ -85,6 +86,8 @@ __all__ = [
 ]
 
 DEFAULT_PAGE_SIZE: Final = 50
+#: The running jobs the overview shows at most, longest running first.
+RUNNING_SHOWN: Final = 50
 #: Primary-key entries one list page reads at most (see :mod:`.statements`).
 DEFAULT_SCAN: Final = 20_000
 MIN_TOKEN_LENGTH: Final = 16
@@ -144,6 +147,51 @@ class _Settings:
     title: str
     page_size: int
     scan: int
+    time_limits: Mapping[str, float] | None  # None: the tasks' limits were not given
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A running job as the overview shows it: its row (:class:`RunningRow`), its time limit
+    in seconds (its own, else its task's as given to :func:`create_app`; None for none or
+    not known), the seconds left to it by the database's clock (negative once past it; None
+    without a limit or a known start), and whether a None limit is known to be none (the
+    tasks' limits were given)."""
+
+    row: RunningRow
+    limit: float | None
+    left: float | None
+    known: bool
+
+    @classmethod
+    def of(cls, row: RunningRow, time_limits: Mapping[str, float] | None) -> RunningJob:
+        limit = row.time_limit
+        if limit is None and time_limits is not None:
+            limit = time_limits.get(row.task)
+        left = None if limit is None or row.elapsed is None else limit - row.elapsed
+        return cls(row, limit, left, known=limit is not None or time_limits is not None)
+
+
+def _time_limits(value: object) -> dict[str, float] | None:
+    """``create_app``'s ``time_limits``: task names to limits (each checked like a task's
+    ``time_limit``), as seconds; None when not given."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(
+            f"time_limits must be a mapping of task names to time limits, not "
+            f"{type(value).__name__} (a Registry's is registry.time_limits)"
+        )
+    limits = {}
+    for task, limit in value.items():
+        if not isinstance(task, str):
+            raise ConfigurationError(f"time_limits: a task name is a string, not {task!r}")
+        field = f"time_limits[{task!r}]"
+        try:
+            limits[task] = validation.check_time_limit(field, limit).total_seconds()
+        except InvalidJobError as exc:
+            raise ConfigurationError(f"{field} {exc.reason}") from None
+    return limits
 
 
 def _list_params(query: ListQuery, **changes: Any) -> str:
@@ -226,6 +274,7 @@ def create_app(
     secret: str | bytes | None = None,
     session_lifetime: timedelta | float = SESSION_LIFETIME,
     session_max_age: timedelta | float = SESSION_MAX_AGE,
+    time_limits: Mapping[str, timedelta | float] | None = None,
 ) -> Starlette:
     """The dashboard of ``model``'s job table as a Starlette (ASGI) application.
 
@@ -234,7 +283,10 @@ def create_app(
     without one, anyone who reaches the app can use it, so either keep it on loopback (as
     ``sqla-jobs dashboard`` does) or mount it behind your own authentication.
     ``allowed_hosts`` restricts the ``Host`` header (against DNS rebinding on a loopback
-    dashboard).
+    dashboard). ``time_limits`` (task names to limits: your registry's
+    :attr:`~sqla_jobs.Registry.time_limits`) tells the overview the tasks' time limits, so
+    that each running job shows the time left to its limit (a job's own limit is read
+    from its row; without either, none is shown).
 
     The login cookie and the forms' CSRF tokens are signed with keys derived from ``secret``
     (16+ characters) and ``token``: processes given the same ones accept each other's. With
@@ -271,6 +323,7 @@ def create_app(
         title=str(title),
         page_size=_check_positive("page_size", page_size, 1000),
         scan=_check_positive("scan", scan, 1_000_000),
+        time_limits=_time_limits(time_limits),
     )
     dashboard = _Dashboard(settings)
     middleware = []
@@ -469,9 +522,11 @@ class _Dashboard:
             raise PageError(400, "this page takes no parameters")
         scan = self.s.scan
 
-        def read(connection: Connection) -> tuple[list[Any], list[Any], list[Any]]:
+        def read(connection: Connection) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
             stats = queue.queue_stats(connection, self.s.model)
             paused = queue.paused_queues(connection, self.s.model)
+            with queue.readable_values(connection):
+                busy = RUNNING.rows(connection, self.s.table, {"limit": RUNNING_SHOWN + 1})
             # Each source's newest window (a model with history: its finished jobs are there).
             recent = [
                 row
@@ -480,9 +535,9 @@ class _Dashboard:
                     connection, source.table, {"before": statements.MAX_ID}, scan=scan
                 )
             ]
-            return stats, recent, paused
+            return stats, recent, paused, busy
 
-        stats, recent, paused = await self.run(read)
+        stats, recent, paused, busy = await self.run(read)
         queues: dict[str, dict[str, Any]] = {}
         for pause in paused:  # a paused queue is listed, with or without jobs
             queues[pause.queue] = {"counts": {}, "oldest": None, "recent": None, "paused": pause}
@@ -508,6 +563,9 @@ class _Dashboard:
             scanned=scanned,
             scan=scan,
             age=_age,
+            running=[RunningJob.of(row, self.s.time_limits) for row in busy[:RUNNING_SHOWN]],
+            more_running=len(busy) > RUNNING_SHOWN,
+            running_shown=RUNNING_SHOWN,
         )
 
     async def activity(self, request: Request, csrf: str) -> Response:
@@ -596,6 +654,7 @@ class _Dashboard:
         }
         if in_history:
             shown.add(RESULT_COLUMN)
+        limits = self.s.time_limits
         extra = [(key, value) for key, value in row.items() if key not in shown]
         return self.render(
             request,
@@ -606,6 +665,8 @@ class _Dashboard:
             result=stored,
             has_results=result_table is not None or in_history,
             in_history=in_history,
+            task_limit=None if limits is None else limits.get(row["task"]),
+            limits_known=limits is not None,
             done=_DONE.get(request.query_params.get("done", "")),
         )
 

@@ -50,8 +50,8 @@ def add_job_control(table_name: str, *, schema: str | None = None) -> None:
     Three nullable columns without a default, and ``snoozes integer NOT NULL DEFAULT 0``:
     PostgreSQL (11 and later) adds all four without rewriting the table or reading a row,
     under a brief ``ACCESS EXCLUSIVE`` lock (set a ``lock_timeout`` in the revision on a busy
-    table). Deploy the revision before the code that declares the
-    columns: the claim returns ``time_limit`` and sets ``attempted_at``. Re-runnable (``IF NOT EXISTS``).
+    table). Deploy the revision before the code that declares the columns: the claim
+    returns ``time_limit`` and sets ``attempted_at``. Re-runnable (``IF NOT EXISTS``).
 
     A revision of yours::
 
