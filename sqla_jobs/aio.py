@@ -44,6 +44,7 @@ __all__ = [
     "complete",
     "complete_many",
     "dead_jobs",
+    "enqueue_debounced",
     "enqueue_many",
     "enqueue_unique",
     "enqueue_unique_many",
@@ -85,6 +86,7 @@ complete = _awaitable(queue.complete)
 complete_many = _awaitable(queue.complete_many)
 dead_jobs = _awaitable(queue.dead_jobs)
 enqueue_many = _awaitable(queue.enqueue_many)
+enqueue_debounced = _awaitable(queue.enqueue_debounced)
 enqueue_unique = _awaitable(queue.enqueue_unique)
 enqueue_unique_many = _awaitable(queue.enqueue_unique_many)
 fail = _awaitable(queue.fail)

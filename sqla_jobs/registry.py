@@ -60,7 +60,7 @@ from sqla_jobs.errors import ConfigurationError, InvalidJobError, ScheduleError
 from sqla_jobs.hooks import AfterHook, BeforeHook, ErrorHook, Hooks, checked_hooks
 from sqla_jobs.periodic import Schedule
 from sqla_jobs.policy import RetryPolicy
-from sqla_jobs.queue import DEFAULT_LEASE, Enqueued, enqueue_unique
+from sqla_jobs.queue import DEFAULT_LEASE, Enqueued, enqueue_debounced, enqueue_unique
 from sqla_jobs.schema import (
     DEFAULT_QUEUE,
     DEFAULT_UNIQUE_STATUSES,
@@ -353,6 +353,27 @@ class Task(Generic[_R]):
         """
         row = self.job(args, **options)
         return enqueue_unique(session, row, key=key, period=period, statuses=statuses)
+
+    def enqueue_debounced(
+        self,
+        session: Session,
+        args: Mapping[str, Any] | None = None,
+        *,
+        window: timedelta | float,
+        key: str | None = None,
+        max_wait: timedelta | float | None = None,
+        **options: Any,
+    ) -> Enqueued:
+        """Enqueue a job for this task debounced under ``key`` (default: the task's name):
+        a burst of enqueues leaves one pending job, run ``window`` after the last one with
+        its arguments; see :func:`sqla_jobs.enqueue_debounced`.
+
+        Same options as :meth:`job` (but ``run_at``, which the window sets); for an
+        :class:`~sqlalchemy.ext.asyncio.AsyncSession`, use ``await
+        async_session.run_sync(task.enqueue_debounced, args, window=5)``.
+        """
+        row = self.job(args, **options)
+        return enqueue_debounced(session, row, window=window, key=key, max_wait=max_wait)
 
 
 class Registry:

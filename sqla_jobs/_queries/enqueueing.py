@@ -6,6 +6,7 @@ from typing import Any, Final, NamedTuple, TypedDict, TypeVar
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     ColumnElement,
     Float,
     Insert,
@@ -34,7 +35,7 @@ from sqla_jobs._queries._sql import (
     _now,
 )
 from sqla_jobs._queries.run import Query
-from sqla_jobs.schema import JobMixin, unique_predicate
+from sqla_jobs.schema import JobMixin, JobStatus, unique_predicate
 
 # -- enqueue -------------------------------------------------------------------------------
 
@@ -237,6 +238,81 @@ def enqueue_unique(table: Table) -> Select[Any]:
     )
 
 
+def enqueue_debounced(table: Table) -> Insert:
+    """Enqueue the one job of ``:rows`` debounced under its ``unique_key``: insert it as a
+    pending job that runs ``:window`` seconds from now, or, when a pending job holds the key
+    already, make that job this one. Returns ``id`` (the job's) and ``inserted`` (whether
+    this statement inserted it).
+
+    ``:rows`` is :func:`enqueue_many`'s JSON document with one object, carrying its
+    ``unique_key`` too; ``:trace_context`` as there. The job holds its key while it is
+    pending only (``unique_statuses = {pending}``), so a job that has started takes no more
+    enqueues: the next one starts the next burst.
+
+    ``INSERT ... ON CONFLICT (unique_key) WHERE <unique predicate> DO UPDATE``, arbitrated by
+    the unique index: the pending job's columns become the new enqueue's (every column
+    inserted: arguments, priority, the model's own, the trace context), and its ``run_at``
+    the later of its own and ``now + :window``, capped at ``created_at + :max_wait`` (the
+    first enqueue's time, when ``:max_wait`` is not null): a steady stream of enqueues still
+    runs the job every ``:max_wait``. Statement time (``statement_timestamp()``), the
+    database's clock. Concurrent enqueuers of one key queue on the pending row's lock, the
+    last to commit writing its arguments; one waiting on an uncommitted insert inserts
+    when that rolls back. A claim skips the row while an enqueue holds it, and an enqueue
+    that waited for a claim finds the job started and inserts a new one.
+    """
+    columns, rows, values = _recordset_values(table, column("unique_key", Text))
+    names_ = [c.name for c in columns]
+    now = func.statement_timestamp()
+    window = bindparam("window", type_=Float) * literal_column("interval '1 second'")
+    trace_context = table.c.trace_context
+    source = [
+        *(
+            now + window if name == "run_at" else value
+            for name, value in zip(names_, values, strict=True)
+        ),
+        bindparam("trace_context", type_=trace_context.type),
+        rows.c.unique_key,
+        cast(literal_column(f"ARRAY['{JobStatus.PENDING.value}']"), table.c.unique_statuses.type),
+    ]
+    inserted_columns = [*names_, trace_context.name, "unique_key", "unique_statuses"]
+    statement = insert(table).from_select(
+        inserted_columns, select(*source).select_from(rows), include_defaults=False
+    )
+    excluded = statement.excluded
+    max_wait = bindparam("max_wait", type_=Float) * literal_column("interval '1 second'")
+    changes: dict[str, Any] = {
+        name: excluded[name] for name in (*names_, trace_context.name) if name != "run_at"
+    }
+    # LEAST ignores a NULL: without :max_wait, the later of the two times.
+    changes["run_at"] = func.least(
+        func.greatest(table.c.run_at, excluded.run_at), table.c.created_at + max_wait
+    )
+    return statement.on_conflict_do_update(
+        index_elements=["unique_key"],
+        index_where=text(unique_predicate()),
+        set_=changes,
+    ).returning(table.c.id, literal_column("xmax = 0", Boolean).label("inserted"))
+
+
+class DebouncedParams(TypedDict):
+    """:class:`EnqueueParams` (one row, with its ``unique_key``), the seconds the job waits
+    after the last enqueue (``window``) and the most it waits after the first (``max_wait``,
+    None for no cap)."""
+
+    rows: str
+    trace_context: dict[str, str] | None
+    window: float
+    max_wait: float | None
+
+
+class DebouncedRow(NamedTuple):
+    """The debounced job: its id, and whether the enqueue inserted it (else it changed the
+    pending job that held the key)."""
+
+    id: int
+    inserted: bool
+
+
 class EnqueueParams(TypedDict):
     """The jobs to insert, as a JSON array of rows (one object each, by column name), and
     the trace context every one of them gets (None outside a trace)."""
@@ -258,6 +334,7 @@ class UniqueRow(NamedTuple):
 
 ENQUEUE_MANY: Final[Query[EnqueueParams, tuple[()]]] = Query(enqueue_many, EnqueueParams)
 ENQUEUE_UNIQUE: Final = Query(enqueue_unique, EnqueueParams, UniqueRow)
+ENQUEUE_DEBOUNCED: Final = Query(enqueue_debounced, DebouncedParams, DebouncedRow)
 
 
 _Job = TypeVar("_Job", bound=JobMixin)

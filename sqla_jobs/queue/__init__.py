@@ -68,6 +68,7 @@ from sqla_jobs.queue.claiming import (
 from sqla_jobs.queue.enqueueing import (
     MAX_UNIQUE_KEY_LENGTH,
     Enqueued,
+    enqueue_debounced,
     enqueue_many,
     enqueue_unique,
     enqueue_unique_many,
@@ -116,6 +117,7 @@ __all__ = [
     "dead_jobs",
     "default_worker_name",
     "delete",
+    "enqueue_debounced",
     "enqueue_many",
     "enqueue_unique",
     "enqueue_unique_many",

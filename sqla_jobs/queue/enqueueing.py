@@ -19,7 +19,13 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import _queries as statements
 from sqla_jobs import tracing, validation
-from sqla_jobs._queries.enqueueing import ENQUEUE_MANY, ENQUEUE_UNIQUE, EnqueueParams
+from sqla_jobs._queries.enqueueing import (
+    ENQUEUE_DEBOUNCED,
+    ENQUEUE_MANY,
+    ENQUEUE_UNIQUE,
+    DebouncedParams,
+    EnqueueParams,
+)
 from sqla_jobs._queries.run import job_table_of
 from sqla_jobs.errors import (
     InvalidJobError,
@@ -416,3 +422,90 @@ def enqueue_unique(
     if key is not None:
         values = _attribute_values(model, job) | {"unique_key": key}
     return enqueue_unique_many(session, model, [values], period=period, statuses=statuses)[0]
+
+
+#: The longest debounce window (and ``max_wait``): a day. A longer quiet period is a
+#: schedule (:mod:`sqla_jobs.periodic`), not a debounce.
+MAX_DEBOUNCE_SECONDS: Final = 86_400.0
+
+
+def _debounce_seconds(field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
+        raise InvalidJobError(field, f"must be a timedelta or seconds, not {type(value).__name__}")
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not 0 < seconds <= MAX_DEBOUNCE_SECONDS:  # (NaN fails too)
+        raise InvalidJobError(
+            field,
+            f"must be more than 0 and at most a day ({MAX_DEBOUNCE_SECONDS:g} s), got {value!r}",
+        )
+    return seconds
+
+
+def enqueue_debounced(
+    session: Session,
+    job: JobMixin,
+    *,
+    window: timedelta | float,
+    key: str | None = None,
+    max_wait: timedelta | float | None = None,
+) -> Enqueued:
+    """Enqueue ``job`` (an unsaved instance of a job model) debounced: a burst of enqueues
+    under one ``key`` leaves one pending job, which runs once, ``window`` after the last of
+    them (by the database's clock), with the last one's arguments.
+
+    The first enqueue of a burst inserts the job, to run ``window`` from now; each one after
+    it, while the job is still pending, makes that job this one instead (its arguments, its
+    priority, the model's own columns: every column it sets) and moves its ``run_at`` to
+    ``window`` from now. Once the job has started, the next enqueue starts the next burst
+    with a new job. ``max_wait`` (at least ``window``) caps the wait after the burst's first
+    enqueue, so that a stream that never pauses still runs every ``max_wait``. ``key``
+    defaults to the task's name (one debounced job per task); give one per entity
+    (``key=f"reindex:{user_id}"``) to debounce each on its own. Keys are the unique jobs'
+    (:func:`enqueue_unique`): a debounced job holds its key while pending, and a unique job
+    with the same key would stand in its place.
+
+    Enforced by the database, in the caller's transaction (it never commits): ``INSERT ...
+    ON CONFLICT DO UPDATE`` on the unique index, so concurrent enqueuers in any number of
+    processes leave one pending job per key; of enqueues racing each other, the last to
+    commit writes the arguments. A rolled-back enqueue changes nothing (one that inserted
+    the job takes it away again, unless another committed meanwhile). Use READ COMMITTED
+    (the default): under REPEATABLE READ or SERIALIZABLE, a key another transaction changed
+    since the snapshot is a serialization failure. Returns :class:`Enqueued` (``inserted``
+    false when the pending job took this enqueue). The instance is not added to the session.
+
+    Bad input (a job with a ``run_at``, which the window sets; a window or ``max_wait`` that
+    is not more than 0 and at most a day; ``max_wait`` shorter than ``window``; a bad key)
+    raises :class:`~sqla_jobs.errors.InvalidJobError` before any SQL runs::
+
+        with Session(engine) as session, session.begin():
+            sqla_jobs.enqueue_debounced(
+                session,
+                EmailJob(task="reindex", args={"user": 7}),
+                key="reindex:7",
+                window=timedelta(seconds=5),
+            )
+    """
+    model = type(job)
+    table = job_table_of(model)
+    seconds = _debounce_seconds("window", window)
+    cap = None if max_wait is None else _debounce_seconds("max_wait", max_wait)
+    if cap is not None and cap < seconds:
+        raise InvalidJobError(
+            "max_wait", f"must be at least the window ({seconds:g} s), got {cap:g} s"
+        )
+    row = _job_row(model, job, _own_columns(table))
+    if row.get("run_at") is not None:
+        raise InvalidJobError(
+            "run_at", "a debounced job runs `window` after the last enqueue: leave run_at unset"
+        )
+    row["unique_key"] = _check_unique_key(row["task"] if key is None else key)
+    document = _encode([row])
+    session.flush()
+    params: DebouncedParams = {
+        "rows": document,
+        "trace_context": tracing.enqueue_context(),
+        "window": seconds,
+        "max_wait": cap,
+    }
+    (found,) = ENQUEUE_DEBOUNCED.rows(session, table, params)
+    return Enqueued(found.id, bool(found.inserted), row["unique_key"])
