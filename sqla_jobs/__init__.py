@@ -69,6 +69,7 @@ from sqla_jobs.queue import (
 )
 from sqla_jobs.registry import Registry, Task, TaskOptions
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, ScheduleMixin, names
+from sqla_jobs.validation import RateLimit
 from sqla_jobs.worker import (
     ClaimSettings,
     MaintenanceSettings,
@@ -108,6 +109,7 @@ __all__ = [
     "ProcessHandlerError",
     "QueuePause",
     "QueueStat",
+    "RateLimit",
     "Registry",
     "RetryPolicy",
     "Schedule",

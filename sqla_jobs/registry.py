@@ -388,7 +388,9 @@ class Registry:
     see :class:`~sqla_jobs.JobMixin`).
     The defaults apply to tasks that do not set the option.
     ``queue_limits`` (``{"emails": 3}``) caps how many jobs of a queue run at once across
-    all the registry's workers (:attr:`queue_limits`).
+    all the registry's workers (:attr:`queue_limits`); ``rate_limits`` (``{"api":
+    RateLimit(50)}``) how many start per window (:attr:`rate_limits`; the job table needs
+    its rate table, :func:`~sqla_jobs.migrations.create_rate_table`).
     ``hooks`` (a :class:`~sqla_jobs.Hooks`) run around every task's handler
     (:mod:`sqla_jobs.hooks`; more with :meth:`add_hooks` and the decorators :meth:`before`,
     :meth:`after`, :meth:`on_error`).
@@ -407,6 +409,7 @@ class Registry:
         schedule_model: type[ScheduleMixin] | None = None,
         ordering_keys: bool = False,
         queue_limits: Mapping[str, int] | None = None,
+        rate_limits: Mapping[str, validation.RateLimit] | None = None,
         hooks: Hooks | None = None,
     ) -> None:
         if model is not None and not _is_job_model(model):
@@ -436,6 +439,11 @@ class Registry:
         except InvalidJobError as exc:
             raise ConfigurationError(f"queue_limits: {exc.reason}") from None
         self._queue_limits: Mapping[str, int] = MappingProxyType(limits)
+        try:
+            rates = validation.check_rate_limits("rate_limits", rate_limits)
+        except InvalidJobError as exc:
+            raise ConfigurationError(f"rate_limits: {exc.reason}") from None
+        self._rate_limits: Mapping[str, validation.RateLimit] = MappingProxyType(rates)
         self._hooks = checked_hooks("hooks", hooks)
         self._tasks: dict[str, Task[Any]] = {}
 
@@ -504,6 +512,14 @@ class Registry:
         workers to every claim (:func:`sqla_jobs.claim` ``queue_limits``). Read-only; empty
         when no queue is limited."""
         return self._queue_limits
+
+    @property
+    def rate_limits(self) -> Mapping[str, validation.RateLimit]:
+        """How many jobs of each rate-limited queue may start per window across all of this
+        registry's workers (``Registry(..., rate_limits={"api": RateLimit(50)})``), passed by
+        the workers to every claim (:func:`sqla_jobs.claim` ``rate_limits``). Read-only;
+        empty when no queue is rate-limited."""
+        return self._rate_limits
 
     @property
     def time_limits(self) -> dict[str, timedelta]:

@@ -12,12 +12,13 @@ import marshal
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final, cast
 
 from sqlalchemy.sql.elements import ClauseElement
 
-from sqla_jobs.errors import InvalidJobError, JobArgumentsError
+from sqla_jobs.errors import ConfigurationError, InvalidJobError, JobArgumentsError
 
 __all__ = [
     "DEFAULT_MAX_ARGS_BYTES",
@@ -31,6 +32,8 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "MAX_PROGRESS_MESSAGE",
     "MAX_QUEUE_LIMIT",
+    "MAX_RATE_LIMIT",
+    "MAX_RATE_SECONDS",
     "MAX_SNOOZES",
     "MAX_SNOOZE_SECONDS",
     "MAX_TIME_LIMIT_SECONDS",
@@ -39,6 +42,7 @@ __all__ = [
     "NAME_RULE",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
+    "RateLimit",
     "args_snapshot",
     "check_args",
     "check_duration",
@@ -52,6 +56,7 @@ __all__ = [
     "check_priority",
     "check_progress",
     "check_queue_limits",
+    "check_rate_limits",
     "check_run_at",
     "check_snooze_delay",
     "check_time_limit",
@@ -564,6 +569,72 @@ def check_queue_limits(field: str, value: object) -> dict[str, int]:
         if not 1 <= limit <= MAX_QUEUE_LIMIT:
             raise InvalidJobError(
                 field, f"the limit of queue {name!r} must be in [1, {MAX_QUEUE_LIMIT}], got {limit}"
+            )
+        limits[name] = limit
+    return limits
+
+
+#: The most starts a rate limit allows per window.
+MAX_RATE_LIMIT: Final = 100_000
+#: The longest window of a rate limit: a day.
+MAX_RATE_SECONDS: Final = 86_400.0
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """At most ``limit`` job starts in any window of ``per`` (a ``timedelta`` or seconds;
+    one second by default) in a queue, across every worker that claims with it: every
+    attempt counts, first or retried or taking over an expired lease, from the moment its
+    claim starts it, by the database's clock. ``RateLimit(50)`` is 50 per second,
+    ``RateLimit(600, per=timedelta(minutes=1))`` 600 a minute (in bursts: a sliding window,
+    not a spacing). Raises :class:`~sqla_jobs.errors.ConfigurationError` for a limit
+    outside [1, :data:`MAX_RATE_LIMIT`] or a window not more than 0 and at most a day."""
+
+    limit: int
+    per: timedelta | float = 1.0
+
+    def __post_init__(self) -> None:
+        limit, per = self.limit, self.per
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise ConfigurationError(f"RateLimit.limit must be an integer, not {limit!r}")
+        if not 1 <= limit <= MAX_RATE_LIMIT:
+            raise ConfigurationError(
+                f"RateLimit.limit must be in [1, {MAX_RATE_LIMIT}], got {limit}"
+            )
+        if isinstance(per, bool) or not isinstance(per, timedelta | int | float):
+            raise ConfigurationError(
+                f"RateLimit.per must be a timedelta or seconds, not {type(per).__name__}"
+            )
+        seconds = per.total_seconds() if isinstance(per, timedelta) else float(per)
+        if not 0 < seconds <= MAX_RATE_SECONDS:  # (NaN fails too)
+            raise ConfigurationError(
+                f"RateLimit.per must be more than 0 and at most a day, got {per!r}"
+            )
+
+    @property
+    def seconds(self) -> float:
+        """The window, in seconds."""
+        per = self.per
+        return per.total_seconds() if isinstance(per, timedelta) else float(per)
+
+
+def check_rate_limits(field: str, value: object) -> dict[str, RateLimit]:
+    """Per-queue rate limits: a mapping of queue names (:func:`check_name`) to
+    :class:`RateLimit`. ``None`` is no limits. Returns a plain ``dict`` copy."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidJobError(
+            field, f"must be a mapping of queue names to RateLimit, not {type(value).__name__}"
+        )
+    limits: dict[str, RateLimit] = {}
+    for queue, limit in value.items():
+        name = check_name(field, queue)
+        if not isinstance(limit, RateLimit):
+            raise InvalidJobError(
+                field,
+                f"the limit of queue {name!r} must be a RateLimit (RateLimit(50) is 50 a "
+                f"second), not {type(limit).__name__}",
             )
         limits[name] = limit
     return limits

@@ -9,6 +9,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from sqla_jobs import JobMixin, JobResultMixin, ScheduleMixin
 from sqla_jobs.history import history_table
+from sqla_jobs.schema.rates import rate_table
 
 
 class Base(DeclarativeBase):
@@ -27,6 +28,10 @@ class EmailJob(JobMixin, Base):
 
     order_id: Mapped[int | None] = mapped_column(ForeignKey("orders.id"))
     order: Mapped[Order | None] = relationship()
+
+
+#: The rate table of EmailJob's rate-limited queues (optional: made where rate limits are used).
+EMAIL_JOB_RATES = rate_table(EmailJob)
 
 
 class EmailJobResult(JobResultMixin, Base):

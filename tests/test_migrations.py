@@ -141,7 +141,7 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0005_schema_v4", "sqla_jobs_0004"]
+        assert sorted(versions.scalars()) == ["0006_rate_table", "sqla_jobs_0004"]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS

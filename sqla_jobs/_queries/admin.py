@@ -51,6 +51,7 @@ from sqla_jobs._queries.run import NoParams, Query
 from sqla_jobs.ddl import TRANSITION_TABLE, executable, qualified_name
 from sqla_jobs.schema import FINISHED_STATUSES, JobStatus, names
 from sqla_jobs.schema.pauses import pause_names
+from sqla_jobs.schema.rates import rate_names
 
 
 def transaction_isolation() -> Select[Any]:
@@ -719,15 +720,17 @@ _LAYOUT: Final = """
             FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
             WHERE i.indrelid = t.oid AND i.indisvalid
         ) AS indexes,
-        to_regclass(:pause_table) IS NOT NULL AS pauses
+        to_regclass(:pause_table) IS NOT NULL AS pauses,
+        to_regclass(:rate_table) IS NOT NULL AS rates
     FROM (SELECT to_regclass(:layout_table) AS oid) AS t
 """
 
 
 def table_layout(table: Table) -> TextClause:
     """The job table's columns and valid indexes: one row, ``columns`` and ``indexes``, two
-    arrays of names (empty when the table does not exist), and ``pauses``, whether its pause
-    table (schema version 4: :mod:`sqla_jobs.schema.pauses`) exists.
+    arrays of names (empty when the table does not exist), ``pauses``, whether its pause
+    table (schema version 4: :mod:`sqla_jobs.schema.pauses`) exists, and ``rates``, whether
+    its rate table (:mod:`sqla_jobs.schema.rates`, needed by rate limits) does.
 
     The table's name is bound into the statement: execute it without parameters. Reads
     ``pg_attribute`` and ``pg_index`` by the table's ``oid``; takes no lock on the table.
@@ -735,8 +738,11 @@ def table_layout(table: Table) -> TextClause:
     do."""
     name = qualified_name(table.name, table.schema)
     pauses = qualified_name(pause_names(table.name).table, table.schema)
+    rates = qualified_name(rate_names(table.name).table, table.schema)
     return text(_LAYOUT).bindparams(
-        bindparam("layout_table", name, type_=Text), bindparam("pause_table", pauses, type_=Text)
+        bindparam("layout_table", name, type_=Text),
+        bindparam("pause_table", pauses, type_=Text),
+        bindparam("rate_table", rates, type_=Text),
     )
 
 
@@ -746,6 +752,7 @@ class LayoutRow(NamedTuple):
     columns: list[str]
     indexes: list[str]
     pauses: bool
+    rates: bool
 
 
 TABLE_LAYOUT: Final = Query(table_layout, NoParams, LayoutRow)

@@ -12,7 +12,7 @@ argument checks above the layer.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from sqlalchemy import Table
 
@@ -25,10 +25,19 @@ from sqla_jobs._queries.keyed import (
     LockKeysParams,
     WalkKeysParams,
 )
-from sqla_jobs._queries.rows import LockKeysRow, WalkKeysRow
+from sqla_jobs._queries.rates import LOCK_RATES, LOG_STARTS, RATE_ALLOWANCES, LogStartsParams
+from sqla_jobs._queries.rows import ClaimRow, LockKeysRow, WalkKeysRow
 from sqla_jobs._queries.run import Executor
+from sqla_jobs.schema import JobStatus
 
-__all__ = ["KEY_CLAIM_MAX", "KEY_SCAN_EXTRA", "claim_rows", "key_lock_params"]
+__all__ = [
+    "KEY_CLAIM_MAX",
+    "KEY_SCAN_EXTRA",
+    "RATE_RETRY",
+    "ClaimedRows",
+    "claim_rows",
+    "key_lock_params",
+]
 
 #: How many keyed jobs per queue (and keys in all) a keyed claim of ``limit`` jobs looks at,
 #: beyond ``limit``: a few keys in line may be busy (their jobs in progress fill their
@@ -39,6 +48,21 @@ KEY_SCAN_EXTRA: Final = 4
 #: The most jobs of one key a keyed claim starts (a key whose ``key_limit`` is higher gets
 #: the rest in the next claims): each costs the claim a read of the job's row.
 KEY_CLAIM_MAX: Final = 16
+#: How soon (seconds) a rate-limited queue that another claim was rating may be tried again:
+#: that claim holds the queue's rate lock for one short transaction.
+RATE_RETRY: Final = 0.01
+
+_STATUS: Final = ClaimRow._fields.index("status")
+_RUNNING: Final = JobStatus.RUNNING.value
+
+
+class ClaimedRows(NamedTuple):
+    """What one claim got: its ``rows``, and ``wait``: when it held a rate-limited queue back
+    (its window full, or another claim rating it at that moment), the seconds after which
+    that queue may allow more (None otherwise)."""
+
+    rows: list[Any]
+    wait: float | None
 
 
 def claim_rows(
@@ -51,11 +75,88 @@ def claim_rows(
     worker: str,
     keys: bool,
     limited: dict[str, int],
-) -> list[Any]:
+    rated: dict[str, tuple[int, float]] | None = None,
+) -> ClaimedRows:
     """The rows of one claim (:class:`~sqla_jobs._queries.rows.ClaimRow`'s columns, as
-    tuples): the limited queues' first, each up to its free slots (``limited``: queue name
-    to limit), then the other queues' up to ``limit``; keyed jobs first in each (``keys``),
-    then plain ones. Arguments checked by the caller."""
+    tuples): the rate-limited queues' first (``rated``: queue name to its limit and window
+    in seconds), each up to what its window allows, then the limited queues', each up to its
+    free slots (``limited``: queue name to limit), then the other queues' up to ``limit``;
+    keyed jobs first in each (``keys``), then plain ones. Arguments checked by the caller.
+
+    A rate-limited queue is claimed from under its rate lock, after reading its allowance,
+    and what the claim started is logged after it (:mod:`sqla_jobs._queries.rates`, whose
+    :func:`~sqla_jobs._queries.rates.log_starts` states the rule); a queue another claim is
+    rating is skipped this round."""
+    rows: list[Any] = []
+    wait: float | None = None
+    rated_here = [name for name in queue_names if rated and name in rated]
+    if rated and rated_here:
+        locked = [row[0] for row in LOCK_RATES.tuples(executor, table, {"queue_names": rated_here})]
+        if len(locked) < len(rated_here):
+            wait = RATE_RETRY  # another claim is rating a queue: it is done in a moment
+        allowances = (
+            RATE_ALLOWANCES.rows(
+                executor,
+                table,
+                {
+                    "queue_names": locked,
+                    "limits": [rated[name][0] for name in locked],
+                    "windows": [rated[name][1] for name in locked],
+                },
+            )
+            if locked
+            else []
+        )
+        for allowed in allowances:
+            name, allowance = allowed.name, allowed.allowance
+            got: list[Any] = []
+            if allowance > 0 and len(rows) < limit:
+                got = claim_rows(
+                    executor,
+                    table,
+                    queue_names=[name],
+                    limit=min(limit - len(rows), allowance),
+                    lease_seconds=lease_seconds,
+                    worker=worker,
+                    keys=keys,
+                    limited={name: limited[name]} if name in limited else {},
+                ).rows
+                started = sum(1 for row in got if row[_STATUS] == _RUNNING)
+                if started:
+                    log: LogStartsParams = {
+                        "queue_name": name,
+                        "started": started,
+                        "window": rated[name][1],
+                    }
+                    LOG_STARTS.result(executor, table, log)
+                rows.extend(got)
+            if len(got) >= allowance:
+                # Its window is full: it allows more once its oldest start leaves it (this
+                # claim's, a window from now, when it logged none before).
+                oldest = allowed.free_in
+                free_in = rated[name][1] if oldest is None else max(oldest, 0.0)
+                wait = free_in if wait is None else min(wait, free_in)
+        queue_names = [name for name in queue_names if name not in rated]
+        if not queue_names or len(rows) >= limit:
+            return ClaimedRows(rows, wait)
+        limit -= len(rows)
+    rows.extend(
+        _claim_limited(executor, table, queue_names, limit, lease_seconds, worker, keys, limited)
+    )
+    return ClaimedRows(rows, wait)
+
+
+def _claim_limited(
+    executor: Executor,
+    table: Table,
+    queue_names: list[str],
+    limit: int,
+    lease_seconds: float,
+    worker: str,
+    keys: bool,
+    limited: dict[str, int],
+) -> list[Any]:
+    # The limited queues' rows first, each up to its free slots, then the others'.
     params: ClaimParams = {"limit": limit, "lease_seconds": lease_seconds, "worker": worker}
     if not limited:
         return _claim_from(executor, table, params, queue_names, keys)

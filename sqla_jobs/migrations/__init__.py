@@ -97,6 +97,7 @@ from sqla_jobs.migrations.leases import (
     drop_lease_index,
 )
 from sqla_jobs.migrations.pauses import create_pause_table, drop_pause_table
+from sqla_jobs.migrations.rates import create_rate_table, drop_rate_table
 from sqla_jobs.migrations.tables import (
     SCHEMA_VERSION,
     create_job_table,
@@ -158,6 +159,7 @@ __all__ = [
     "create_lease_index",
     "create_notify_trigger",
     "create_pause_table",
+    "create_rate_table",
     "create_result_table",
     "create_schedule_table",
     "downgrade",
@@ -176,6 +178,7 @@ __all__ = [
     "drop_notify_trigger",
     "drop_ordering_keys",
     "drop_pause_table",
+    "drop_rate_table",
     "drop_result_table",
     "drop_schedule_table",
     "drop_trace_context",

@@ -46,6 +46,7 @@ from sqla_jobs.schema import (
     JobMixin,
     JobStatus,
 )
+from sqla_jobs.validation import RateLimit
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def claim(
     hold: bool = False,
     keys: bool = False,
     queue_limits: Mapping[str, int] | None = None,
+    rate_limits: Mapping[str, RateLimit] | None = None,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` runnable jobs and start an attempt on each.
 
@@ -131,6 +133,19 @@ def claim(
     claim with no limited queue among ``queues`` runs exactly as before). The queue locks
     last until the transaction ends: keep it short.
 
+    **Rate limits** (``rate_limits={"api": RateLimit(50)}``: 50 a second). In any window of
+    its length, at most the limit's number of attempts of that queue start (each at its
+    claim's statement time, its ``attempted_at``), across all claimers that pass the same
+    limits (declare them once: :class:`~sqla_jobs.registry.Registry` ``rate_limits``). Per
+    rate-limited queue served, the claim takes a transaction-scoped advisory try-lock (a
+    queue another claim is rating is skipped this round), reads what the queue's window
+    still allows from the table's rate table
+    (:func:`~sqla_jobs.schema.rates.rate_table`, made by
+    :func:`~sqla_jobs.migrations.create_rate_table`), claims at most that, and logs what it
+    started there: three more statements in the caller's transaction
+    (:mod:`sqla_jobs._queries.rates`). Rate-limited queues are served first; queue limits
+    and ordering keys apply within them too.
+
     **Paused queues** (:func:`~sqla_jobs.pause_queue`) are skipped by every form above: the
     claim statements read the table's pause table themselves, so a queue paused (or
     resumed) in a committed transaction is honoured by the next claim of every worker.
@@ -138,6 +153,36 @@ def claim(
     Returns the claimed jobs, possibly none. Raises :class:`InvalidJobError` for bad
     arguments, before any SQL runs.
     """
+    return claim_waiting(
+        session,
+        model,
+        queues=queues,
+        limit=limit,
+        lease=lease,
+        worker=worker,
+        hold=hold,
+        keys=keys,
+        queue_limits=queue_limits,
+        rate_limits=rate_limits,
+    )[0]
+
+
+def claim_waiting(
+    session: Executor,
+    model: type[JobMixin],
+    *,
+    queues: str | Iterable[str] = DEFAULT_QUEUE,
+    limit: int = 1,
+    lease: timedelta | float = DEFAULT_LEASE,
+    worker: str | None = None,
+    hold: bool = False,
+    keys: bool = False,
+    queue_limits: Mapping[str, int] | None = None,
+    rate_limits: Mapping[str, RateLimit] | None = None,
+) -> tuple[list[ClaimedJob], float | None]:
+    """:func:`claim`, and when a rate-limited queue was held back, the seconds after which it
+    may allow more (:class:`~sqla_jobs._queries.claiming.ClaimedRows`), else None: how long
+    a worker whose claim came back short need wait for it."""
     table = job_table_of(model)
     queue_names = _check_queues(queues)
     _check_count("limit", limit, MAX_CLAIM_LIMIT)
@@ -149,6 +194,12 @@ def claim(
     if queue_limits is not None:
         limits = validation.check_queue_limits("queue_limits", queue_limits)
         limited = {name: limits[name] for name in queue_names if name in limits}
+    rated: dict[str, tuple[int, float]] = {}
+    if rate_limits is not None:
+        rates = validation.check_rate_limits("rate_limits", rate_limits)
+        rated = {
+            name: (rates[name].limit, rates[name].seconds) for name in queue_names if name in rates
+        }
     claiming = functools.partial(
         claim_rows,
         table=table,
@@ -158,13 +209,14 @@ def claim(
         worker=worker,
         keys=keys,
         limited=limited,
+        rated=rated,
     )
     if hold:
         engine = first_step_engine(session, model, call="claim(hold=True)", step="the attempt")
         with engine.begin() as connection:
-            rows = claiming(connection)
+            rows, wait = claiming(connection)
     else:
-        rows = claiming(session)
+        rows, wait = claiming(session)
     running = JobStatus.RUNNING.value
     # The hot path. The rows (ClaimRow) are sorted in (priority, run_at, id) order by a
     # C-level key, and each job is built by tuple.__new__ (ClaimedJob's own __new__ is a
@@ -184,8 +236,8 @@ def claim(
     if len(jobs) < len(rows):
         _log_exhausted(rows, running)
     if hold and jobs:
-        return lock(session, jobs)
-    return jobs
+        return lock(session, jobs), wait
+    return jobs, wait
 
 
 def _log_exhausted(rows: Sequence[Any], running: str) -> None:

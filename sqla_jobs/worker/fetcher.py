@@ -36,7 +36,8 @@ from typing import Final
 from sqlalchemy import Connection
 
 from sqla_jobs.observer import NO_OBSERVER, Observer
-from sqla_jobs.queue import ClaimedJob, claim, heartbeat, release
+from sqla_jobs.queue import ClaimedJob, heartbeat, release
+from sqla_jobs.queue.claiming import claim_waiting
 from sqla_jobs.registry import Registry
 from sqla_jobs.schema import JobMixin
 from sqla_jobs.worker.link import Link, as_session
@@ -95,6 +96,9 @@ class Fetcher:
         self.claim_lease = min(leases or [registry.default_lease.total_seconds()])
         self.keys = registry.ordering_keys  # claim keyed jobs too
         self.queue_limits = registry.queue_limits or None  # None: the plain claim, as ever
+        self.rate_limits = registry.rate_limits or None
+        # When the last claim held a rate-limited queue back: how soon it may allow more.
+        self.rate_wait: float | None = None
         self.min_claim = max(1, min(batch_size, state.concurrency) // 2)
         # The prefetch: fixed (``prefetch``), or following the handlers' rate up to a batch.
         self.prefetch_fixed = prefetch
@@ -141,7 +145,12 @@ class Fetcher:
                         self.vacuum_due.set()
                 backlog = len(jobs) == limit
                 if not backlog:
-                    self.state.wait_for_wakeup(self.poll_interval)
+                    # A rate-limited queue held back: claim again when its window allows
+                    # more, not at the next poll.
+                    wait = self.poll_interval
+                    if self.rate_wait is not None:
+                        wait = min(wait, self.rate_wait)
+                    self.state.wait_for_wakeup(wait)
         finally:
             self.link.close()
             self.beat = time.monotonic()
@@ -160,7 +169,7 @@ class Fetcher:
 
     def _claim(self, connection: Connection, limit: int) -> list[ClaimedJob]:
         session = as_session(connection)
-        jobs = claim(
+        jobs, self.rate_wait = claim_waiting(
             session,
             self.model,
             queues=self.queues,
@@ -169,6 +178,7 @@ class Fetcher:
             worker=self.worker_name,
             keys=self.keys,
             queue_limits=self.queue_limits,
+            rate_limits=self.rate_limits,
         )
         # Looked up per task, not per job: a batch holds few tasks.
         longer = {

@@ -481,6 +481,13 @@ class Worker:
                 time.sleep(delay)
         # A table of an older schema version: refuse, naming the helpers that upgrade it.
         check_table_version(self._table, layout.columns, layout.indexes, pauses=layout.pauses)
+        if self.registry.rate_limits and not layout.rates:
+            raise ConfigurationError(
+                f"{self.model.__name__}'s table {self._table.name!r} has no rate table, which "
+                f"its rate limits ({', '.join(sorted(self.registry.rate_limits))}) need: add it "
+                f"with sqla_jobs.migrations.create_rate_table({self._table.name!r}) in a "
+                "revision of yours (docs/how-to/rate-limits.md)"
+            )
         if self.pooled:
             self._log_pooled(getattr(driver, "prepare_threshold", None))
         if self.listen and not trigger.exists:

@@ -1,0 +1,144 @@
+"""Rate limits: the statements on a job table's rate table
+(:func:`~sqla_jobs.schema.rates.rate_table`); see :mod:`sqla_jobs._queries`.
+
+A claim that serves a rate-limited queue runs three of its own around its claim statements,
+in the claim's transaction, in this order (:func:`~sqla_jobs._queries.claiming.claim_rows`):
+:func:`lock_rates` (one claimer per queue at a time), :func:`rate_allowances` (how many the
+window still allows), and after the claim :func:`log_starts` (what it started). The order
+is part of the rule, which :func:`log_starts` states.
+"""
+
+from __future__ import annotations
+
+from typing import Final, NamedTuple, TypedDict
+
+from sqlalchemy import Float, Integer, Table, Text, TextClause, bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from sqla_jobs._queries.claims import LockedQueueRow, QueueNamesParams, _lock_space
+from sqla_jobs._queries.run import Query
+from sqla_jobs.ddl import qualified_name
+from sqla_jobs.schema.rates import rate_names
+
+__all__ = [
+    "LOCK_RATES",
+    "LOG_STARTS",
+    "RATE_ALLOWANCES",
+    "AllowanceRow",
+    "LogStartsParams",
+    "RateParams",
+    "lock_rates",
+    "log_starts",
+    "rate_allowances",
+    "rate_lock_space",
+]
+
+
+def _rates(table: Table) -> str:
+    return qualified_name(rate_names(table.name).table, table.schema)
+
+
+def rate_lock_space(table: Table) -> int:
+    """The first half of every rate lock's id for this table (``<qualified name>#rates``):
+    apart from the queue limits' locks, so that a queue with both takes both."""
+    return _lock_space(qualified_name(table.name, table.schema) + "#rates")
+
+
+def lock_rates(table: Table) -> TextClause:
+    """Lock the rate-limited queues of ``:queue_names`` for this transaction; returns the
+    names locked, in the order given: ``pg_try_advisory_xact_lock(<rate lock space>,
+    hashtext(queue))``, so a queue another claim is rating is skipped this round, never
+    waited for. A statement of its own, before :func:`rate_allowances`: that one then
+    starts after the lock was granted, and sees the starts the queue's previous holder
+    committed. Reads no table. Parameter: ``:queue_names`` (an array)."""
+    return text(
+        f"""SELECT q.name
+FROM unnest(CAST(:queue_names AS text[])) WITH ORDINALITY AS q (name, n)
+WHERE pg_try_advisory_xact_lock({rate_lock_space(table)}, hashtext(q.name))
+ORDER BY q.n"""
+    ).bindparams(bindparam("queue_names", type_=ARRAY(Text)))
+
+
+def rate_allowances(table: Table) -> TextClause:
+    """For each queue of ``:queue_names`` (with its ``:limits`` and ``:windows``, in
+    seconds; arrays of the same length), how many attempts its window still allows now
+    (``allowance``: its limit less the attempts its row logged in the last window, by the
+    database's clock) and in how many seconds the oldest of those leaves the window
+    (``free_in``, NULL when none is logged). The queues' rate locks must be held
+    (:func:`lock_rates`). Reads each queue's row of the rate table by its primary key."""
+    return text(
+        f"""SELECT q.name,
+    greatest(0, q.lim - coalesce(w.used, 0))::integer AS allowance,
+    date_part('epoch', w.oldest + make_interval(secs => q.win) - statement_timestamp())
+        AS free_in
+FROM unnest(CAST(:queue_names AS text[]), CAST(:limits AS integer[]),
+            CAST(:windows AS float8[])) WITH ORDINALITY AS q (name, lim, win, n)
+LEFT JOIN LATERAL (
+    SELECT sum(u.c)::integer AS used, min(u.s) AS oldest
+    FROM {_rates(table)} AS r, unnest(r.starts, r.counts) AS u (s, c)
+    WHERE r.queue = q.name AND r.key = ''
+      AND u.s > statement_timestamp() - make_interval(secs => q.win)
+) AS w ON true
+ORDER BY q.n"""
+    ).bindparams(
+        bindparam("queue_names", type_=ARRAY(Text)),
+        bindparam("limits", type_=ARRAY(Integer)),
+        bindparam("windows", type_=ARRAY(Float)),
+    )
+
+
+def log_starts(table: Table) -> TextClause:
+    """Log that this claim started ``:started`` attempts of the rate-limited queue
+    ``:queue_name``, at this statement's time, and drop what left the window of
+    ``:window`` seconds: the queue's row of the rate table, made on its first use.
+
+    The rule a rate limit holds: in any window of its length, the attempts started (each at
+    its claim's ``statement_timestamp()``, its ``attempted_at``) number at most its limit.
+    It holds because claimers of a queue take turns (:func:`lock_rates`), each one's
+    :func:`rate_allowances` starts after the previous one committed its log, and a log entry
+    is never earlier than the starts it counts (this statement runs after the claim's):
+    so the last claimer to start attempts in any window counted every other start in it,
+    and started no more than the limit left. An entry is dropped only once it is a window
+    old by a later claimer's clock, when no later claimer would have counted it.
+    """
+    return text(
+        f"""INSERT INTO {_rates(table)} AS r (queue, key, starts, counts)
+VALUES (:queue_name, '', ARRAY[statement_timestamp()], ARRAY[CAST(:started AS integer)])
+ON CONFLICT (queue, key) DO UPDATE SET (starts, counts) = (
+    SELECT coalesce(array_agg(u.s ORDER BY u.s), '{{}}'),
+           coalesce(array_agg(u.c ORDER BY u.s), '{{}}')
+    FROM unnest(r.starts || excluded.starts, r.counts || excluded.counts) AS u (s, c)
+    WHERE u.s > statement_timestamp() - make_interval(secs => CAST(:window AS float8))
+)"""
+    ).bindparams(
+        bindparam("queue_name", type_=Text),
+        bindparam("started", type_=Integer),
+        bindparam("window", type_=Float),
+    )
+
+
+class RateParams(TypedDict):
+    """The rate-limited queues, their limits and windows (seconds), in one order."""
+
+    queue_names: list[str]
+    limits: list[int]
+    windows: list[float]
+
+
+class AllowanceRow(NamedTuple):
+    """A queue of :func:`rate_allowances`."""
+
+    name: str
+    allowance: int
+    free_in: float | None
+
+
+class LogStartsParams(TypedDict):
+    queue_name: str
+    started: int
+    window: float
+
+
+LOCK_RATES: Final = Query(lock_rates, QueueNamesParams, LockedQueueRow)
+RATE_ALLOWANCES: Final = Query(rate_allowances, RateParams, AllowanceRow)
+LOG_STARTS: Final[Query[LogStartsParams, tuple[()]]] = Query(log_starts, LogStartsParams)

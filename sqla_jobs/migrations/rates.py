@@ -1,0 +1,57 @@
+"""The rate table beside a job table (``sqla_jobs.schema.rates``): the recent starts of its
+rate-limited queues (:class:`sqla_jobs.RateLimit`)."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+from sqla_jobs import ddl
+from sqla_jobs.migrations.steps import _execute
+from sqla_jobs.schema.rates import rate_names
+
+# A frozen copy of what sqla_jobs.schema.rates.rate_table declares: a change there needs a
+# new helper, not an edit here.
+_QUEUE_LENGTH = 200
+
+
+def create_rate_table(table_name: str, *, schema: str | None = None) -> sa.Table:
+    """Create the rate table of job table ``table_name`` (``<table>_rates``: ``queue``
+    varchar(200), ``key`` text NOT NULL DEFAULT '', ``starts`` timestamptz[] and ``counts``
+    integer[], both NOT NULL DEFAULT '{}', primary key ``(queue, key)``), empty. Needed by
+    workers that rate-limit a queue of the table (``Registry(rate_limits=...)``): they
+    refuse to start without it.
+
+    A new, empty table: it takes no lock of the job table, and can run on a live one.
+    ``IF NOT EXISTS``: re-runnable. A revision of yours::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.create_rate_table("email_jobs")
+
+        def downgrade() -> None:
+            jobs.drop_rate_table("email_jobs")
+    """
+    n = rate_names(table_name)
+    return op.create_table(
+        n.table,
+        sa.Column("queue", sa.String(_QUEUE_LENGTH), nullable=False),
+        sa.Column("key", sa.Text(), server_default=sa.text("''"), nullable=False),
+        sa.Column(
+            "starts",
+            sa.ARRAY(sa.DateTime(timezone=True)),
+            server_default=sa.text("'{}'"),
+            nullable=False,
+        ),
+        sa.Column("counts", sa.ARRAY(sa.Integer()), server_default=sa.text("'{}'"), nullable=False),
+        sa.PrimaryKeyConstraint("queue", "key", name=n.primary_key),
+        schema=schema,
+        if_not_exists=True,
+    )
+
+
+def drop_rate_table(table_name: str, *, schema: str | None = None) -> None:
+    """Drop the rate table of ``table_name`` (the recent starts with it: each limit's window
+    starts empty again). ``IF EXISTS``: re-runnable."""
+    _execute(f"DROP TABLE IF EXISTS {ddl.qualified_name(rate_names(table_name).table, schema)}")
