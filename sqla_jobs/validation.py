@@ -587,11 +587,16 @@ class RateLimit:
     attempt counts, first or retried or taking over an expired lease, from the moment its
     claim starts it, by the database's clock. ``RateLimit(50)`` is 50 per second,
     ``RateLimit(600, per=timedelta(minutes=1))`` 600 a minute (in bursts: a sliding window,
-    not a spacing). Raises :class:`~sqla_jobs.errors.ConfigurationError` for a limit
-    outside [1, :data:`MAX_RATE_LIMIT`] or a window not more than 0 and at most a day."""
+    not a spacing). ``per_key=True``: the limit is each ordering key's of the queue, each
+    with its own window (``RateLimit(5, per_key=True)``: 5 a second per customer, for jobs
+    enqueued with ``ordering_key=f"customer:{id}"`` and claimed with ordering keys on); the
+    queue's jobs without a key are not limited then. Raises
+    :class:`~sqla_jobs.errors.ConfigurationError` for a limit outside [1,
+    :data:`MAX_RATE_LIMIT`] or a window not more than 0 and at most a day."""
 
     limit: int
     per: timedelta | float = 1.0
+    per_key: bool = False
 
     def __post_init__(self) -> None:
         limit, per = self.limit, self.per
@@ -609,6 +614,10 @@ class RateLimit:
         if not 0 < seconds <= MAX_RATE_SECONDS:  # (NaN fails too)
             raise ConfigurationError(
                 f"RateLimit.per must be more than 0 and at most a day, got {per!r}"
+            )
+        if not isinstance(self.per_key, bool):
+            raise ConfigurationError(
+                f"RateLimit.per_key must be True or False, not {self.per_key!r}"
             )
 
     @property

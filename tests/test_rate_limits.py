@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from in_process import enqueue
 from models import EmailJob, ReportJob
 from no_sql import no_sql
-from rate_tasks import LIMIT
+from rate_tasks import KEY_LIMIT, KEYS, LIMIT
 from sqlalchemy.orm import Session
 from worker_harness import Workers, wait_until
 
@@ -33,6 +33,15 @@ def add(engine: sa.Engine, count: int, queue: str = "api", **values: Any) -> lis
 def logged(engine: sa.Engine) -> list[Any]:
     with engine.connect() as connection:
         return list(connection.execute(sa.text("SELECT queue, key, counts FROM email_jobs_rates")))
+
+
+def keys_of(engine: sa.Engine, jobs: list[Any]) -> list[str]:
+    """The ordering keys of ``jobs`` (``-`` for none), sorted, from SQL."""
+    with engine.connect() as connection:
+        keys = connection.execute(
+            sa.select(EmailJob.ordering_key).where(EmailJob.id.in_([job.id for job in jobs]))
+        ).scalars()
+        return sorted(key or "-" for key in keys)
 
 
 def age_log(engine: sa.Engine, seconds: float) -> None:
@@ -118,6 +127,35 @@ def test_queue_limits_and_ordering_keys_apply_within_a_rate_limit(
     assert len(more) == 1  # what the hour has left
 
 
+def test_a_per_key_limit_gives_each_ordering_key_its_own_window(
+    queue_engine: sa.Engine,
+) -> None:
+    for key in ("a", "b", "c"):
+        add(queue_engine, 6, ordering_key=key, key_limit=10)
+    add(queue_engine, 3)  # no key: not limited by a per-key limit
+    per_key = {"api": RateLimit(2, per=timedelta(hours=1), per_key=True)}
+    with Session(queue_engine) as session, session.begin():
+        first, wait = claim_waiting(
+            session, EmailJob, queues="api", limit=30, keys=True, rate_limits=per_key
+        )
+    assert keys_of(queue_engine, first) == ["-"] * 3 + ["a", "a", "b", "b", "c", "c"]
+    assert wait is not None  # it came back short: keys wait for their windows
+    assert sorted(logged(queue_engine)) == [("api", key, [2]) for key in ("a", "b", "c")]
+    with Session(queue_engine) as session, session.begin():
+        assert (
+            sqla_jobs.claim(
+                session, EmailJob, queues="api", limit=30, keys=True, rate_limits=per_key
+            )
+            == []
+        )
+    age_log(queue_engine, 3601)
+    with Session(queue_engine) as session, session.begin():
+        again = sqla_jobs.claim(
+            session, EmailJob, queues="api", limit=30, keys=True, rate_limits=per_key
+        )
+    assert len(again) == 6
+
+
 @pytest.mark.parametrize(
     ("make", "says"),
     [
@@ -127,6 +165,7 @@ def test_queue_limits_and_ordering_keys_apply_within_a_rate_limit(
         (lambda: RateLimit(5, per=0), "more than 0"),
         (lambda: RateLimit(5, per=float("nan")), "more than 0"),
         (lambda: RateLimit(5, per=timedelta(days=2)), "at most a day"),
+        (lambda: RateLimit(5, per_key=1), "True or False"),
         (lambda: RateLimit(5, per="1s"), "a timedelta or seconds"),  # type: ignore[arg-type]
         (lambda: Registry(EmailJob, rate_limits={"api": 5}), "must be a RateLimit"),  # type: ignore[dict-item]
         (lambda: Registry(EmailJob, rate_limits={"bad queue!": RateLimit(5)}), "rate_limits"),
@@ -219,13 +258,82 @@ def test_four_worker_processes_hold_the_limit_in_every_sliding_second(
     assert attempts == 1  # no attempt ran twice (none lost its lease)
 
 
-def ran_for(engine: sa.Engine) -> float:
-    """Seconds of the database's clock since the first attempt started (0.0 before)."""
+def ran_for(engine: sa.Engine, queue: str = "rated") -> float:
+    """Seconds of the database's clock since the first attempt of ``queue`` started (0.0
+    before)."""
     with engine.connect() as connection:
         seconds = connection.execute(
             sa.text(
                 "SELECT coalesce(date_part('epoch', now() - min(attempted_at)), 0) "
-                "FROM email_jobs WHERE queue = 'rated'"
-            )
+                "FROM email_jobs WHERE queue = :queue"
+            ),
+            {"queue": queue},
         ).scalar_one()
     return float(seconds)
+
+
+@pytest.mark.slow
+def test_four_worker_processes_hold_a_per_key_limit_for_each_of_100_keys(
+    queue_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """The same with a limit per ordering key: 100 keys, 5 starts a second each (500 a
+    second in all). From SQL: no key's sliding second holds more than 5 of its starts, and
+    in all they started at least 0.95 of 500 a second over the run's whole seconds."""
+    per_key = int(KEY_LIMIT * (PROOF_SECONDS + 5))
+    with queue_engine.begin() as connection:
+        connection.execute(
+            sa.text(
+                "INSERT INTO email_jobs (queue, task, ordering_key, key_limit) "
+                "SELECT 'keyed', 'keyed_tick', 'key-' || (n % :keys), :key_limit "
+                "FROM generate_series(1, :n) AS n"
+            ),
+            {"keys": KEYS, "key_limit": KEY_LIMIT, "n": per_key * KEYS},
+        )
+    url = queue_engine.url.render_as_string(hide_password=False)
+    workers = Workers(url, tmp_path)
+    try:
+        for _ in range(PROCESSES):
+            workers.start(
+                queues="keyed",
+                concurrency=16,
+                poll_interval="1s",
+                target="rate_tasks:keyed_registry",
+            )
+        wait_until(
+            lambda: ran_for(queue_engine, "keyed") >= PROOF_SECONDS + 0.5,
+            timeout=PROOF_SECONDS + 120,
+            message=f"the workers started jobs for {PROOF_SECONDS} s",
+        )
+        for process in workers.started:
+            assert process.stop(30) == 0, process.log_text()[-3000:]
+    finally:
+        workers.close()
+    with queue_engine.connect() as connection:
+        busiest, keys, started = connection.execute(
+            sa.text(
+                """
+                WITH starts AS (
+                    SELECT ordering_key AS k, attempted_at AS t FROM email_jobs
+                    WHERE queue = 'keyed' AND attempted_at IS NOT NULL
+                ), first AS (SELECT min(t) AS t0 FROM starts)
+                SELECT
+                    (SELECT max(n) FROM (
+                        SELECT count(*) OVER (
+                            PARTITION BY k ORDER BY t RANGE BETWEEN CURRENT ROW
+                            AND interval '999999 microseconds' FOLLOWING
+                        ) AS n FROM starts
+                    ) AS windows),
+                    (SELECT count(DISTINCT k) FROM starts),
+                    (SELECT count(*) FROM starts, first
+                     WHERE t < t0 + make_interval(secs => :seconds))
+                """
+            ),
+            {"seconds": PROOF_SECONDS},
+        ).one()
+    print(
+        f"busiest key second: {busiest} starts; {keys} keys; "
+        f"{started} in the first {PROOF_SECONDS:g} s"
+    )
+    assert keys == KEYS
+    assert busiest <= KEY_LIMIT
+    assert started >= 0.95 * KEY_LIMIT * KEYS * PROOF_SECONDS

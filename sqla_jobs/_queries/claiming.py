@@ -12,6 +12,7 @@ argument checks above the layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 from sqlalchemy import Table
@@ -25,7 +26,14 @@ from sqla_jobs._queries.keyed import (
     LockKeysParams,
     WalkKeysParams,
 )
-from sqla_jobs._queries.rates import LOCK_RATES, LOG_STARTS, RATE_ALLOWANCES, LogStartsParams
+from sqla_jobs._queries.rates import (
+    LOCK_RATES,
+    LOG_KEY_STARTS,
+    LOG_STARTS,
+    RATE_ALLOWANCES,
+    LogKeyStartsParams,
+    LogStartsParams,
+)
 from sqla_jobs._queries.rows import ClaimRow, LockKeysRow, WalkKeysRow
 from sqla_jobs._queries.run import Executor
 from sqla_jobs.schema import JobStatus
@@ -51,7 +59,11 @@ KEY_CLAIM_MAX: Final = 16
 #: How soon (seconds) a rate-limited queue that another claim was rating may be tried again:
 #: that claim holds the queue's rate lock for one short transaction.
 RATE_RETRY: Final = 0.01
+#: How soon, as a fraction of its window, a keyed claim with per-key rate limits that came
+#: back short looks again: its keys' windows free one start at a time.
+KEY_RATE_POLL: Final = 0.02
 
+_ID: Final = ClaimRow._fields.index("id")
 _STATUS: Final = ClaimRow._fields.index("status")
 _RUNNING: Final = JobStatus.RUNNING.value
 
@@ -76,6 +88,7 @@ def claim_rows(
     keys: bool,
     limited: dict[str, int],
     rated: dict[str, tuple[int, float]] | None = None,
+    key_rated: dict[str, tuple[int, float]] | None = None,
 ) -> ClaimedRows:
     """The rows of one claim (:class:`~sqla_jobs._queries.rows.ClaimRow`'s columns, as
     tuples): the rate-limited queues' first (``rated``: queue name to its limit and window
@@ -86,7 +99,9 @@ def claim_rows(
     A rate-limited queue is claimed from under its rate lock, after reading its allowance,
     and what the claim started is logged after it (:mod:`sqla_jobs._queries.rates`, whose
     :func:`~sqla_jobs._queries.rates.log_starts` states the rule); a queue another claim is
-    rating is skipped this round."""
+    rating is skipped this round. ``key_rated`` (queue name to limit and window): each
+    ordering key of the queue has its own window, counted by the keyed claim under the key's
+    lock and logged after it (:func:`~sqla_jobs._queries.rates.log_key_starts`)."""
     rows: list[Any] = []
     wait: float | None = None
     rated_here = [name for name in queue_names if rated and name in rated]
@@ -120,6 +135,7 @@ def claim_rows(
                     worker=worker,
                     keys=keys,
                     limited={name: limited[name]} if name in limited else {},
+                    key_rated=key_rated,
                 ).rows
                 started = sum(1 for row in got if row[_STATUS] == _RUNNING)
                 if started:
@@ -140,10 +156,46 @@ def claim_rows(
         if not queue_names or len(rows) >= limit:
             return ClaimedRows(rows, wait)
         limit -= len(rows)
-    rows.extend(
-        _claim_limited(executor, table, queue_names, limit, lease_seconds, worker, keys, limited)
+    keyed_rates = _KeyRates.of(key_rated, queue_names) if keys else None
+    got = _claim_limited(
+        executor, table, queue_names, limit, lease_seconds, worker, keys, limited, keyed_rates
     )
+    rows.extend(got)
+    if keyed_rates is not None and len(got) < limit:
+        # Keys held back by their windows free as their starts age: look again soon (a
+        # fraction of the shortest window), not at the next poll.
+        soon = max(KEY_RATE_POLL * min(keyed_rates.windows), RATE_RETRY)
+        wait = soon if wait is None else min(wait, soon)
     return ClaimedRows(rows, wait)
+
+
+@dataclass(frozen=True)
+class _KeyRates:
+    """The per-key rate limits of the queues a keyed claim serves: the rated keyed claim's
+    parameters (:func:`~sqla_jobs._queries.claim_keyed` ``rated``)."""
+
+    queues: list[str]
+    limits: list[int]
+    windows: list[float]
+
+    @classmethod
+    def of(
+        cls, key_rated: dict[str, tuple[int, float]] | None, queue_names: list[str]
+    ) -> _KeyRates | None:
+        served = [name for name in queue_names if key_rated and name in key_rated]
+        if not key_rated or not served:
+            return None
+        return cls(
+            served, [key_rated[name][0] for name in served], [key_rated[name][1] for name in served]
+        )
+
+    def serving(self, queue_names: list[str]) -> _KeyRates | None:
+        """These limits, for a claim of ``queue_names`` (None when it serves none of them)."""
+        served = [name for name in self.queues if name in queue_names]
+        if not served:
+            return None
+        index = [self.queues.index(name) for name in served]
+        return _KeyRates(served, [self.limits[i] for i in index], [self.windows[i] for i in index])
 
 
 def _claim_limited(
@@ -155,11 +207,12 @@ def _claim_limited(
     worker: str,
     keys: bool,
     limited: dict[str, int],
+    rates: _KeyRates | None = None,
 ) -> list[Any]:
     # The limited queues' rows first, each up to its free slots, then the others'.
     params: ClaimParams = {"limit": limit, "lease_seconds": lease_seconds, "worker": worker}
     if not limited:
-        return _claim_from(executor, table, params, queue_names, keys)
+        return _claim_from(executor, table, params, queue_names, keys, rates=rates)
     rows: list[Any] = []
     # A keyed claim takes each queue's lock with its keys; a plain one all of them at once.
     served = list(limited)
@@ -169,11 +222,11 @@ def _claim_limited(
     for name in served:
         if len(rows) < limit:
             room = params | {"limit": limit - len(rows), "queue_slots": limited[name]}
-            rows.extend(_claim_from(executor, table, room, [name], keys, limited=True))
+            rows.extend(_claim_from(executor, table, room, [name], keys, limited=True, rates=rates))
     others = [name for name in queue_names if name not in limited]
     if others and len(rows) < limit:
         rest = params | {"limit": limit - len(rows)}
-        rows.extend(_claim_from(executor, table, rest, others, keys))
+        rows.extend(_claim_from(executor, table, rest, others, keys, rates=rates))
     return rows
 
 
@@ -209,12 +262,15 @@ def _claim_from(
     queue_names: list[str],
     keys: bool,
     limited: bool = False,
+    rates: _KeyRates | None = None,
 ) -> list[Any]:
     """The rows of a claim from ``queue_names``: keyed jobs first (``keys``), then plain
     ones up to the limit. ``limited``: one queue with a concurrency limit
     (``params["queue_slots"]``), whose lock this transaction holds (a plain claim), or takes
     with its keys (a keyed claim: nothing if another claim holds it); each claim statement
-    counts the free slots (:func:`~sqla_jobs._queries.limited_count`)."""
+    counts the free slots (:func:`~sqla_jobs._queries.limited_count`). ``rates``: per-key
+    rate limits, kept by each keyed claim statement and logged after it
+    (:func:`_claim_keyed`)."""
     params = params.copy()
     params.pop("queue_name", None)
     params.pop("queue_names", None)
@@ -223,6 +279,7 @@ def _claim_from(
     if not keys:
         return list(CLAIM.tuples(executor, table, params, **options))
     limit = params["limit"]
+    serving = None if rates is None else rates.serving(queue_names)
     lock_params, lock_options = key_lock_params(queue_names, limit)
     if limited:
         lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
@@ -269,7 +326,7 @@ def _claim_from(
         further = found.reached  # it stopped at enough keys, not at the end of what it sees
     rows: list[Any] = []
     if count:
-        rows.extend(CLAIM_KEYED.tuples(executor, table, keyed, limited=limited))
+        rows.extend(_claim_keyed(executor, table, keyed, limited, serving))
     if further and len(rows) < limit:
         # The keys locked were busy (their jobs in progress fill their limits): look
         # further once, past the keys that are busy too, and claim from the keys found alone.
@@ -279,8 +336,37 @@ def _claim_from(
         if WalkKeysRow._make(row).locked:
             # (A limited queue's free slots are counted anew: what this claim took counts.)
             more = keyed | {"limit": limit - len(rows)}
-            rows.extend(CLAIM_KEYED.tuples(executor, table, more, limited=limited))
+            rows.extend(_claim_keyed(executor, table, more, limited, serving))
     if len(rows) < limit:
         rest = params | {"limit": limit - len(rows)}
         rows.extend(CLAIM.tuples(executor, table, rest, **options))
+    return rows
+
+
+def _claim_keyed(
+    executor: Executor,
+    table: Table,
+    params: ClaimKeyedParams,
+    limited: bool,
+    rates: _KeyRates | None,
+) -> list[Any]:
+    """One keyed claim statement; with per-key rate limits (``rates``), the rated one, and
+    then its starts logged per key before anything else of the claim runs (the rule of
+    :func:`~sqla_jobs._queries.rates.log_key_starts`)."""
+    if rates is None:
+        return list(CLAIM_KEYED.tuples(executor, table, params, limited=limited))
+    rated: ClaimKeyedParams = params | {
+        "rate_queues": rates.queues,
+        "rate_limits": rates.limits,
+        "rate_windows": rates.windows,
+    }
+    rows = list(CLAIM_KEYED.tuples(executor, table, rated, limited=limited, rated=True))
+    started = [row[_ID] for row in rows if row[_STATUS] == _RUNNING]
+    if started:
+        log: LogKeyStartsParams = {
+            "job_ids": started,
+            "rate_queues": rates.queues,
+            "rate_windows": rates.windows,
+        }
+        LOG_KEY_STARTS.result(executor, table, log)
     return rows

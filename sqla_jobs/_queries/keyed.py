@@ -9,6 +9,7 @@ from typing import Any, Final, TypedDict
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    Float,
     Integer,
     Table,
     Text,
@@ -33,6 +34,7 @@ from sqla_jobs._queries.run import Query, json_text_on_asyncpg
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.schema.pauses import paused_predicate
+from sqla_jobs.schema.rates import rate_table_name
 
 # -- the keyed claim -------------------------------------
 
@@ -384,8 +386,19 @@ FROM l"""
     return text(sql).bindparams(*params)
 
 
+def _rate_params() -> list[BindParameter[Any]]:
+    # The parameters of a rated keyed claim: the queues with per-key rate limits.
+    return [
+        bindparam("rate_queues", type_=ARRAY(Text)),
+        bindparam("rate_limits", type_=ARRAY(Integer)),
+        bindparam("rate_windows", type_=ARRAY(Float)),
+    ]
+
+
 @json_text_on_asyncpg
-def claim_keyed(table: Table, *, limited: bool = False, json_text: bool = False) -> Update:
+def claim_keyed(
+    table: Table, *, limited: bool = False, rated: bool = False, json_text: bool = False
+) -> Update:
     """Claim up to ``:limit`` jobs of the ordering keys that :func:`lock_keys` locked earlier
     in this transaction (and left in :data:`LOCKED_KEYS`, with their limits in
     :data:`LOCKED_KEY_LIMITS`; none if it did not run) from the queues in
@@ -429,8 +442,16 @@ def claim_keyed(table: Table, *, limited: bool = False, json_text: bool = False)
     free slots are claimed (:func:`limited_count`, counted in this statement; ``:queue_name``
     names the queue, ``:queue_names`` holds it alone).
 
+    ``rated`` (per-key rate limits, :class:`~sqla_jobs.RateLimit` ``per_key``): a key of a
+    queue in ``:rate_queues`` (with its ``:rate_limits`` and ``:rate_windows``, seconds)
+    starts at most what its window still allows, its limit less the starts its row of the
+    rate table logged in the window (:func:`~sqla_jobs._queries.rates.log_key_starts`, which
+    the caller runs after this statement; its key's lock makes the count exact, as for the
+    ``key_limit``).
+
     Parameters: ``:queue_names`` (an array), ``:limit``, ``:per_key``, ``:lease_seconds``,
-    ``:worker`` (and ``:queue_name``, ``:queue_slots``).
+    ``:worker`` (and ``:queue_name``, ``:queue_slots``; ``:rate_queues``, ``:rate_limits``,
+    ``:rate_windows``).
     """
     t = qualified_name(table.name, table.schema)
     pending, running = JobStatus.PENDING.value, JobStatus.RUNNING.value
@@ -439,6 +460,24 @@ def claim_keyed(table: Table, *, limited: bool = False, json_text: bool = False)
         "j.run_at, j.lease_expires_at, j.key_limit"
     )
     now = "statement_timestamp()"
+    allowance = ""
+    rate_cte = ""
+    if rated:
+        # Each member key's room in its rate limit's window (keys of queues without one: none).
+        rate_cte = f""", allowed AS MATERIALIZED (
+    SELECT k.queue, k.ordering_key, q.lim - coalesce((
+        SELECT sum(u.c) FROM {rate_table_name(table)} AS x, unnest(x.starts, x.counts) AS u (s, c)
+        WHERE x.queue = k.queue AND x.key = k.ordering_key
+          AND u.s > {now} - make_interval(secs => q.win)
+    ), 0) AS room
+    FROM (SELECT DISTINCT m.queue, m.ordering_key FROM member AS m) AS k
+    JOIN unnest(CAST(:rate_queues AS text[]), CAST(:rate_limits AS integer[]),
+                CAST(:rate_windows AS float8[])) AS q (name, lim, win) ON q.name = k.queue
+)"""
+        allowance = """
+      AND r.place <= coalesce((SELECT a.room FROM allowed AS a
+                               WHERE a.queue = r.queue AND a.ordering_key = r.ordering_key),
+                              r.place)"""
     chosen = (
         text(
             f"""WITH member AS MATERIALIZED (
@@ -464,7 +503,7 @@ def claim_keyed(table: Table, *, limited: bool = False, json_text: bool = False)
     )
       AND j.status = '{running}' AND j.lease_expires_at <= {now}
     FOR UPDATE OF j SKIP LOCKED
-), staged AS (
+){rate_cte}, staged AS (
     SELECT m.*, CASE
         WHEN m.id IN (SELECT free.id FROM free) THEN 0
         WHEN m.status = '{running}' THEN NULL
@@ -483,7 +522,8 @@ def claim_keyed(table: Table, *, limited: bool = False, json_text: bool = False)
 ), chosen AS (
     SELECT r.row FROM ranked AS r
     WHERE r.stage IS NOT NULL AND r.held + r.place <= coalesce(r.key_limit, 1)
-      AND r.queue = ANY (CAST(:queue_names AS text[])) AND NOT {paused_predicate(table, "r.queue")}
+      AND r.queue = ANY (CAST(:queue_names AS text[]))
+      AND NOT {paused_predicate(table, "r.queue")}{allowance}
     ORDER BY r.priority, r.run_at, r.id
     LIMIT {limited_count(table) if limited else ":limit"}
 )
@@ -497,6 +537,7 @@ FOR UPDATE OF j SKIP LOCKED"""
             bindparam("queue_names", type_=ARRAY(Text)),
             bindparam("per_key", type_=Integer),
             *(_limited_params() if limited else [bindparam("limit", type_=Integer)]),
+            *(_rate_params() if rated else []),
         )
         .columns(column("id", BigInteger), column("row"))
         .cte("claimable")
@@ -544,10 +585,13 @@ class _ClaimKeyedRequired(TypedDict):
 
 class ClaimKeyedParams(_ClaimKeyedRequired, total=False):
     """:func:`claim_keyed`'s parameters (a limited queue's also ``queue_name`` and
-    ``queue_slots``)."""
+    ``queue_slots``; a rated claim's ``rate_queues``, ``rate_limits``, ``rate_windows``)."""
 
     queue_name: str
     queue_slots: int
+    rate_queues: list[str]
+    rate_limits: list[int]
+    rate_windows: list[float]
 
 
 LOCK_KEYS: Final = Query(lock_keys, LockKeysParams, LockKeysRow)

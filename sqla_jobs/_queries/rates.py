@@ -12,30 +12,32 @@ from __future__ import annotations
 
 from typing import Final, NamedTuple, TypedDict
 
-from sqlalchemy import Float, Integer, Table, Text, TextClause, bindparam, text
+from sqlalchemy import BigInteger, Float, Integer, Table, Text, TextClause, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from sqla_jobs._queries.claims import LockedQueueRow, QueueNamesParams, _lock_space
 from sqla_jobs._queries.run import Query
 from sqla_jobs.ddl import qualified_name
-from sqla_jobs.schema.rates import rate_names
+from sqla_jobs.schema.rates import rate_table_name
 
 __all__ = [
     "LOCK_RATES",
+    "LOG_KEY_STARTS",
     "LOG_STARTS",
     "RATE_ALLOWANCES",
     "AllowanceRow",
+    "LogKeyStartsParams",
     "LogStartsParams",
     "RateParams",
     "lock_rates",
+    "log_key_starts",
     "log_starts",
     "rate_allowances",
     "rate_lock_space",
 ]
 
 
-def _rates(table: Table) -> str:
-    return qualified_name(rate_names(table.name).table, table.schema)
+_rates = rate_table_name
 
 
 def rate_lock_space(table: Table) -> int:
@@ -117,6 +119,49 @@ ON CONFLICT (queue, key) DO UPDATE SET (starts, counts) = (
     )
 
 
+def log_key_starts(table: Table) -> TextClause:
+    """Log the attempts a keyed claim with per-key rate limits started (the jobs
+    ``:job_ids``), per queue and ordering key, for the queues of ``:rate_queues`` (with their
+    windows, ``:rate_windows``, seconds), at this statement's time, and drop what left each
+    key's window: the key's row of the rate table, made on its first use.
+
+    The rule of :func:`log_starts`, per key: the key's lock (taken before the keyed claim,
+    :func:`~sqla_jobs._queries.lock_keys`) makes its claimers take turns, the keyed claim
+    (:func:`~sqla_jobs._queries.claim_keyed` ``rated``) counts the key's window after that
+    lock was granted, and this statement runs after it, before the claim commits (and
+    before another keyed claim of the same transaction). Reads the jobs by primary key."""
+    t = qualified_name(table.name, table.schema)
+    return text(
+        f"""INSERT INTO {_rates(table)} AS r (queue, key, starts, counts)
+SELECT j.queue, j.ordering_key, ARRAY[statement_timestamp()], ARRAY[count(*)::integer]
+FROM {t} AS j
+WHERE j.id = ANY (CAST(:job_ids AS bigint[])) AND j.ordering_key IS NOT NULL
+  AND j.queue = ANY (CAST(:rate_queues AS text[]))
+GROUP BY j.queue, j.ordering_key
+ORDER BY j.queue, j.ordering_key
+ON CONFLICT (queue, key) DO UPDATE SET (starts, counts) = (
+    SELECT coalesce(array_agg(u.s ORDER BY u.s), '{{}}'),
+           coalesce(array_agg(u.c ORDER BY u.s), '{{}}')
+    FROM unnest(r.starts || excluded.starts, r.counts || excluded.counts) AS u (s, c)
+    WHERE u.s > statement_timestamp() - make_interval(secs => (
+        SELECT q.win
+        FROM unnest(CAST(:rate_queues AS text[]), CAST(:rate_windows AS float8[])) AS q (name, win)
+        WHERE q.name = r.queue
+    ))
+)"""
+    ).bindparams(
+        bindparam("job_ids", type_=ARRAY(BigInteger)),
+        bindparam("rate_queues", type_=ARRAY(Text)),
+        bindparam("rate_windows", type_=ARRAY(Float)),
+    )
+
+
+class LogKeyStartsParams(TypedDict):
+    job_ids: list[int]
+    rate_queues: list[str]
+    rate_windows: list[float]
+
+
 class RateParams(TypedDict):
     """The rate-limited queues, their limits and windows (seconds), in one order."""
 
@@ -142,3 +187,6 @@ class LogStartsParams(TypedDict):
 LOCK_RATES: Final = Query(lock_rates, QueueNamesParams, LockedQueueRow)
 RATE_ALLOWANCES: Final = Query(rate_allowances, RateParams, AllowanceRow)
 LOG_STARTS: Final[Query[LogStartsParams, tuple[()]]] = Query(log_starts, LogStartsParams)
+LOG_KEY_STARTS: Final[Query[LogKeyStartsParams, tuple[()]]] = Query(
+    log_key_starts, LogKeyStartsParams
+)

@@ -144,7 +144,10 @@ def claim(
     :func:`~sqla_jobs.migrations.create_rate_table`), claims at most that, and logs what it
     started there: three more statements in the caller's transaction
     (:mod:`sqla_jobs._queries.rates`). Rate-limited queues are served first; queue limits
-    and ordering keys apply within them too.
+    and ordering keys apply within them too. A limit ``per_key`` is each ordering key's:
+    the keyed claim (``keys=True``) starts at most what the key's own window allows, under
+    the key's lock, and logs its starts per key after each keyed claim statement; the
+    queue's jobs without a key are not limited.
 
     **Paused queues** (:func:`~sqla_jobs.pause_queue`) are skipped by every form above: the
     claim statements read the table's pause table themselves, so a queue paused (or
@@ -195,11 +198,13 @@ def claim_waiting(
         limits = validation.check_queue_limits("queue_limits", queue_limits)
         limited = {name: limits[name] for name in queue_names if name in limits}
     rated: dict[str, tuple[int, float]] = {}
+    key_rated: dict[str, tuple[int, float]] = {}
     if rate_limits is not None:
         rates = validation.check_rate_limits("rate_limits", rate_limits)
-        rated = {
-            name: (rates[name].limit, rates[name].seconds) for name in queue_names if name in rates
-        }
+        for name in queue_names:
+            if name in rates:
+                rate = rates[name]
+                (key_rated if rate.per_key else rated)[name] = (rate.limit, rate.seconds)
     claiming = functools.partial(
         claim_rows,
         table=table,
@@ -210,6 +215,7 @@ def claim_waiting(
         keys=keys,
         limited=limited,
         rated=rated,
+        key_rated=key_rated,
     )
     if hold:
         engine = first_step_engine(session, model, call="claim(hold=True)", step="the attempt")

@@ -37,10 +37,11 @@ from sqlalchemy import (
 )
 
 from sqla_jobs import validation
+from sqla_jobs.ddl import qualified_name
 from sqla_jobs.naming import identifier
 from sqla_jobs.schema import job_table_of
 
-__all__ = ["RATE_COLUMNS", "RateNames", "rate_names", "rate_table"]
+__all__ = ["RATE_COLUMNS", "RateNames", "rate_names", "rate_table", "rate_table_name"]
 
 #: The rate table's columns, in order.
 RATE_COLUMNS: Final = ("queue", "key", "starts", "counts")
@@ -60,6 +61,11 @@ def rate_names(job_table: str) -> RateNames:
     like :func:`sqla_jobs.names` past PostgreSQL's 63 bytes)."""
     table = identifier(job_table, "rates")
     return RateNames(job_table=job_table, table=table, primary_key=identifier(table, "pkey"))
+
+
+def rate_table_name(job_table: Table) -> str:
+    """The rate table of ``job_table``, qualified and quoted for SQL text."""
+    return qualified_name(rate_names(job_table.name).table, job_table.schema)
 
 
 def rate_table(model: type[Any] | Table) -> Table:
