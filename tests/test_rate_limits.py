@@ -165,7 +165,7 @@ def test_a_per_key_limit_gives_each_ordering_key_its_own_window(
         (lambda: RateLimit(5, per=0), "more than 0"),
         (lambda: RateLimit(5, per=float("nan")), "more than 0"),
         (lambda: RateLimit(5, per=timedelta(days=2)), "at most a day"),
-        (lambda: RateLimit(5, per_key=1), "True or False"),
+        (lambda: RateLimit(5, per_key=1), "True or False"),  # type: ignore[arg-type]
         (lambda: RateLimit(5, per="1s"), "a timedelta or seconds"),  # type: ignore[arg-type]
         (lambda: Registry(EmailJob, rate_limits={"api": 5}), "must be a RateLimit"),  # type: ignore[dict-item]
         (lambda: Registry(EmailJob, rate_limits={"bad queue!": RateLimit(5)}), "rate_limits"),
