@@ -246,6 +246,9 @@ SLOW_PROOFS = [
     "--deselect=tests/test_periodic.py::test_three_workers_run_a_per_second_schedule_once_per_slot",
     "--deselect=tests/test_limited_workers.py::test_four_workers_of_eight_never_run_more_than_the_queue_limit",
     "--deselect=tests/test_keyed_workers.py::test_four_workers_of_eight_never_run_more_than_three_of_a_key",
+    "--deselect=tests/test_rate_limits.py::test_four_worker_processes_hold_the_limit_in_every_sliding_second",
+    "--deselect=tests/test_rate_limits.py::test_four_worker_processes_hold_a_per_key_limit_for_each_of_100_keys",
+    "--deselect=tests/test_debounce.py::test_concurrent_bursts_with_rollbacks_run_once_each",
 ]
 
 

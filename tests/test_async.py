@@ -147,10 +147,13 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
             variants = [options | {"rows": 64} for options in variants]
         if "busy" in parameters:  # walk_keys after a short claim
             variants += [options | {"busy": True} for options in variants]
+        if "rated" in parameters:  # claim_keyed with per-key rate limits
+            variants += [options | {"rated": True} for options in variants]
         if "json_text" in parameters:  # a claim on asyncpg reads jsonb as text
             variants += [options | {"json_text": True} for options in variants]
         known = set(tables) | {
-            *("queue_count", "limited", "rows", "local", "name", "history", "busy", "json_text")
+            *("queue_count", "limited", "rows", "local", "name", "history", "busy", "json_text"),
+            "rated",
         }
         assert set(parameters) <= known, f"{name}: teach this test its parameters"
         for options in variants:

@@ -14,12 +14,12 @@ names exactly one attempt. Every transition of a running job matches on that pai
 ``status = 'running'``; a stale attempt (its lease expired and another worker claimed the
 job) matches zero rows.
 
-The builders live in five modules, all re-exported here: :mod:`.enqueueing` (enqueue,
-unique enqueue, periodic slots), :mod:`.claims` (the plain claim, the limited claim of
-queue limits), :mod:`.keyed` (the keyed claim of ordering keys: lock, walk, claim),
-:mod:`.outcomes` (what an attempt and
-a job become: lock, complete, fail, heartbeat, release, retry, cancel, delete) and
-:mod:`.admin` (status, pruning, vacuum, statistics, the worker's runtime). What they share
+The builders live in six modules, all re-exported here: :mod:`.enqueueing` (enqueue,
+unique and debounced enqueue, periodic slots), :mod:`.claims` (the plain claim, the limited
+claim of queue limits), :mod:`.rates` (the rate table of rate limits), :mod:`.keyed` (the
+keyed claim of ordering keys: lock, walk, claim), :mod:`.outcomes` (what an attempt and a job
+become: lock, complete, fail, heartbeat, release, retry, cancel, delete) and :mod:`.admin`
+(status, pruning, vacuum, statistics, the worker's runtime). What they share
 (status literals, the database's clock, the fence of an attempt) is in :mod:`._sql`.
 """
 
@@ -63,6 +63,7 @@ from sqla_jobs._queries.enqueueing import (
     UNIQUE_COLUMNS,
     database_now,
     enqueue_columns,
+    enqueue_debounced,
     enqueue_many,
     enqueue_unique,
     schedule_advance,
@@ -96,6 +97,13 @@ from sqla_jobs._queries.outcomes import (
     retry,
     store_results,
 )
+from sqla_jobs._queries.rates import (
+    lock_rates,
+    log_key_starts,
+    log_starts,
+    rate_allowances,
+    rate_lock_space,
+)
 
 __all__ = [
     "CANCEL_PAYLOAD_PREFIX",
@@ -125,6 +133,7 @@ __all__ = [
     "dead_rows",
     "delete_job",
     "enqueue_columns",
+    "enqueue_debounced",
     "enqueue_many",
     "enqueue_unique",
     "fail",
@@ -135,12 +144,17 @@ __all__ = [
     "lock",
     "lock_keys",
     "lock_queues",
+    "lock_rates",
+    "log_key_starts",
+    "log_starts",
     "oldest_xmin",
     "own_columns",
     "ping",
     "prune",
     "queue_lock_space",
     "queue_stats",
+    "rate_allowances",
+    "rate_lock_space",
     "release",
     "request_cancel",
     "reset_setting",
