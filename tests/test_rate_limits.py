@@ -218,22 +218,7 @@ def test_four_worker_processes_hold_the_limit_in_every_sliding_second(
             ),
             {"n": total},
         )
-    url = queue_engine.url.render_as_string(hide_password=False)
-    workers = Workers(url, tmp_path)
-    try:
-        for _ in range(PROCESSES):
-            workers.start(
-                queues="rated", concurrency=8, poll_interval="1s", target="rate_tasks:registry"
-            )
-        wait_until(
-            lambda: ran_for(queue_engine) >= PROOF_SECONDS + 0.5,
-            timeout=PROOF_SECONDS + 120,
-            message=f"the workers started jobs for {PROOF_SECONDS} s",
-        )
-        for process in workers.started:
-            assert process.stop(30) == 0, process.log_text()[-3000:]
-    finally:
-        workers.close()
+    run_workers(queue_engine, tmp_path, "rated", "rate_tasks:registry", concurrency=8)
     with queue_engine.connect() as connection:
         busiest, started = connection.execute(
             sa.text(
@@ -264,7 +249,29 @@ def test_four_worker_processes_hold_the_limit_in_every_sliding_second(
     assert attempts == 1  # no attempt ran twice (none lost its lease)
 
 
-def ran_for(engine: sa.Engine, queue: str = "rated") -> float:
+def run_workers(
+    engine: sa.Engine, directory: Path, queue: str, target: str, *, concurrency: int
+) -> None:
+    """Run :data:`PROCESSES` ``sqla-jobs worker`` processes of ``target`` on ``queue`` until
+    its first attempt started :data:`PROOF_SECONDS` ago (by the database's clock), then
+    stop them gracefully (each must exit 0)."""
+    url = engine.url.render_as_string(hide_password=False)
+    workers = Workers(url, directory)
+    try:
+        for _ in range(PROCESSES):
+            workers.start(queues=queue, concurrency=concurrency, poll_interval="1s", target=target)
+        wait_until(
+            lambda: ran_for(engine, queue) >= PROOF_SECONDS + 0.5,
+            timeout=PROOF_SECONDS + 120,
+            message=f"the workers started jobs for {PROOF_SECONDS} s",
+        )
+        for process in workers.started:
+            assert process.stop(30) == 0, process.log_text()[-3000:]
+    finally:
+        workers.close()
+
+
+def ran_for(engine: sa.Engine, queue: str) -> float:
     """Seconds of the database's clock since the first attempt of ``queue`` started (0.0
     before)."""
     with engine.connect() as connection:
@@ -296,25 +303,7 @@ def test_four_worker_processes_hold_a_per_key_limit_for_each_of_100_keys(
             ),
             {"keys": KEYS, "key_limit": KEY_LIMIT, "n": per_key * KEYS},
         )
-    url = queue_engine.url.render_as_string(hide_password=False)
-    workers = Workers(url, tmp_path)
-    try:
-        for _ in range(PROCESSES):
-            workers.start(
-                queues="keyed",
-                concurrency=16,
-                poll_interval="1s",
-                target="rate_tasks:keyed_registry",
-            )
-        wait_until(
-            lambda: ran_for(queue_engine, "keyed") >= PROOF_SECONDS + 0.5,
-            timeout=PROOF_SECONDS + 120,
-            message=f"the workers started jobs for {PROOF_SECONDS} s",
-        )
-        for process in workers.started:
-            assert process.stop(30) == 0, process.log_text()[-3000:]
-    finally:
-        workers.close()
+    run_workers(queue_engine, tmp_path, "keyed", "rate_tasks:keyed_registry", concurrency=16)
     with queue_engine.connect() as connection:
         busiest, keys, started = connection.execute(
             sa.text(

@@ -142,6 +142,7 @@ def claim_rows(
                     log: LogStartsParams = {
                         "queue_name": name,
                         "started": started,
+                        "rate_limit": rated[name][0],
                         "window": rated[name][1],
                     }
                     LOG_STARTS.result(executor, table, log)
@@ -366,6 +367,7 @@ def _claim_keyed(
         log: LogKeyStartsParams = {
             "job_ids": started,
             "rate_queues": rates.queues,
+            "rate_limits": rates.limits,
             "rate_windows": rates.windows,
         }
         LOG_KEY_STARTS.result(executor, table, log)

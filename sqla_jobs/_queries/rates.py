@@ -16,7 +16,7 @@ from sqlalchemy import BigInteger, Float, Integer, Table, Text, TextClause, bind
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from sqla_jobs._queries.claims import LockedQueueRow, QueueNamesParams, _lock_space
-from sqla_jobs._queries.run import Query
+from sqla_jobs._queries.run import NoParams, Query
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema.rates import rate_table_name
 
@@ -25,15 +25,18 @@ __all__ = [
     "LOG_KEY_STARTS",
     "LOG_STARTS",
     "RATE_ALLOWANCES",
+    "RATE_USAGE",
     "AllowanceRow",
     "LogKeyStartsParams",
     "LogStartsParams",
     "RateParams",
+    "RateUsageRow",
     "lock_rates",
     "log_key_starts",
     "log_starts",
     "rate_allowances",
     "rate_lock_space",
+    "rate_usage",
 ]
 
 
@@ -104,9 +107,13 @@ def log_starts(table: Table) -> TextClause:
     old by a later claimer's clock, when no later claimer would have counted it.
     """
     return text(
-        f"""INSERT INTO {_rates(table)} AS r (queue, key, starts, counts)
-VALUES (:queue_name, '', ARRAY[statement_timestamp()], ARRAY[CAST(:started AS integer)])
-ON CONFLICT (queue, key) DO UPDATE SET (starts, counts) = (
+        f"""INSERT INTO {_rates(table)} AS r
+    (queue, key, starts, counts, rate_limit, window_seconds)
+VALUES (:queue_name, '', ARRAY[statement_timestamp()], ARRAY[CAST(:started AS integer)],
+        CAST(:rate_limit AS integer), CAST(:window AS float8))
+ON CONFLICT (queue, key) DO UPDATE SET
+    rate_limit = excluded.rate_limit, window_seconds = excluded.window_seconds,
+    (starts, counts) = (
     SELECT coalesce(array_agg(u.s ORDER BY u.s), '{{}}'),
            coalesce(array_agg(u.c ORDER BY u.s), '{{}}')
     FROM unnest(r.starts || excluded.starts, r.counts || excluded.counts) AS u (s, c)
@@ -115,6 +122,7 @@ ON CONFLICT (queue, key) DO UPDATE SET (starts, counts) = (
     ).bindparams(
         bindparam("queue_name", type_=Text),
         bindparam("started", type_=Integer),
+        bindparam("rate_limit", type_=Integer),
         bindparam("window", type_=Float),
     )
 
@@ -132,14 +140,19 @@ def log_key_starts(table: Table) -> TextClause:
     before another keyed claim of the same transaction). Reads the jobs by primary key."""
     t = qualified_name(table.name, table.schema)
     return text(
-        f"""INSERT INTO {_rates(table)} AS r (queue, key, starts, counts)
-SELECT j.queue, j.ordering_key, ARRAY[statement_timestamp()], ARRAY[count(*)::integer]
+        f"""INSERT INTO {_rates(table)} AS r
+    (queue, key, starts, counts, rate_limit, window_seconds)
+SELECT j.queue, j.ordering_key, ARRAY[statement_timestamp()], ARRAY[count(*)::integer],
+    min(q.lim), min(q.win)
 FROM {t} AS j
+JOIN unnest(CAST(:rate_queues AS text[]), CAST(:rate_limits AS integer[]),
+            CAST(:rate_windows AS float8[])) AS q (name, lim, win) ON q.name = j.queue
 WHERE j.id = ANY (CAST(:job_ids AS bigint[])) AND j.ordering_key IS NOT NULL
-  AND j.queue = ANY (CAST(:rate_queues AS text[]))
 GROUP BY j.queue, j.ordering_key
 ORDER BY j.queue, j.ordering_key
-ON CONFLICT (queue, key) DO UPDATE SET (starts, counts) = (
+ON CONFLICT (queue, key) DO UPDATE SET
+    rate_limit = excluded.rate_limit, window_seconds = excluded.window_seconds,
+    (starts, counts) = (
     SELECT coalesce(array_agg(u.s ORDER BY u.s), '{{}}'),
            coalesce(array_agg(u.c ORDER BY u.s), '{{}}')
     FROM unnest(r.starts || excluded.starts, r.counts || excluded.counts) AS u (s, c)
@@ -152,13 +165,51 @@ ON CONFLICT (queue, key) DO UPDATE SET (starts, counts) = (
     ).bindparams(
         bindparam("job_ids", type_=ARRAY(BigInteger)),
         bindparam("rate_queues", type_=ARRAY(Text)),
+        bindparam("rate_limits", type_=ARRAY(Integer)),
         bindparam("rate_windows", type_=ARRAY(Float)),
     )
+
+
+def rate_usage(table: Table) -> TextClause:
+    """Each rate-limited queue's window now, from the rate table: ``queue``, ``limit`` and
+    ``window_seconds`` (as the last claim that logged there had them), ``started`` (the
+    attempts its queue-wide window holds now, by the database's clock; NULL for a per-key
+    limit), ``keys`` (the ordering keys with starts in their windows) and ``full_keys`` (those
+    whose windows are full: their jobs wait). One row per queue; reads the whole rate table
+    (a row per rate-limited queue, and per key of a per-key limit)."""
+    return text(
+        f"""SELECT r.queue, max(r.rate_limit) AS rate_limit,
+    max(r.window_seconds) AS window_seconds,
+    sum(w.started) FILTER (WHERE r.key = '')::integer AS started,
+    count(*) FILTER (WHERE r.key <> '' AND w.started > 0)::integer AS keys,
+    count(*) FILTER (WHERE r.key <> '' AND w.started >= r.rate_limit)::integer AS full_keys
+FROM {_rates(table)} AS r
+CROSS JOIN LATERAL (
+    SELECT coalesce(sum(u.c), 0) AS started
+    FROM unnest(r.starts, r.counts) AS u (s, c)
+    WHERE u.s > statement_timestamp() - make_interval(secs => r.window_seconds)
+) AS w
+WHERE r.rate_limit IS NOT NULL
+GROUP BY r.queue
+ORDER BY r.queue"""
+    )
+
+
+class RateUsageRow(NamedTuple):
+    """A rate-limited queue's window now (:func:`rate_usage`)."""
+
+    queue: str
+    rate_limit: int
+    window_seconds: float
+    started: int | None
+    keys: int
+    full_keys: int
 
 
 class LogKeyStartsParams(TypedDict):
     job_ids: list[int]
     rate_queues: list[str]
+    rate_limits: list[int]
     rate_windows: list[float]
 
 
@@ -181,12 +232,14 @@ class AllowanceRow(NamedTuple):
 class LogStartsParams(TypedDict):
     queue_name: str
     started: int
+    rate_limit: int
     window: float
 
 
 LOCK_RATES: Final = Query(lock_rates, QueueNamesParams, LockedQueueRow)
 RATE_ALLOWANCES: Final = Query(rate_allowances, RateParams, AllowanceRow)
 LOG_STARTS: Final[Query[LogStartsParams, tuple[()]]] = Query(log_starts, LogStartsParams)
+RATE_USAGE: Final = Query(rate_usage, NoParams, RateUsageRow)
 LOG_KEY_STARTS: Final[Query[LogKeyStartsParams, tuple[()]]] = Query(
     log_key_starts, LogKeyStartsParams
 )

@@ -18,7 +18,8 @@ _QUEUE_LENGTH = 200
 def create_rate_table(table_name: str, *, schema: str | None = None) -> sa.Table:
     """Create the rate table of job table ``table_name`` (``<table>_rates``: ``queue``
     varchar(200), ``key`` text NOT NULL DEFAULT '', ``starts`` timestamptz[] and ``counts``
-    integer[], both NOT NULL DEFAULT '{}', primary key ``(queue, key)``), empty. Needed by
+    integer[], both NOT NULL DEFAULT '{}', ``rate_limit`` integer and ``window_seconds``
+    double precision, primary key ``(queue, key)``), empty. Needed by
     workers that rate-limit a queue of the table (``Registry(rate_limits=...)``): they
     refuse to start without it.
 
@@ -45,6 +46,8 @@ def create_rate_table(table_name: str, *, schema: str | None = None) -> sa.Table
             nullable=False,
         ),
         sa.Column("counts", sa.ARRAY(sa.Integer()), server_default=sa.text("'{}'"), nullable=False),
+        sa.Column("rate_limit", sa.Integer(), nullable=True),
+        sa.Column("window_seconds", sa.Float(), nullable=True),
         sa.PrimaryKeyConstraint("queue", "key", name=n.primary_key),
         schema=schema,
         if_not_exists=True,

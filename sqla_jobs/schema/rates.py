@@ -10,6 +10,8 @@ derived from its name, in the same ``MetaData``; migrations create it with
         key    text NOT NULL DEFAULT '',         -- '' for the queue's own limit
         starts timestamptz[] NOT NULL DEFAULT '{}',  -- when each claim of the window ran
         counts integer[] NOT NULL DEFAULT '{}',      -- how many attempts each one started
+        rate_limit integer,                      -- the limit and window of the last claim
+        window_seconds double precision,         -- that logged (for status and metrics)
         PRIMARY KEY (queue, key)
     )
 
@@ -28,6 +30,7 @@ from sqlalchemy import (
     ARRAY,
     Column,
     DateTime,
+    Float,
     Integer,
     PrimaryKeyConstraint,
     String,
@@ -44,7 +47,7 @@ from sqla_jobs.schema import job_table_of
 __all__ = ["RATE_COLUMNS", "RateNames", "rate_names", "rate_table", "rate_table_name"]
 
 #: The rate table's columns, in order.
-RATE_COLUMNS: Final = ("queue", "key", "starts", "counts")
+RATE_COLUMNS: Final = ("queue", "key", "starts", "counts", "rate_limit", "window_seconds")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ def rate_table(model: type[Any] | Table) -> Table:
             server_default=text("'{}'"),
         ),
         Column("counts", ARRAY(Integer), nullable=False, server_default=text("'{}'")),
+        Column("rate_limit", Integer, nullable=True),
+        Column("window_seconds", Float, nullable=True),
         PrimaryKeyConstraint("queue", "key", name=n.primary_key),
         schema=job.schema,
         info={"sqla_jobs_rates_of": job.name},
