@@ -55,6 +55,7 @@ __all__ = [
     "paused_queues",
     "prune",
     "queue_stats",
+    "rate_usage",
     "release",
     "release_lease",
     "release_leases",
@@ -98,6 +99,7 @@ retry = _awaitable(queue.retry)
 cancel = _awaitable(queue.cancel)
 prune = _awaitable(queue.prune)
 queue_stats = _awaitable(queue.queue_stats)
+rate_usage = _awaitable(queue.rate_usage)
 pause_queue = _awaitable(queue.pause_queue)
 resume_queue = _awaitable(queue.resume_queue)
 paused_queues = _awaitable(queue.paused_queues)

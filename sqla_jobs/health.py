@@ -28,7 +28,7 @@ from sqla_jobs._queries.admin import OLDEST_XMIN, STATEMENT_TIMEOUT, TABLE_STATS
 from sqla_jobs._queries.history import DATABASE_NOW
 from sqla_jobs.errors import InvalidThresholdError
 from sqla_jobs.events import describe
-from sqla_jobs.queue import Executor, paused_queues, queue_stats
+from sqla_jobs.queue import Executor, paused_queues, queue_stats, rate_usage
 from sqla_jobs.schema import JobMixin, JobStatus
 
 __all__ = [
@@ -53,7 +53,11 @@ class QueueGauges:
     """One queue's live jobs. ``oldest_runnable_seconds``: how long the oldest pending job
     whose ``run_at`` has come has waited since (None when none has). ``paused``: the queue
     is paused (:func:`sqla_jobs.pause_queue`), for ``paused_seconds``: its runnable jobs
-    wait for the resume (a paused queue with no job is listed too)."""
+    wait for the resume (a paused queue with no job is listed too). ``rate_limit`` per
+    ``rate_window_seconds``: the queue's rate limit as its claims logged it
+    (:func:`sqla_jobs.rate_usage`; None without one), ``rate_started`` the attempts its
+    window holds now (None for a limit per key), ``rate_full_keys`` the keys whose windows
+    are full (a limit per key)."""
 
     queue: str
     pending: int = 0
@@ -64,6 +68,10 @@ class QueueGauges:
     oldest_runnable_seconds: float | None = None
     paused: bool = False
     paused_seconds: float | None = None
+    rate_limit: int | None = None
+    rate_window_seconds: float | None = None
+    rate_started: int | None = None
+    rate_full_keys: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +169,11 @@ def _float(value: Any) -> float | None:
 def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
     """Read every health gauge of ``model``'s job table, in the caller's transaction.
 
-    Five statements, none of which reads the finished history: :func:`~sqla_jobs.queue_stats`
-    (the pending, running and dead partial indexes, and the history's dead index for a model
-    with ``partitioned_history``), :func:`~sqla_jobs.paused_queues` (the pause table),
+    Five statements (seven with a rate table), none of which reads the finished history:
+    :func:`~sqla_jobs.queue_stats` (the pending, running and dead partial indexes, and the
+    history's dead index for a model with ``partitioned_history``),
+    :func:`~sqla_jobs.paused_queues` (the pause table), :func:`~sqla_jobs.rate_usage` (the
+    rate table, when there is one),
     :func:`sqla_jobs._queries.table_stats`
     (statistics and catalog), :func:`sqla_jobs._queries.oldest_xmin` (``pg_stat_activity``,
     ``pg_prepared_xacts``, ``pg_replication_slots``) and the database's clock. Takes no lock.
@@ -183,6 +193,10 @@ def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
     for pause in paused_queues(session, model):
         queue = counts.setdefault(pause.queue, {"queue": pause.queue})
         queue["paused"], queue["paused_seconds"] = True, pause.paused_seconds
+    for rate in rate_usage(session, model):
+        queue = counts.setdefault(rate.queue, {"queue": rate.queue})
+        queue["rate_limit"], queue["rate_window_seconds"] = rate.limit, rate.window_seconds
+        queue["rate_started"], queue["rate_full_keys"] = rate.started, rate.full_keys
     table = model.__table__  # type: ignore[attr-defined]
     (row,) = TABLE_STATS.rows(session, table, {})
     holders: dict[str, XminHolder] = {}

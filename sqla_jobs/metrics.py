@@ -200,6 +200,10 @@ def fold_queues(queues: Sequence[QueueGauges], labels: LabelValues) -> list[Queu
                 oldest_runnable_seconds=queue.oldest_runnable_seconds,
                 paused=queue.paused,
                 paused_seconds=queue.paused_seconds,
+                rate_limit=queue.rate_limit,
+                rate_window_seconds=queue.rate_window_seconds,
+                rate_started=queue.rate_started,
+                rate_full_keys=queue.rate_full_keys,
             )
             continue
         waits = (seen.oldest_runnable_seconds, queue.oldest_runnable_seconds)
@@ -213,6 +217,7 @@ def fold_queues(queues: Sequence[QueueGauges], labels: LabelValues) -> list[Queu
             dead=seen.dead + queue.dead,
             oldest_runnable_seconds=max(ages) if ages else None,
             paused=seen.paused or queue.paused,
+            rate_full_keys=seen.rate_full_keys + queue.rate_full_keys,
         )
     return list(folded.values())
 
@@ -263,6 +268,23 @@ class GaugeCollector(Collector):
             "queues' label, how many of them are paused.",
             ["queue"],
         )
+        rate_started = family(
+            "sqla_jobs_queue_rate_started",
+            "Attempts the queue's rate-limit window holds now (RateLimit; only rate-limited "
+            "queues with a queue-wide limit).",
+            ["queue"],
+        )
+        rate_limit = family(
+            "sqla_jobs_queue_rate_limit",
+            "The queue's rate limit: starts per window (only rate-limited queues).",
+            ["queue"],
+        )
+        rate_full = family(
+            "sqla_jobs_queue_rate_full_keys",
+            "Ordering keys of the queue whose rate-limit windows are full: their jobs are "
+            "held back (a RateLimit per key).",
+            ["queue"],
+        )
         paused_count: dict[str, int] = {}
         for queue in gauges.queues:
             label = self.labels.queue(queue.queue)
@@ -278,7 +300,12 @@ class GaugeCollector(Collector):
             oldest.add_metric([table, queue.queue], queue.oldest_runnable_seconds or 0.0)
             expired.add_metric([table, queue.queue], float(queue.expired_leases))
             paused.add_metric([table, queue.queue], float(paused_count.get(queue.queue, 0)))
-        yield from (jobs, runnable, oldest, expired, paused)
+            if queue.rate_limit is not None:
+                rate_limit.add_metric([table, queue.queue], float(queue.rate_limit))
+                rate_full.add_metric([table, queue.queue], float(queue.rate_full_keys))
+                if queue.rate_started is not None:
+                    rate_started.add_metric([table, queue.queue], float(queue.rate_started))
+        yield from (jobs, runnable, oldest, expired, paused, rate_started, rate_limit, rate_full)
         stats = gauges.table
         for name, text, value in (
             ("sqla_jobs_table_live_tuples", "Live rows of the job table.", stats.live_tuples),

@@ -156,6 +156,77 @@ def test_a_per_key_limit_gives_each_ordering_key_its_own_window(
     assert len(again) == 6
 
 
+def test_the_windows_show_in_status_health_metrics_and_the_dashboard(
+    queue_engine: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("prometheus_client", reason="the metrics extra")
+    pytest.importorskip("starlette", reason="the dashboard extra")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    from sqla_jobs import cli
+    from sqla_jobs.dashboard import create_app
+    from sqla_jobs.health import GaugeCache, read_gauges
+    from sqla_jobs.metrics import GaugeCollector, LabelValues
+
+    with Session(queue_engine) as session:  # no start logged yet: nothing to show
+        assert sqla_jobs.rate_usage(session, EmailJob) == []
+        assert sqla_jobs.rate_usage(session, ReportJob) == []  # no rate table at all
+    add(queue_engine, 7)
+    for key in ("a", "b"):
+        add(queue_engine, 3, queue="calls", ordering_key=key, key_limit=5)
+    per_key = {"calls": RateLimit(2, per=60, per_key=True)}
+    with Session(queue_engine) as session, session.begin():
+        sqla_jobs.claim(session, EmailJob, queues="api", limit=10, rate_limits=HOURLY)
+        sqla_jobs.claim(session, EmailJob, queues="calls", limit=10, keys=True, rate_limits=per_key)
+    with Session(queue_engine) as session:
+        usage = sqla_jobs.rate_usage(session, EmailJob)
+        gauges = {q.queue: q for q in read_gauges(session, EmailJob).queues}
+    api, calls = usage
+    assert (api.queue, api.limit, api.window_seconds, api.started, api.full) == (
+        "api",
+        5,
+        3600.0,
+        5,
+        True,
+    )
+    assert (calls.queue, calls.started, calls.keys, calls.full_keys) == ("calls", None, 2, 2)
+    assert (gauges["api"].rate_started, gauges["api"].rate_limit) == (5, 5)
+    assert gauges["calls"].rate_full_keys == 2
+
+    registry = CollectorRegistry()
+    known = LabelValues(queues={"api", "calls"})
+    registry.register(GaugeCollector(GaugeCache(queue_engine, EmailJob), known))
+    samples = {
+        (sample.name, sample.labels["queue"]): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+        if sample.name.startswith("sqla_jobs_queue_rate_")
+    }
+    assert samples == {
+        ("sqla_jobs_queue_rate_started", "api"): 5.0,
+        ("sqla_jobs_queue_rate_limit", "api"): 5.0,
+        ("sqla_jobs_queue_rate_full_keys", "api"): 0.0,
+        ("sqla_jobs_queue_rate_limit", "calls"): 2.0,
+        ("sqla_jobs_queue_rate_full_keys", "calls"): 2.0,
+    }
+
+    url = queue_engine.url.render_as_string(hide_password=False)
+    assert cli.main(["status", "--database-url", url, "--model", "models:EmailJob"]) == 0
+    out = capsys.readouterr().out
+    assert "rate limit of api: 5 of 5 per 3600 s started in the window now (full" in out
+    assert "rate limit of calls: 2 per 60 s per ordering key; 2 keys full" in out
+
+    with TestClient(create_app(queue_engine, EmailJob)) as client:
+        page = client.get("/").text
+    row = page.split('<tr data-queue="api">')[1].split("</tr>")[0]
+    assert "5/5 per 3600.0 s" in row
+    assert 'aria-label="5 of 5 started in the window"' in row
+    row = page.split('<tr data-queue="calls">')[1].split("</tr>")[0]
+    assert "2 keys full" in row
+
+
 @pytest.mark.parametrize(
     ("make", "says"),
     [

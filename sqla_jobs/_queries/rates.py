@@ -25,8 +25,10 @@ __all__ = [
     "LOG_KEY_STARTS",
     "LOG_STARTS",
     "RATE_ALLOWANCES",
+    "RATE_TABLE_EXISTS",
     "RATE_USAGE",
     "AllowanceRow",
+    "ExistsRow",
     "LogKeyStartsParams",
     "LogStartsParams",
     "RateParams",
@@ -36,6 +38,7 @@ __all__ = [
     "log_starts",
     "rate_allowances",
     "rate_lock_space",
+    "rate_table_exists",
     "rate_usage",
 ]
 
@@ -195,6 +198,18 @@ ORDER BY r.queue"""
     )
 
 
+def rate_table_exists(table: Table) -> TextClause:
+    """Whether ``table`` has its rate table (optional: made where rate limits are used).
+    ``to_regclass`` takes no lock. The name is bound into the statement."""
+    return text("SELECT to_regclass(:rate_table) IS NOT NULL AS exists").bindparams(
+        bindparam("rate_table", _rates(table), type_=Text)
+    )
+
+
+class ExistsRow(NamedTuple):
+    exists: bool
+
+
 class RateUsageRow(NamedTuple):
     """A rate-limited queue's window now (:func:`rate_usage`)."""
 
@@ -240,6 +255,7 @@ LOCK_RATES: Final = Query(lock_rates, QueueNamesParams, LockedQueueRow)
 RATE_ALLOWANCES: Final = Query(rate_allowances, RateParams, AllowanceRow)
 LOG_STARTS: Final[Query[LogStartsParams, tuple[()]]] = Query(log_starts, LogStartsParams)
 RATE_USAGE: Final = Query(rate_usage, NoParams, RateUsageRow)
+RATE_TABLE_EXISTS: Final = Query(rate_table_exists, NoParams, ExistsRow)
 LOG_KEY_STARTS: Final[Query[LogKeyStartsParams, tuple[()]]] = Query(
     log_key_starts, LogKeyStartsParams
 )

@@ -11,6 +11,7 @@ from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
 from sqla_jobs.cli.database import command_session
 from sqla_jobs.cli.display import _age, _bytes, _last_line
 from sqla_jobs.cli.loading import load_model
+from sqla_jobs.health import QueueGauges
 from sqla_jobs.schema import JobMixin
 
 
@@ -23,6 +24,15 @@ def _read_gauges(
         gauges = health.read_gauges(session, model)
         listed = queue.dead_jobs(session, model, limit=dead) if dead and gauges.dead else []
     return gauges, listed
+
+
+def _rate(queue: QueueGauges) -> str:
+    """A rate-limited queue's window now, as status tells it."""
+    window = f"{queue.rate_limit} per {queue.rate_window_seconds:g} s"
+    if queue.rate_started is None:  # per key
+        return f"{window} per ordering key; {queue.rate_full_keys} keys full (their jobs wait)"
+    held = " (full: its jobs wait)" if queue.rate_started >= (queue.rate_limit or 0) else ""
+    return f"{queue.rate_started} of {window} started in the window now{held}"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -77,6 +87,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"paused: {', '.join(gauges.paused)} (no job of theirs starts until "
                 "sqla-jobs resume QUEUE)\n"
             )
+        for q in gauges.queues:
+            if q.rate_limit is not None:
+                out.write(f"rate limit of {q.queue}: {_rate(q)}\n")
     else:
         out.write("no pending, running or dead jobs\n")
     estimate = (

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 from urllib.parse import urlencode
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
@@ -192,6 +192,16 @@ def _time_limits(value: object) -> dict[str, float] | None:
         except InvalidJobError as exc:
             raise ConfigurationError(f"{field} {exc.reason}") from None
     return limits
+
+
+class _Overview(NamedTuple):
+    """What the overview reads, in one transaction."""
+
+    stats: list[queue.QueueStat]
+    recent: list[Any]
+    paused: list[queue.QueuePause]
+    rates: list[queue.RateUsage]
+    busy: list[RunningRow]
 
 
 def _list_params(query: ListQuery, **changes: Any) -> str:
@@ -522,9 +532,10 @@ class _Dashboard:
             raise PageError(400, "this page takes no parameters")
         scan = self.s.scan
 
-        def read(connection: Connection) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+        def read(connection: Connection) -> _Overview:
             stats = queue.queue_stats(connection, self.s.model)
             paused = queue.paused_queues(connection, self.s.model)
+            rates = queue.rate_usage(connection, self.s.model)
             with queue.readable_values(connection):
                 busy = RUNNING.rows(connection, self.s.table, {"limit": RUNNING_SHOWN + 1})
             # Each source's newest window (a model with history: its finished jobs are there).
@@ -535,12 +546,15 @@ class _Dashboard:
                     connection, source.table, {"before": statements.MAX_ID}, scan=scan
                 )
             ]
-            return stats, recent, paused, busy
+            return _Overview(stats, recent, paused, rates, busy)
 
-        stats, recent, paused, busy = await self.run(read)
+        stats, recent, paused, rates, busy = await self.run(read)
         queues: dict[str, dict[str, Any]] = {}
-        for pause in paused:  # a paused queue is listed, with or without jobs
-            queues[pause.queue] = {"counts": {}, "oldest": None, "recent": None, "paused": pause}
+        # A paused or rate-limited queue is listed, with or without jobs.
+        for kind, items in (("paused", paused), ("rate", rates)):
+            for item in items:
+                row = queues.setdefault(item.queue, {"counts": {}, "oldest": None, "recent": None})
+                row[kind] = item
         for stat in stats:
             row = queues.setdefault(stat.queue, {"counts": {}, "oldest": None, "recent": None})
             row["counts"][stat.status.value] = stat.count

@@ -87,6 +87,7 @@ from sqla_jobs.queue.outcomes import (
     storable_text,
 )
 from sqla_jobs.queue.pausing import QueuePause, pause_queue, paused_queues, resume_queue
+from sqla_jobs.queue.rating import RateUsage, rate_usage
 
 __all__ = [
     "DEFAULT_ENQUEUE_CHUNK",
@@ -105,6 +106,7 @@ __all__ = [
     "FailOutcome",
     "QueuePause",
     "QueueStat",
+    "RateUsage",
     "UnreadableJson",
     "cancel",
     "cancel_attempts",
@@ -132,6 +134,7 @@ __all__ = [
     "paused_queues",
     "prune",
     "queue_stats",
+    "rate_usage",
     "readable_jsonb",
     "readable_values",
     "release",
