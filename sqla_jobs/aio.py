@@ -54,6 +54,7 @@ __all__ = [
     "pause_queue",
     "paused_queues",
     "prune",
+    "prune_rates",
     "queue_stats",
     "rate_usage",
     "release",
@@ -99,6 +100,7 @@ retry = _awaitable(queue.retry)
 cancel = _awaitable(queue.cancel)
 prune = _awaitable(queue.prune)
 queue_stats = _awaitable(queue.queue_stats)
+prune_rates = _awaitable(queue.prune_rates)
 rate_usage = _awaitable(queue.rate_usage)
 pause_queue = _awaitable(queue.pause_queue)
 resume_queue = _awaitable(queue.resume_queue)

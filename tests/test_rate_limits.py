@@ -227,6 +227,43 @@ def test_the_windows_show_in_status_health_metrics_and_the_dashboard(
     assert "2 keys full" in row
 
 
+def test_prune_rates_deletes_the_rows_of_idle_windows(
+    queue_engine: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sqla_jobs import cli
+
+    for key in ("a", "b"):
+        add(queue_engine, 1, ordering_key=key)
+    add(queue_engine, 1, queue="live", ordering_key="c")
+    per_key = {
+        "api": RateLimit(1, per=60, per_key=True),
+        "live": RateLimit(1, per=60, per_key=True),
+    }
+    with Session(queue_engine) as session, session.begin():
+        jobs = sqla_jobs.claim(
+            session, EmailJob, queues=["api", "live"], limit=5, keys=True, rate_limits=per_key
+        )
+    assert len(jobs) == 3
+    with queue_engine.begin() as connection:  # the keys of "api" went idle a minute ago
+        connection.execute(
+            sa.text(
+                "UPDATE email_jobs_rates SET starts = ARRAY(SELECT s - interval '61 seconds' "
+                "FROM unnest(starts) AS s) WHERE queue = 'api'"
+            )
+        )
+    with Session(queue_engine) as session, session.begin():
+        assert sqla_jobs.prune_rates(session, EmailJob, limit=1) == 1  # a batch at a time
+    url = queue_engine.url.render_as_string(hide_password=False)
+    common = ["--database-url", url, "--model", "models:EmailJob"]
+    assert cli.main(["prune", *common, "--older-than", "30d"]) == 0
+    assert "pruned 1 idle rows of the rate table" in capsys.readouterr().out
+    assert logged(queue_engine) == [("live", "c", [1])]  # a live window stays
+    with Session(queue_engine) as session:
+        assert sqla_jobs.prune_rates(session, ReportJob) == 0  # no rate table
+        with no_sql(queue_engine), pytest.raises(InvalidJobError, match="limit"):
+            sqla_jobs.prune_rates(session, EmailJob, limit=0)
+
+
 @pytest.mark.parametrize(
     ("make", "says"),
     [

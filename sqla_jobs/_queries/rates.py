@@ -24,6 +24,7 @@ __all__ = [
     "LOCK_RATES",
     "LOG_KEY_STARTS",
     "LOG_STARTS",
+    "PRUNE_RATES",
     "RATE_ALLOWANCES",
     "RATE_TABLE_EXISTS",
     "RATE_USAGE",
@@ -36,6 +37,7 @@ __all__ = [
     "lock_rates",
     "log_key_starts",
     "log_starts",
+    "prune_rates",
     "rate_allowances",
     "rate_lock_space",
     "rate_table_exists",
@@ -198,6 +200,30 @@ ORDER BY r.queue"""
     )
 
 
+def prune_rates(table: Table) -> TextClause:
+    """Delete up to ``:limit`` rows of the rate table whose windows hold no start (an idle
+    queue's, or an ordering key's that has not started a job for a window): a limit per key
+    leaves a row per key it ever saw. Rows another transaction holds (a claim logging) are
+    skipped. Safe beside claims: a row goes only once everything in it is out of its window,
+    which no later claim would count, and a claim's log makes it again."""
+    return text(
+        f"""DELETE FROM {_rates(table)} AS r
+WHERE r.ctid IN (
+    SELECT x.ctid FROM {_rates(table)} AS x
+    WHERE NOT EXISTS (
+        SELECT FROM unnest(x.starts) AS s
+        WHERE s > statement_timestamp() - make_interval(secs => coalesce(x.window_seconds, 0))
+    )
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+)"""
+    ).bindparams(bindparam("limit", type_=Integer))
+
+
+class PruneRatesParams(TypedDict):
+    limit: int
+
+
 def rate_table_exists(table: Table) -> TextClause:
     """Whether ``table`` has its rate table (optional: made where rate limits are used).
     ``to_regclass`` takes no lock. The name is bound into the statement."""
@@ -256,6 +282,7 @@ RATE_ALLOWANCES: Final = Query(rate_allowances, RateParams, AllowanceRow)
 LOG_STARTS: Final[Query[LogStartsParams, tuple[()]]] = Query(log_starts, LogStartsParams)
 RATE_USAGE: Final = Query(rate_usage, NoParams, RateUsageRow)
 RATE_TABLE_EXISTS: Final = Query(rate_table_exists, NoParams, ExistsRow)
+PRUNE_RATES: Final[Query[PruneRatesParams, tuple[()]]] = Query(prune_rates, PruneRatesParams)
 LOG_KEY_STARTS: Final[Query[LogKeyStartsParams, tuple[()]]] = Query(
     log_key_starts, LogKeyStartsParams
 )

@@ -56,7 +56,9 @@ def _prune_history(args: argparse.Namespace, model: type[JobMixin]) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     model = load_model(args)
     if history.has_history(model):
-        return _prune_history(args, model)
+        status = _prune_history(args, model)
+        _prune_rates(args, model)
+        return status
     total = 0
     started = time.monotonic()
     progress = sys.stderr
@@ -82,4 +84,19 @@ def cmd_prune(args: argparse.Namespace) -> int:
     sys.stdout.write(
         f"pruned {total} finished jobs older than {_age(args.older_than.total_seconds())}\n"
     )
+    _prune_rates(args, model)
     return 0
+
+
+def _prune_rates(args: argparse.Namespace, model: type[JobMixin]) -> None:
+    # The rows of the rate table whose windows are empty (keys that went idle), if any.
+    total = 0
+    with command_engine(args) as engine:
+        while True:
+            with Session(engine) as session, session.begin():
+                deleted = queue.prune_rates(session, model, limit=args.batch_size)
+            total += deleted
+            if deleted < args.batch_size:
+                break
+    if total:
+        sys.stdout.write(f"pruned {total} idle rows of the rate table\n")

@@ -87,7 +87,7 @@ from sqla_jobs.queue.outcomes import (
     storable_text,
 )
 from sqla_jobs.queue.pausing import QueuePause, pause_queue, paused_queues, resume_queue
-from sqla_jobs.queue.rating import RateUsage, rate_usage
+from sqla_jobs.queue.rating import RateUsage, prune_rates, rate_usage
 
 __all__ = [
     "DEFAULT_ENQUEUE_CHUNK",
@@ -133,6 +133,7 @@ __all__ = [
     "pause_queue",
     "paused_queues",
     "prune",
+    "prune_rates",
     "queue_stats",
     "rate_usage",
     "readable_jsonb",

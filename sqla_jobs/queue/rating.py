@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqla_jobs._queries.rates import RATE_TABLE_EXISTS, RATE_USAGE
+from sqla_jobs._queries.rates import PRUNE_RATES, RATE_TABLE_EXISTS, RATE_USAGE
 from sqla_jobs._queries.run import Executor, job_table_of
+from sqla_jobs.queue._plumbing import _check_count
 from sqla_jobs.schema import JobMixin
 
-__all__ = ["RateUsage", "rate_usage"]
+__all__ = ["MAX_PRUNE_LIMIT", "RateUsage", "prune_rates", "rate_usage"]
+
+#: The most rows one :func:`prune_rates` deletes.
+MAX_PRUNE_LIMIT = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +56,16 @@ def rate_usage(session: Executor, model: type[JobMixin]) -> list[RateUsage]:
         )
         for row in RATE_USAGE.rows(session, table, {})
     ]
+
+
+def prune_rates(session: Executor, model: type[JobMixin], *, limit: int = 10_000) -> int:
+    """Delete up to ``limit`` rows of ``model``'s rate table whose windows hold no start (a
+    limit per key keeps a row for every key it saw; idle ones go); return how many. Rows a
+    claim holds are skipped; a key's next claim makes its row again. 0 without a rate table.
+    ``sqla-jobs prune`` runs it after the jobs. In the caller's transaction."""
+    table = job_table_of(model)
+    _check_count("limit", limit, MAX_PRUNE_LIMIT)
+    (exists,) = RATE_TABLE_EXISTS.rows(session, table, {})
+    if not exists.exists:
+        return 0
+    return PRUNE_RATES.result(session, table, {"limit": limit}).rowcount
