@@ -155,12 +155,12 @@ def test_bad_debounce_options_are_refused_before_any_sql(
 
 
 PROCESSES = 6
-TRANSACTIONS = 120
+TRANSACTIONS = 60
 
 
 @pytest.mark.slow
 def test_concurrent_bursts_with_rollbacks_run_once_each(queue_engine: sa.Engine) -> None:
-    """Six processes enqueue 120 debounced jobs each under 20 keys, rolling back about 30%;
+    """Six processes enqueue 60 debounced jobs each under 20 keys, rolling back about 30%;
     then a worker runs what is due. Twice (two bursts per key). Each burst leaves exactly
     one job per key that a committed transaction enqueued (none for keys only rolled-back
     ones did), carrying the arguments of one of those, and that job runs exactly once."""

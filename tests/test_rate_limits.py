@@ -297,9 +297,9 @@ def test_a_worker_with_rate_limits_needs_the_rate_table(queue_engine: sa.Engine)
         Worker(registry, queue_engine).run()
 
 
-#: How long the proofs run: 10 s in the suite; SQLA_JOBS_RATE_PROOF_SECONDS=60 for the
+#: How long the proofs run: 5 s in the suite; SQLA_JOBS_RATE_PROOF_SECONDS=60 for the
 #: issue's minute (docs/how-to/rate-limits.md has that run's figures).
-PROOF_SECONDS = float(os.environ.get("SQLA_JOBS_RATE_PROOF_SECONDS", "10"))
+PROOF_SECONDS = float(os.environ.get("SQLA_JOBS_RATE_PROOF_SECONDS", "5"))
 #: The share of the limit the workers must reach. The limit itself is never exceeded,
 #: however loaded the machine; how close to it they get is a speed, measured in the proof's
 #: own run on an idle machine (0.95, with SQLA_JOBS_RATE_PROOF_SECONDS set), and only bounded
@@ -317,7 +317,7 @@ def test_four_worker_processes_hold_the_limit_in_every_sliding_second(
     50 starts a second. From SQL, afterwards: no window of one second, starting at any
     attempt's start, holds more than 50 starts, and over the run's whole seconds from the
     first start they started at least 0.95 of 50 a second (:data:`RATE_FLOOR`)."""
-    total = int(LIMIT * (PROOF_SECONDS + 5))
+    total = int(LIMIT * (PROOF_SECONDS + 3))
     with queue_engine.begin() as connection:
         connection.execute(
             sa.text(
@@ -401,7 +401,7 @@ def test_four_worker_processes_hold_a_per_key_limit_for_each_of_100_keys(
     second in all). From SQL: no key's sliding second holds more than 5 of its starts, and
     in all they started at least 0.95 of 500 a second over the run's whole seconds
     (:data:`RATE_FLOOR`)."""
-    per_key = int(KEY_LIMIT * (PROOF_SECONDS + 5))
+    per_key = int(KEY_LIMIT * (PROOF_SECONDS + 3))
     with queue_engine.begin() as connection:
         connection.execute(
             sa.text(
