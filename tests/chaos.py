@@ -17,8 +17,8 @@ What it does
     poison jobs (``poison``, always raise, ``max_attempts=3``), time-limited jobs (``timed``
     and the coroutine ``async_timed``, ``max_attempts=3``: a limit of 1.5 s, or 0.8 s or 4 s
     of the job's own; each attempt planned quick or slow, see :func:`timed_args`) and
-    snoozing jobs (``snoozy``: one to four snoozes, raised or returned, on
-    ``max_attempts=3``, then an effect like ``leased``). Leases are 2 s.
+    snoozing jobs (``snoozy``: one to eight snoozes, raised or returned, on
+    ``max_attempts=5``, then an effect like ``leased``). Leases are 2 s.
 
     It runs ``--workers`` processes of ``python -m sqla_jobs --log-format json worker
     chaos_tasks:registry`` (logs in files), and while they work it injects:
@@ -78,9 +78,9 @@ The checks (each must hold; the exit status is 1 when one does not, and the repo
                                         handler's first statement)
     ``snoozed_succeeded``               every snoozing job succeeded with snoozes == its planned
                                         snoozes (>= 1; it snoozes while its row holds fewer),
-                                        max_attempts == 3 + snoozes (+1 per attempt given back
+                                        max_attempts == 5 + snoozes (+1 per attempt given back
                                         unstarted) and attempts > snoozes: no snooze spent an
-                                        attempt (some snooze as often as 3 attempts allow runs)
+                                        attempt (some snooze as often as 5 attempts allow runs)
     ``deaths_logged``                   every dead job's id is in exactly one worker log line
                                         with action ``job_dead`` or ``attempts_exhausted``,
                                         and no job that is not dead is logged so; a death
@@ -513,9 +513,9 @@ def timed_args(rng: random.Random) -> tuple[dict[str, Any], float | None]:
 
 
 def snoozy_args(rng: random.Random) -> dict[str, Any]:
-    """A snoozing job's args: one to four snoozes of 0.1 to 0.5 s, raised or returned."""
+    """A snoozing job's args: one to eight snoozes of 0.1 to 0.5 s, raised or returned."""
     return {
-        "snoozes": rng.randint(1, 4),
+        "snoozes": rng.randint(1, 8),
         "delay": round(rng.uniform(0.1, 0.5), 3),
         "how": rng.choice(["raise", "return"]),
     }

@@ -27,11 +27,11 @@ The four tasks, and what the harness expects of each:
                   raises ``JobTimeoutError`` at once; otherwise it sleeps on past the limit
                   (keeping its slot) and returns a result the worker must refuse
 ``async_timed``   the same as a coroutine: cancelled at its limit, mid-sleep
-``snoozy``        lease mode, ``max_attempts=3``: start, then, while the job has snoozed
+``snoozy``        lease mode, ``max_attempts=5``: start, then, while the job has snoozed
                   fewer than ``args["snoozes"]`` times (read from its row), snooze for
                   ``args["delay"]`` seconds (``raise Snooze``, or ``return Snooze`` when
                   ``args["how"] == "return"``); then sleep, effect, sleep and succeed, like
-                  ``leased``. Up to four snoozes on three attempts: a snooze that spent an
+                  ``leased``. Up to eight snoozes on five attempts: a snooze that spent an
                   attempt would leave the job dead
 
 Leases are two seconds (heartbeats every 0.67 s), so a killed or paused worker's jobs come
@@ -71,8 +71,10 @@ POISON_RETRY = RetryPolicy(base=timedelta(milliseconds=50), cap=timedelta(millis
 #: limit (or 2 s under a job's own 4 s limit), a slow one twice it.
 TIMED_LIMIT = 1.5
 TIMED_MAX_ATTEMPTS = 3
-#: Snoozing jobs' attempts: fewer than the snoozes some of them take (up to four).
-SNOOZY_MAX_ATTEMPTS = 3
+#: Snoozing jobs' attempts: fewer than the snoozes some of them take (up to eight), and
+#: enough that faults alone do not use them up (three did once, on one job, at 3: a job is
+#: dead at its last attempt, however its attempts were lost).
+SNOOZY_MAX_ATTEMPTS = 5
 
 LEASE_TASKS = ("leased", "async_leased")
 LOCK_TASKS = ("locked",)
