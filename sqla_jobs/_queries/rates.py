@@ -97,6 +97,18 @@ ORDER BY q.n"""
     )
 
 
+# The upsert of a logged row (``AS r``) that both logs share: the new row's limit and window
+# (``excluded``) replace the old, its start is appended, and what left its window is dropped.
+_APPEND_AND_PRUNE: Final = """ON CONFLICT (queue, key) DO UPDATE SET
+    rate_limit = excluded.rate_limit, window_seconds = excluded.window_seconds,
+    (starts, counts) = (
+    SELECT coalesce(array_agg(u.s ORDER BY u.s), '{}'),
+           coalesce(array_agg(u.c ORDER BY u.s), '{}')
+    FROM unnest(r.starts || excluded.starts, r.counts || excluded.counts) AS u (s, c)
+    WHERE u.s > statement_timestamp() - make_interval(secs => excluded.window_seconds)
+)"""
+
+
 def log_starts(table: Table) -> TextClause:
     """Log that this claim started ``:started`` attempts of the rate-limited queue
     ``:queue_name``, at this statement's time, and drop what left the window of
@@ -116,14 +128,7 @@ def log_starts(table: Table) -> TextClause:
     (queue, key, starts, counts, rate_limit, window_seconds)
 VALUES (:queue_name, '', ARRAY[statement_timestamp()], ARRAY[CAST(:started AS integer)],
         CAST(:rate_limit AS integer), CAST(:window AS float8))
-ON CONFLICT (queue, key) DO UPDATE SET
-    rate_limit = excluded.rate_limit, window_seconds = excluded.window_seconds,
-    (starts, counts) = (
-    SELECT coalesce(array_agg(u.s ORDER BY u.s), '{{}}'),
-           coalesce(array_agg(u.c ORDER BY u.s), '{{}}')
-    FROM unnest(r.starts || excluded.starts, r.counts || excluded.counts) AS u (s, c)
-    WHERE u.s > statement_timestamp() - make_interval(secs => CAST(:window AS float8))
-)"""
+{_APPEND_AND_PRUNE}"""
     ).bindparams(
         bindparam("queue_name", type_=Text),
         bindparam("started", type_=Integer),
@@ -155,18 +160,7 @@ JOIN unnest(CAST(:rate_queues AS text[]), CAST(:rate_limits AS integer[]),
 WHERE j.id = ANY (CAST(:job_ids AS bigint[])) AND j.ordering_key IS NOT NULL
 GROUP BY j.queue, j.ordering_key
 ORDER BY j.queue, j.ordering_key
-ON CONFLICT (queue, key) DO UPDATE SET
-    rate_limit = excluded.rate_limit, window_seconds = excluded.window_seconds,
-    (starts, counts) = (
-    SELECT coalesce(array_agg(u.s ORDER BY u.s), '{{}}'),
-           coalesce(array_agg(u.c ORDER BY u.s), '{{}}')
-    FROM unnest(r.starts || excluded.starts, r.counts || excluded.counts) AS u (s, c)
-    WHERE u.s > statement_timestamp() - make_interval(secs => (
-        SELECT q.win
-        FROM unnest(CAST(:rate_queues AS text[]), CAST(:rate_windows AS float8[])) AS q (name, win)
-        WHERE q.name = r.queue
-    ))
-)"""
+{_APPEND_AND_PRUNE}"""
     ).bindparams(
         bindparam("job_ids", type_=ARRAY(BigInteger)),
         bindparam("rate_queues", type_=ARRAY(Text)),
