@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
     "JOB_FIELDS",
     "MAX_ATTEMPTS_LIMIT",
+    "MAX_DEBOUNCE_SECONDS",
     "MAX_DURATION_SECONDS",
     "MAX_JSON_DEPTH",
     "MAX_KEY_LENGTH",
@@ -45,6 +46,7 @@ __all__ = [
     "RateLimit",
     "args_snapshot",
     "check_args",
+    "check_debounce_window",
     "check_duration",
     "check_field",
     "check_job_id",
@@ -486,6 +488,17 @@ def check_time_limit(field: str, value: object) -> timedelta:
     return _bounded_duration(field, value, MAX_TIME_LIMIT_SECONDS, "a week")
 
 
+#: The longest debounce window (and ``max_wait``): a day. A longer quiet period is a
+#: schedule (:mod:`sqla_jobs.periodic`), not a debounce.
+MAX_DEBOUNCE_SECONDS: Final = 86_400
+
+
+def check_debounce_window(field: str, value: object) -> timedelta:
+    """A debounce's window or ``max_wait``: a positive ``timedelta`` or number of seconds, at
+    most :data:`MAX_DEBOUNCE_SECONDS` (a day)."""
+    return _bounded_duration(field, value, MAX_DEBOUNCE_SECONDS, "a day")
+
+
 def check_ordering_key(field: str, value: object) -> str:
     """An ordering key: any non-empty text up to :data:`MAX_KEY_LENGTH` characters without
     NUL (``customer:42``; keys are compared as exact strings)."""
@@ -577,7 +590,7 @@ def check_queue_limits(field: str, value: object) -> dict[str, int]:
 #: The most starts a rate limit allows per window.
 MAX_RATE_LIMIT: Final = 100_000
 #: The longest window of a rate limit: a day.
-MAX_RATE_SECONDS: Final = 86_400.0
+MAX_RATE_SECONDS: Final = 86_400
 
 
 @dataclass(frozen=True)
@@ -606,15 +619,10 @@ class RateLimit:
             raise ConfigurationError(
                 f"RateLimit.limit must be in [1, {MAX_RATE_LIMIT}], got {limit}"
             )
-        if isinstance(per, bool) or not isinstance(per, timedelta | int | float):
-            raise ConfigurationError(
-                f"RateLimit.per must be a timedelta or seconds, not {type(per).__name__}"
-            )
-        seconds = per.total_seconds() if isinstance(per, timedelta) else float(per)
-        if not 0 < seconds <= MAX_RATE_SECONDS:  # (NaN fails too)
-            raise ConfigurationError(
-                f"RateLimit.per must be more than 0 and at most a day, got {per!r}"
-            )
+        try:  # the rule every bounded duration follows, as configuration
+            _bounded_duration("RateLimit.per", per, MAX_RATE_SECONDS, "a day")
+        except InvalidJobError as exc:
+            raise ConfigurationError(f"RateLimit.per {exc.reason}") from None
         if not isinstance(self.per_key, bool):
             raise ConfigurationError(
                 f"RateLimit.per_key must be True or False, not {self.per_key!r}"

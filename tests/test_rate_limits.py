@@ -270,11 +270,11 @@ def test_prune_rates_deletes_the_rows_of_idle_windows(
         (lambda: RateLimit(0), r"in \[1, 100000\]"),
         (lambda: RateLimit(100_001), r"in \[1, 100000\]"),
         (lambda: RateLimit(True), "an integer"),
-        (lambda: RateLimit(5, per=0), "more than 0"),
-        (lambda: RateLimit(5, per=float("nan")), "more than 0"),
-        (lambda: RateLimit(5, per=timedelta(days=2)), "at most a day"),
+        (lambda: RateLimit(5, per=0), "RateLimit.per must be positive"),
+        (lambda: RateLimit(5, per=float("nan")), "RateLimit.per must be positive"),
+        (lambda: RateLimit(5, per=timedelta(days=2)), r"at most 86,400 seconds \(a day\)"),
         (lambda: RateLimit(5, per_key=1), "True or False"),  # type: ignore[arg-type]
-        (lambda: RateLimit(5, per="1s"), "a timedelta or seconds"),  # type: ignore[arg-type]
+        (lambda: RateLimit(5, per="1s"), "a timedelta or a number of seconds"),  # type: ignore[arg-type]
         (lambda: Registry(EmailJob, rate_limits={"api": 5}), "must be a RateLimit"),  # type: ignore[dict-item]
         (lambda: Registry(EmailJob, rate_limits={"bad queue!": RateLimit(5)}), "rate_limits"),
     ],

@@ -424,23 +424,6 @@ def enqueue_unique(
     return enqueue_unique_many(session, model, [values], period=period, statuses=statuses)[0]
 
 
-#: The longest debounce window (and ``max_wait``): a day. A longer quiet period is a
-#: schedule (:mod:`sqla_jobs.periodic`), not a debounce.
-MAX_DEBOUNCE_SECONDS: Final = 86_400.0
-
-
-def _debounce_seconds(field: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
-        raise InvalidJobError(field, f"must be a timedelta or seconds, not {type(value).__name__}")
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not 0 < seconds <= MAX_DEBOUNCE_SECONDS:  # (NaN fails too)
-        raise InvalidJobError(
-            field,
-            f"must be more than 0 and at most a day ({MAX_DEBOUNCE_SECONDS:g} s), got {value!r}",
-        )
-    return seconds
-
-
 def enqueue_debounced(
     session: Session,
     job: JobMixin,
@@ -487,8 +470,12 @@ def enqueue_debounced(
     """
     model = type(job)
     table = job_table_of(model)
-    seconds = _debounce_seconds("window", window)
-    cap = None if max_wait is None else _debounce_seconds("max_wait", max_wait)
+    seconds = validation.check_debounce_window("window", window).total_seconds()
+    cap = (
+        None
+        if max_wait is None
+        else validation.check_debounce_window("max_wait", max_wait).total_seconds()
+    )
     if cap is not None and cap < seconds:
         raise InvalidJobError(
             "max_wait", f"must be at least the window ({seconds:g} s), got {cap:g} s"
