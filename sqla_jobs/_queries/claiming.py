@@ -159,7 +159,7 @@ def claim_rows(
         limit -= len(rows)
     keyed_rates = _KeyRates.of(key_rated, queue_names) if keys else None
     got = _claim_limited(
-        executor, table, queue_names, limit, lease_seconds, worker, keys, limited, keyed_rates
+        executor, table, queue_names, limit, lease_seconds, worker, keys, limited, key_rated
     )
     rows.extend(got)
     if keyed_rates is not None and len(got) < limit:
@@ -183,20 +183,14 @@ class _KeyRates:
     def of(
         cls, key_rated: dict[str, tuple[int, float]] | None, queue_names: list[str]
     ) -> _KeyRates | None:
-        served = [name for name in queue_names if key_rated and name in key_rated]
+        """The limits of ``key_rated`` (queue name to limit and window) that a claim of
+        ``queue_names`` serves; None when it serves none."""
+        served = [name for name in queue_names if name in (key_rated or {})]
         if not key_rated or not served:
             return None
         return cls(
             served, [key_rated[name][0] for name in served], [key_rated[name][1] for name in served]
         )
-
-    def serving(self, queue_names: list[str]) -> _KeyRates | None:
-        """These limits, for a claim of ``queue_names`` (None when it serves none of them)."""
-        served = [name for name in self.queues if name in queue_names]
-        if not served:
-            return None
-        index = [self.queues.index(name) for name in served]
-        return _KeyRates(served, [self.limits[i] for i in index], [self.windows[i] for i in index])
 
 
 def _claim_limited(
@@ -208,12 +202,12 @@ def _claim_limited(
     worker: str,
     keys: bool,
     limited: dict[str, int],
-    rates: _KeyRates | None = None,
+    key_rated: dict[str, tuple[int, float]] | None = None,
 ) -> list[Any]:
     # The limited queues' rows first, each up to its free slots, then the others'.
     params: ClaimParams = {"limit": limit, "lease_seconds": lease_seconds, "worker": worker}
     if not limited:
-        return _claim_from(executor, table, params, queue_names, keys, rates=rates)
+        return _claim_from(executor, table, params, queue_names, keys, key_rated=key_rated)
     rows: list[Any] = []
     # A keyed claim takes each queue's lock with its keys; a plain one all of them at once.
     served = list(limited)
@@ -223,11 +217,13 @@ def _claim_limited(
     for name in served:
         if len(rows) < limit:
             room = params | {"limit": limit - len(rows), "queue_slots": limited[name]}
-            rows.extend(_claim_from(executor, table, room, [name], keys, limited=True, rates=rates))
+            rows.extend(
+                _claim_from(executor, table, room, [name], keys, limited=True, key_rated=key_rated)
+            )
     others = [name for name in queue_names if name not in limited]
     if others and len(rows) < limit:
         rest = params | {"limit": limit - len(rows)}
-        rows.extend(_claim_from(executor, table, rest, others, keys, rates=rates))
+        rows.extend(_claim_from(executor, table, rest, others, keys, key_rated=key_rated))
     return rows
 
 
@@ -263,13 +259,13 @@ def _claim_from(
     queue_names: list[str],
     keys: bool,
     limited: bool = False,
-    rates: _KeyRates | None = None,
+    key_rated: dict[str, tuple[int, float]] | None = None,
 ) -> list[Any]:
     """The rows of a claim from ``queue_names``: keyed jobs first (``keys``), then plain
     ones up to the limit. ``limited``: one queue with a concurrency limit
     (``params["queue_slots"]``), whose lock this transaction holds (a plain claim), or takes
     with its keys (a keyed claim: nothing if another claim holds it); each claim statement
-    counts the free slots (:func:`~sqla_jobs._queries.limited_count`). ``rates``: per-key
+    counts the free slots (:func:`~sqla_jobs._queries.limited_count`). ``key_rated``: per-key
     rate limits, kept by each keyed claim statement and logged after it
     (:func:`_claim_keyed`)."""
     params = params.copy()
@@ -280,7 +276,7 @@ def _claim_from(
     if not keys:
         return list(CLAIM.tuples(executor, table, params, **options))
     limit = params["limit"]
-    serving = None if rates is None else rates.serving(queue_names)
+    serving = _KeyRates.of(key_rated, queue_names)
     lock_params, lock_options = key_lock_params(queue_names, limit)
     if limited:
         lock_params |= {"limit": limit, "queue_slots": params["queue_slots"]}
