@@ -90,7 +90,6 @@ __all__ = [
 Mode: TypeAlias = Literal["lease", "lock"]
 
 _R = TypeVar("_R")
-_V = TypeVar("_V")
 _B = TypeVar("_B", bound=BeforeHook)
 _A = TypeVar("_A", bound=AfterHook)
 _E = TypeVar("_E", bound=ErrorHook)
@@ -170,13 +169,9 @@ def _check_option_names(options: Mapping[str, object]) -> None:
             raise ConfigurationError(f"a task has no option {option!r}{hint}")
 
 
-def _option(check: Callable[[str, Any], _V], name: str, value: object) -> _V:
-    """``check`` (one of :mod:`sqla_jobs.validation`'s, the rule a job's field follows) on a
-    task option or a registry default: configuration, so the registry's error."""
-    try:
-        return check(name, value)
-    except InvalidJobError as exc:
-        raise ConfigurationError(f"{name} {exc.reason}") from None
+#: A task option or a registry default, checked by the rule its job field follows, as
+#: configuration (:class:`~sqla_jobs.errors.ConfigurationError`).
+_option = validation.as_configuration
 
 
 class Task(Generic[_R]):

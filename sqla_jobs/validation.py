@@ -11,10 +11,10 @@ import json
 import marshal
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 from sqlalchemy.sql.elements import ClauseElement
 
@@ -45,6 +45,7 @@ __all__ = [
     "PRIORITY_MIN",
     "RateLimit",
     "args_snapshot",
+    "as_configuration",
     "check_args",
     "check_debounce_window",
     "check_duration",
@@ -59,6 +60,7 @@ __all__ = [
     "check_progress",
     "check_queue_limits",
     "check_rate_limits",
+    "check_rate_window",
     "check_run_at",
     "check_snooze_delay",
     "check_time_limit",
@@ -587,6 +589,20 @@ def check_queue_limits(field: str, value: object) -> dict[str, int]:
     return limits
 
 
+_Checked = TypeVar("_Checked")
+
+
+def as_configuration(check: Callable[[str, Any], _Checked], field: str, value: object) -> _Checked:
+    """``check`` (one of this module's, the rule a job's field follows) on a setting of
+    the application's own, a task option, a registry default, a dashboard argument: the
+    same rule, but configuration, so a :class:`~sqla_jobs.errors.ConfigurationError`
+    (``"<field> <reason>"``) instead of an :class:`~sqla_jobs.errors.InvalidJobError`."""
+    try:
+        return check(field, value)
+    except InvalidJobError as exc:
+        raise ConfigurationError(f"{field} {exc.reason}") from None
+
+
 #: The most starts a rate limit allows per window.
 MAX_RATE_LIMIT: Final = 100_000
 #: The longest window of a rate limit: a day.
@@ -619,10 +635,7 @@ class RateLimit:
             raise ConfigurationError(
                 f"RateLimit.limit must be in [1, {MAX_RATE_LIMIT}], got {limit}"
             )
-        try:  # the rule every bounded duration follows, as configuration
-            _bounded_duration("RateLimit.per", per, MAX_RATE_SECONDS, "a day")
-        except InvalidJobError as exc:
-            raise ConfigurationError(f"RateLimit.per {exc.reason}") from None
+        as_configuration(check_rate_window, "RateLimit.per", per)
         if not isinstance(self.per_key, bool):
             raise ConfigurationError(
                 f"RateLimit.per_key must be True or False, not {self.per_key!r}"
@@ -633,6 +646,12 @@ class RateLimit:
         """The window, in seconds."""
         per = self.per
         return per.total_seconds() if isinstance(per, timedelta) else float(per)
+
+
+def check_rate_window(field: str, value: object) -> timedelta:
+    """A rate limit's window: a positive ``timedelta`` or number of seconds, at most
+    :data:`MAX_RATE_SECONDS` (a day)."""
+    return _bounded_duration(field, value, MAX_RATE_SECONDS, "a day")
 
 
 def check_rate_limits(field: str, value: object) -> dict[str, RateLimit]:

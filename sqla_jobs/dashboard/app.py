@@ -187,10 +187,8 @@ def _time_limits(value: object) -> dict[str, float] | None:
         if not isinstance(task, str):
             raise ConfigurationError(f"time_limits: a task name is a string, not {task!r}")
         field = f"time_limits[{task!r}]"
-        try:
-            limits[task] = validation.check_time_limit(field, limit).total_seconds()
-        except InvalidJobError as exc:
-            raise ConfigurationError(f"{field} {exc.reason}") from None
+        limit = validation.as_configuration(validation.check_time_limit, field, limit)
+        limits[task] = limit.total_seconds()
     return limits
 
 
