@@ -72,7 +72,7 @@ from sqla_jobs.queue import (
 )
 from sqla_jobs.registry import Registry, Task, TaskOptions
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, ScheduleMixin, names
-from sqla_jobs.validation import RateLimit
+from sqla_jobs.validation import FairShare, RateLimit
 from sqla_jobs.worker import (
     ClaimSettings,
     MaintenanceSettings,
@@ -92,6 +92,7 @@ __all__ = [
     "EmbeddedPostgresError",
     "Enqueued",
     "FailOutcome",
+    "FairShare",
     "Hooks",
     "InvalidJobError",
     "InvalidLeaseError",

@@ -385,7 +385,10 @@ class Registry:
     ``queue_limits`` (``{"emails": 3}``) caps how many jobs of a queue run at once across
     all the registry's workers (:attr:`queue_limits`); ``rate_limits`` (``{"api":
     RateLimit(50)}``) how many start per window (:attr:`rate_limits`; the job table needs
-    its rate table, :func:`~sqla_jobs.migrations.create_rate_table`).
+    its rate table, :func:`~sqla_jobs.migrations.create_rate_table`); ``fair_shares``
+    (``{"emails": FairShare("tenant_id")}``) shares a queue's claims over its tenants
+    (:attr:`fair_shares`; the model needs the column's fair index,
+    :func:`~sqla_jobs.schema.fair.fair_index`).
     ``hooks`` (a :class:`~sqla_jobs.Hooks`) run around every task's handler
     (:mod:`sqla_jobs.hooks`; more with :meth:`add_hooks` and the decorators :meth:`before`,
     :meth:`after`, :meth:`on_error`).
@@ -405,6 +408,7 @@ class Registry:
         ordering_keys: bool = False,
         queue_limits: Mapping[str, int] | None = None,
         rate_limits: Mapping[str, validation.RateLimit] | None = None,
+        fair_shares: Mapping[str, validation.FairShare] | None = None,
         hooks: Hooks | None = None,
     ) -> None:
         if model is not None and not _is_job_model(model):
@@ -439,6 +443,11 @@ class Registry:
         except InvalidJobError as exc:
             raise ConfigurationError(f"rate_limits: {exc.reason}") from None
         self._rate_limits: Mapping[str, validation.RateLimit] = MappingProxyType(rates)
+        try:
+            shares = validation.check_fair_shares("fair_shares", fair_shares)
+        except InvalidJobError as exc:
+            raise ConfigurationError(f"fair_shares: {exc.reason}") from None
+        self._fair_shares: Mapping[str, validation.FairShare] = MappingProxyType(shares)
         self._hooks = checked_hooks("hooks", hooks)
         self._tasks: dict[str, Task[Any]] = {}
 
@@ -515,6 +524,14 @@ class Registry:
         the workers to every claim (:func:`sqla_jobs.claim` ``rate_limits``). Read-only;
         empty when no queue is rate-limited."""
         return self._rate_limits
+
+    @property
+    def fair_shares(self) -> Mapping[str, validation.FairShare]:
+        """How each fairly shared queue's claims are spread over its tenants
+        (``Registry(..., fair_shares={"emails": FairShare("tenant_id")})``), passed by the
+        workers to every claim (:func:`sqla_jobs.claim` ``fair_shares``). Read-only; empty
+        when no queue is shared."""
+        return self._fair_shares
 
     @property
     def time_limits(self) -> dict[str, timedelta]:

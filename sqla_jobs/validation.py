@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import MappingProxyType
 from typing import Any, Final, TypeVar, cast
 
 from sqlalchemy.sql.elements import ClauseElement
@@ -27,6 +28,7 @@ __all__ = [
     "MAX_ATTEMPTS_LIMIT",
     "MAX_DEBOUNCE_SECONDS",
     "MAX_DURATION_SECONDS",
+    "MAX_FAIR_WEIGHT",
     "MAX_JSON_DEPTH",
     "MAX_KEY_LENGTH",
     "MAX_KEY_LIMIT",
@@ -43,12 +45,14 @@ __all__ = [
     "NAME_RULE",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
+    "FairShare",
     "RateLimit",
     "args_snapshot",
     "as_configuration",
     "check_args",
     "check_debounce_window",
     "check_duration",
+    "check_fair_shares",
     "check_field",
     "check_job_id",
     "check_json",
@@ -674,6 +678,82 @@ def check_rate_limits(field: str, value: object) -> dict[str, RateLimit]:
             )
         limits[name] = limit
     return limits
+
+
+#: The largest weight of a tenant in fair shares (:class:`FairShare`).
+MAX_FAIR_WEIGHT: Final = 1_000
+
+
+@dataclass(frozen=True)
+class FairShare:
+    """Claim a queue fairly across tenants: the values of ``column``, a column of the job
+    model (a customer, an account, an API token). Each claim spreads its slots over the
+    tenants that have runnable jobs, round robin: every tenant's first job comes before any
+    tenant's second, so one tenant's backlog of 100,000 jobs takes no more of a claim than
+    another's ten. ``weights`` (tenant value to a weight in [1, :data:`MAX_FAIR_WEIGHT`],
+    default 1 each) gives a tenant that many jobs per round: ``{"acme": 3}``. Within a
+    tenant, jobs keep their ``(priority, run_at, id)`` order. Jobs whose column is NULL
+    share one tenant. Applies to the queue's jobs without an ordering key (keyed jobs keep
+    their keys' own order and ``key_limit``). Raises
+    :class:`~sqla_jobs.errors.ConfigurationError` for a column that is not a name or a weight
+    outside that range; the column must be one of the model's, checked where the model is
+    known (the claim, the worker's start)."""
+
+    column: str
+    weights: Mapping[Any, int] | None = None
+
+    def __post_init__(self) -> None:
+        column: object = self.column
+        if not isinstance(column, str) or not column.isidentifier():
+            raise ConfigurationError(
+                f"FairShare.column must be a column name of the job model, not {column!r}"
+            )
+        if self.weights is None:
+            return
+        if not isinstance(self.weights, Mapping):
+            raise ConfigurationError(
+                "FairShare.weights must be a mapping of tenant values to weights, not "
+                f"{type(self.weights).__name__}"
+            )
+        for tenant, weight in self.weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, int):
+                raise ConfigurationError(
+                    f"FairShare.weights: the weight of {tenant!r} must be an integer, "
+                    f"not {type(weight).__name__}"
+                )
+            if not 1 <= weight <= MAX_FAIR_WEIGHT:
+                raise ConfigurationError(
+                    f"FairShare.weights: the weight of {tenant!r} must be in "
+                    f"[1, {MAX_FAIR_WEIGHT}], got {weight}"
+                )
+        # A copy of its own, read-only: the caller's mapping changing later changes nothing.
+        object.__setattr__(self, "weights", MappingProxyType(dict(self.weights)))
+
+    def weight(self, tenant: object) -> int:
+        """The weight of ``tenant`` (1 unless :attr:`weights` names it)."""
+        return 1 if self.weights is None else self.weights.get(tenant, 1)
+
+
+def check_fair_shares(field: str, value: object) -> dict[str, FairShare]:
+    """Per-queue fair shares: a mapping of queue names (:func:`check_name`) to
+    :class:`FairShare`. ``None`` is none. Returns a plain ``dict`` copy."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidJobError(
+            field, f"must be a mapping of queue names to FairShare, not {type(value).__name__}"
+        )
+    shares: dict[str, FairShare] = {}
+    for queue, share in value.items():
+        name = check_name(field, queue)
+        if not isinstance(share, FairShare):
+            raise InvalidJobError(
+                field,
+                f"the fair share of queue {name!r} must be a FairShare "
+                f"(FairShare('tenant_id')), not {type(share).__name__}",
+            )
+        shares[name] = share
+    return shares
 
 
 def check_field(field: str, value: object, *, max_args_bytes: int) -> object:

@@ -9,6 +9,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from sqla_jobs import JobMixin, JobResultMixin, ScheduleMixin
 from sqla_jobs.history import history_table
+from sqla_jobs.schema.fair import fair_index
 from sqla_jobs.schema.rates import rate_table
 
 
@@ -32,6 +33,18 @@ class EmailJob(JobMixin, Base):
 
 #: The rate table of EmailJob's rate-limited queues (optional: made where rate limits are used).
 EMAIL_JOB_RATES = rate_table(EmailJob)
+
+
+class TenantJob(JobMixin, Base):
+    """Jobs of many customers, claimed fairly across them (FairShare("tenant"))."""
+
+    __tablename__ = "tenant_jobs"
+
+    tenant: Mapped[str | None] = mapped_column(String(50))
+
+
+#: Where a fair claim of TenantJob finds each customer's jobs.
+TENANT_JOB_FAIR_INDEX = fair_index(TenantJob, "tenant")
 
 
 class EmailJobResult(JobResultMixin, Base):

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
-from sqlalchemy import Table
+from sqlalchemy import Connection, Table
 
 from sqla_jobs._queries.claims import CLAIM, LOCK_QUEUES, ClaimParams
+from sqla_jobs._queries.fair import CLAIM_FAIR, FAIR_TENANTS, ClaimFairParams, FairTenantsParams
 from sqla_jobs._queries.keyed import (
     CLAIM_KEYED,
     LOCK_KEYS,
@@ -37,6 +38,7 @@ from sqla_jobs._queries.rates import (
 from sqla_jobs._queries.rows import ClaimRow, LockKeysRow, WalkKeysRow
 from sqla_jobs._queries.run import Executor
 from sqla_jobs.schema import JobStatus
+from sqla_jobs.validation import FairShare
 
 __all__ = [
     "KEY_CLAIM_MAX",
@@ -89,6 +91,7 @@ def claim_rows(
     limited: dict[str, int],
     rated: dict[str, tuple[int, float]] | None = None,
     key_rated: dict[str, tuple[int, float]] | None = None,
+    fair: dict[str, FairShare] | None = None,
 ) -> ClaimedRows:
     """The rows of one claim (:class:`~sqla_jobs._queries.rows.ClaimRow`'s columns, as
     tuples): the rate-limited queues' first (``rated``: queue name to its limit and window
@@ -101,7 +104,9 @@ def claim_rows(
     :func:`~sqla_jobs._queries.rates.log_starts` states the rule); a queue another claim is
     rating is skipped this round. ``key_rated`` (queue name to limit and window): each
     ordering key of the queue has its own window, counted by the keyed claim under the key's
-    lock and logged after it (:func:`~sqla_jobs._queries.rates.log_key_starts`)."""
+    lock and logged after it (:func:`~sqla_jobs._queries.rates.log_key_starts`). ``fair``
+    (queue name to its :class:`~sqla_jobs.FairShare`): the queue's jobs without a key are
+    claimed by the fair claim (:func:`_claim_fair`) instead of the plain one."""
     rows: list[Any] = []
     wait: float | None = None
     rated_here = [name for name in queue_names if rated and name in rated]
@@ -136,6 +141,7 @@ def claim_rows(
                     keys=keys,
                     limited={name: limited[name]} if name in limited else {},
                     key_rated=key_rated,
+                    fair=fair,
                 ).rows
                 started = sum(1 for row in got if row[_STATUS] == _RUNNING)
                 if started:
@@ -159,7 +165,7 @@ def claim_rows(
         limit -= len(rows)
     keyed_rates = _KeyRates.of(key_rated, queue_names) if keys else None
     got = _claim_limited(
-        executor, table, queue_names, limit, lease_seconds, worker, keys, limited, key_rated
+        executor, table, queue_names, limit, lease_seconds, worker, keys, limited, key_rated, fair
     )
     rows.extend(got)
     if keyed_rates is not None and len(got) < limit:
@@ -167,6 +173,10 @@ def claim_rows(
         # fraction of the shortest window), not at the next poll.
         soon = max(KEY_RATE_POLL * min(keyed_rates.windows), RATE_RETRY)
         wait = soon if wait is None else min(wait, soon)
+    if fair and got and len(got) < limit and any(name in fair for name in queue_names):
+        # A fair claim comes back short when tenants had fewer jobs than their shares, while
+        # others may have more: look again at once (an empty claim waits as any other).
+        wait = 0.0
     return ClaimedRows(rows, wait)
 
 
@@ -203,11 +213,14 @@ def _claim_limited(
     keys: bool,
     limited: dict[str, int],
     key_rated: dict[str, tuple[int, float]] | None = None,
+    fair: dict[str, FairShare] | None = None,
 ) -> list[Any]:
     # The limited queues' rows first, each up to its free slots, then the others'.
     params: ClaimParams = {"limit": limit, "lease_seconds": lease_seconds, "worker": worker}
     if not limited:
-        return _claim_from(executor, table, params, queue_names, keys, key_rated=key_rated)
+        return _claim_from(
+            executor, table, params, queue_names, keys, key_rated=key_rated, fair=fair
+        )
     rows: list[Any] = []
     # A keyed claim takes each queue's lock with its keys; a plain one all of them at once.
     served = list(limited)
@@ -218,12 +231,23 @@ def _claim_limited(
         if len(rows) < limit:
             room = params | {"limit": limit - len(rows), "queue_slots": limited[name]}
             rows.extend(
-                _claim_from(executor, table, room, [name], keys, limited=True, key_rated=key_rated)
+                _claim_from(
+                    executor,
+                    table,
+                    room,
+                    [name],
+                    keys,
+                    limited=True,
+                    key_rated=key_rated,
+                    fair=fair,
+                )
             )
     others = [name for name in queue_names if name not in limited]
     if others and len(rows) < limit:
         rest = params | {"limit": limit - len(rows)}
-        rows.extend(_claim_from(executor, table, rest, others, keys, key_rated=key_rated))
+        rows.extend(
+            _claim_from(executor, table, rest, others, keys, key_rated=key_rated, fair=fair)
+        )
     return rows
 
 
@@ -260,21 +284,21 @@ def _claim_from(
     keys: bool,
     limited: bool = False,
     key_rated: dict[str, tuple[int, float]] | None = None,
+    fair: dict[str, FairShare] | None = None,
 ) -> list[Any]:
     """The rows of a claim from ``queue_names``: keyed jobs first (``keys``), then plain
-    ones up to the limit. ``limited``: one queue with a concurrency limit
-    (``params["queue_slots"]``), whose lock this transaction holds (a plain claim), or takes
-    with its keys (a keyed claim: nothing if another claim holds it); each claim statement
-    counts the free slots (:func:`~sqla_jobs._queries.limited_count`). ``key_rated``: per-key
-    rate limits, kept by each keyed claim statement and logged after it
-    (:func:`_claim_keyed`)."""
+    ones up to the limit (:func:`_claim_plain`: fairly, for the queues in ``fair``).
+    ``limited``: one queue with a concurrency limit (``params["queue_slots"]``), whose lock
+    this transaction holds (a plain claim), or takes with its keys (a keyed claim: nothing
+    if another claim holds it); each claim statement counts the free slots
+    (:func:`~sqla_jobs._queries.limited_count`). ``key_rated``: per-key rate limits, kept
+    by each keyed claim statement and logged after it (:func:`_claim_keyed`)."""
     params = params.copy()
     params.pop("queue_name", None)
     params.pop("queue_names", None)
     _set_queues(params, queue_names)
-    options: dict[str, Any] = {"queue_count": min(len(queue_names), 2), "limited": limited}
     if not keys:
-        return list(CLAIM.tuples(executor, table, params, **options))
+        return _claim_plain(executor, table, params, queue_names, limited, fair)
     limit = params["limit"]
     serving = _KeyRates.of(key_rated, queue_names)
     lock_params, lock_options = key_lock_params(queue_names, limit)
@@ -336,8 +360,96 @@ def _claim_from(
             rows.extend(_claim_keyed(executor, table, more, limited, serving))
     if len(rows) < limit:
         rest = params | {"limit": limit - len(rows)}
+        rows.extend(_claim_plain(executor, table, rest, queue_names, limited, fair))
+    return rows
+
+
+def _claim_plain(
+    executor: Executor,
+    table: Table,
+    params: ClaimParams,
+    queue_names: list[str],
+    limited: bool,
+    fair: dict[str, FairShare] | None,
+) -> list[Any]:
+    """The jobs without a key of ``queue_names``, up to ``params["limit"]``: the fair queues'
+    first, each by its fair claim (:func:`_claim_fair`), then the others' with one plain
+    claim statement (:data:`~sqla_jobs._queries.claims.CLAIM`; the only statement when none
+    is fair)."""
+    shared = [name for name in queue_names if fair and name in fair]
+    rows: list[Any] = []
+    limit = params["limit"]
+    for name in shared:
+        if fair and len(rows) < limit:
+            rows.extend(_claim_fair(executor, table, params, name, fair[name], limited))
+    others = [name for name in queue_names if name not in shared]
+    if others and len(rows) < limit:
+        rest = params | {"limit": limit - len(rows)}
+        rest.pop("queue_name", None)
+        rest.pop("queue_names", None)
+        _set_queues(rest, others)
+        options = {"queue_count": min(len(others), 2), "limited": limited}
         rows.extend(CLAIM.tuples(executor, table, rest, **options))
     return rows
+
+
+#: Where a connection keeps, per job table and fair queue, the tenant its last fair claim
+#: stopped at (its ``info``, which lives as long as the database connection does).
+FAIR_AFTER: Final = "sqla_jobs.fair_after"
+
+
+def _claim_fair(
+    executor: Executor,
+    table: Table,
+    params: ClaimParams,
+    name: str,
+    share: FairShare,
+    limited: bool,
+) -> list[Any]:
+    """A fair claim of the queue ``name`` (:mod:`sqla_jobs._queries.fair`): its tenants in
+    turn, from where this connection's previous fair claim of the queue stopped (kept in
+    the connection's ``info``, :data:`FAIR_AFTER`: each claimer goes round the tenants, so
+    that with more tenants than a claim's ``limit``, every one has its turn), at most
+    ``limit`` of them (each then has at least one job in the claim); then the claim."""
+    limit = params["limit"]
+    tenants_params: FairTenantsParams = {"queue_name": name, "after": None, "most": limit}
+    options = {"column": share.column}
+    connection = (
+        executor
+        if isinstance(executor, Connection)
+        else executor.connection(
+            bind_arguments={"clause": FAIR_TENANTS.statement(table, **options)}
+        )
+    )
+    places: dict[tuple[Table, str], Any] = connection.info.setdefault(FAIR_AFTER, {})
+    tenants_params["after"] = places.get((table, name))
+    tenants = [row[0] for row in FAIR_TENANTS.tuples(executor, table, tenants_params, **options)]
+    if len(tenants) < 2:
+        # One tenant has pending jobs, or none: the plain claim takes the same jobs (in
+        # claim order, the expired leases too) with one statement that is planned faster.
+        one: ClaimParams = {
+            "limit": limit,
+            "lease_seconds": params["lease_seconds"],
+            "worker": params["worker"],
+            "queue_name": name,
+        }
+        if limited:
+            one["queue_slots"] = params["queue_slots"]
+        return list(CLAIM.tuples(executor, table, one, queue_count=1, limited=limited))
+    last = tenants[-1]
+    if last is not None:
+        places[(table, name)] = last
+    claim: ClaimFairParams = {
+        "queue_name": name,
+        "tenants": tenants,
+        "weights": [share.weight(tenant) for tenant in tenants],
+        "limit": limit,
+        "lease_seconds": params["lease_seconds"],
+        "worker": params["worker"],
+    }
+    if limited:
+        claim["queue_slots"] = params["queue_slots"]
+    return list(CLAIM_FAIR.tuples(executor, table, claim, limited=limited, **options))
 
 
 def _claim_keyed(

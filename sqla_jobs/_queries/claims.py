@@ -7,6 +7,7 @@ import zlib
 from typing import Any, Final, NamedTuple, TypedDict
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     Integer,
     Table,
@@ -14,6 +15,7 @@ from sqlalchemy import (
     TextClause,
     Update,
     and_,
+    any_,
     bindparam,
     case,
     cast,
@@ -49,7 +51,12 @@ from sqla_jobs.schema.pauses import pause_table
 
 
 def _start_attempts(
-    table: Table, claimable: Any, *, by_address: bool = False, json_text: bool = False
+    table: Table,
+    claimable: Any,
+    *,
+    by_address: bool = False,
+    listed: bool = False,
+    json_text: bool = False,
 ) -> Update:
     """The ``UPDATE`` that starts an attempt on each job of ``claimable`` (a CTE of ids), the
     second half of every claim statement (:func:`claim`, :func:`claim_keyed`).
@@ -59,6 +66,11 @@ def _start_attempts(
     it (a TID scan) instead of through the primary key. Only exact when no locked row can
     be a version newer than the snapshot (:func:`claim_keyed` drops those): that version
     would be invisible to the scan, and its job left unclaimed.
+
+    ``listed``: the rows are found through the primary key by the array of ``claimable``'s
+    ids (``id = ANY (<array>)``, the array read once), whatever the planner guesses of how
+    many there are: a plan made for any parameters (a prepared statement's generic plan)
+    would otherwise join a CTE whose size it cannot know to the whole table.
 
     ``json_text``: ``args`` and ``trace_context`` come back as their text, for a driver that
     decodes jsonb itself where no tolerant decoder can be put in (asyncpg: SQLAlchemy gives
@@ -78,7 +90,12 @@ def _start_attempts(
         + func.cast(table.c.attempts, Text)
         + literal_column("' lost its lease: its worker stopped or crashed mid-job'")
     )
-    match: list[ColumnElement[bool]] = [table.c.id == claimable.c.id]
+    match: list[ColumnElement[bool]] = [
+        table.c.id
+        == any_(cast(select(func.array_agg(claimable.c.id)).scalar_subquery(), ARRAY(BigInteger)))
+        if listed
+        else table.c.id == claimable.c.id
+    ]
     if by_address:
         # The target table's own ctid (a CTE has no system columns: the name is unambiguous);
         # the planner takes it over the primary key, whose match is then a filter.

@@ -97,7 +97,12 @@ from sqla_jobs.migrations.leases import (
     drop_lease_index,
 )
 from sqla_jobs.migrations.pauses import create_pause_table, drop_pause_table
-from sqla_jobs.migrations.rates import create_rate_table, drop_rate_table
+from sqla_jobs.migrations.rates import (
+    create_fair_index,
+    create_rate_table,
+    drop_fair_index,
+    drop_rate_table,
+)
 from sqla_jobs.migrations.tables import (
     SCHEMA_VERSION,
     create_job_table,
@@ -155,6 +160,7 @@ __all__ = [
     "check_job_tables",
     "create_claim_index",
     "create_claim_indexes",
+    "create_fair_index",
     "create_job_table",
     "create_lease_index",
     "create_notify_trigger",
@@ -170,6 +176,7 @@ __all__ = [
     "drop_claim_index",
     "drop_claim_indexes",
     "drop_dead_index",
+    "drop_fair_index",
     "drop_history",
     "drop_job_control",
     "drop_job_table",

@@ -1,5 +1,6 @@
-"""The rate table beside a job table (``sqla_jobs.schema.rates``): the recent starts of its
-rate-limited queues (:class:`sqla_jobs.RateLimit`)."""
+"""The flow-control schema beside a job table: the rate table (``sqla_jobs.schema.rates``),
+the recent starts of its rate-limited queues (:class:`sqla_jobs.RateLimit`), and the fair
+index of a tenant column (``sqla_jobs.schema.fair``, :class:`sqla_jobs.FairShare`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from alembic import op
 
 from sqla_jobs import ddl
 from sqla_jobs.migrations.steps import _execute
+from sqla_jobs.schema import pending_predicate
+from sqla_jobs.schema.fair import FAIR_INDEX_COLUMNS, fair_index_name
 from sqla_jobs.schema.rates import rate_names
 
 # A frozen copy of what sqla_jobs.schema.rates.rate_table declares: a change there needs a
@@ -58,3 +61,27 @@ def drop_rate_table(table_name: str, *, schema: str | None = None) -> None:
     """Drop the rate table of ``table_name`` (the recent starts with it: each limit's window
     starts empty again). ``IF EXISTS``: re-runnable."""
     _execute(f"DROP TABLE IF EXISTS {ddl.qualified_name(rate_names(table_name).table, schema)}")
+
+
+def create_fair_index(
+    table_name: str, column: str, *, schema: str | None = None, concurrently: bool = False
+) -> None:
+    """Create the fair index of job table ``table_name``'s tenant column ``column``
+    (:func:`sqla_jobs.schema.fair.fair_index`: ``(queue, <column>, priority, run_at, id)
+    WHERE status = 'pending' AND ordering_key IS NULL``), which a fair claim
+    (:class:`sqla_jobs.FairShare`) reads. ``concurrently``: ``CREATE INDEX CONCURRENTLY``
+    on a live table (outside a transaction: in Alembic, inside
+    ``op.get_context().autocommit_block()``). ``IF NOT EXISTS``: re-runnable."""
+    name = fair_index_name(table_name, column)
+    columns = ", ".join(ddl.quote(part or column) for part in FAIR_INDEX_COLUMNS)
+    how = "CONCURRENTLY " if concurrently else ""
+    _execute(
+        f"CREATE INDEX {how}IF NOT EXISTS {ddl.quote(name)} "
+        f"ON {ddl.qualified_name(table_name, schema)} ({columns}) WHERE {pending_predicate()}"
+    )
+
+
+def drop_fair_index(table_name: str, column: str, *, schema: str | None = None) -> None:
+    """Drop the fair index of ``table_name``'s column ``column``. ``IF EXISTS``."""
+    name = ddl.qualified_name(fair_index_name(table_name, column), schema)
+    _execute(f"DROP INDEX IF EXISTS {name}")

@@ -7,7 +7,9 @@ import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
+
+from sqlalchemy import Table
 
 from sqla_jobs import validation
 from sqla_jobs._queries.claiming import claim_rows
@@ -46,7 +48,7 @@ from sqla_jobs.schema import (
     JobMixin,
     JobStatus,
 )
-from sqla_jobs.validation import RateLimit
+from sqla_jobs.validation import FairShare, RateLimit
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ def claim(
     keys: bool = False,
     queue_limits: Mapping[str, int] | None = None,
     rate_limits: Mapping[str, RateLimit] | None = None,
+    fair_shares: Mapping[str, FairShare] | None = None,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` runnable jobs and start an attempt on each.
 
@@ -149,6 +152,17 @@ def claim(
     the key's lock, and logs its starts per key after each keyed claim statement; the
     queue's jobs without a key are not limited.
 
+    **Fair shares** (``fair_shares={"emails": FairShare("tenant_id")}``). The queue's jobs
+    without an ordering key are shared over its tenants, the values of a column of the
+    model (:class:`~sqla_jobs.FairShare`): the claim takes round by round, each tenant's
+    next job (or ``weight`` of them) in each round, so that one tenant's backlog cannot
+    keep another's jobs waiting. Two statements
+    (:mod:`sqla_jobs._queries.fair`): the queue's tenants in turn (a loose scan of the fair
+    index, :func:`~sqla_jobs.schema.fair.fair_index`, which the model needs: at most
+    ``limit`` tenants a claim, from where the connection's previous fair claim of the
+    queue stopped), then the claim from them. Queue and rate limits apply as to any queue;
+    keyed jobs are claimed before, by their keys.
+
     **Paused queues** (:func:`~sqla_jobs.pause_queue`) are skipped by every form above: the
     claim statements read the table's pause table themselves, so a queue paused (or
     resumed) in a committed transaction is honoured by the next claim of every worker.
@@ -167,6 +181,7 @@ def claim(
         keys=keys,
         queue_limits=queue_limits,
         rate_limits=rate_limits,
+        fair_shares=fair_shares,
     )[0]
 
 
@@ -182,6 +197,7 @@ def claim_waiting(
     keys: bool = False,
     queue_limits: Mapping[str, int] | None = None,
     rate_limits: Mapping[str, RateLimit] | None = None,
+    fair_shares: Mapping[str, FairShare] | None = None,
 ) -> tuple[list[ClaimedJob], float | None]:
     """:func:`claim`, and when a rate-limited queue was held back, the seconds after which it
     may allow more (:class:`~sqla_jobs._queries.claiming.ClaimedRows`), else None: how long
@@ -205,6 +221,7 @@ def claim_waiting(
             if name in rates:
                 rate = rates[name]
                 (key_rated if rate.per_key else rated)[name] = (rate.limit, rate.seconds)
+    fair = check_fair_columns(table, fair_shares, queue_names)
     claiming = functools.partial(
         claim_rows,
         table=table,
@@ -216,6 +233,7 @@ def claim_waiting(
         limited=limited,
         rated=rated,
         key_rated=key_rated,
+        fair=fair,
     )
     if hold:
         engine = first_step_engine(session, model, call="claim(hold=True)", step="the attempt")
@@ -244,6 +262,33 @@ def claim_waiting(
     if hold and jobs:
         return lock(session, jobs), wait
     return jobs, wait
+
+
+def check_fair_columns(
+    table: Table, fair_shares: Mapping[str, FairShare] | None, queue_names: Iterable[str]
+) -> dict[str, FairShare]:
+    """The fair shares of ``queue_names`` (:func:`~sqla_jobs.validation.check_fair_shares`),
+    each column checked against the job table: one of the model's own, not one the
+    queue's claims read otherwise (:class:`~sqla_jobs.errors.InvalidJobError`)."""
+    shares = validation.check_fair_shares("fair_shares", fair_shares)
+    for name, share in shares.items():
+        if share.column not in table.c:
+            raise InvalidJobError(
+                "fair_shares",
+                f"queue {name!r} shares by column {share.column!r}, which {table.name} has not",
+            )
+        if share.column in _NOT_TENANTS:
+            raise InvalidJobError(
+                "fair_shares",
+                f"queue {name!r} cannot share by {share.column!r}: a tenant is a column of "
+                "the model's own (jobs with an ordering key keep their keys' order and "
+                "key_limit, claimed before the fair share)",
+            )
+    return {name: shares[name] for name in queue_names if name in shares}
+
+
+#: The job table's columns that no fair share may use as its tenant.
+_NOT_TENANTS: Final = frozenset(JobMixin.__annotations__)
 
 
 def _log_exhausted(rows: Sequence[Any], running: str) -> None:

@@ -97,6 +97,7 @@ class Fetcher:
         self.keys = registry.ordering_keys  # claim keyed jobs too
         self.queue_limits = registry.queue_limits or None  # None: the plain claim, as ever
         self.rate_limits = registry.rate_limits or None
+        self.fair_shares = registry.fair_shares or None
         # When the last claim held a rate-limited queue back: how soon it may allow more.
         self.rate_wait: float | None = None
         self.min_claim = max(1, min(batch_size, state.concurrency) // 2)
@@ -179,6 +180,7 @@ class Fetcher:
             keys=self.keys,
             queue_limits=self.queue_limits,
             rate_limits=self.rate_limits,
+            fair_shares=self.fair_shares,
         )
         # Looked up per task, not per job: a batch holds few tasks.
         longer = {

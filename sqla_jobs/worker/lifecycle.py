@@ -77,7 +77,7 @@ from sqla_jobs.worker.settings import (
     worker_settings,
 )
 from sqla_jobs.worker.state import Attempt, State
-from sqla_jobs.worker.table_version import check_table_version
+from sqla_jobs.worker.table_version import check_flow_control, check_table_version
 from sqla_jobs.worker.writer import OutcomeWriter
 
 if TYPE_CHECKING:
@@ -481,13 +481,9 @@ class Worker:
                 time.sleep(delay)
         # A table of an older schema version: refuse, naming the helpers that upgrade it.
         check_table_version(self._table, layout.columns, layout.indexes, pauses=layout.pauses)
-        if self.registry.rate_limits and not layout.rates:
-            raise ConfigurationError(
-                f"{self.model.__name__}'s table {self._table.name!r} has no rate table, which "
-                f"its rate limits ({', '.join(sorted(self.registry.rate_limits))}) need: add it "
-                f"with sqla_jobs.migrations.create_rate_table({self._table.name!r}) in a "
-                "revision of yours (docs/how-to/rate-limits.md)"
-            )
+        check_flow_control(
+            self.model.__name__, self._table, self.registry, layout.indexes, rates=layout.rates
+        )
         if self.pooled:
             self._log_pooled(getattr(driver, "prepare_threshold", None))
         if self.listen and not trigger.exists:

@@ -39,8 +39,11 @@ from typing import Final
 from sqlalchemy import Table
 
 from sqla_jobs import _queries as statements
-from sqla_jobs.errors import SchemaVersionError
+from sqla_jobs.errors import ConfigurationError, InvalidJobError, SchemaVersionError
+from sqla_jobs.queue.claiming import check_fair_columns
+from sqla_jobs.registry import Registry
 from sqla_jobs.schema import names
+from sqla_jobs.schema.fair import fair_index_name
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -137,3 +140,39 @@ def check_table_version(
         version=version,
         helpers=tuple(calls),
     )
+
+
+def check_flow_control(
+    model_name: str,
+    table: Table,
+    registry: Registry,
+    indexes: Collection[str],
+    *,
+    rates: bool,
+) -> None:
+    """What the registry's flow control needs of the job table, checked at the worker's
+    start (:class:`~sqla_jobs.errors.ConfigurationError` naming the helper to run): the rate
+    table for rate limits (``rates``: it exists), and for each fair share a column of the
+    model's own (:func:`~sqla_jobs.queue.check_fair_columns`) and its fair index (one of
+    ``indexes``: without it, each of the claim's descents would read the whole table)."""
+    if registry.rate_limits and not rates:
+        raise ConfigurationError(
+            f"{model_name}'s table {table.name!r} has no rate table, which "
+            f"its rate limits ({', '.join(sorted(registry.rate_limits))}) need: add it "
+            f"with sqla_jobs.migrations.create_rate_table({table.name!r}) in a "
+            "revision of yours (docs/how-to/rate-limits.md)"
+        )
+    try:
+        shares = check_fair_columns(table, registry.fair_shares, registry.fair_shares)
+    except InvalidJobError as exc:
+        raise ConfigurationError(f"fair_shares: {exc.reason}") from None
+    for name, share in shares.items():
+        index = fair_index_name(table.name, share.column)
+        if index not in indexes:
+            raise ConfigurationError(
+                f"{model_name}'s table {table.name!r} has no fair index {index!r}, which "
+                f"queue {name!r}'s fair share by {share.column!r} needs: declare it with "
+                f"sqla_jobs.schema.fair.fair_index({model_name}, {share.column!r}) or add it "
+                f"with sqla_jobs.migrations.create_fair_index({table.name!r}, "
+                f"{share.column!r}) in a revision of yours (docs/how-to/fair-shares.md)"
+            )

@@ -1,0 +1,260 @@
+"""The fair claim (fair shares across tenants, :class:`~sqla_jobs.FairShare`):
+:func:`fair_tenants` and :func:`claim_fair`, the two statements of one fair claim in the
+order they run; see :mod:`sqla_jobs._queries`.
+
+A tenant is a value of a column of the user's job model (``FairShare("tenant_id")``); the
+statements read the queue's pending jobs without an ordering key through the fair index
+:func:`~sqla_jobs.schema.fair_index` ``(queue, <column>, priority, run_at, id) WHERE status =
+'pending' AND ordering_key IS NULL``, which the application declares beside its model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, NamedTuple, TypedDict
+
+from sqlalchemy import BigInteger, Integer, Table, Text, TextClause, Update, bindparam, text
+from sqlalchemy import column as result_column
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from sqla_jobs._queries.claims import _limited_params, _start_attempts, limited_count
+from sqla_jobs._queries.rows import ClaimRow
+from sqla_jobs._queries.run import Query, json_text_on_asyncpg
+from sqla_jobs.ddl import qualified_name
+from sqla_jobs.schema import JobStatus
+from sqla_jobs.schema.pauses import paused_predicate
+
+_DIALECT: Final = postgresql.dialect()  # type: ignore[no-untyped-call]
+
+
+def _tenant_column(table: Table, name: str) -> tuple[str, str]:
+    """The tenant column ``name`` of ``table`` as SQL: its quoted name and its type."""
+    found = table.c[name]
+    return _DIALECT.identifier_preparer.quote(name), str(found.type.compile(dialect=_DIALECT))
+
+
+def _plain_pending() -> str:
+    # A queue's pending jobs without an ordering key (the fair index's rows for the queue).
+    pending = JobStatus.PENDING.value
+    return f"j.status = '{pending}' AND j.ordering_key IS NULL AND j.queue = :queue_name"
+
+
+def fair_tenants(table: Table, *, column: str) -> TextClause:
+    """The tenants a fair claim of the queue ``:queue_name`` serves, in turn: the values of
+    ``column`` among its pending jobs without an ordering key, from the first after
+    ``:after`` (where the claimer's previous fair claim of the queue stopped; NULL: from the
+    first) in the column's order, wrapping around past the last, at most ``:most``; and
+    first of all NULL, when jobs without a tenant are pending (they share one tenant).
+
+    A loose index scan of the fair index: one descent per tenant (the next value past the
+    last one, ``ORDER BY <column> LIMIT 1``), so its cost grows with the tenants it
+    returns, not with their jobs. A tenant whose jobs are all scheduled later is returned
+    too (the scan does not read past a tenant's first entry): the claim finds nothing
+    runnable of it. Reads, locks nothing: a tenant whose jobs another claim takes meanwhile
+    gives the claim nothing.
+
+    Parameters: ``:queue_name``, ``:after`` (of the column's type), ``:most``.
+    """
+    t = qualified_name(table.name, table.schema)
+    c, kind = _tenant_column(table, column)
+    plain = _plain_pending()
+    after = f"CAST(:after AS {kind})"
+    sql = f"""WITH RECURSIVE scan (tenant, n, wrapped) AS (
+    SELECT s.tenant, 1, s.wrapped FROM (
+        (SELECT j.{c} AS tenant, false AS wrapped FROM {t} AS j
+         WHERE {plain} AND j.{c} > {after}
+         ORDER BY j.{c} LIMIT 1)
+        UNION ALL
+        (SELECT j.{c}, true FROM {t} AS j
+         WHERE {plain} AND j.{c} IS NOT NULL
+         ORDER BY j.{c} LIMIT 1)
+        LIMIT 1
+    ) AS s
+    UNION ALL
+    SELECT x.tenant, s.n + 1, x.wrapped FROM scan AS s CROSS JOIN LATERAL (
+        (SELECT j.{c} AS tenant, s.wrapped AS wrapped FROM {t} AS j
+         WHERE {plain} AND j.{c} > s.tenant
+         ORDER BY j.{c} LIMIT 1)
+        UNION ALL
+        (SELECT j.{c}, true FROM {t} AS j
+         WHERE NOT s.wrapped AND {plain} AND j.{c} IS NOT NULL
+         ORDER BY j.{c} LIMIT 1)
+        LIMIT 1
+    ) AS x
+    WHERE s.n < :most AND NOT coalesce(x.wrapped AND x.tenant > {after}, false)
+)
+SELECT u.tenant FROM (
+    SELECT CAST(NULL AS {kind}) AS tenant, 0 AS n
+    WHERE EXISTS (SELECT FROM {t} AS j WHERE {plain} AND j.{c} IS NULL)
+    UNION ALL
+    SELECT s.tenant, s.n FROM scan AS s
+) AS u
+ORDER BY u.n"""
+    return text(sql).bindparams(
+        bindparam("queue_name", type_=Text),
+        bindparam("after", type_=table.c[column].type),
+        bindparam("most", type_=Integer),
+    )
+
+
+def _tenant_read(table: Table, c: str, *, match: str, after: str = "", limit: str) -> str:
+    """One tenant's next runnable jobs in ``(priority, run_at, id)`` order, ``limit`` at
+    most, locked ``FOR UPDATE SKIP LOCKED`` as they are read (a subquery per form of the
+    tenant: ``match`` is the column's condition)."""
+    t = qualified_name(table.name, table.schema)
+    return f"""SELECT j.id, j.priority, j.run_at FROM {t} AS j
+            WHERE {_plain_pending()} AND {match}
+              AND j.run_at <= statement_timestamp(){after}
+            ORDER BY j.{c}, j.priority, j.run_at, j.id LIMIT {limit}
+            FOR UPDATE OF j SKIP LOCKED"""
+
+
+def _tenant_reads(table: Table, c: str, tenant: str, *, after: str = "", limit: str) -> str:
+    # A tenant's read: its value's (an index range), or, for the NULL tenant, the jobs whose
+    # column is NULL (the other branch: a one-time filter on the tenant, so one of the two
+    # runs).
+    value = _tenant_read(table, c, match=f"j.{c} = {tenant}", after=after, limit=limit)
+    null = _tenant_read(
+        table, c, match=f"{tenant} IS NULL AND j.{c} IS NULL", after=after, limit=limit
+    )
+    return f"""SELECT a.* FROM ({value}) AS a
+        UNION ALL
+        SELECT b.* FROM ({null}) AS b"""
+
+
+@json_text_on_asyncpg
+def claim_fair(
+    table: Table, *, column: str, limited: bool = False, json_text: bool = False
+) -> Update:
+    """Claim up to ``:limit`` jobs of the queue ``:queue_name`` shared fairly over the
+    tenants in ``:tenants`` (:func:`fair_tenants`'s, in turn, with their ``:weights``), and
+    start an attempt on each, as :func:`~sqla_jobs._queries.claim` does.
+
+    The rule: a tenant of weight ``w`` has ``w`` jobs in each round; the claim takes round
+    by round (within a round, tenant by tenant in ``:tenants``'s order) until it has
+    ``:limit``. So every tenant's first job comes before any tenant's second, and a tenant
+    with 100,000 jobs in line takes no more of a claim than one with ten, unless the others
+    have run out. Within a tenant, jobs go in ``(priority, run_at, id)`` order. Expired
+    leases of the queue (jobs without an ordering key; their workers died) come first, as
+    in the plain claim, whoever their tenant.
+
+    How: each tenant reads its share of ``:limit`` (by weight, rounded up) from the fair
+    index, locking ``FOR UPDATE SKIP LOCKED`` as it reads; when the tenants that had fewer
+    jobs than their share left the claim short, the tenants that filled theirs read on past
+    their last job, each its share (by weight) of what is missing. Rows read but not
+    claimed stay locked until the transaction ends (at most one per tenant and round
+    short of the shares: keep it short, as every claim).
+
+    ``limited``: a limited queue (``:queue_slots``, its lock held), as for
+    :func:`~sqla_jobs._queries.claim`.
+
+    Parameters: ``:queue_name``, ``:tenants`` (an array of the column's type), ``:weights``
+    (``integer[]``), ``:limit``, ``:lease_seconds``, ``:worker`` (and ``:queue_slots``).
+    """
+    t = qualified_name(table.name, table.schema)
+    c, kind = _tenant_column(table, column)
+    running = JobStatus.RUNNING.value
+    now = "statement_timestamp()"
+    paused = paused_predicate(table, ":queue_name")
+    share = "(:limit * k.weight + k.total - 1) / k.total"
+    first = _tenant_reads(table, c, "k.tenant", limit=share)
+    more = _tenant_reads(
+        table,
+        c,
+        "f.tenant",
+        after="\n              AND (j.priority, j.run_at, j.id) > (f.priority, f.run_at, f.id)",
+        limit="greatest(0, (w.wanted * f.weight + w.total - 1) / w.total)",
+    )
+    cut = limited_count(table) if limited else ":limit"
+    chosen = (
+        text(
+            f"""WITH k AS MATERIALIZED (
+    SELECT k.tenant, k.weight, k.n, sum(k.weight) OVER () AS total
+    FROM unnest(CAST(:tenants AS {kind}[]), CAST(:weights AS integer[]))
+        WITH ORDINALITY AS k (tenant, weight, n)
+    WHERE NOT {paused}
+), first AS MATERIALIZED (
+    SELECT k.n, k.tenant, k.weight, {share} AS share, r.*
+    FROM k CROSS JOIN LATERAL (
+        SELECT f.id, f.priority, f.run_at,
+            row_number() OVER (ORDER BY f.priority, f.run_at, f.id) AS rank
+        FROM ({first}) AS f
+    ) AS r
+), filled AS MATERIALIZED (
+    -- Each tenant that had its whole share: its last job read.
+    SELECT f.* FROM first AS f WHERE f.rank = f.share
+), more AS MATERIALIZED (
+    SELECT f.n, f.weight, r.id, r.priority, r.run_at, f.rank + r.rank AS rank
+    FROM filled AS f
+    CROSS JOIN (
+        SELECT :limit - (SELECT count(*) FROM first) AS wanted,
+            (SELECT sum(g.weight) FROM filled AS g) AS total
+    ) AS w
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.priority, m.run_at,
+            row_number() OVER (ORDER BY m.priority, m.run_at, m.id) AS rank
+        FROM ({more}) AS m
+    ) AS r
+), expired AS MATERIALIZED (
+    SELECT j.id, j.priority, j.run_at FROM {t} AS j
+    WHERE j.status = '{running}' AND j.queue = :queue_name AND j.lease_expires_at <= {now}
+      AND j.run_at <= {now} AND j.ordering_key IS NULL AND NOT {paused}
+    ORDER BY j.lease_expires_at LIMIT :limit
+    FOR UPDATE OF j SKIP LOCKED
+)
+SELECT c.id FROM (
+    SELECT e.id, 0 AS round, 0 AS n, e.priority, e.run_at FROM expired AS e
+    UNION ALL
+    SELECT f.id, (f.rank + f.weight - 1) / f.weight, f.n, f.priority, f.run_at FROM first AS f
+    UNION ALL
+    SELECT m.id, (m.rank + m.weight - 1) / m.weight, m.n, m.priority, m.run_at FROM more AS m
+) AS c
+ORDER BY c.round, c.n, c.priority, c.run_at, c.id
+LIMIT {cut}"""
+        )
+        .bindparams(
+            bindparam("tenants", type_=ARRAY(table.c[column].type)),
+            bindparam("weights", type_=ARRAY(Integer)),
+            *(_limited_params() if limited else [bindparam("limit", type_=Integer)]),
+            *([] if limited else [bindparam("queue_name", type_=Text)]),
+        )
+        .columns(result_column("id", BigInteger))
+        .cte("claimable")
+    )
+    return _start_attempts(table, chosen, listed=True, json_text=json_text)
+
+
+# -- the queries --------------------------------------------------------------------------
+
+
+class FairTenantsParams(TypedDict):
+    """:func:`fair_tenants`'s parameters."""
+
+    queue_name: str
+    after: Any
+    most: int
+
+
+class _ClaimFairRequired(TypedDict):
+    queue_name: str
+    tenants: list[Any]
+    weights: list[int]
+    limit: int
+    lease_seconds: float
+    worker: str
+
+
+class ClaimFairParams(_ClaimFairRequired, total=False):
+    """:func:`claim_fair`'s parameters (a limited queue's also ``queue_slots``)."""
+
+    queue_slots: int
+
+
+class TenantRow(NamedTuple):
+    """A tenant :func:`fair_tenants` returns (NULL: the jobs without one)."""
+
+    tenant: Any
+
+
+FAIR_TENANTS: Final = Query(fair_tenants, FairTenantsParams, TenantRow)
+CLAIM_FAIR: Final = Query(claim_fair, ClaimFairParams, ClaimRow)
