@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
-from sqlalchemy import Connection, Table
+from sqlalchemy import Table
 
 from sqla_jobs._queries.claims import CLAIM, LOCK_QUEUES, ClaimParams
 from sqla_jobs._queries.fair import CLAIM_FAIR, FAIR_TENANTS, ClaimFairParams, FairTenantsParams
@@ -393,9 +393,15 @@ def _claim_plain(
     return rows
 
 
-#: Where a connection keeps, per job table and fair queue, the tenant its last fair claim
-#: stopped at (its ``info``, which lives as long as the database connection does).
-FAIR_AFTER: Final = "sqla_jobs.fair_after"
+#: Where each fair queue's ring of tenants was left off (:func:`~sqla_jobs._queries.fair_tenants`),
+#: per job table, queue and tenant column: ``(mode, tenant)``, the last tenant the process's
+#: latest fair claim of the queue served or passed (mode 2; 1: the NULL tenant), where its
+#: next one starts. One place per process, shared by its claimers (threads, connections,
+#: pooled or not), so that they go round the tenants together; each process goes round on
+#: its own.
+FAIR_AFTER: Final[dict[tuple[Table, str, str], tuple[int, Any]]] = {}
+#: How many tenants with no job due one fair claim passes at most, beyond those it serves.
+FAIR_PASS: Final = 64
 
 
 def _claim_fair(
@@ -406,27 +412,44 @@ def _claim_fair(
     share: FairShare,
     limited: bool,
 ) -> list[Any]:
-    """A fair claim of the queue ``name`` (:mod:`sqla_jobs._queries.fair`): its tenants in
-    turn, from where this connection's previous fair claim of the queue stopped (kept in
-    the connection's ``info``, :data:`FAIR_AFTER`: each claimer goes round the tenants, so
-    that with more tenants than a claim's ``limit``, every one has its turn), at most
-    ``limit`` of them (each then has at least one job in the claim); then the claim."""
+    """A fair claim of the queue ``name`` (:mod:`sqla_jobs._queries.fair`): the tenants with
+    a job due, in turn round the ring from where the process's previous fair claim of the
+    queue stopped (:data:`FAIR_AFTER`), as many as fit in ``limit`` by their weights (each
+    then has its whole first round in the claim, as far as it has jobs); then the claim
+    from them. The ring moves on past the tenants served and those passed before them (no
+    job due), never past a tenant found but left for the next claim: with more tenants than
+    fit in one claim, every one has its turn."""
     limit = params["limit"]
-    tenants_params: FairTenantsParams = {"queue_name": name, "after": None, "most": limit}
     options = {"column": share.column}
-    connection = (
-        executor
-        if isinstance(executor, Connection)
-        else executor.connection(
-            bind_arguments={"clause": FAIR_TENANTS.statement(table, **options)}
-        )
-    )
-    places: dict[tuple[Table, str], Any] = connection.info.setdefault(FAIR_AFTER, {})
-    tenants_params["after"] = places.get((table, name))
-    tenants = [row[0] for row in FAIR_TENANTS.tuples(executor, table, tenants_params, **options)]
-    if len(tenants) < 2:
-        # One tenant has pending jobs, or none: the plain claim takes the same jobs (in
-        # claim order, the expired leases too) with one statement that is planned faster.
+    place = (table, name, share.column)
+    mode, after = FAIR_AFTER.get(place, (0, None))
+    scan: FairTenantsParams = {
+        "queue_name": name,
+        "after": after,
+        "mode": mode,
+        "most": limit,
+        "cap": limit + FAIR_PASS,
+    }
+    rows = FAIR_TENANTS.tuples(executor, table, scan, **options)
+    tenants: list[Any] = []
+    weights: list[int] = []
+    passed = spent = 0
+    for tenant, due in rows:
+        if due:
+            weight = share.weight(tenant)
+            if tenants and spent + weight > limit:
+                break
+            tenants.append(tenant)
+            weights.append(weight)
+            spent += weight
+        passed += 1
+    if passed:
+        last = rows[passed - 1][0]
+        FAIR_AFTER[place] = (1, None) if last is None else (2, last)
+    whole = len(rows) < scan["cap"] and sum(1 for row in rows if row[1]) < limit
+    if whole and len(tenants) < 2:
+        # The ring holds one tenant with a job due, or none: the plain claim takes the same
+        # jobs (in claim order, the expired leases too) with one statement, planned faster.
         one: ClaimParams = {
             "limit": limit,
             "lease_seconds": params["lease_seconds"],
@@ -436,13 +459,10 @@ def _claim_fair(
         if limited:
             one["queue_slots"] = params["queue_slots"]
         return list(CLAIM.tuples(executor, table, one, queue_count=1, limited=limited))
-    last = tenants[-1]
-    if last is not None:
-        places[(table, name)] = last
     claim: ClaimFairParams = {
         "queue_name": name,
         "tenants": tenants,
-        "weights": [share.weight(tenant) for tenant in tenants],
+        "weights": weights,
         "limit": limit,
         "lease_seconds": params["lease_seconds"],
         "worker": params["worker"],

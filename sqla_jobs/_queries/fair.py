@@ -39,61 +39,102 @@ def _plain_pending() -> str:
     return f"j.status = '{pending}' AND j.ordering_key IS NULL AND j.queue = :queue_name"
 
 
+#: How many of a tenant's first jobs in claim order :func:`fair_tenants` looks at to tell
+#: whether it has one due: a tenant whose first this many are all scheduled later is passed
+#: over until one of them is due, even if a job of a lower priority behind them is.
+DUE_LOOKAHEAD: Final = 16
+
+
 def fair_tenants(table: Table, *, column: str) -> TextClause:
     """The tenants a fair claim of the queue ``:queue_name`` serves, in turn: the values of
-    ``column`` among its pending jobs without an ordering key, from the first after
-    ``:after`` (where the claimer's previous fair claim of the queue stopped; NULL: from the
-    first) in the column's order, wrapping around past the last, at most ``:most``; and
-    first of all NULL, when jobs without a tenant are pending (they share one tenant).
+    ``column`` among its pending jobs without an ordering key, each with whether it has a
+    job due (``tenant, due``), in the order of a ring that the claims of a process go round
+    (:data:`~sqla_jobs._queries.claiming.FAIR_AFTER` keeps its place): NULL first (the jobs
+    without a tenant, one tenant of their own), then the values in the column's order.
+
+    Where it starts: after the tenant the previous claim served last, ``:after`` (``:mode``
+    2; 1: that was the NULL tenant; 0: no claim yet, from the ring's start), and round the
+    ring from there, at most once. It stops when ``:most`` tenants with a job due are
+    found, or after ``:cap`` tenants in all, or where it started.
 
     A loose index scan of the fair index: one descent per tenant (the next value past the
-    last one, ``ORDER BY <column> LIMIT 1``), so its cost grows with the tenants it
-    returns, not with their jobs. A tenant whose jobs are all scheduled later is returned
-    too (the scan does not read past a tenant's first entry): the claim finds nothing
-    runnable of it. Reads, locks nothing: a tenant whose jobs another claim takes meanwhile
-    gives the claim nothing.
+    last one, ``ORDER BY <column>, priority, run_at, id LIMIT 1``: the tenant's first job in
+    claim order, which says whether it is due), and for a tenant whose first job is not due,
+    one read of its next :data:`DUE_LOOKAHEAD` entries. So its cost grows with the tenants
+    it passes, not with their jobs. Reads, locks nothing: a tenant whose jobs another claim
+    takes meanwhile gives the claim nothing.
 
-    Parameters: ``:queue_name``, ``:after`` (of the column's type), ``:most``.
+    Parameters: ``:queue_name``, ``:after`` (of the column's type), ``:mode``, ``:most``,
+    ``:cap``.
     """
     t = qualified_name(table.name, table.schema)
     c, kind = _tenant_column(table, column)
     plain = _plain_pending()
+    now = "statement_timestamp()"
     after = f"CAST(:after AS {kind})"
-    sql = f"""WITH RECURSIVE scan (tenant, n, wrapped) AS (
-    SELECT s.tenant, 1, s.wrapped FROM (
-        (SELECT j.{c} AS tenant, false AS wrapped FROM {t} AS j
-         WHERE {plain} AND j.{c} > {after}
-         ORDER BY j.{c} LIMIT 1)
-        UNION ALL
-        (SELECT j.{c}, true FROM {t} AS j
-         WHERE {plain} AND j.{c} IS NOT NULL
-         ORDER BY j.{c} LIMIT 1)
-        LIMIT 1
-    ) AS s
+
+    def value(condition: str, phase: str) -> str:
+        # The first job of the next tenant with a value, in claim order, past ``condition``.
+        return f"""(SELECT j.{c} AS tenant, j.run_at <= {now} AS due, {phase} AS phase
+         FROM {t} AS j
+         WHERE {condition} AND {plain} AND j.{c} IS NOT NULL
+         ORDER BY j.{c}, j.priority, j.run_at, j.id LIMIT 1)"""
+
+    def untenanted(condition: str) -> str:
+        # The NULL tenant, when jobs without one are pending.
+        def jobs(due: str) -> str:
+            return f"EXISTS (SELECT FROM {t} AS j WHERE {plain} AND j.{c} IS NULL{due})"
+
+        return f"""(SELECT CAST(NULL AS {kind}), {jobs(f" AND j.run_at <= {now}")}, 2
+         WHERE {condition} AND {jobs("")})"""
+
+    def runnable(row: str) -> str:
+        # 1 when the tenant has a job due: its first one, or one of its next few.
+        return f"""CASE WHEN {row}.due THEN 1 WHEN {row}.phase = 2 THEN 0
+            WHEN EXISTS (
+                SELECT FROM (
+                    SELECT j.run_at FROM {t} AS j
+                    WHERE {plain} AND j.{c} = {row}.tenant
+                    ORDER BY j.{c}, j.priority, j.run_at, j.id LIMIT {DUE_LOOKAHEAD}
+                ) AS f
+                WHERE f.run_at <= {now}
+            ) THEN 1 ELSE 0 END"""
+
+    sql = f"""WITH RECURSIVE scan (tenant, phase, n, found, runnable) AS (
+    SELECT b.tenant, b.phase, 1, b.runnable, b.runnable FROM (
+        SELECT s.tenant, s.phase, {runnable("s")} AS runnable FROM (
+            {value(f":mode = 2 AND j.{c} > {after}", "1")}
+            UNION ALL
+            {value(":mode = 1", "1")}
+            UNION ALL
+            {untenanted(":mode <> 1")}
+            UNION ALL
+            {value(":mode <> 1", "3")}
+            LIMIT 1
+        ) AS s
+    ) AS b
     UNION ALL
-    SELECT x.tenant, s.n + 1, x.wrapped FROM scan AS s CROSS JOIN LATERAL (
-        (SELECT j.{c} AS tenant, s.wrapped AS wrapped FROM {t} AS j
-         WHERE {plain} AND j.{c} > s.tenant
-         ORDER BY j.{c} LIMIT 1)
-        UNION ALL
-        (SELECT j.{c}, true FROM {t} AS j
-         WHERE NOT s.wrapped AND {plain} AND j.{c} IS NOT NULL
-         ORDER BY j.{c} LIMIT 1)
-        LIMIT 1
+    SELECT x.tenant, x.phase, s.n + 1, s.found + x.runnable, x.runnable
+    FROM scan AS s CROSS JOIN LATERAL (
+        SELECT y.tenant, y.phase, {runnable("y")} AS runnable FROM (
+            {value(f"s.phase <> 2 AND j.{c} > s.tenant", "s.phase")}
+            UNION ALL
+            {untenanted("s.phase = 1")}
+            UNION ALL
+            {value("s.phase < 3 AND :mode <> 1", "3")}
+            LIMIT 1
+        ) AS y
     ) AS x
-    WHERE s.n < :most AND NOT coalesce(x.wrapped AND x.tenant > {after}, false)
+    WHERE s.found < :most AND s.n < :cap
+      AND NOT coalesce(x.phase = 3 AND :mode = 2 AND x.tenant > {after}, false)
 )
-SELECT u.tenant FROM (
-    SELECT CAST(NULL AS {kind}) AS tenant, 0 AS n
-    WHERE EXISTS (SELECT FROM {t} AS j WHERE {plain} AND j.{c} IS NULL)
-    UNION ALL
-    SELECT s.tenant, s.n FROM scan AS s
-) AS u
-ORDER BY u.n"""
+SELECT s.tenant, s.runnable = 1 AS due FROM scan AS s ORDER BY s.n"""
     return text(sql).bindparams(
         bindparam("queue_name", type_=Text),
         bindparam("after", type_=table.c[column].type),
+        bindparam("mode", type_=Integer),
         bindparam("most", type_=Integer),
+        bindparam("cap", type_=Integer),
     )
 
 
@@ -232,7 +273,9 @@ class FairTenantsParams(TypedDict):
 
     queue_name: str
     after: Any
+    mode: int
     most: int
+    cap: int
 
 
 class _ClaimFairRequired(TypedDict):
@@ -251,9 +294,11 @@ class ClaimFairParams(_ClaimFairRequired, total=False):
 
 
 class TenantRow(NamedTuple):
-    """A tenant :func:`fair_tenants` returns (NULL: the jobs without one)."""
+    """A tenant :func:`fair_tenants` passed (NULL: the jobs without one), and whether it has a
+    job due."""
 
     tenant: Any
+    due: bool
 
 
 FAIR_TENANTS: Final = Query(fair_tenants, FairTenantsParams, TenantRow)
