@@ -375,8 +375,11 @@ def _claim_plain(
     """The jobs without a key of ``queue_names``, up to ``params["limit"]``: the fair queues'
     first, each by its fair claim (:func:`_claim_fair`), then the others' with one plain
     claim statement (:data:`~sqla_jobs._queries.claims.CLAIM`; the only statement when none
-    is fair)."""
-    shared = [name for name in queue_names if fair and name in fair]
+    is fair). ``params`` name the queues already (:func:`_set_queues`)."""
+    options = {"queue_count": min(len(queue_names), 2), "limited": limited}
+    shared = [name for name in queue_names if name in fair] if fair else None
+    if not shared:
+        return list(CLAIM.tuples(executor, table, params, **options))
     rows: list[Any] = []
     limit = params["limit"]
     for name in shared:
@@ -388,7 +391,7 @@ def _claim_plain(
         rest.pop("queue_name", None)
         rest.pop("queue_names", None)
         _set_queues(rest, others)
-        options = {"queue_count": min(len(others), 2), "limited": limited}
+        options["queue_count"] = min(len(others), 2)
         rows.extend(CLAIM.tuples(executor, table, rest, **options))
     return rows
 

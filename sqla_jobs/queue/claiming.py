@@ -221,7 +221,7 @@ def claim_waiting(
             if name in rates:
                 rate = rates[name]
                 (key_rated if rate.per_key else rated)[name] = (rate.limit, rate.seconds)
-    fair = check_fair_columns(table, fair_shares, queue_names)
+    fair = check_fair_columns(table, fair_shares, queue_names) if fair_shares is not None else None
     claiming = functools.partial(
         claim_rows,
         table=table,
