@@ -151,3 +151,44 @@ def test_a_baseline_without_sqla_jobs_is_refused_before_any_server_starts(
         bench.main(["--only", "baseline", "--baseline", str(tmp_path)])
     assert raised.value.code == 2
     assert "no sqla_jobs package there" in capsys.readouterr().err
+
+
+def test_the_fair_section_drains_every_job_and_serves_the_small_tenants_first(
+    server_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --quick: a backlog of 1,500 jobs of one tenant (--jobs 300 x 5), then 50 tenants with
+    # 10 jobs each; claims of 50, so the 51 tenants' first jobs take two claims at least.
+    out = tmp_path / "bench.json"
+    argv = ["--database-url", server_url, "--quick", "--only", "fair", "--batch", "50"]
+    assert bench.main([*argv, "--repeat", "2", "--json", str(out)]) == 0
+
+    document = json.loads(out.read_text())
+    metrics = document["metrics"]
+    assert set(metrics) == {
+        "fair.drain.plain",
+        "fair.drain.fair",
+        "fair.first_claims",
+        "fair.first_claims.plain",
+        "fair.drain.many_tenants",
+        "fair.drain.many_tenants_plain",
+    }
+    for name in ("fair.drain.plain", "fair.drain.fair"):  # every job claimed and completed
+        assert metrics[name]["jobs"] == 300 * 5 + 50 * 10, name
+    for name in ("fair.drain.many_tenants", "fair.drain.many_tenants_plain"):
+        assert metrics[name]["jobs"] == 300, name
+    for name, metric in metrics.items():
+        assert len(metric["runs"]) == 2, name
+        assert all(math.isfinite(value) and value > 0 for value in metric["runs"]), name
+    assert metrics["fair.drain.fair"]["ceiling"] == "fair.drain.plain"
+    assert metrics["fair.drain.many_tenants"]["ceiling"] == "fair.drain.many_tenants_plain"
+    assert metrics["fair.drain.fair"]["ratio"] > 0
+    # Fair: every small tenant's first job in the first two claims. Plain: behind the
+    # backlog's 30 claims, all 50 of them in the 31st.
+    fair, plain = metrics["fair.first_claims"], metrics["fair.first_claims.plain"]
+    assert fair["runs"] == [2, 2]
+    assert plain["runs"] == [300 * 5 // 50 + 1] * 2
+    assert fair["unit"] == plain["unit"] == "claims"
+    assert not fair["higher_is_better"]
+    (target,) = (row for row in document["targets"] if row["metric"] == "fair.first_claims")
+    assert target["met"] is True
+    assert "fair.drain.many_tenants_plain" in capsys.readouterr().out

@@ -7,6 +7,7 @@ hold, concurrent claimers take disjoint jobs, and bad input is refused before an
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
@@ -34,10 +35,10 @@ FAIR = {"default": FairShare("tenant")}
 @pytest.fixture(autouse=True)
 def _ring_from_its_start() -> Iterator[None]:
     """Each test's claims go round the tenants from the ring's start (the process keeps its
-    place per table and queue, :data:`~sqla_jobs._queries.claiming.FAIR_AFTER`)."""
-    claiming.FAIR_AFTER.clear()
+    place per table and queue, :data:`~sqla_jobs._queries.claiming.FAIR_RINGS`)."""
+    claiming.FAIR_RINGS.clear()
     yield
-    claiming.FAIR_AFTER.clear()
+    claiming.FAIR_RINGS.clear()
 
 
 def jobs_of(tenant: str | None, count: int, **fields: Any) -> list[TenantJob]:
@@ -116,6 +117,28 @@ def test_the_plain_claim_leaves_the_small_tenants_behind_the_backlog(
     enqueue(queue_engine, *jobs_of("small", 10))
     for _ in range(4):
         assert tenants(queue_engine, claim(queue_engine, 50, fair_shares=None)) == {"big": 50}
+
+
+def test_while_one_tenant_has_the_queue_a_new_tenant_waits_at_most_fair_alone(
+    queue_engine: sa.Engine,
+) -> None:
+    """With one due tenant, the ring is not looked at again for FAIR_ALONE seconds (plain
+    claims, which take the same jobs); a tenant arriving meanwhile has its turn after that."""
+    enqueue(queue_engine, *jobs_of("big", 50))
+    assert tenants(queue_engine, claim(queue_engine, 2)) == {"big": 2}
+    enqueue(queue_engine, *jobs_of("new", 3))
+    time.sleep(claiming.FAIR_ALONE)
+    assert tenants(queue_engine, claim(queue_engine, 2)) == {"big": 1, "new": 1}
+
+
+def test_a_claim_that_comes_back_short_ends_the_tenant_s_time_alone(
+    queue_engine: sa.Engine,
+) -> None:
+    enqueue(queue_engine, *jobs_of("big", 2))
+    assert tenants(queue_engine, claim(queue_engine, 2)) == {"big": 2}  # alone, and full
+    assert claim(queue_engine, 2) == []  # short: the next claim looks at the ring again
+    enqueue(queue_engine, *jobs_of("big", 5), *jobs_of("new", 2))
+    assert tenants(queue_engine, claim(queue_engine, 2)) == {"big": 1, "new": 1}
 
 
 def test_with_more_tenants_than_a_claim_the_claims_go_round_the_ring(

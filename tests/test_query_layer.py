@@ -33,6 +33,7 @@ OUTSIDE_THE_QUEUE = {
     # ceilings), on tables of its own, and reads the server's settings.
     "bench/ceiling.py",
     "bench/enqueue.py",
+    "bench/fair.py",
     "bench/history.py",
     "bench/keys.py",
     "bench/latency.py",

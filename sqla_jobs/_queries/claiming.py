@@ -12,6 +12,7 @@ argument checks above the layer.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
@@ -396,15 +397,33 @@ def _claim_plain(
     return rows
 
 
-#: Where each fair queue's ring of tenants was left off (:func:`~sqla_jobs._queries.fair_tenants`),
-#: per job table, queue and tenant column: ``(mode, tenant)``, the last tenant the process's
-#: latest fair claim of the queue served or passed (mode 2; 1: the NULL tenant), where its
-#: next one starts. One place per process, shared by its claimers (threads, connections,
-#: pooled or not), so that they go round the tenants together; each process goes round on
-#: its own.
-FAIR_AFTER: Final[dict[tuple[Table, str, str], tuple[int, Any]]] = {}
+@dataclass
+class Ring:
+    """Where a fair queue's ring of tenants (:func:`~sqla_jobs._queries.fair_tenants`) was
+    left off in this process: ``mode`` and ``after``, the last tenant its latest fair claim
+    served or passed (mode 2; mode 1: the NULL tenant; 0: none yet), where the next one
+    starts; and ``alone_until`` (the process's monotonic clock), until when its claims are
+    plain ones (:data:`FAIR_ALONE`)."""
+
+    mode: int = 0
+    after: Any = None
+    alone_until: float = 0.0
+
+
+#: The rings of the fair queues, per job table, queue and tenant column. One per process,
+#: shared by its claimers (threads, connections, pooled or not), so that they go round the
+#: tenants together; each process goes round on its own.
+FAIR_RINGS: Final[dict[tuple[Table, str, str], Ring]] = {}
 #: How many tenants with no job due one fair claim passes at most, beyond those it serves.
 FAIR_PASS: Final = 64
+#: How long (seconds) the fair claims of a queue whose ring held one due tenant are plain
+#: claims without looking at the ring again, as long as that tenant fills them: while one
+#: tenant has the queue to itself, the ring costs a statement per claim and changes
+#: nothing. A tenant whose jobs arrive meanwhile has its first turn at most this much later;
+#: a claim that comes back short (the tenant has run out) ends it at once. (A bound kept by the
+#: process's monotonic clock: it is a cache's, not a schedule; no job's time is compared
+#: with it.)
+FAIR_ALONE: Final = 0.1
 
 
 def _claim_fair(
@@ -417,19 +436,23 @@ def _claim_fair(
 ) -> list[Any]:
     """A fair claim of the queue ``name`` (:mod:`sqla_jobs._queries.fair`): the tenants with
     a job due, in turn round the ring from where the process's previous fair claim of the
-    queue stopped (:data:`FAIR_AFTER`), as many as fit in ``limit`` by their weights (each
-    then has its whole first round in the claim, as far as it has jobs); then the claim
-    from them. The ring moves on past the tenants served and those passed before them (no
-    job due), never past a tenant found but left for the next claim: with more tenants than
-    fit in one claim, every one has its turn."""
+    queue stopped (its :class:`Ring`, :data:`FAIR_RINGS`), as many as fit in ``limit`` by
+    their weights (each then has its whole first round in the claim, as far as it has
+    jobs); then the claim from them. The ring moves on past the tenants served and those
+    passed before them (no job due), never past a tenant found but left for the next
+    claim: with more tenants than fit in one claim, every one has its turn."""
     limit = params["limit"]
     options = {"column": share.column}
-    place = (table, name, share.column)
-    mode, after = FAIR_AFTER.get(place, (0, None))
+    ring = FAIR_RINGS.setdefault((table, name, share.column), Ring())
+    if ring.alone_until > time.monotonic():
+        alone = _claim_one_queue(executor, table, params, name, limited)
+        if len(alone) < limit:
+            ring.alone_until = 0.0  # the tenant ran short: the next claim looks at the ring
+        return alone
     scan: FairTenantsParams = {
         "queue_name": name,
-        "after": after,
-        "mode": mode,
+        "after": ring.after,
+        "mode": ring.mode,
         "most": limit,
         "cap": limit + FAIR_PASS,
     }
@@ -448,20 +471,15 @@ def _claim_fair(
         passed += 1
     if passed:
         last = rows[passed - 1][0]
-        FAIR_AFTER[place] = (1, None) if last is None else (2, last)
+        ring.mode, ring.after = (1, None) if last is None else (2, last)
     whole = len(rows) < scan["cap"] and sum(1 for row in rows if row[1]) < limit
     if whole and len(tenants) < 2:
         # The ring holds one tenant with a job due, or none: the plain claim takes the same
-        # jobs (in claim order, the expired leases too) with one statement, planned faster.
-        one: ClaimParams = {
-            "limit": limit,
-            "lease_seconds": params["lease_seconds"],
-            "worker": params["worker"],
-            "queue_name": name,
-        }
-        if limited:
-            one["queue_slots"] = params["queue_slots"]
-        return list(CLAIM.tuples(executor, table, one, queue_count=1, limited=limited))
+        # jobs (in claim order, the expired leases too) with one statement, planned faster;
+        # and so do the next claims for a moment (FAIR_ALONE).
+        got = _claim_one_queue(executor, table, params, name, limited)
+        ring.alone_until = time.monotonic() + FAIR_ALONE if len(got) == limit else 0.0
+        return got
     claim: ClaimFairParams = {
         "queue_name": name,
         "tenants": tenants,
@@ -473,6 +491,21 @@ def _claim_fair(
     if limited:
         claim["queue_slots"] = params["queue_slots"]
     return list(CLAIM_FAIR.tuples(executor, table, claim, limited=limited, **options))
+
+
+def _claim_one_queue(
+    executor: Executor, table: Table, params: ClaimParams, name: str, limited: bool
+) -> list[Any]:
+    # The plain claim statement on the one queue ``name``.
+    one: ClaimParams = {
+        "limit": params["limit"],
+        "lease_seconds": params["lease_seconds"],
+        "worker": params["worker"],
+        "queue_name": name,
+    }
+    if limited:
+        one["queue_slots"] = params["queue_slots"]
+    return list(CLAIM.tuples(executor, table, one, queue_count=1, limited=limited))
 
 
 def _claim_keyed(

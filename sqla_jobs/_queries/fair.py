@@ -49,7 +49,7 @@ def fair_tenants(table: Table, *, column: str) -> TextClause:
     """The tenants a fair claim of the queue ``:queue_name`` serves, in turn: the values of
     ``column`` among its pending jobs without an ordering key, each with whether it has a
     job due (``tenant, due``), in the order of a ring that the claims of a process go round
-    (:data:`~sqla_jobs._queries.claiming.FAIR_AFTER` keeps its place): NULL first (the jobs
+    (:data:`~sqla_jobs._queries.claiming.FAIR_RINGS` keeps its place): NULL first (the jobs
     without a tenant, one tenant of their own), then the values in the column's order.
 
     Where it starts: after the tenant the previous claim served last, ``:after`` (``:mode``
@@ -303,3 +303,67 @@ class TenantRow(NamedTuple):
 
 FAIR_TENANTS: Final = Query(fair_tenants, FairTenantsParams, TenantRow)
 CLAIM_FAIR: Final = Query(claim_fair, ClaimFairParams, ClaimRow)
+
+
+# -- how deep each tenant is (the gauges of a fairly shared queue) -----------------------------
+
+
+def tenant_depths(table: Table, *, column: str) -> TextClause:
+    """How deep the tenants of the queue ``:queue_name`` are: its pending jobs without an
+    ordering key (due or not) by the value of ``column``, the jobs whose column is NULL one
+    tenant of their own (as in the fair claim). One row per tenant among the ``:top``
+    deepest, most jobs first (a tie in the column's order, NULL first): ``tenant`` and its
+    ``tenant_pending``, each row with ``tenants``, how many tenants have such jobs, and
+    ``pending``, how many jobs they have in all; when none has, one row of totals, its
+    ``tenant`` and ``tenant_pending`` NULL.
+
+    One read of the fair index (``queue, <column>, ...``, its predicate repeated with
+    literal values so that it applies to a generic plan too): an index-only scan where the
+    visibility map allows, grouped in the index's order, so its cost grows with the queue's
+    pending jobs and never with the history. Takes no lock.
+
+    Parameters: ``:queue_name``, ``:top``.
+    """
+    t = qualified_name(table.name, table.schema)
+    c, _ = _tenant_column(table, column)
+    sql = f"""WITH g AS MATERIALIZED (
+    SELECT j.{c} AS tenant, count(*) AS pending
+    FROM {t} AS j
+    WHERE {_plain_pending()}
+    GROUP BY j.{c}
+)
+SELECT a.tenants, a.pending, d.tenant, d.pending AS tenant_pending
+FROM (
+    SELECT count(*)::integer AS tenants, coalesce(sum(g.pending), 0)::bigint AS pending
+    FROM g
+) AS a
+LEFT JOIN LATERAL (
+    SELECT g.tenant, g.pending FROM g
+    ORDER BY g.pending DESC, g.tenant NULLS FIRST
+    LIMIT :top
+) AS d ON true
+ORDER BY d.pending DESC, d.tenant NULLS FIRST"""
+    return text(sql).bindparams(
+        bindparam("queue_name", type_=Text), bindparam("top", type_=Integer)
+    )
+
+
+class TenantDepthsParams(TypedDict):
+    """:func:`tenant_depths`'s parameters."""
+
+    queue_name: str
+    top: int
+
+
+class TenantDepthRow(NamedTuple):
+    """One of the deepest tenants of :func:`tenant_depths` (``tenant`` as the column's type
+    reads; NULL: the jobs without one), with the queue's totals; with no tenant at all, the
+    totals alone (``tenant_pending`` None)."""
+
+    tenants: int
+    pending: int
+    tenant: Any
+    tenant_pending: int | None
+
+
+TENANT_DEPTHS: Final = Query(tenant_depths, TenantDepthsParams, TenantDepthRow)

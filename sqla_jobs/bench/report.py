@@ -73,6 +73,15 @@ TARGETS: Final = [
     _at_least("keys.claim.keyed_limit3", "keyed claim (key_limit 3) >= 0.7 of plain", 0.70),
     _at_least("keys.claim.queue_limit", "claim with a queue limit >= 0.7 of plain", 0.70),
     _at_least("keys.claim.keyed_limit3_queue_limit", "keyed + queue limit >= 0.7 of plain", 0.70),
+    # Issue 24: one tenant's backlog and 50 small tenants, fair claims beside plain ones.
+    _at_least("fair.drain.fair", "fair drain (one backlog) >= 0.8 of plain", 0.80),
+    Target(
+        "fair.first_claims",
+        "small tenants' first jobs within 2 claims",
+        _value("fair.first_claims"),
+        2.0,
+        at_least=False,
+    ),
     # Issue 10: with none of its features used, within 5% of the version before it.
     *(
         _at_least(f"baseline.{operation}", f"{operation} >= 0.95 of --baseline's", 0.95)
@@ -163,6 +172,7 @@ _SECTION_ORDER: Final = {
     "pgbouncer": 6,
     "async": 7,
     "keys": 8,
+    "fair": 9,
 }
 
 
@@ -176,7 +186,7 @@ def _order(name: str) -> tuple[int, str]:
     if name.startswith("ceiling.sweep."):  # by batch size, numerically
         _, _, mode, batch, procs = name.split(".")
         return _SECTION_ORDER[section], f"sweep.{mode}.{procs}.{int(batch[1:]):06d}"
-    return _SECTION_ORDER.get(section, 9), name
+    return _SECTION_ORDER.get(section, 10), name
 
 
 def machine(engine: sa.Engine, cfg: Config, server: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ SECTIONS: Final = (
     "pgbouncer",
     "async",
     "keys",
+    "fair",
     "baseline",
     "processes",
 )

@@ -4,7 +4,8 @@ What it measures and against what: :mod:`sqla_jobs.bench`. One module per sectio
 (:mod:`~sqla_jobs.bench.drain` with :mod:`~sqla_jobs.bench.ceiling`,
 :mod:`~sqla_jobs.bench.enqueue`, :mod:`~sqla_jobs.bench.latency`,
 :mod:`~sqla_jobs.bench.history`, :mod:`~sqla_jobs.bench.memory`,
-:mod:`~sqla_jobs.bench.bouncer`, :mod:`~sqla_jobs.bench.asynchronous`), the report in
+:mod:`~sqla_jobs.bench.bouncer`, :mod:`~sqla_jobs.bench.asynchronous`,
+:mod:`~sqla_jobs.bench.keys`, :mod:`~sqla_jobs.bench.fair`), the report in
 :mod:`~sqla_jobs.bench.report`.
 """
 
@@ -23,6 +24,7 @@ from sqla_jobs.bench.baseline import check_baseline, run_baseline
 from sqla_jobs.bench.bouncer import run_pgbouncer
 from sqla_jobs.bench.drain import run_drain
 from sqla_jobs.bench.enqueue import run_enqueue
+from sqla_jobs.bench.fair import run_fair
 from sqla_jobs.bench.history import run_history
 from sqla_jobs.bench.keys import run_keys
 from sqla_jobs.bench.latency import run_latency
@@ -183,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_async(cfg, engine, results)
             if "keys" in cfg.sections:
                 run_keys(cfg, engine, results)
+            if "fair" in cfg.sections:
+                run_fair(cfg, engine, results)
             if "baseline" in cfg.sections:
                 run_baseline(cfg, results)
             if "processes" in cfg.sections:

@@ -53,7 +53,9 @@ __all__ = [
     "fill_burst",
     "fill_history",
     "fill_keyed",
+    "fill_tenants",
     "finished",
+    "first_claims",
     "has_runnable",
     "seed_claim",
     "seed_complete",
@@ -216,6 +218,50 @@ def fill_burst(table: Table) -> Insert:
             else_=literal_column("'key:'") + func.cast(n, Text),
         ),
     )
+
+
+def fill_tenants(table: Table, column: str) -> Insert:
+    """Insert ``:count`` no-op jobs of task ``:task`` in queue ``:queue``, job ``n`` of the
+    tenant ``:prefix`` followed by ``(n - 1) % :tenants`` in three digits (in ``column``,
+    the fair bench's tenant column), in one statement: the first ``:tenants`` jobs in claim
+    order have distinct tenants, and the tenants sort in the order of their numbers."""
+    series = func.generate_series(_ONE, _param("count")).table_valued("n").render_derived(name="s")
+    number = func.cast((series.c.n - _ONE) % _param("tenants"), Text)
+    values: list[ColumnElement[Any]] = [
+        bindparam("queue", type_=Text),
+        bindparam("task", type_=Text),
+        literal_column("'{}'::jsonb"),
+        bindparam("prefix", type_=Text) + func.lpad(number, 3, literal_column("'0'")),
+    ]
+    return insert(table).from_select(
+        ["queue", "task", "args", column],
+        select(*values).select_from(series),
+        include_defaults=False,
+    )
+
+
+def first_claims(table: Table, column: str) -> Select[Any]:
+    """After a drain of queue ``:queue``: in which claim, counted from the first, the last of
+    its tenants (values of ``column``) other than ``:backlog`` had its first job started;
+    and how many such tenants there were. Every job of one claim has the claim statement's
+    time as ``attempted_at``, so ``dense_rank()`` over ``attempted_at`` numbers the claims
+    (each claim in a transaction of its own, so no two share a time)."""
+    claims = (
+        select(
+            table.c[column].label("tenant"),
+            func.dense_rank().over(order_by=table.c.attempted_at).label("claim"),
+        )
+        .where(table.c.queue == bindparam("queue", type_=Text))
+        .subquery("claims")
+    )
+    firsts = (
+        select(claims.c.tenant, func.min(claims.c.claim).label("first"))
+        .where(claims.c.tenant != bindparam("backlog", type_=Text))
+        .group_by(claims.c.tenant)
+        .subquery("firsts")
+    )
+    counts: list[ColumnElement[Any]] = [func.max(firsts.c.first), func.count()]
+    return select(*counts).select_from(firsts)
 
 
 def _param(name: str) -> BindParameter[int]:
