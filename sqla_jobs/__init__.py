@@ -43,6 +43,7 @@ from sqla_jobs.queue import (
     QueuePause,
     QueueStat,
     RateUsage,
+    TenantDepths,
     cancel,
     claim,
     complete,
@@ -67,6 +68,7 @@ from sqla_jobs.queue import (
     resume_queue,
     retry,
     snooze,
+    tenant_depths,
     unique_key_of,
     vacuum,
 )
@@ -126,6 +128,7 @@ __all__ = [
     "SqlaJobsError",
     "Task",
     "TaskOptions",
+    "TenantDepths",
     "TimingSettings",
     "UniqueJobError",
     "Worker",
@@ -162,6 +165,7 @@ __all__ = [
     "resume_queue",
     "retry",
     "snooze",
+    "tenant_depths",
     "unique_key_of",
     "vacuum",
 ]

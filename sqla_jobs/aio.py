@@ -66,6 +66,7 @@ __all__ = [
     "resume_queue",
     "retry",
     "snooze",
+    "tenant_depths",
 ]
 
 _P = ParamSpec("_P")
@@ -102,6 +103,7 @@ prune = _awaitable(queue.prune)
 queue_stats = _awaitable(queue.queue_stats)
 prune_rates = _awaitable(queue.prune_rates)
 rate_usage = _awaitable(queue.rate_usage)
+tenant_depths = _awaitable(queue.tenant_depths)
 pause_queue = _awaitable(queue.pause_queue)
 resume_queue = _awaitable(queue.resume_queue)
 paused_queues = _awaitable(queue.paused_queues)

@@ -2,7 +2,8 @@
 
 :func:`read_gauges` answers "is the queue keeping up, and will the table stay fast" in a few
 index reads: job counts by queue and live status, the oldest runnable job's age, the expired
-leases and the dead jobs (from the claim's partial indexes and the dead index, never from
+leases, the rate limits' windows, the fairly shared queues' tenants (given the fair shares)
+and the dead jobs (from the claim's partial indexes and the dead index, never from
 the finished history; for a model with ``partitioned_history``, also from its history
 table's dead index), the oldest snapshot on the server that holds back vacuum, and the job
 table's dead tuples and sizes (from PostgreSQL's statistics). Every age is measured by the
@@ -20,16 +21,19 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, overload
 
 from sqla_jobs._queries.admin import OLDEST_XMIN, STATEMENT_TIMEOUT, TABLE_STATS
 from sqla_jobs._queries.history import DATABASE_NOW
-from sqla_jobs.errors import InvalidThresholdError
+from sqla_jobs.errors import ConfigurationError, InvalidJobError, InvalidThresholdError
 from sqla_jobs.events import describe
 from sqla_jobs.queue import Executor, paused_queues, queue_stats, rate_usage
+from sqla_jobs.queue.rating import DEFAULT_TOP_TENANTS, checked_fair_shares, tenant_depths
 from sqla_jobs.schema import JobMixin, JobStatus
+from sqla_jobs.validation import FairShare
 
 __all__ = [
     "GaugeCache",
@@ -57,7 +61,12 @@ class QueueGauges:
     ``rate_window_seconds``: the queue's rate limit as its claims logged it
     (:func:`sqla_jobs.rate_usage`; None without one), ``rate_started`` the attempts its
     window holds now (None for a limit per key), ``rate_full_keys`` the keys whose windows
-    are full (a limit per key)."""
+    are full (a limit per key). ``fair_column``: the column a fairly shared queue is shared
+    by (:class:`~sqla_jobs.FairShare`, as given to :func:`read_gauges`; None for any other
+    queue), ``fair_tenants`` how many tenants have pending jobs without an ordering key,
+    ``fair_deepest_pending`` the deepest one's count (None when none has any), and
+    ``fair_deepest`` the deepest tenants, ``(tenant, pending)`` each, most first
+    (:func:`sqla_jobs.tenant_depths`)."""
 
     queue: str
     pending: int = 0
@@ -72,6 +81,10 @@ class QueueGauges:
     rate_window_seconds: float | None = None
     rate_started: int | None = None
     rate_full_keys: int = 0
+    fair_column: str | None = None
+    fair_tenants: int | None = None
+    fair_deepest_pending: int | None = None
+    fair_deepest: tuple[tuple[Any, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +179,12 @@ def _float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
+def read_gauges(
+    session: Executor,
+    model: type[JobMixin],
+    *,
+    fair_shares: Mapping[str, FairShare] | None = None,
+) -> Gauges:
     """Read every health gauge of ``model``'s job table, in the caller's transaction.
 
     Five statements (seven with a rate table), none of which reads the finished history:
@@ -176,8 +194,15 @@ def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
     rate table, when there is one),
     :func:`sqla_jobs._queries.table_stats`
     (statistics and catalog), :func:`sqla_jobs._queries.oldest_xmin` (``pg_stat_activity``,
-    ``pg_prepared_xacts``, ``pg_replication_slots``) and the database's clock. Takes no lock.
+    ``pg_prepared_xacts``, ``pg_replication_slots``) and the database's clock; and with
+    ``fair_shares`` (queue names to :class:`~sqla_jobs.FairShare`: a registry's
+    :attr:`~sqla_jobs.Registry.fair_shares`), :func:`~sqla_jobs.tenant_depths` per fairly
+    shared queue (its fair index; the :data:`~sqla_jobs.queue.rating.DEFAULT_TOP_TENANTS`
+    deepest tenants), each of them listed with or without jobs. Takes no lock. Bad
+    ``fair_shares`` raise :class:`~sqla_jobs.errors.InvalidJobError` before any SQL.
     """
+    # First: the fair shares are checked before any statement runs.
+    depths = tenant_depths(session, model, fair_shares, top=DEFAULT_TOP_TENANTS)
     counts: dict[str, dict[str, Any]] = {}
     for stat in queue_stats(session, model):  # checks the model first
         queue = counts.setdefault(stat.queue, {"queue": stat.queue})
@@ -197,6 +222,10 @@ def read_gauges(session: Executor, model: type[JobMixin]) -> Gauges:
         queue = counts.setdefault(rate.queue, {"queue": rate.queue})
         queue["rate_limit"], queue["rate_window_seconds"] = rate.limit, rate.window_seconds
         queue["rate_started"], queue["rate_full_keys"] = rate.started, rate.full_keys
+    for depth in depths:
+        queue = counts.setdefault(depth.queue, {"queue": depth.queue})
+        queue["fair_column"], queue["fair_tenants"] = depth.column, depth.tenants
+        queue["fair_deepest_pending"], queue["fair_deepest"] = depth.deepest_pending, depth.deepest
     table = model.__table__  # type: ignore[attr-defined]
     (row,) = TABLE_STATS.rows(session, table, {})
     holders: dict[str, XminHolder] = {}
@@ -355,6 +384,15 @@ class GaugeReading:
     error: str | None
 
 
+def _fair_shares(model: type[JobMixin], value: object) -> dict[str, FairShare]:
+    """``value`` as fair shares of ``model``'s queues (:func:`tenant_depths`'s checks), or
+    :class:`~sqla_jobs.errors.ConfigurationError`: a setting, checked where it is given."""
+    try:
+        return checked_fair_shares(model, value)
+    except InvalidJobError as exc:
+        raise ConfigurationError(f"fair_shares: {exc.reason}") from None
+
+
 class GaugeCache:
     """:func:`read_gauges` for callers that must answer quickly whatever the database does:
     a metrics scrape, a dashboard page.
@@ -364,7 +402,28 @@ class GaugeCache:
     of its own, under a ``statement_timeout`` of ``timeout``) and waits for it at most
     ``timeout`` seconds: a slow or unreachable database gives the last values (or none)
     with an ``error``, never a hang. Concurrent callers share one read. Thread-safe.
+    ``fair_shares`` (a registry's :attr:`~sqla_jobs.Registry.fair_shares`) adds the fairly
+    shared queues' tenants (:func:`read_gauges`); bad ones raise
+    :class:`~sqla_jobs.errors.ConfigurationError` here.
     """
+
+    # Two forms for the type checker: a caller that passes its timings as ``**settings`` of
+    # floats (with no fair shares among them) still type-checks.
+    @overload
+    def __init__(
+        self, engine: Any, model: type[JobMixin], *, max_age: float = ..., timeout: float = ...
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        engine: Any,
+        model: type[JobMixin],
+        *,
+        max_age: float = ...,
+        timeout: float = ...,
+        fair_shares: Mapping[str, FairShare] | None,
+    ) -> None: ...
 
     def __init__(
         self,
@@ -373,6 +432,7 @@ class GaugeCache:
         *,
         max_age: float = 5.0,
         timeout: float = 2.0,
+        fair_shares: Mapping[str, FairShare] | None = None,
     ) -> None:
         for field, value, top in (("max_age", max_age, MAX_AGE), ("timeout", timeout, MAX_TIMEOUT)):
             seconds = _seconds(field, value)
@@ -382,6 +442,7 @@ class GaugeCache:
                 )
         self.engine = engine
         self.model = model
+        self.fair_shares = _fair_shares(model, fair_shares)
         self.max_age = float(max_age)
         self.timeout = float(timeout)
         self._lock = threading.Lock()
@@ -415,7 +476,7 @@ class GaugeCache:
             with self.engine.connect() as connection, connection.begin():
                 millis = max(1, round(self.timeout * 1000))
                 STATEMENT_TIMEOUT.one(connection, None, {"timeout": f"{millis}ms"})
-                gauges = read_gauges(connection, self.model)
+                gauges = read_gauges(connection, self.model, fair_shares=self.fair_shares)
         except Exception as exc:
             with self._lock:
                 self._error = describe(exc)

@@ -12,7 +12,9 @@ docs/operations/metrics.md.
 Label values are bounded by the code, never by the data (:class:`LabelValues`): a task label
 is a task of the worker's registry, a queue label a queue the worker serves or its registry
 names, and every other name a row carries (a job of a task no handler knows, the gauges of a
-queue of another application sharing the table) is counted under :data:`OTHER`.
+queue of another application sharing the table) is counted under :data:`OTHER`. The one label
+whose values come from the rows, a fairly shared queue's ``tenant``, is bounded by count: the
+:data:`TOP_TENANTS` deepest tenants of each such queue, and no other.
 """
 
 from __future__ import annotations
@@ -28,14 +30,26 @@ from prometheus_client.registry import Collector
 from sqla_jobs.health import GaugeCache, QueueGauges
 from sqla_jobs.observer import Finish, Observer
 from sqla_jobs.queue import ClaimedJob
+from sqla_jobs.queue.rating import DEFAULT_TOP_TENANTS, NO_TENANT, tenant_text
 
-__all__ = ["OTHER", "GaugeCollector", "LabelValues", "MetricsServer", "WorkerMetrics"]
+__all__ = [
+    "OTHER",
+    "TOP_TENANTS",
+    "GaugeCollector",
+    "LabelValues",
+    "MetricsServer",
+    "WorkerMetrics",
+]
 
 _JOB: Final = ("queue", "task")
 #: The label value of every task and queue name that :class:`LabelValues` does not know.
 #: Parentheses are not allowed in a task or queue name (``validation.NAME_RULE``), so it
 #: never collides with one.
 OTHER: Final = "(other)"
+#: The deepest tenants of each fairly shared queue that ``sqla_jobs_queue_tenant_pending``
+#: has a series for (the ``tenant`` label's values come from the rows: this bounds their
+#: number). The gauges read as many (:data:`~sqla_jobs.queue.rating.DEFAULT_TOP_TENANTS`).
+TOP_TENANTS: Final = DEFAULT_TOP_TENANTS
 #: Handler durations: from 5 ms to 10 minutes.
 HANDLER_BUCKETS: Final = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
@@ -184,7 +198,8 @@ class WorkerMetrics(Observer):
 
 def fold_queues(queues: Sequence[QueueGauges], labels: LabelValues) -> list[QueueGauges]:
     """The queues' gauges by label value: a known queue's as read, the others' added up
-    into one :data:`OTHER` queue (counts summed, the oldest wait the longest of theirs)."""
+    into one :data:`OTHER` queue (counts summed, the oldest wait the longest of theirs; a
+    rate limit's and a fair share's figures only while it holds one queue)."""
     folded: dict[str, QueueGauges] = {}
     for queue in queues:
         label = labels.queue(queue.queue)
@@ -204,6 +219,10 @@ def fold_queues(queues: Sequence[QueueGauges], labels: LabelValues) -> list[Queu
                 rate_window_seconds=queue.rate_window_seconds,
                 rate_started=queue.rate_started,
                 rate_full_keys=queue.rate_full_keys,
+                fair_column=queue.fair_column,
+                fair_tenants=queue.fair_tenants,
+                fair_deepest_pending=queue.fair_deepest_pending,
+                fair_deepest=queue.fair_deepest,
             )
             continue
         waits = (seen.oldest_runnable_seconds, queue.oldest_runnable_seconds)
@@ -285,6 +304,19 @@ class GaugeCollector(Collector):
             "held back (a RateLimit per key).",
             ["queue"],
         )
+        tenants = family(
+            "sqla_jobs_queue_tenants",
+            "Tenants with pending jobs (without an ordering key) in a fairly shared queue "
+            "(FairShare; only those queues).",
+            ["queue"],
+        )
+        tenant_pending = family(
+            "sqla_jobs_queue_tenant_pending",
+            f"Pending jobs (without an ordering key) of each of the {TOP_TENANTS} deepest "
+            "tenants of a fairly shared queue: only those tenants, so the series are at "
+            f'most {TOP_TENANTS} per queue (tenant="{NO_TENANT}": the jobs without one).',
+            ["queue", "tenant"],
+        )
         paused_count: dict[str, int] = {}
         for queue in gauges.queues:
             label = self.labels.queue(queue.queue)
@@ -305,7 +337,16 @@ class GaugeCollector(Collector):
                 rate_full.add_metric([table, queue.queue], float(queue.rate_full_keys))
                 if queue.rate_started is not None:
                     rate_started.add_metric([table, queue.queue], float(queue.rate_started))
+            if queue.fair_tenants is not None:
+                tenants.add_metric([table, queue.queue], float(queue.fair_tenants))
+                shown: set[str] = set()
+                for tenant, count in queue.fair_deepest[:TOP_TENANTS]:
+                    label = tenant_text(tenant)
+                    if label not in shown:  # two long values cut to the same text: the deeper
+                        shown.add(label)
+                        tenant_pending.add_metric([table, queue.queue, label], float(count))
         yield from (jobs, runnable, oldest, expired, paused, rate_started, rate_limit, rate_full)
+        yield from (tenants, tenant_pending)
         stats = gauges.table
         for name, text, value in (
             ("sqla_jobs_table_live_tuples", "Live rows of the job table.", stats.live_tuples),

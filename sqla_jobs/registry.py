@@ -61,6 +61,7 @@ from sqla_jobs.hooks import AfterHook, BeforeHook, ErrorHook, Hooks, checked_hoo
 from sqla_jobs.periodic import Schedule
 from sqla_jobs.policy import RetryPolicy
 from sqla_jobs.queue import DEFAULT_LEASE, Enqueued, enqueue_debounced, enqueue_unique
+from sqla_jobs.queue.claiming import check_fair_columns
 from sqla_jobs.schema import (
     DEFAULT_QUEUE,
     DEFAULT_UNIQUE_STATUSES,
@@ -68,6 +69,7 @@ from sqla_jobs.schema import (
     JobResultMixin,
     JobStatus,
     ScheduleMixin,
+    job_table_of,
 )
 
 if TYPE_CHECKING:
@@ -445,6 +447,8 @@ class Registry:
         self._rate_limits: Mapping[str, validation.RateLimit] = MappingProxyType(rates)
         try:
             shares = validation.check_fair_shares("fair_shares", fair_shares)
+            if model is not None:  # (the default model's columns are checked by its worker)
+                check_fair_columns(job_table_of(model), shares, shares)
         except InvalidJobError as exc:
             raise ConfigurationError(f"fair_shares: {exc.reason}") from None
         self._fair_shares: Mapping[str, validation.FairShare] = MappingProxyType(shares)

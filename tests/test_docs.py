@@ -573,3 +573,20 @@ def test_the_periodic_page_gives_the_longest_unique_key() -> None:
 
     assert MAX_UNIQUE_KEY_LENGTH == 200
     assert "longer than 200 characters" in normalized(page("docs/how-to/periodic-jobs.md").text)
+
+
+def test_the_fair_shares_page_gives_the_fair_claim_s_bounds() -> None:
+    from sqla_jobs._queries import claiming, fair
+
+    assert claiming.FAIR_ALONE == 0.1
+    assert claiming.FAIR_PASS == 64
+    assert fair.DUE_LOOKAHEAD == 16
+    assert validation.MAX_FAIR_WEIGHT == 1_000
+    text = normalized(page("docs/how-to/fair-shares.md").text)
+    for shown in (
+        "plain ones for 0.1 s",
+        "at most 64 such tenants",
+        "one of its first 16 jobs in claim order is due",
+        "an integer from 1 to 1,000",
+    ):
+        assert shown in text

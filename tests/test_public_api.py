@@ -60,6 +60,7 @@ PUBLIC: dict[str, list[str]] = {
         "SqlaJobsError",
         "Task",
         "TaskOptions",
+        "TenantDepths",
         "TimingSettings",
         "UniqueJobError",
         "Worker",
@@ -96,6 +97,7 @@ PUBLIC: dict[str, list[str]] = {
         "resume_queue",
         "retry",
         "snooze",
+        "tenant_depths",
         "unique_key_of",
         "vacuum",
     ],
@@ -128,6 +130,7 @@ PUBLIC: dict[str, list[str]] = {
         "resume_queue",
         "retry",
         "snooze",
+        "tenant_depths",
     ],
     "sqla_jobs.dashboard": [
         "create_app",
@@ -211,6 +214,7 @@ PUBLIC: dict[str, list[str]] = {
         "LabelValues",
         "MetricsServer",
         "OTHER",
+        "TOP_TENANTS",
         "WorkerMetrics",
     ],
     "sqla_jobs.migrations": [

@@ -14,9 +14,10 @@ names exactly one attempt. Every transition of a running job matches on that pai
 ``status = 'running'``; a stale attempt (its lease expired and another worker claimed the
 job) matches zero rows.
 
-The builders live in six modules, all re-exported here: :mod:`.enqueueing` (enqueue,
+The builders live in seven modules, all re-exported here: :mod:`.enqueueing` (enqueue,
 unique and debounced enqueue, periodic slots), :mod:`.claims` (the plain claim, the limited
-claim of queue limits), :mod:`.rates` (the rate table of rate limits), :mod:`.keyed` (the
+claim of queue limits), :mod:`.rates` (the rate table of rate limits), :mod:`.fair` (the
+fair claim of fair shares: the tenants in turn, the claim, their depths), :mod:`.keyed` (the
 keyed claim of ordering keys: lock, walk, claim), :mod:`.outcomes` (what an attempt and a job
 become: lock, complete, fail, heartbeat, release, retry, cancel, delete) and :mod:`.admin`
 (status, pruning, vacuum, statistics, the worker's runtime). What they share
@@ -69,6 +70,7 @@ from sqla_jobs._queries.enqueueing import (
     schedule_advance,
     schedule_create,
 )
+from sqla_jobs._queries.fair import claim_fair, fair_tenants, tenant_depths
 from sqla_jobs._queries.keyed import (
     LOCKED_KEY_LIMITS,
     LOCKED_KEYS,
@@ -124,6 +126,7 @@ __all__ = [
     "cancel_attempts",
     "cancel_requests",
     "claim",
+    "claim_fair",
     "claim_keyed",
     "complete",
     "complete_and_delete",
@@ -137,6 +140,7 @@ __all__ = [
     "enqueue_many",
     "enqueue_unique",
     "fail",
+    "fair_tenants",
     "heartbeat",
     "key_lock_space",
     "limited_count",
@@ -168,6 +172,7 @@ __all__ = [
     "table_layout",
     "table_stats",
     "table_valued_activity",
+    "tenant_depths",
     "terminate_transactions",
     "transaction_isolation",
     "vacuum",

@@ -1,10 +1,11 @@
-"""The fair claim (fair shares across tenants, :class:`~sqla_jobs.FairShare`):
-:func:`fair_tenants` and :func:`claim_fair`, the two statements of one fair claim in the
-order they run; see :mod:`sqla_jobs._queries`.
+"""Fair shares across tenants (:class:`~sqla_jobs.FairShare`): :func:`fair_tenants` and
+:func:`claim_fair`, the two statements of one fair claim in the order they run, and
+:func:`tenant_depths`, what the gauges show of a fairly shared queue; see
+:mod:`sqla_jobs._queries`.
 
 A tenant is a value of a column of the user's job model (``FairShare("tenant_id")``); the
 statements read the queue's pending jobs without an ordering key through the fair index
-:func:`~sqla_jobs.schema.fair_index` ``(queue, <column>, priority, run_at, id) WHERE status =
+:func:`~sqla_jobs.schema.fair.fair_index` ``(queue, <column>, priority, run_at, id) WHERE status =
 'pending' AND ordering_key IS NULL``, which the application declares beside its model.
 """
 
@@ -55,7 +56,7 @@ def fair_tenants(table: Table, *, column: str) -> TextClause:
     Where it starts: after the tenant the previous claim served last, ``:after`` (``:mode``
     2; 1: that was the NULL tenant; 0: no claim yet, from the ring's start), and round the
     ring from there, at most once. It stops when ``:most`` tenants with a job due are
-    found, or after ``:cap`` tenants in all, or where it started.
+    found, or after ``:cap`` tenants in all, or where it started; on a paused queue, at once.
 
     A loose index scan of the fair index: one descent per tenant (the next value past the
     last one, ``ORDER BY <column>, priority, run_at, id LIMIT 1``: the tenant's first job in
@@ -72,6 +73,8 @@ def fair_tenants(table: Table, *, column: str) -> TextClause:
     plain = _plain_pending()
     now = "statement_timestamp()"
     after = f"CAST(:after AS {kind})"
+    # A paused queue's scan stops at its first step (a one-time filter: it names the queue).
+    active = f"NOT {paused_predicate(table, ':queue_name')}"
 
     def value(condition: str, phase: str) -> str:
         # The first job of the next tenant with a value, in claim order, past ``condition``.
@@ -103,13 +106,13 @@ def fair_tenants(table: Table, *, column: str) -> TextClause:
     sql = f"""WITH RECURSIVE scan (tenant, phase, n, found, runnable) AS (
     SELECT b.tenant, b.phase, 1, b.runnable, b.runnable FROM (
         SELECT s.tenant, s.phase, {runnable("s")} AS runnable FROM (
-            {value(f":mode = 2 AND j.{c} > {after}", "1")}
+            {value(f":mode = 2 AND {active} AND j.{c} > {after}", "1")}
             UNION ALL
-            {value(":mode = 1", "1")}
+            {value(f":mode = 1 AND {active}", "1")}
             UNION ALL
-            {untenanted(":mode <> 1")}
+            {untenanted(f":mode <> 1 AND {active}")}
             UNION ALL
-            {value(":mode <> 1", "3")}
+            {value(f":mode <> 1 AND {active}", "3")}
             LIMIT 1
         ) AS s
     ) AS b

@@ -48,10 +48,12 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     model = load_model(args)
     result_model = None
     time_limits = None
-    if args.registry:  # its tasks' time limits, and its result model unless one is named
+    fair_shares = None
+    if args.registry:  # its tasks' time limits, its fair shares, and its result model
         registry = load_registry(args.registry)
         time_limits = registry.time_limits
-        result_model = registry.result_model
+        fair_shares = registry.fair_shares
+        result_model = registry.result_model  # unless one is named
     if args.result_model:
         result_model = load_object(args.result_model, "the result model")
         if not (isinstance(result_model, type) and issubclass(result_model, JobResultMixin)):
@@ -76,6 +78,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
             token=token,
             allowed_hosts=hosts,
             time_limits=time_limits,
+            fair_shares=fair_shares,
         )
         shown = f"[{args.host}]" if ":" in args.host else args.host
         mode = " (read-only)" if args.read_only else ""

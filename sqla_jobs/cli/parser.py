@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Pending, runnable, running, expired and dead jobs by queue, the oldest runnable "
             "job's age, the job table's size and dead row versions, and the oldest snapshot "
-            "holding back vacuum; read from indexes and statistics only, never the history."
+            "holding back vacuum; read from indexes and statistics only, never the history. "
+            "The rate-limited queues' windows; with --registry, its fairly shared queues' "
+            "tenants with pending jobs and the deepest of them."
         ),
     )
     status.add_argument("--dead", type=_positive_int, default=10, help="dead jobs to list")
@@ -280,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Serve a web page of the job table: queues, the running jobs, the job list, each "
             "job, and retry, cancel and delete. With --registry, each running job shows the "
-            "time left to its task's time limit, and the registry's result model its "
+            "time left to its task's time limit, each fairly shared queue its tenants with "
+            "pending jobs and the deepest of them, and the registry's result model its "
             "results. Binds to 127.0.0.1; anywhere else it needs an access token "
             f"(${DASHBOARD_TOKEN_VARIABLE})."
         ),

@@ -4,24 +4,33 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 from typing import Final
 
 from sqla_jobs import health, queue
 from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
 from sqla_jobs.cli.database import command_session
 from sqla_jobs.cli.display import _age, _bytes, _last_line
-from sqla_jobs.cli.loading import load_model
+from sqla_jobs.cli.loading import load_model, load_registry
 from sqla_jobs.health import QueueGauges
+from sqla_jobs.queue.rating import tenant_text
 from sqla_jobs.schema import JobMixin
+from sqla_jobs.validation import FairShare
+
+#: The deepest tenants a fairly shared queue's status line names.
+STATUS_TENANTS: Final = 3
 
 
 def _read_gauges(
-    args: argparse.Namespace, model: type[JobMixin], dead: int = 0
+    args: argparse.Namespace,
+    model: type[JobMixin],
+    dead: int = 0,
+    fair_shares: Mapping[str, FairShare] | None = None,
 ) -> tuple[health.Gauges, list[queue.DeadJob]]:
     with command_session(args) as session:
         timeout = f"{max(1, round(args.timeout * 1000))}ms"
         STATEMENT_TIMEOUT.one(session, None, {"timeout": timeout})
-        gauges = health.read_gauges(session, model)
+        gauges = health.read_gauges(session, model, fair_shares=fair_shares)
         listed = queue.dead_jobs(session, model, limit=dead) if dead and gauges.dead else []
     return gauges, listed
 
@@ -35,9 +44,26 @@ def _rate(queue: QueueGauges) -> str:
     return f"{queue.rate_started} of {window} started in the window now{held}"
 
 
+def _fair(queue: QueueGauges) -> str:
+    """A fairly shared queue's tenants now, as status tells it."""
+    if not queue.fair_tenants:
+        return f"by {queue.fair_column}, no pending jobs"
+    many = "tenant" if queue.fair_tenants == 1 else "tenants"
+    deepest = ", ".join(
+        f"{tenant_text(tenant)} {count:,}" for tenant, count in queue.fair_deepest[:STATUS_TENANTS]
+    )
+    return (
+        f"by {queue.fair_column}, {queue.fair_tenants:,} {many} with pending jobs; "
+        f"deepest {deepest}"
+    )
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    model = load_model(args)
-    gauges, dead = _read_gauges(args, model, dead=args.dead)
+    # With --registry, its fair shares too: the configuration says which queues are shared.
+    registry = load_registry(args.registry) if getattr(args, "registry", None) else None
+    model = load_model(args) if registry is None else registry.model
+    fair_shares = None if registry is None else registry.fair_shares
+    gauges, dead = _read_gauges(args, model, dead=args.dead, fair_shares=fair_shares)
     out = sys.stdout
     table = gauges.table
     out.write(f"{table.table}\n")
@@ -90,6 +116,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for q in gauges.queues:
             if q.rate_limit is not None:
                 out.write(f"rate limit of {q.queue}: {_rate(q)}\n")
+        for q in gauges.queues:
+            if q.fair_column is not None:
+                out.write(f"fair shares of {q.queue}: {_fair(q)}\n")
     else:
         out.write("no pending, running or dead jobs\n")
     estimate = (

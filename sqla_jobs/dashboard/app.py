@@ -4,7 +4,8 @@ or to mount in an application of your own.
 Pages (every one plain HTML, no JavaScript):
 
 ``GET /``                 queues: counts by status, oldest pending job, recent throughput,
-                          pause buttons; the running jobs: progress, time left to the limit
+                          rate limits, fair shares' tenants, pause buttons; the running
+                          jobs: progress, time left to the limit
 ``GET /jobs``             the job list: ``?queue=&task=&status=&before=`` (keyset cursor)
 ``GET /jobs/{id}``        a job: every column, the last error's traceback, its result
 ``GET /activity``         per queue, the last hour by minute: jobs finished and failed, depth
@@ -71,6 +72,7 @@ from sqla_jobs.errors import (
     JobStateError,
     SqlaJobsError,
 )
+from sqla_jobs.queue.rating import TenantDepths, checked_fair_shares, tenant_depths, tenant_text
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
 from sqla_jobs.schema.history import RESULT_COLUMN, history_table
 
@@ -88,6 +90,8 @@ __all__ = [
 DEFAULT_PAGE_SIZE: Final = 50
 #: The running jobs the overview shows at most, longest running first.
 RUNNING_SHOWN: Final = 50
+#: The deepest tenants the overview names for each fairly shared queue.
+TENANTS_SHOWN: Final = 3
 #: Primary-key entries one list page reads at most (see :mod:`.statements`).
 DEFAULT_SCAN: Final = 20_000
 MIN_TOKEN_LENGTH: Final = 16
@@ -148,6 +152,7 @@ class _Settings:
     page_size: int
     scan: int
     time_limits: Mapping[str, float] | None  # None: the tasks' limits were not given
+    fair_shares: Mapping[str, validation.FairShare]  # empty: none given
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,17 @@ def _time_limits(value: object) -> dict[str, float] | None:
     return limits
 
 
+def _fair_shares(model: type[JobMixin], value: object) -> dict[str, validation.FairShare]:
+    """``create_app``'s ``fair_shares``, checked as :func:`~sqla_jobs.tenant_depths` checks
+    them (a :class:`~sqla_jobs.errors.ConfigurationError` here)."""
+    try:
+        return checked_fair_shares(model, value)
+    except InvalidJobError as exc:
+        raise ConfigurationError(
+            f"fair_shares: {exc.reason} (a Registry's is registry.fair_shares)"
+        ) from None
+
+
 class _Overview(NamedTuple):
     """What the overview reads, in one transaction."""
 
@@ -199,6 +215,7 @@ class _Overview(NamedTuple):
     recent: list[Any]
     paused: list[queue.QueuePause]
     rates: list[queue.RateUsage]
+    fair: list[TenantDepths]
     busy: list[RunningRow]
 
 
@@ -283,6 +300,7 @@ def create_app(
     session_lifetime: timedelta | float = SESSION_LIFETIME,
     session_max_age: timedelta | float = SESSION_MAX_AGE,
     time_limits: Mapping[str, timedelta | float] | None = None,
+    fair_shares: Mapping[str, validation.FairShare] | None = None,
 ) -> Starlette:
     """The dashboard of ``model``'s job table as a Starlette (ASGI) application.
 
@@ -294,7 +312,10 @@ def create_app(
     dashboard). ``time_limits`` (task names to limits: your registry's
     :attr:`~sqla_jobs.Registry.time_limits`) tells the overview the tasks' time limits, so
     that each running job shows the time left to its limit (a job's own limit is read
-    from its row; without either, none is shown).
+    from its row; without either, none is shown). ``fair_shares`` (queue names to
+    :class:`~sqla_jobs.FairShare`: your registry's :attr:`~sqla_jobs.Registry.fair_shares`)
+    shows each fairly shared queue's tenants with pending jobs and the deepest of them
+    (:func:`~sqla_jobs.tenant_depths`).
 
     The login cookie and the forms' CSRF tokens are signed with keys derived from ``secret``
     (16+ characters) and ``token``: processes given the same ones accept each other's. With
@@ -332,6 +353,7 @@ def create_app(
         page_size=_check_positive("page_size", page_size, 1000),
         scan=_check_positive("scan", scan, 1_000_000),
         time_limits=_time_limits(time_limits),
+        fair_shares=_fair_shares(model, fair_shares),
     )
     dashboard = _Dashboard(settings)
     middleware = []
@@ -534,6 +556,7 @@ class _Dashboard:
             stats = queue.queue_stats(connection, self.s.model)
             paused = queue.paused_queues(connection, self.s.model)
             rates = queue.rate_usage(connection, self.s.model)
+            fair = tenant_depths(connection, self.s.model, self.s.fair_shares, top=TENANTS_SHOWN)
             with queue.readable_values(connection):
                 busy = RUNNING.rows(connection, self.s.table, {"limit": RUNNING_SHOWN + 1})
             # Each source's newest window (a model with history: its finished jobs are there).
@@ -544,12 +567,12 @@ class _Dashboard:
                     connection, source.table, {"before": statements.MAX_ID}, scan=scan
                 )
             ]
-            return _Overview(stats, recent, paused, rates, busy)
+            return _Overview(stats, recent, paused, rates, fair, busy)
 
-        stats, recent, paused, rates, busy = await self.run(read)
+        stats, recent, paused, rates, fair, busy = await self.run(read)
         queues: dict[str, dict[str, Any]] = {}
-        # A paused or rate-limited queue is listed, with or without jobs.
-        for kind, items in (("paused", paused), ("rate", rates)):
+        # A paused, rate-limited or fairly shared queue is listed, with or without jobs.
+        for kind, items in (("paused", paused), ("rate", rates), ("fair", fair)):
             for item in items:
                 row = queues.setdefault(item.queue, {"counts": {}, "oldest": None, "recent": None})
                 row[kind] = item
@@ -575,6 +598,7 @@ class _Dashboard:
             scanned=scanned,
             scan=scan,
             age=_age,
+            tenant_text=tenant_text,
             running=[RunningJob.of(row, self.s.time_limits) for row in busy[:RUNNING_SHOWN]],
             more_running=len(busy) > RUNNING_SHOWN,
             running_shown=RUNNING_SHOWN,

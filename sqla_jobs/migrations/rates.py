@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from sqla_jobs import ddl
-from sqla_jobs.migrations.steps import _execute
+from sqla_jobs.migrations.steps import _create_index, _drop_index, _execute
 from sqla_jobs.schema import pending_predicate
 from sqla_jobs.schema.fair import FAIR_INDEX_COLUMNS, fair_index_name
 from sqla_jobs.schema.rates import rate_names
@@ -69,19 +69,47 @@ def create_fair_index(
     """Create the fair index of job table ``table_name``'s tenant column ``column``
     (:func:`sqla_jobs.schema.fair.fair_index`: ``(queue, <column>, priority, run_at, id)
     WHERE status = 'pending' AND ordering_key IS NULL``), which a fair claim
-    (:class:`sqla_jobs.FairShare`) reads. ``concurrently``: ``CREATE INDEX CONCURRENTLY``
-    on a live table (outside a transaction: in Alembic, inside
-    ``op.get_context().autocommit_block()``). ``IF NOT EXISTS``: re-runnable."""
+    (:class:`sqla_jobs.FairShare`) reads; a worker with fair shares refuses to start without
+    it. Re-runnable: an index of that name is dropped first (one that an interrupted
+    concurrent build left invalid included), then built.
+
+    ``concurrently``: ``CREATE INDEX CONCURRENTLY`` on a live table, without blocking its
+    enqueues and claims. It cannot run in a transaction, so the helper runs it in Alembic's
+    ``autocommit_block()``, which first commits whatever the revision did before. A revision
+    of yours::
+
+        from sqla_jobs import migrations as jobs
+
+        def upgrade() -> None:
+            jobs.create_fair_index("email_jobs", "customer_id", concurrently=True)
+
+        def downgrade() -> None:
+            jobs.drop_fair_index("email_jobs", "customer_id", concurrently=True)
+    """
     name = fair_index_name(table_name, column)
-    columns = ", ".join(ddl.quote(part or column) for part in FAIR_INDEX_COLUMNS)
-    how = "CONCURRENTLY " if concurrently else ""
-    _execute(
-        f"CREATE INDEX {how}IF NOT EXISTS {ddl.quote(name)} "
-        f"ON {ddl.qualified_name(table_name, schema)} ({columns}) WHERE {pending_predicate()}"
-    )
+    columns = tuple(part or column for part in FAIR_INDEX_COLUMNS)
+
+    def build() -> None:
+        _drop_index(name, table_name, schema=schema, concurrently=concurrently, if_exists=True)
+        _create_index(
+            name, table_name, columns, pending_predicate(), schema=schema, concurrently=concurrently
+        )
+
+    if concurrently:
+        with op.get_context().autocommit_block():
+            build()
+    else:
+        build()
 
 
-def drop_fair_index(table_name: str, column: str, *, schema: str | None = None) -> None:
-    """Drop the fair index of ``table_name``'s column ``column``. ``IF EXISTS``."""
-    name = ddl.qualified_name(fair_index_name(table_name, column), schema)
-    _execute(f"DROP INDEX IF EXISTS {name}")
+def drop_fair_index(
+    table_name: str, column: str, *, schema: str | None = None, concurrently: bool = False
+) -> None:
+    """Drop the fair index of ``table_name``'s column ``column`` (``IF EXISTS``;
+    ``concurrently``: ``DROP INDEX CONCURRENTLY``, in ``autocommit_block()``)."""
+    name = fair_index_name(table_name, column)
+    if concurrently:
+        with op.get_context().autocommit_block():
+            _drop_index(name, table_name, schema=schema, concurrently=True, if_exists=True)
+    else:
+        _drop_index(name, table_name, schema=schema, concurrently=False, if_exists=True)

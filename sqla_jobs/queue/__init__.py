@@ -87,7 +87,13 @@ from sqla_jobs.queue.outcomes import (
     storable_text,
 )
 from sqla_jobs.queue.pausing import QueuePause, pause_queue, paused_queues, resume_queue
-from sqla_jobs.queue.rating import RateUsage, prune_rates, rate_usage
+from sqla_jobs.queue.rating import (
+    RateUsage,
+    TenantDepths,
+    prune_rates,
+    rate_usage,
+    tenant_depths,
+)
 
 __all__ = [
     "DEFAULT_ENQUEUE_CHUNK",
@@ -107,6 +113,7 @@ __all__ = [
     "QueuePause",
     "QueueStat",
     "RateUsage",
+    "TenantDepths",
     "UnreadableJson",
     "cancel",
     "cancel_attempts",
@@ -144,6 +151,7 @@ __all__ = [
     "retry",
     "snooze",
     "storable_text",
+    "tenant_depths",
     "unique_key_of",
     "vacuum",
 ]

@@ -159,7 +159,7 @@ def claim(
     keep another's jobs waiting. Two statements
     (:mod:`sqla_jobs._queries.fair`): the queue's tenants in turn (a loose scan of the fair
     index, :func:`~sqla_jobs.schema.fair.fair_index`, which the model needs: at most
-    ``limit`` tenants a claim, from where the connection's previous fair claim of the
+    ``limit`` tenants a claim, from where the process's previous fair claim of the
     queue stopped), then the claim from them. Queue and rate limits apply as to any queue;
     keyed jobs are claimed before, by their keys.
 

@@ -418,7 +418,12 @@ class Worker:
         metrics = WorkerMetrics(
             in_flight=lambda: len(self._state.snapshot()),
             overrunning=self._state.overruns,
-            gauges=GaugeCache(self.engine, self.model, max_age=self.metrics_max_age),
+            gauges=GaugeCache(
+                self.engine,
+                self.model,
+                max_age=self.metrics_max_age,
+                fair_shares=self.registry.fair_shares or None,
+            ),
             # Bounded label values: the registry's tasks, the queues served or registered.
             labels=LabelValues(
                 tasks=self.registry, queues=frozenset((*self.queues, *self.registry.queues))
