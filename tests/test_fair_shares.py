@@ -384,5 +384,5 @@ def test_a_worker_with_fair_shares_needs_the_column_and_its_fair_index(
     ):
         Worker(without_index, queue_engine).run()
     # A registry given its model checks the column at once.
-    with pytest.raises(ConfigurationError, match="fair_shares: .* column 'customer'"):
+    with pytest.raises(ConfigurationError, match=r"fair_shares: .* column 'customer'"):
         Registry(TenantJob, fair_shares={"default": FairShare("customer")})
