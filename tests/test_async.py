@@ -26,6 +26,7 @@ from models import (
     Order,
     ReportJob,
     ReportJobResult,
+    TenantJob,
 )
 from sqlalchemy.dialects.postgresql import asyncpg as postgresql_asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
@@ -131,12 +132,15 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
         parameters = inspect.signature(builder).parameters
         args = [tables[p] for p in parameters if p in tables]
         variants: list[dict[str, Any]] = [{}]
+        if "column" in parameters:  # the fair shares' statements: a model with a tenant column
+            args = [TenantJob.__table__]
+            variants = [{"column": "tenant"}]
         if "queue_count" in parameters:
             variants = [{"queue_count": 1}, {"queue_count": 2}]
             if "limited" in parameters:  # a limited queue is claimed on its own
                 variants.append({"queue_count": 1, "limited": True})
         elif "limited" in parameters:
-            variants = [{}, {"limited": True}]
+            variants = [options | more for options in variants for more in ({}, {"limited": True})]
         elif "local" in parameters:
             variants = [{"local": True}, {"local": False}]
         elif "name" in parameters:  # reset_setting(name): one of the worker's settings
@@ -153,7 +157,7 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
             variants += [options | {"json_text": True} for options in variants]
         known = set(tables) | {
             *("queue_count", "limited", "rows", "local", "name", "history", "busy", "json_text"),
-            "rated",
+            *("rated", "column"),
         }
         assert set(parameters) <= known, f"{name}: teach this test its parameters"
         for options in variants:
