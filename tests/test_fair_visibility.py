@@ -108,14 +108,13 @@ def test_tenant_depths_counts_the_pending_jobs_without_a_key_by_tenant(seeded: s
     assert (top.tenants, top.pending, top.deepest) == (4, 9, (("acme", 5), ("beta", 2)))
     # From SQL: the counts are those of the pending rows without an ordering key.
     with seeded.connect() as connection:
-        counted: dict[str | None, int] = dict(
-            connection.execute(
-                sa.text(
-                    "SELECT tenant, count(*) FROM tenant_jobs WHERE queue = 'default' "
-                    "AND status = 'pending' AND ordering_key IS NULL GROUP BY tenant"
-                )
-            ).all()
-        )
+        rows = connection.execute(
+            sa.text(
+                "SELECT tenant, count(*) FROM tenant_jobs WHERE queue = 'default' "
+                "AND status = 'pending' AND ordering_key IS NULL GROUP BY tenant"
+            )
+        ).all()
+        counted: dict[str | None, int] = {row[0]: row[1] for row in rows}
     assert counted == DEPTHS
 
 
