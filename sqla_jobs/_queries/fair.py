@@ -157,7 +157,13 @@ def _tenant_reads(table: Table, c: str, tenant: str, *, after: str = "", limit: 
     # A tenant's read: its value's (an index range), or, for the NULL tenant, the jobs whose
     # column is NULL (the other branch: a one-time filter on the tenant, so one of the two
     # runs).
-    value = _tenant_read(table, c, match=f"j.{c} = {tenant}", after=after, limit=limit)
+    # Written as a range, not ``= tenant``: an equality would make the column a constant of
+    # the read's order, which the pending index (queue, priority, run_at, id) then also
+    # gives; on statistics taken when one tenant had every job, PostgreSQL picked it and
+    # filtered that tenant's whole backlog for each other tenant (tests/test_fair_plan.py).
+    value = _tenant_read(
+        table, c, match=f"j.{c} >= {tenant} AND j.{c} <= {tenant}", after=after, limit=limit
+    )
     null = _tenant_read(
         table, c, match=f"{tenant} IS NULL AND j.{c} IS NULL", after=after, limit=limit
     )
