@@ -446,9 +446,12 @@ class Registry:
             raise ConfigurationError(f"rate_limits: {exc.reason}") from None
         self._rate_limits: Mapping[str, validation.RateLimit] = MappingProxyType(rates)
         try:
-            shares = validation.check_fair_shares("fair_shares", fair_shares)
-            if model is not None:  # (the default model's columns are checked by its worker)
-                check_fair_columns(job_table_of(model), shares, shares)
+            # (The default model's columns are checked by its worker.)
+            shares = (
+                check_fair_columns(job_table_of(model), fair_shares)
+                if model is not None
+                else validation.check_fair_shares("fair_shares", fair_shares)
+            )
         except InvalidJobError as exc:
             raise ConfigurationError(f"fair_shares: {exc.reason}") from None
         self._fair_shares: Mapping[str, validation.FairShare] = MappingProxyType(shares)

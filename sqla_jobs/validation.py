@@ -661,23 +661,35 @@ def check_rate_window(field: str, value: object) -> timedelta:
 def check_rate_limits(field: str, value: object) -> dict[str, RateLimit]:
     """Per-queue rate limits: a mapping of queue names (:func:`check_name`) to
     :class:`RateLimit`. ``None`` is no limits. Returns a plain ``dict`` copy."""
+    return _per_queue(field, value, RateLimit, "limit", "RateLimit(50) is 50 a second")
+
+
+_Setting = TypeVar("_Setting")
+
+
+def _per_queue(
+    field: str, value: object, kind: type[_Setting], noun: str, example: str
+) -> dict[str, _Setting]:
+    # A mapping of queue names (check_name) to ``kind`` (None: none), as a plain dict copy;
+    # the ``noun`` of a queue and an ``example`` of a ``kind`` name them in the errors.
     if value is None:
         return {}
     if not isinstance(value, Mapping):
         raise InvalidJobError(
-            field, f"must be a mapping of queue names to RateLimit, not {type(value).__name__}"
+            field,
+            f"must be a mapping of queue names to {kind.__name__}, not {type(value).__name__}",
         )
-    limits: dict[str, RateLimit] = {}
-    for queue, limit in value.items():
+    settings: dict[str, _Setting] = {}
+    for queue, setting in value.items():
         name = check_name(field, queue)
-        if not isinstance(limit, RateLimit):
+        if not isinstance(setting, kind):
             raise InvalidJobError(
                 field,
-                f"the limit of queue {name!r} must be a RateLimit (RateLimit(50) is 50 a "
-                f"second), not {type(limit).__name__}",
+                f"the {noun} of queue {name!r} must be a {kind.__name__} ({example}), "
+                f"not {type(setting).__name__}",
             )
-        limits[name] = limit
-    return limits
+        settings[name] = setting
+    return settings
 
 
 #: The largest weight of a tenant in fair shares (:class:`FairShare`).
@@ -737,23 +749,7 @@ class FairShare:
 def check_fair_shares(field: str, value: object) -> dict[str, FairShare]:
     """Per-queue fair shares: a mapping of queue names (:func:`check_name`) to
     :class:`FairShare`. ``None`` is none. Returns a plain ``dict`` copy."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise InvalidJobError(
-            field, f"must be a mapping of queue names to FairShare, not {type(value).__name__}"
-        )
-    shares: dict[str, FairShare] = {}
-    for queue, share in value.items():
-        name = check_name(field, queue)
-        if not isinstance(share, FairShare):
-            raise InvalidJobError(
-                field,
-                f"the fair share of queue {name!r} must be a FairShare "
-                f"(FairShare('tenant_id')), not {type(share).__name__}",
-            )
-        shares[name] = share
-    return shares
+    return _per_queue(field, value, FairShare, "fair share", "FairShare('tenant_id')")
 
 
 def check_field(field: str, value: object, *, max_args_bytes: int) -> object:

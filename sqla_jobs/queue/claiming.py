@@ -221,7 +221,7 @@ def claim_waiting(
             if name in rates:
                 rate = rates[name]
                 (key_rated if rate.per_key else rated)[name] = (rate.limit, rate.seconds)
-    fair = check_fair_columns(table, fair_shares, queue_names) if fair_shares is not None else None
+    fair = check_fair_columns(table, fair_shares) if fair_shares is not None else None
     claiming = functools.partial(
         claim_rows,
         table=table,
@@ -264,12 +264,10 @@ def claim_waiting(
     return jobs, wait
 
 
-def check_fair_columns(
-    table: Table, fair_shares: Mapping[str, FairShare] | None, queue_names: Iterable[str]
-) -> dict[str, FairShare]:
-    """The fair shares of ``queue_names`` (:func:`~sqla_jobs.validation.check_fair_shares`),
-    each column checked against the job table: one of the model's own, not one the
-    queue's claims read otherwise (:class:`~sqla_jobs.errors.InvalidJobError`)."""
+def check_fair_columns(table: Table, fair_shares: object) -> dict[str, FairShare]:
+    """``fair_shares`` checked (:func:`~sqla_jobs.validation.check_fair_shares`), each
+    column against the job table: one of the model's own, not one the queue's claims read
+    otherwise (:class:`~sqla_jobs.errors.InvalidJobError`). No SQL."""
     shares = validation.check_fair_shares("fair_shares", fair_shares)
     for name, share in shares.items():
         if share.column not in table.c:
@@ -284,7 +282,7 @@ def check_fair_columns(
                 "the model's own (jobs with an ordering key keep their keys' order and "
                 "key_limit, claimed before the fair share)",
             )
-    return {name: shares[name] for name in queue_names if name in shares}
+    return shares
 
 
 #: The job table's columns that no fair share may use as its tenant.

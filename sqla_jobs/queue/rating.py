@@ -177,7 +177,7 @@ def checked_fair_shares(model: type[JobMixin], fair_shares: object) -> dict[str,
     shares = check_fair_shares("fair_shares", fair_shares)
     if not shares:
         return shares
-    return check_fair_columns(job_table_of(model), shares, sorted(shares))
+    return check_fair_columns(job_table_of(model), shares)
 
 
 def tenant_text(tenant: object) -> str:

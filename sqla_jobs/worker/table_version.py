@@ -163,7 +163,7 @@ def check_flow_control(
             "revision of yours (docs/how-to/rate-limits.md)"
         )
     try:
-        shares = check_fair_columns(table, registry.fair_shares, registry.fair_shares)
+        shares = check_fair_columns(table, registry.fair_shares)
     except InvalidJobError as exc:
         raise ConfigurationError(f"fair_shares: {exc.reason}") from None
     for name, share in shares.items():
