@@ -22,6 +22,7 @@ from sqla_jobs.errors import (
     SqlaJobsError,
     UniqueJobError,
 )
+from sqla_jobs.errors import InvalidWorkflowError, WorkflowTimeoutError
 from sqla_jobs.hooks import Hooks
 from sqla_jobs.leasing import (
     Lease,
@@ -75,6 +76,20 @@ from sqla_jobs.queue import (
 from sqla_jobs.registry import Registry, Task, TaskOptions
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, ScheduleMixin, names
 from sqla_jobs.validation import FairShare, RateLimit
+from sqla_jobs.workflows import (
+    EnqueuedWorkflow,
+    StepMixin,
+    StepState,
+    Workflow,
+    WorkflowMixin,
+    WorkflowStatus,
+    add_steps,
+    cancel_workflow,
+    dependency_results,
+    enqueue_workflow,
+    wait_for_workflow,
+    workflow_steps,
+)
 from sqla_jobs.worker import (
     ClaimSettings,
     MaintenanceSettings,
@@ -93,11 +108,13 @@ __all__ = [
     "DeadJob",
     "EmbeddedPostgresError",
     "Enqueued",
+    "EnqueuedWorkflow",
     "FailOutcome",
     "FairShare",
     "Hooks",
     "InvalidJobError",
     "InvalidLeaseError",
+    "InvalidWorkflowError",
     "JobArgumentsError",
     "JobCancelledError",
     "JobContext",
@@ -126,6 +143,8 @@ __all__ = [
     "SessionSettings",
     "Snooze",
     "SqlaJobsError",
+    "StepMixin",
+    "StepState",
     "Task",
     "TaskOptions",
     "TenantDepths",
@@ -134,17 +153,25 @@ __all__ = [
     "Worker",
     "WorkerHealth",
     "WorkerOptions",
+    "Workflow",
+    "WorkflowMixin",
+    "WorkflowStatus",
+    "WorkflowTimeoutError",
     "acquire_leases",
+    "add_steps",
     "cancel",
+    "cancel_workflow",
     "claim",
     "complete",
     "complete_many",
     "dead_jobs",
     "delete",
+    "dependency_results",
     "enqueue_debounced",
     "enqueue_many",
     "enqueue_unique",
     "enqueue_unique_many",
+    "enqueue_workflow",
     "fail",
     "heartbeat",
     "lease_names",
@@ -168,6 +195,8 @@ __all__ = [
     "tenant_depths",
     "unique_key_of",
     "vacuum",
+    "wait_for_workflow",
+    "workflow_steps",
 ]
 
 __version__ = "0.1.0"

@@ -35,19 +35,23 @@ from typing import Concatenate, ParamSpec, TypeVar
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from sqla_jobs import leasing, queue
+from sqla_jobs import leasing, queue, workflows
 
 __all__ = [
     "acquire_leases",
+    "add_steps",
     "cancel",
+    "cancel_workflow",
     "claim",
     "complete",
     "complete_many",
     "dead_jobs",
+    "dependency_results",
     "enqueue_debounced",
     "enqueue_many",
     "enqueue_unique",
     "enqueue_unique_many",
+    "enqueue_workflow",
     "fail",
     "heartbeat",
     "lock",
@@ -67,6 +71,7 @@ __all__ = [
     "retry",
     "snooze",
     "tenant_depths",
+    "workflow_steps",
 ]
 
 _P = ParamSpec("_P")
@@ -114,3 +119,10 @@ renew_lease = _awaitable(leasing.renew_lease)
 renew_leases = _awaitable(leasing.renew_leases)
 release_lease = _awaitable(leasing.release_lease)
 release_leases = _awaitable(leasing.release_leases)
+
+# Workflows (sqla_jobs.workflows): the same.
+enqueue_workflow = _awaitable(workflows.enqueue_workflow)
+add_steps = _awaitable(workflows.add_steps)
+cancel_workflow = _awaitable(workflows.cancel_workflow)
+workflow_steps = _awaitable(workflows.workflow_steps)
+dependency_results = _awaitable(workflows.dependency_results)

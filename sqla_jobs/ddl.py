@@ -27,6 +27,7 @@ from sqlalchemy.dialects import postgresql
 from sqla_jobs.naming import names
 
 __all__ = [
+    "BODY_TAG",
     "STORAGE_PARAMETERS",
     "TRANSITION_TABLE",
     "create_notify_function",
@@ -34,6 +35,7 @@ __all__ = [
     "drop_notify_function",
     "drop_notify_trigger",
     "executable",
+    "literal",
     "qualified_name",
     "quote",
     "reset_storage_parameters",
@@ -58,7 +60,7 @@ STORAGE_PARAMETERS: dict[str, int | float] = {
 
 _PREPARER = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
 # Dollar-quote tag of the function body; a tag no SQL we write contains.
-_BODY_TAG = "$sqla_jobs$"
+BODY_TAG = "$sqla_jobs$"
 
 
 def quote(identifier: str) -> str:
@@ -73,7 +75,8 @@ def qualified_name(name: str, schema: str | None = None) -> str:
     return f"{_PREPARER.quote_schema(schema)}.{quote(name)}"
 
 
-def _literal(value: str) -> str:
+def literal(value: str) -> str:
+    """``value`` as an SQL string literal."""
     # standard_conforming_strings is on (the default since PostgreSQL 9.1).
     return "'" + value.replace("'", "''") + "'"
 
@@ -83,16 +86,16 @@ def create_notify_function(table: str, schema: str | None = None) -> str:
     n = names(table)
     body = (
         "BEGIN\n"
-        f"    PERFORM pg_notify({_literal(n.channel)}, q)\n"
+        f"    PERFORM pg_notify({literal(n.channel)}, q)\n"
         f"    FROM (SELECT DISTINCT queue AS q FROM {TRANSITION_TABLE}) AS inserted_queues;\n"
         "    RETURN NULL;\n"
         "END;\n"
     )
-    if _BODY_TAG in body:  # only a table name could put it there
-        raise ValueError(f"table name {table!r} must not contain {_BODY_TAG!r}")
+    if BODY_TAG in body:  # only a table name could put it there
+        raise ValueError(f"table name {table!r} must not contain {BODY_TAG!r}")
     return (
         f"CREATE OR REPLACE FUNCTION {qualified_name(n.notify_function, schema)}() "
-        f"RETURNS trigger LANGUAGE plpgsql AS {_BODY_TAG}\n{body}{_BODY_TAG}"
+        f"RETURNS trigger LANGUAGE plpgsql AS {BODY_TAG}\n{body}{BODY_TAG}"
     )
 
 

@@ -7,6 +7,7 @@ The tree::
     │   ├── JobArgumentsError      arguments that PostgreSQL's jsonb would reject or mangle
     │   ├── InvalidLeaseError      a lease function was given an argument it cannot use
     │   ├── InvalidThresholdError  a health threshold or metrics setting that cannot be used
+    │   ├── InvalidWorkflowError   a workflow's step or dependency that cannot be used
     │   └── UniqueJobError         a unique key or option that cannot be used, or a unique job
     │                              added without sqla_jobs.enqueue_unique
     ├── LeaseLostError             a fenced transition matched no row: the attempt (or the
@@ -17,6 +18,7 @@ The tree::
     │                              job's cancel was requested
     ├── JobTimeoutError            the attempt ran past its time limit (also a TimeoutError);
     │                              raised by ctx.raise_if_cancelled() past it
+    ├── WorkflowTimeoutError       wait_for_workflow() ran out of time (also a TimeoutError)
     ├── ProcessHandlerError        a process handler's child died mid-job, or its function
     │                              or what it raised or returned could not cross over
     ├── ConfigurationError         the library was set up wrongly (a model without the mixin, ...)
@@ -38,6 +40,7 @@ __all__ = [
     "InvalidJobError",
     "InvalidLeaseError",
     "InvalidThresholdError",
+    "InvalidWorkflowError",
     "JobArgumentsError",
     "JobCancelledError",
     "JobNotFoundError",
@@ -49,6 +52,7 @@ __all__ = [
     "SchemaVersionError",
     "SqlaJobsError",
     "UniqueJobError",
+    "WorkflowTimeoutError",
 ]
 
 
@@ -126,6 +130,19 @@ class InvalidThresholdError(InvalidJobError):
     count, a duration that is not positive, a timeout out of range. ``field`` names the
     argument, ``reason`` what is wrong with it.
     """
+
+
+class InvalidWorkflowError(InvalidJobError):
+    """A workflow was given a step or dependency that cannot be used (a repeated or bad
+    name, a dependency that is not a step added before, a job that is not new or not of the
+    steps' model, a bad policy); fix the named field. Raised as the workflow is built, or by
+    :func:`sqla_jobs.enqueue_workflow` and :func:`sqla_jobs.add_steps` before any SQL
+    (``then``, which names steps already written, once their rows are read)."""
+
+
+class WorkflowTimeoutError(SqlaJobsError, TimeoutError):
+    """:func:`sqla_jobs.wait_for_workflow` waited ``timeout`` seconds and the workflow is
+    still running."""
 
 
 class JobNotFoundError(SqlaJobsError, LookupError):

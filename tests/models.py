@@ -11,6 +11,7 @@ from sqla_jobs import JobMixin, JobResultMixin, ScheduleMixin
 from sqla_jobs.history import history_table
 from sqla_jobs.schema.fair import fair_index
 from sqla_jobs.schema.rates import rate_table
+from sqla_jobs.schema.workflows import StepMixin, WorkflowMixin
 
 
 class Base(DeclarativeBase):
@@ -45,6 +46,29 @@ class TenantJob(JobMixin, Base):
 
 #: Where a fair claim of TenantJob finds each customer's jobs.
 TENANT_JOB_FAIR_INDEX = fair_index(TenantJob, "tenant")
+
+
+class OrderWorkflow(WorkflowMixin, Base):
+    """An order's workflow (charge, then stock and email, then ship), tied to its order."""
+
+    __tablename__ = "order_workflows"
+
+    order_id: Mapped[int | None] = mapped_column(ForeignKey("orders.id"))
+    order: Mapped[Order | None] = relationship()
+
+
+class OrderJobResult(JobResultMixin, Base):
+    __tablename__ = "order_job_results"
+
+
+class OrderJob(StepMixin, JobMixin, Base):
+    """Jobs that can be steps of an OrderWorkflow."""
+
+    __tablename__ = "order_jobs"
+    workflow_model = OrderWorkflow
+    result_model = OrderJobResult
+
+    order_id: Mapped[int | None] = mapped_column(ForeignKey("orders.id"))
 
 
 class EmailJobResult(JobResultMixin, Base):

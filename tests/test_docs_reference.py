@@ -44,6 +44,7 @@ PUBLIC_MODULES = (
     "sqla_jobs.testing",
     "sqla_jobs.periodic",
     "sqla_jobs.leasing",
+    "sqla_jobs.workflows",
     "sqla_jobs.history",
     "sqla_jobs.health",
     "sqla_jobs.metrics",
@@ -359,6 +360,17 @@ class _Seat(sqla_jobs.LeaseMixin, _LeaseBase):
     id: Mapped[int] = mapped_column(primary_key=True)
 
 
+class _Flow(sqla_jobs.WorkflowMixin, _LeaseBase):
+    __tablename__ = "docs_reference_flows"
+
+
+class _Steps(sqla_jobs.StepMixin, _LeaseBase):
+    """The step columns alone (a real step model has JobMixin's too)."""
+
+    __tablename__ = "docs_reference_steps"
+    id: Mapped[int] = mapped_column(primary_key=True)
+
+
 def _mixins() -> dict[str, type]:
     return {
         name: getattr(sqla_jobs, name)
@@ -376,8 +388,10 @@ def _real_columns(mixin: type) -> list[str]:
         "JobResultMixin": models.JobResult,
         "ScheduleMixin": models.JobSchedule,
         "LeaseMixin": _Seat,
+        "WorkflowMixin": _Flow,
+        "StepMixin": _Steps,
     }[mixin.__name__]
-    own = {"LeaseMixin": {"id"}}.get(mixin.__name__, set())
+    own = {"LeaseMixin": {"id"}, "StepMixin": {"id"}}.get(mixin.__name__, set())
     return [c.key for c in sa_inspect(model).columns if c.key not in own]
 
 

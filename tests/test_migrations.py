@@ -37,6 +37,7 @@ import sqla_jobs.models
 from sqla_jobs import _queries as statements
 from sqla_jobs import ddl, migrations, names
 from sqla_jobs.schema.pauses import pause_table
+from sqla_jobs.schema.workflows import workflow_names
 from sqla_jobs.urls import libpq_url
 
 EXAMPLE_ENV = Path(__file__).resolve().parents[1] / "alembic"
@@ -45,6 +46,7 @@ JOB_MODELS = (
     models.ReportJob,
     models.ArchiveJob,
     models.TenantJob,
+    models.OrderJob,
     sqla_jobs.models.Job,
 )
 VERSION_TABLES = ("alembic_version", migrations.VERSION_TABLE)
@@ -147,11 +149,12 @@ def test_upgrade_heads_matches_the_models(db_engine: sa.Engine) -> None:
     with db_engine.connect() as connection:
         assert migrations.check_job_tables(connection, *JOB_MODELS) == []
         versions = connection.execute(sa.text("SELECT version_num FROM alembic_version"))
-        assert sorted(versions.scalars()) == ["0007_tenant_jobs", "sqla_jobs_0004"]
+        assert sorted(versions.scalars()) == ["0008_order_workflows", "sqla_jobs_0004"]
     triggers = {(table, name) for table, name, _definition in catalog(db_engine)["triggers"]}
+    steps = workflow_names("order_jobs", "order_workflows")
     assert triggers == {
         (model.__tablename__, names(model.__tablename__).notify_trigger) for model in JOB_MODELS
-    }
+    } | {("order_jobs", steps.trigger), ("order_jobs", steps.delete_trigger)}
 
 
 def test_migrations_build_what_create_all_builds(
@@ -175,7 +178,7 @@ def test_migrations_build_what_create_all_builds(
     assert {row[0]: row[1] for row in migrated["tables"]}["email_jobs"] == [
         f"{key}={value}" for key, value in ddl.STORAGE_PARAMETERS.items()
     ]
-    assert len(migrated["functions"]) == len(JOB_MODELS)
+    assert len(migrated["functions"]) == len(JOB_MODELS) + 1  # and order_jobs' workflow trigger's
 
 
 def test_downgrade_base_leaves_nothing_of_ours(db_engine: sa.Engine) -> None:
@@ -597,8 +600,9 @@ def test_the_0002_revisions_upgrade_version_1_tables_with_data_in_place(
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
     # Each version-1 table: its six new indexes missing (two claim indexes of version 2; the
     # dead, unique, keyed pending and key indexes of version 3), its old one left over.
-    # (archive_jobs comes with 0004, tenant_jobs with 0007: missing altogether here.)
-    later = ("archive_jobs", "tenant_jobs")
+    # (archive_jobs comes with 0004, tenant_jobs with 0007, order_jobs with 0008: missing
+    # altogether here.)
+    later = ("archive_jobs", "tenant_jobs", "order_jobs")
     now = [p for p in problems if not any(name in p for name in later)]
     assert len(now) == 7 * (len(JOB_MODELS) - len(later))
     assert "add_unique_keys('email_jobs')" in "".join(problems)
@@ -806,8 +810,9 @@ def test_the_0003_revisions_upgrade_version_2_tables_in_place_without_a_rewrite(
         problems = migrations.check_job_tables(connection, *JOB_MODELS)
     # Each table: the dead, unique, keyed pending and key indexes missing, and its pending
     # index of version 2 (without keyed jobs left out).
-    # (archive_jobs comes with 0004, tenant_jobs with 0007: missing altogether here.)
-    later = ("archive_jobs", "tenant_jobs")
+    # (archive_jobs comes with 0004, tenant_jobs with 0007, order_jobs with 0008: missing
+    # altogether here.)
+    later = ("archive_jobs", "tenant_jobs", "order_jobs")
     now = [p for p in problems if not any(name in p for name in later)]
     assert len(now) == 5 * (len(JOB_MODELS) - len(later))
     assert "add_unique_keys('email_jobs')" in "".join(problems)

@@ -84,18 +84,21 @@ class StatusRow(NamedTuple):
 STATUS_OF: Final = Query(status_of, JobIdParams, StatusRow)
 
 
-def prune(table: Table) -> Delete:
+def prune(table: Table, *, steps: bool = False) -> Delete:
     """Delete up to ``:limit`` finished jobs whose ``finished_at`` is older than
     ``:older_than_seconds``, oldest ids first.
 
     Walks the primary key from the oldest id, where old finished jobs are; ``SKIP LOCKED``
     keeps it off rows an operator is touching. Call it in a loop until it deletes nothing.
+    ``steps``: the table has workflow steps, which it leaves (they go with their workflow:
+    :data:`~sqla_jobs._queries.workflows.PRUNE_WORKFLOWS`).
     """
     doomed = (
         select(table.c.id)
         .where(
             table.c.status.in_([_lit(s) for s in FINISHED_STATUSES]),
             table.c.finished_at < _now() - _seconds("older_than_seconds"),
+            *([table.c.workflow_id.is_(None)] if steps else []),
         )
         .order_by(table.c.id)
         .limit(bindparam("limit", type_=Integer))

@@ -35,6 +35,7 @@ from sqla_jobs._queries._sql import (
     _now,
 )
 from sqla_jobs._queries.run import Query
+from sqla_jobs.schema import STEP_COLUMNS as schema_step_columns
 from sqla_jobs.schema import JobMixin, JobStatus, unique_predicate
 
 # -- enqueue -------------------------------------------------------------------------------
@@ -58,6 +59,9 @@ MANAGED_COLUMNS: Final = frozenset(
         "attempted_at",
     }
 )
+#: A workflow step's columns (:class:`~sqla_jobs.schema.workflows.StepMixin`), which only
+#: :func:`sqla_jobs.enqueue_workflow` and ``JobContext.add_steps`` set.
+STEP_COLUMNS: Final = frozenset(schema_step_columns)
 
 #: The columns filled in from the enqueuer's context, never from the enqueuer's values
 #: (schema version 3: the trace context, see sqla_jobs.tracing).
@@ -92,6 +96,7 @@ def enqueue_columns(table: Table) -> tuple[str, ...]:
         and c.name not in ENQUEUE_COLUMNS
         and c.name not in UNIQUE_COLUMNS
         and c.name not in CONTEXT_COLUMNS
+        and c.name not in STEP_COLUMNS
     )
     return ENQUEUE_COLUMNS + own
 

@@ -396,7 +396,8 @@ def retry(table: Table) -> Update:
 
 
 def cancel(table: Table) -> Update:
-    """Cancel pending job ``:job_id``. Returns the id, or no row when it is not pending.
+    """Cancel pending (or waiting: a workflow step) job ``:job_id``. Returns the id, or no
+    row when it is neither.
 
     A running job is not cancelled here: its attempt owns it until it ends.
     """
@@ -404,7 +405,7 @@ def cancel(table: Table) -> Update:
         update(table)
         .where(
             table.c.id == bindparam("job_id", type_=BigInteger),
-            table.c.status == _lit(JobStatus.PENDING),
+            table.c.status.in_([_lit(JobStatus.PENDING), _lit(JobStatus.WAITING)]),
         )
         .values(status=_lit(JobStatus.CANCELLED), finished_at=_now())
         .returning(table.c.id)
@@ -443,6 +444,20 @@ def request_cancel(table: Table) -> Update:
     is not running. Locks the row like any ``UPDATE``; a lock-held handler's ``FOR KEY
     SHARE`` lock (:func:`lock`) does not make it wait.
     """
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("job_id", type_=BigInteger),
+            table.c.status == _lit(JobStatus.RUNNING),
+        )
+        .values(cancel_requested_at=func.coalesce(table.c.cancel_requested_at, _now()))
+        .returning(table.c.id, table.c.attempts, cancel_notification(table))
+    )
+
+
+def cancel_notification(table: Table) -> ColumnElement[Any]:
+    """``pg_notify(<channel>, '!cancel:<id>:<attempts>')`` of an updated row: what tells
+    its worker that its cancel was requested (delivered at commit)."""
     payload: ColumnElement[str] = (
         literal_column(f"'{CANCEL_PAYLOAD_PREFIX}'")
         + func.cast(table.c.id, Text)
@@ -452,15 +467,7 @@ def request_cancel(table: Table) -> Update:
     channel: ColumnElement[str] = literal_column(
         "'" + names(table.name).channel.replace("'", "''") + "'"
     )
-    return (
-        update(table)
-        .where(
-            table.c.id == bindparam("job_id", type_=BigInteger),
-            table.c.status == _lit(JobStatus.RUNNING),
-        )
-        .values(cancel_requested_at=func.coalesce(table.c.cancel_requested_at, _now()))
-        .returning(table.c.id, table.c.attempts, func.pg_notify(channel, payload))
-    )
+    return func.pg_notify(channel, payload)
 
 
 def cancel_attempts(table: Table) -> Update:

@@ -141,6 +141,12 @@ from sqla_jobs.migrations.v4 import (
     drop_job_control,
     upgrade_job_table_to_v4,
 )
+from sqla_jobs.migrations.workflows import (
+    add_workflow_steps,
+    create_workflow_table,
+    drop_workflow_steps,
+    drop_workflow_table,
+)
 
 __all__ = [
     "LEASE_SCHEMA_VERSION",
@@ -156,6 +162,7 @@ __all__ = [
     "add_ordering_keys",
     "add_trace_context",
     "add_unique_keys",
+    "add_workflow_steps",
     "check_claim_indexes",
     "check_job_tables",
     "create_claim_index",
@@ -168,6 +175,7 @@ __all__ = [
     "create_rate_table",
     "create_result_table",
     "create_schedule_table",
+    "create_workflow_table",
     "downgrade",
     "downgrade_job_table_to_v1",
     "downgrade_job_table_to_v2",
@@ -190,6 +198,8 @@ __all__ = [
     "drop_schedule_table",
     "drop_trace_context",
     "drop_unique_keys",
+    "drop_workflow_steps",
+    "drop_workflow_table",
     "include_name",
     "upgrade",
     "upgrade_job_table_to_v2",

@@ -15,6 +15,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from sqla_jobs import validation
+from sqla_jobs._queries import workflows
 from sqla_jobs._queries.admin import (
     DEAD_JOBS,
     DEAD_ROWS,
@@ -55,8 +56,10 @@ from sqla_jobs.queue._plumbing import (
 from sqla_jobs.schema import (
     JobMixin,
     JobStatus,
+    has_steps,
     names,
 )
+from sqla_jobs.schema.workflows import check_step_model
 
 logger = logging.getLogger(__name__)
 
@@ -190,13 +193,26 @@ def prune(
 
     A model with ``partitioned_history`` keeps no finished job here to delete: its history
     is pruned by dropping whole partitions, which :func:`sqla_jobs.history.drop_partitions`
-    and ``sqla-jobs prune`` do; this raises :class:`ConfigurationError` for it."""
+    and ``sqla-jobs prune`` do; this raises :class:`ConfigurationError` for it.
+
+    A model with workflow steps deletes a step only with its workflow: each call also
+    deletes the workflows that finished more than ``older_than`` ago, whole (the workflow
+    row and its steps; as many as hold fewer than ``limit`` steps before the last one
+    taken), and counts their steps among the jobs deleted."""
     tables = tables_of(model)
     tables.check_prunable()
     _check_count("limit", limit, MAX_CLAIM_LIMIT * 100)
     seconds = _seconds("older_than", older_than)
     params: PruneParams = {"older_than_seconds": seconds, "limit": limit}
-    return PRUNE.result(session, tables.table, params).rowcount
+    if not has_steps(model):
+        return PRUNE.result(session, tables.table, params).rowcount
+    # Workflow steps go with their workflow, once it finished: never one by one.
+    deleted = PRUNE.result(session, tables.table, params, steps=True).rowcount
+    flows = workflows.PRUNE_WORKFLOWS.rows(session, check_step_model(model), params)
+    if flows:
+        ids = [flow.id for flow in flows]
+        deleted += len(workflows.PRUNE_STEPS.rows(session, tables.table, {"workflow_ids": ids}))
+    return deleted
 
 
 def vacuum(engine: Engine, model: type[JobMixin], *, min_dead_rows: int = VACUUM_DEAD_ROWS) -> bool:

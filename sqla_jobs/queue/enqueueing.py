@@ -249,7 +249,9 @@ def _unique_period(period: timedelta | float | None) -> float | None:
     return seconds
 
 
-def _check_unique_key(key: object) -> str:
+def check_unique_key(key: object) -> str:
+    """An explicit unique key: a string of 1 to :data:`MAX_UNIQUE_KEY_LENGTH` characters
+    that PostgreSQL stores as given (:class:`~sqla_jobs.errors.UniqueJobError` otherwise)."""
     if not isinstance(key, str):
         raise UniqueJobError("unique_key", f"must be a string, not {type(key).__name__}")
     if not key or len(key) > MAX_UNIQUE_KEY_LENGTH:
@@ -276,7 +278,7 @@ def _unique_row(
         job = {name: value for name, value in job.items() if name != "unique_key"}
     row = _job_row(model, job, own)
     row["unique_key"] = (
-        unique_key_of(row["task"], row.get("args")) if key is None else _check_unique_key(key)
+        unique_key_of(row["task"], row.get("args")) if key is None else check_unique_key(key)
     )
     row["unique_period"] = period
     row["unique_statuses"] = statuses
@@ -485,7 +487,7 @@ def enqueue_debounced(
         raise InvalidJobError(
             "run_at", "a debounced job runs `window` after the last enqueue: leave run_at unset"
         )
-    row["unique_key"] = _check_unique_key(row["task"] if key is None else key)
+    row["unique_key"] = check_unique_key(row["task"] if key is None else key)
     document = _encode([row])
     session.flush()
     params: DebouncedParams = {

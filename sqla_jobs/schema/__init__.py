@@ -45,19 +45,22 @@ from sqlalchemy.orm import InstanceState, Mapped, Mapper, declared_attr, mapped_
 
 from sqla_jobs import ddl, tracing, validation
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, UniqueJobError
-from sqla_jobs.naming import TableNames, names
+from sqla_jobs.naming import TableNames, identifier, names
 
 __all__ = [
     "DEFAULT_QUEUE",
     "DEFAULT_UNIQUE_STATUSES",
     "FINISHED_STATUSES",
+    "PLAIN_STATUSES",
     "RUNNABLE_STATUSES",
+    "STEP_COLUMNS",
     "JobMixin",
     "JobResultMixin",
     "JobStatus",
     "ScheduleMixin",
     "TableNames",
     "dead_predicate",
+    "has_steps",
     "key_predicate",
     "keyed_pending_predicate",
     "names",
@@ -72,11 +75,14 @@ DEFAULT_QUEUE = "default"
 class JobStatus(str, enum.Enum):
     """Where a job is in its life.
 
-    ``pending`` jobs wait for their run-at time (a retry waits here too, with a later run-at);
-    ``running`` jobs are held by one attempt (by its lease, or by its row lock); ``succeeded``,
-    ``dead`` (failed its last attempt) and ``cancelled`` are final until an operator retries.
+    ``waiting`` jobs are steps of a workflow that wait for their dependencies
+    (:mod:`sqla_jobs.schema.workflows`; only a model with steps has them); ``pending`` jobs
+    wait for their run-at time (a retry waits here too, with a later run-at); ``running``
+    jobs are held by one attempt (by its lease, or by its row lock); ``succeeded``, ``dead``
+    (failed its last attempt) and ``cancelled`` are final until an operator retries.
     """
 
+    WAITING = "waiting"
     PENDING = "pending"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -85,6 +91,18 @@ class JobStatus(str, enum.Enum):
 
 
 RUNNABLE_STATUSES = (JobStatus.PENDING, JobStatus.RUNNING)
+#: The columns :class:`~sqla_jobs.schema.workflows.StepMixin` adds to a job table.
+STEP_COLUMNS = (
+    "workflow_id",
+    "step",
+    "depends_on",
+    "dependents",
+    "waiting_for",
+    "if_dependency_fails",
+    "blocked_by",
+)
+#: The statuses a job table without steps allows (every one but ``waiting``).
+PLAIN_STATUSES = tuple(s for s in JobStatus if s is not JobStatus.WAITING)
 FINISHED_STATUSES = (JobStatus.SUCCEEDED, JobStatus.DEAD, JobStatus.CANCELLED)
 #: The statuses in which a unique job holds its key unless told otherwise: at most one job
 #: per key is pending or running. A set must include both (a key that a running job did not
@@ -277,7 +295,10 @@ class JobMixin:
     @classmethod
     def __table_args__(cls) -> tuple[Any, ...]:
         n = names(cls.__tablename__)  # type: ignore[attr-defined]
+        steps = has_steps(cls)
+        statuses = tuple(JobStatus) if steps else PLAIN_STATUSES
         return (
+            *(_step_table_args(n.table) if steps else ()),
             # The claim's two indexes (schema version 2), partial so that a claim's cost grows
             # neither with the finished history nor with the jobs in flight. Pending jobs in
             # claim order: a claimed job leaves the index, so running ones are never read on
@@ -340,7 +361,7 @@ class JobMixin:
                 "id",
                 postgresql_where=text(key_predicate()),
             ),
-            CheckConstraint(f"status IN ({_status_list(tuple(JobStatus))})", name=n.status_check),
+            CheckConstraint(f"status IN ({_status_list(statuses)})", name=n.status_check),
             CheckConstraint(
                 f"priority BETWEEN {validation.PRIORITY_MIN} AND {validation.PRIORITY_MAX}",
                 name=n.priority_check,
@@ -380,6 +401,26 @@ class JobMixin:
                 f"attempts={loaded.get('attempts', '?')}/{loaded.get('max_attempts', '?')}"
             )
         return f"<{type(self).__name__} {' '.join(parts)}>"
+
+
+def _step_table_args(table: str) -> tuple[Any, ...]:
+    # What a model with steps adds (sqla_jobs.schema.workflows): the step index, a
+    # workflow's steps by name, unique; jobs that are not steps are not in it.
+    return (
+        Index(
+            identifier(table, "step_idx"),
+            "workflow_id",
+            "step",
+            unique=True,
+            postgresql_where=text("workflow_id IS NOT NULL"),
+        ),
+    )
+
+
+def has_steps(model: object) -> bool:
+    """Whether ``model`` is a job model whose jobs can be workflow steps (it mixes in
+    :class:`~sqla_jobs.schema.workflows.StepMixin`)."""
+    return bool(getattr(model, "_sqla_jobs_steps", False))
 
 
 def job_table_of(model: object) -> Table:
@@ -430,7 +471,12 @@ class JobResultMixin:
 # passed, the size limit it was checked against).
 _CHECKED_ARGS = "_sqla_jobs_checked_args"
 _UNIQUE_FIELDS = frozenset({"unique_key", "unique_statuses"})
-_CHECKED_FIELDS = validation.JOB_FIELDS | {"status", "trace_context"} | _UNIQUE_FIELDS
+#: The columns of a workflow step (sqla_jobs.schema.workflows.StepMixin), which only
+#: sqla_jobs.enqueue_workflow and JobContext.add_steps write.
+_STEP_FIELDS = frozenset(STEP_COLUMNS)
+_CHECKED_FIELDS = (
+    validation.JOB_FIELDS | {"status", "trace_context"} | _UNIQUE_FIELDS | _STEP_FIELDS
+)
 _STATUS_VALUES = frozenset(s.value for s in JobStatus)
 
 
@@ -447,9 +493,21 @@ def _checked(job: JobMixin, key: str, value: object) -> object:
             "enqueue_unique_many), which never aborts your transaction on a duplicate; "
             "session.add() of a job with a unique key would",
         )
+    if key in _STEP_FIELDS:
+        if value is None:
+            return value
+        raise InvalidJobError(
+            key, "is set by sqla_jobs.enqueue_workflow (or JobContext.add_steps), never by hand"
+        )
     if key == "status":
         if isinstance(value, JobStatus):
-            return value.value
+            value = value.value
+        if value == JobStatus.WAITING.value:
+            raise InvalidJobError(
+                key,
+                "'waiting' is a workflow step's status until its dependencies end; "
+                "sqla_jobs.enqueue_workflow sets it",
+            )
         if not isinstance(value, str) or value not in _STATUS_VALUES:
             raise InvalidJobError(key, f"must be one of {[s.value for s in JobStatus]}")
         return value
@@ -509,15 +567,21 @@ def _attach_table_ddl(mapper: Mapper[Any], _class: type[Any]) -> None:
     if not isinstance(table, Table) or table.info.get("sqla_jobs_ddl"):
         return  # a single-table subclass shares its parent's table, which already has it
     table.info["sqla_jobs_ddl"] = True
-    after_create = (
+    after_create: tuple[str, ...] = (
         ddl.set_storage_parameters(table.name, table.schema),
         ddl.create_notify_function(table.name, table.schema),
         ddl.create_notify_trigger(table.name, table.schema),
     )
-    before_drop = (
+    before_drop: tuple[str, ...] = (
         ddl.drop_notify_trigger(table.name, table.schema),
         ddl.drop_notify_function(table.name, table.schema),
     )
+    if has_steps(_class):
+        from sqla_jobs.schema import workflows  # a module of this package that imports it
+
+        workflow_table = workflows.check_step_model(_class)
+        after_create += workflows.step_trigger_sql(table, workflow_table)
+        before_drop += workflows.drop_step_trigger_sql(table, workflow_table)
     for sql in after_create:
         event.listen(table, "after_create", ddl.executable(sql).execute_if(dialect="postgresql"))
     for sql in before_drop:
