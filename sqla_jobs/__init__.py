@@ -10,6 +10,7 @@ from sqla_jobs.errors import (
     EmbeddedPostgresError,
     InvalidJobError,
     InvalidLeaseError,
+    InvalidWorkflowError,
     JobArgumentsError,
     JobCancelledError,
     JobNotFoundError,
@@ -21,8 +22,8 @@ from sqla_jobs.errors import (
     SchemaVersionError,
     SqlaJobsError,
     UniqueJobError,
+    WorkflowTimeoutError,
 )
-from sqla_jobs.errors import InvalidWorkflowError, WorkflowTimeoutError
 from sqla_jobs.hooks import Hooks
 from sqla_jobs.leasing import (
     Lease,
@@ -76,6 +77,16 @@ from sqla_jobs.queue import (
 from sqla_jobs.registry import Registry, Task, TaskOptions
 from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus, ScheduleMixin, names
 from sqla_jobs.validation import FairShare, RateLimit
+from sqla_jobs.worker import (
+    ClaimSettings,
+    MaintenanceSettings,
+    ObservabilitySettings,
+    SessionSettings,
+    TimingSettings,
+    Worker,
+    WorkerHealth,
+    WorkerOptions,
+)
 from sqla_jobs.workflows import (
     EnqueuedWorkflow,
     StepMixin,
@@ -89,16 +100,6 @@ from sqla_jobs.workflows import (
     enqueue_workflow,
     wait_for_workflow,
     workflow_steps,
-)
-from sqla_jobs.worker import (
-    ClaimSettings,
-    MaintenanceSettings,
-    ObservabilitySettings,
-    SessionSettings,
-    TimingSettings,
-    Worker,
-    WorkerHealth,
-    WorkerOptions,
 )
 
 __all__ = [

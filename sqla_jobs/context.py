@@ -8,14 +8,16 @@ is the application's side (tasks and their options); the registry re-exports it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from sqla_jobs.errors import ConfigurationError, JobCancelledError, JobTimeoutError, SqlaJobsError
 from sqla_jobs.queue import ClaimedJob, job_columns
 from sqla_jobs.queue.outcomes import store_progress
 from sqla_jobs.validation import check_progress, check_snooze_delay
+from sqla_jobs.workflows import Workflow, add_steps, dependency_results
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -59,10 +61,21 @@ class CancelFlag(Protocol):
     progress_at: float
 
 
-class ColumnLoader(Protocol):
-    """How a :class:`JobContext` reads its job row's own columns: once, when first asked."""
+_T = TypeVar("_T")
 
-    def __call__(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]: ...
+
+class ColumnLoader(Protocol):
+    """How a :class:`JobContext` reads (or writes) its job's rows: ``read(job, session)``
+    in the claim's session in lock mode (``session``, or the worker's own savepoint of it),
+    else in a transaction of its own that commits when ``read`` returns. By default
+    ``read`` is :func:`~sqla_jobs.queue.job_columns` (``ctx.columns``, read once)."""
+
+    def __call__(
+        self,
+        job: ClaimedJob,
+        session: Session | None,
+        read: Callable[[ClaimedJob, Session], _T] = ...,
+    ) -> _T: ...
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -181,6 +194,34 @@ class JobContext:
             columns = loader(self.job, self._session)
             object.__setattr__(self, "_columns", columns)
         return columns
+
+    def dependency_results(self) -> dict[str, Any]:
+        """The results of this workflow step's dependencies, by step name (see
+        :func:`sqla_jobs.dependency_results`): read through :attr:`session` in lock mode,
+        else in a transaction of its own."""
+        return self._in_session(lambda job, session: dependency_results(session, job))
+
+    def add_steps(self, flow: Workflow, *, then: Iterable[str] = ()) -> dict[str, int]:
+        """Add ``flow``'s steps to this step's workflow (see :func:`sqla_jobs.add_steps`):
+        they run after this step succeeded, and the steps named in ``then`` wait for them
+        too. In lock mode through :attr:`session` (they exist if this job's transaction
+        commits); in lease mode in a transaction of its own, fenced by this attempt
+        (:class:`~sqla_jobs.errors.LeaseLostError` once it lost the job). Returns each new
+        step's job id by name."""
+        names = tuple(then)
+
+        def write(job: ClaimedJob, session: Session) -> dict[str, int]:
+            return add_steps(session, job, flow, then=names)
+
+        return self._in_session(write)
+
+    def _in_session(self, read: Callable[[ClaimedJob, Session], _T]) -> _T:
+        loader = self._loader
+        if loader is not None:
+            return loader(self.job, self._session, read)
+        if self._session is None:
+            raise ConfigurationError("this context has no session to read or write through")
+        return read(self.job, self._session)
 
     @property
     def id(self) -> int:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from sqlalchemy import inspect
+from sqlalchemy.exc import IntegrityError
 
 from sqla_jobs import tracing, validation
 from sqla_jobs._queries import workflows as queries
@@ -202,7 +203,7 @@ def _label(name: object) -> str:
 
 
 def _step_model(job: object) -> type[JobMixin]:
-    model = type(job)
+    model: type[Any] = type(job)
     if not isinstance(job, JobMixin) or not has_steps(model):
         raise InvalidWorkflowError(
             "job", f"{job!r} is not a job of a model that mixes in StepMixin"
@@ -352,10 +353,13 @@ def add_steps(
     yours, which commits it). Returns each new step's job id by name.
 
     The new steps without an ``after`` of their own run after ``job`` succeeded. ``then``
-    names steps of the workflow that wait for ``job`` and must now also wait for every new
-    step (a fan-in after a fan-out over data the step found). Fenced by the attempt:
-    :class:`~sqla_jobs.errors.LeaseLostError` if it no longer holds the job (nothing is
-    written). New step names must be new to the workflow.
+    names waiting steps of the workflow (such as one that runs after ``job``) that must now
+    also wait for every new step: a fan-in after a fan-out over data the step found. A
+    named step that is not waiting (it runs, or ended) is refused, and so is a new step's
+    name that the workflow already has (:class:`~sqla_jobs.errors.InvalidWorkflowError`).
+    Fenced by the attempt: :class:`~sqla_jobs.errors.LeaseLostError` if it no longer holds
+    the job. Runs in a savepoint and flushes the new steps: a refusal writes nothing and
+    leaves the caller's transaction usable.
     """
     model = flow.model
     if job.model is not model:
@@ -365,12 +369,27 @@ def add_steps(
     names = [_checked(validation.check_name, "then", name) for name in then]
     table = job_table_of(model)
     workflow_table = model.workflow_model.__table__  # type: ignore[attr-defined]
+    # In a savepoint: a refusal once rows were read (a lost lease, a ``then`` step that is
+    # not waiting, a name the workflow has) leaves the caller's transaction as it was.
+    with session.begin_nested():
+        return _add_steps(session, job, flow, names, table, workflow_table)
+
+
+def _add_steps(
+    session: Session,
+    job: ClaimedJob,
+    flow: Workflow,
+    names: list[str],
+    table: Any,
+    workflow_table: Any,
+) -> dict[str, int]:
     count = len(flow)
     drawn = queries.STEP_IDS.one(session, table, {"count": count})
     assert drawn is not None
     first = [
         i for i, step in zip(drawn.step_ids, flow._steps.values(), strict=True) if not step.after
     ]
+    # The trigger's order of locks: the running step's row, then its workflow's row.
     fenced = queries.ADD_STEPS_FENCE.one(
         session,
         table,
@@ -393,25 +412,24 @@ def add_steps(
         depended = {dependency for step in flow._steps.values() for dependency in step.after}
         last = [ids[name] for name in ids if name not in depended]
         changed = queries.WAIT_FOR_NEW_STEPS.rows(
-            session,
-            table,
-            {
-                "flow_id": fenced.workflow_id,
-                "names": names,
-                "job_id": job.id,
-                "last_steps": last,
-            },
+            session, table, {"flow_id": fenced.workflow_id, "names": names, "last_steps": last}
         )
         missing = sorted(set(names) - {row.step for row in changed})
         if missing:
             raise InvalidWorkflowError(
-                "then", f"{missing} are not steps of the workflow waiting for job {job.id}"
+                "then", f"{missing} are not waiting steps of job {job.id}'s workflow"
             )
         waiting = [row.id for row in changed]
         for step in flow._steps.values():
             if step.name not in depended:
                 _set(step.job, "dependents", (step.job.__dict__.get("dependents") or []) + waiting)
     session.add_all(step.job for step in flow._steps.values())
+    try:
+        session.flush()
+    except IntegrityError as exc:
+        raise InvalidWorkflowError(
+            "name", f"one of {sorted(ids)} is already a step of job {job.id}'s workflow"
+        ) from exc
     return ids
 
 

@@ -198,10 +198,10 @@ def add_steps_fence(table: Table, *, workflow: Table) -> Select[Any]:
 
 
 def wait_for_new_steps(table: Table) -> Update:
-    """The steps of workflow ``:flow_id`` named ``:names`` that wait for step
-    ``:job_id`` now wait also for the new steps ``:last_steps`` (those no other new step
-    depends on): ``waiting_for`` grows by their number. Returns ``step`` of those changed;
-    a named step that is not waiting for ``:job_id`` is left as it is."""
+    """The waiting steps of workflow ``:flow_id`` named ``:names`` now wait also for the new
+    steps ``:last_steps`` (those no other new step depends on): ``waiting_for`` grows by
+    their number. Returns ``id, step`` of those changed; a named step that is not waiting
+    (it runs, or ended) is left as it is."""
     last: ColumnElement[Any] = bindparam("last_steps", type_=ARRAY(BigInteger))
     return (
         update(table)
@@ -209,7 +209,6 @@ def wait_for_new_steps(table: Table) -> Update:
             table.c.workflow_id == bindparam("flow_id", type_=BigInteger),
             table.c.step == func.any(bindparam("names", type_=ARRAY(String))),
             table.c.status == _lit(JobStatus.WAITING),
-            bindparam("job_id", type_=BigInteger) == func.any(table.c.depends_on),
         )
         .values(
             waiting_for=table.c.waiting_for + func.cardinality(last),
@@ -349,7 +348,6 @@ class WorkflowRow(NamedTuple):
 class WaitForParams(TypedDict):
     flow_id: int
     names: list[str]
-    job_id: int
     last_steps: list[int]
 
 

@@ -187,8 +187,13 @@ class _Member:
             self.savepoint = session.begin_nested()
         return session
 
-    def load_columns(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]:
-        return job_columns(job, self.enter())
+    def load_columns(
+        self,
+        job: ClaimedJob,
+        session: Session | None,
+        read: Callable[[ClaimedJob, Session], _T] = job_columns,  # type: ignore[assignment]
+    ) -> _T:
+        return read(job, self.enter())
 
 
 @dataclass(frozen=True, slots=True)

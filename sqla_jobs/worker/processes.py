@@ -440,10 +440,11 @@ class _ChildFlag:
             self._connection.send(("progress", None, None, report))
 
 
-def _no_columns(job: ClaimedJob, session: object) -> dict[str, Any]:
+def _no_columns(job: ClaimedJob, session: object, read: object = None) -> Any:
     raise ConfigurationError(
         f"task {job.task!r} runs in a child process, which has no database connection: "
-        "ctx.columns is not available there; pass what the handler needs in the job's args"
+        "ctx.columns, ctx.dependency_results() and ctx.add_steps() are not available there; "
+        "pass what the handler needs in the job's args"
     )
 
 

@@ -415,12 +415,18 @@ class Runner:
             logger.debug("job started", extra=job_extra(attempt, "job_started"))
         return None
 
-    def _load_columns(self, job: ClaimedJob, session: Session | None) -> dict[str, Any]:
-        # ctx.columns: through the claim's session in lock mode, else a session of its own.
+    def _load_columns(
+        self,
+        job: ClaimedJob,
+        session: Session | None,
+        read: Callable[[ClaimedJob, Session], _T] = job_columns,  # type: ignore[assignment]
+    ) -> _T:
+        # ctx.columns (and a step's reads and writes): through the claim's session in lock
+        # mode, else a session of its own, committed.
         if session is not None:
-            return job_columns(job, session)
+            return read(job, session)
         with self.session_factory() as own, own.begin():
-            return job_columns(job, own)
+            return read(job, own)
 
     def handle(
         self,
