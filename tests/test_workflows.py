@@ -9,17 +9,24 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from conftest import FreshDatabase
 from models import EmailJob, Order, OrderJob, OrderWorkflow
 from no_sql import no_sql
-from sqlalchemy.orm import Session
+from opentelemetry.sdk.trace import TracerProvider
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 import sqla_jobs
 from sqla_jobs import (
     ClaimedJob,
+    ConfigurationError,
     InvalidJobError,
     JobNotFoundError,
     LeaseLostError,
+    Registry,
     UniqueJobError,
+    Worker,
+    WorkflowTimeoutError,
 )
 from sqla_jobs.errors import InvalidWorkflowError
 from sqla_jobs.schema.workflows import WorkflowStatus
@@ -29,6 +36,7 @@ from sqla_jobs.workflows import (
     cancel_workflow,
     dependency_results,
     enqueue_workflow,
+    wait_for_workflow,
     workflow_steps,
 )
 
@@ -472,3 +480,80 @@ def test_concurrent_claimers_run_every_step_after_its_dependencies(
     assert flows == [("succeeded", 0, 0, 40)]
     assert steps == [("succeeded", 30 * 4 + 10 * 21)]
     assert early == 0
+
+
+def test_a_worker_of_steps_needs_the_workflow_trigger(fresh_database: FreshDatabase) -> None:
+    import models
+
+    engine = sa.create_engine(fresh_database("sqla_jobs_steps"), poolclass=NullPool)
+    try:
+        models.Base.metadata.create_all(engine)
+        with engine.begin() as connection:
+            connection.execute(sa.text("DROP TRIGGER order_jobs_workflow_tg ON order_jobs"))
+        with pytest.raises(
+            ConfigurationError,
+            match=r"lacks the workflow trigger.*add_workflow_steps\('order_jobs', "
+            r"'order_workflows'\)",
+        ):
+            Worker(Registry(OrderJob), engine).run()
+    finally:
+        engine.dispose()
+
+
+def test_a_workflow_is_one_trace(queue_engine: sa.Engine) -> None:
+    tracer = TracerProvider().get_tracer("tests")
+    with (
+        tracer.start_as_current_span("checkout") as span,
+        Session(queue_engine) as session,
+        session.begin(),
+    ):
+        written = enqueue_workflow(session, order_flow())
+    context = span.get_span_context()
+    expected = f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+    with queue_engine.connect() as connection:
+        contexts = connection.execute(
+            sa.text(
+                "SELECT trace_context->>'traceparent' FROM order_jobs UNION ALL "
+                "SELECT trace_context->>'traceparent' FROM order_workflows WHERE id = :id"
+            ),
+            {"id": written.id},
+        ).scalars()
+        assert list(contexts) == [expected] * 5
+    [charge] = claim(queue_engine)
+    assert charge.trace_context == {"traceparent": expected}
+
+
+def test_a_step_with_an_ordering_key_waits_for_its_key_too(queue_engine: sa.Engine) -> None:
+    flow = Workflow()
+    first = flow.add("first", job("first"))
+    flow.add("keyed", OrderJob(task="keyed", ordering_key="customer:1"), after=first)
+    written = enqueue(queue_engine, flow)
+    with Session(queue_engine) as session, session.begin():
+        session.add(OrderJob(task="ahead", ordering_key="customer:1"))
+    with Session(queue_engine) as session, session.begin():
+        ahead = sqla_jobs.claim(session, OrderJob, keys=True, limit=5)
+    assert sorted(a.task for a in ahead) == ["ahead", "first"]  # "keyed" still waits
+    for attempt in ahead:
+        if attempt.task == "first":
+            complete(queue_engine, attempt)
+    with Session(queue_engine) as session, session.begin():
+        assert sqla_jobs.claim(session, OrderJob, keys=True) == []  # "ahead" holds the key
+    for attempt in ahead:
+        if attempt.task == "ahead":
+            complete(queue_engine, attempt)
+    with Session(queue_engine) as session, session.begin():
+        [keyed] = sqla_jobs.claim(session, OrderJob, keys=True)
+    assert keyed.id == written.steps["keyed"]
+
+
+def test_waiting_for_a_workflow(queue_engine: sa.Engine) -> None:
+    sessions = sessionmaker(queue_engine)
+    written = enqueue(queue_engine, order_flow())
+    with pytest.raises(WorkflowTimeoutError, match="still running"):
+        wait_for_workflow(sessions, OrderWorkflow, written.id, timeout=0.3, poll=0.1)
+    with pytest.raises(JobNotFoundError):
+        wait_for_workflow(sessions, OrderWorkflow, written.id + 99, timeout=1)
+    run_all(queue_engine)
+    assert wait_for_workflow(sessions, OrderWorkflow, written.id, timeout=1) is (
+        WorkflowStatus.SUCCEEDED
+    )

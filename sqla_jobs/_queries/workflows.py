@@ -20,6 +20,8 @@ from sqlalchemy import (
     Select,
     String,
     Table,
+    Text,
+    TextClause,
     Update,
     bindparam,
     delete,
@@ -35,7 +37,7 @@ from sqlalchemy.sql.dml import ReturningDelete
 
 from sqla_jobs._queries._sql import _lit, _now, _seconds
 from sqla_jobs._queries.outcomes import cancel_notification
-from sqla_jobs._queries.run import Query
+from sqla_jobs._queries.run import NoParams, Query
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.schema.workflows import WorkflowStatus
@@ -49,6 +51,7 @@ __all__ = [
     "REQUEST_STEP_CANCELS",
     "RUNNING_WORKFLOW",
     "STEPS",
+    "STEP_TRIGGERS",
     "WAIT_FOR_NEW_STEPS",
     "WORKFLOW_CANCEL",
     "WORKFLOW_STATUS",
@@ -299,6 +302,20 @@ def prune_steps(table: Table) -> ReturningDelete[Any]:
     )
 
 
+def step_triggers(table: Table) -> TextClause:
+    """The enabled triggers on the job table, by name (``tgname``): what a worker of a model
+    with steps checks for the workflow trigger at its start. The table's name is bound into
+    the statement: execute it without parameters. Reads the catalog; takes no lock."""
+    return text(
+        "SELECT coalesce(array_agg(tgname::text), '{}') AS names FROM pg_trigger "
+        "WHERE tgrelid = to_regclass(:trigger_table) AND NOT tgisinternal AND tgenabled <> 'D'"
+    ).bindparams(bindparam("trigger_table", qualified_name(table.name, table.schema), type_=Text))
+
+
+class TriggersRow(NamedTuple):
+    names: list[str]
+
+
 class CountParams(TypedDict):
     count: int
 
@@ -394,6 +411,7 @@ class PruneStepsParams(TypedDict):
     workflow_ids: list[int]
 
 
+STEP_TRIGGERS: Final = Query(step_triggers, NoParams, TriggersRow)
 NEW_IDS: Final = Query(new_ids, CountParams, NewIdsRow)
 STEP_IDS: Final = Query(step_ids, CountParams, StepIdsRow)
 RUNNING_WORKFLOW: Final = Query(running_workflow, UniqueKeyParams, IdRow)

@@ -50,6 +50,7 @@ from sqla_jobs._queries.admin import (
     TerminateParams,
 )
 from sqla_jobs._queries.variant import tables_of
+from sqla_jobs._queries.workflows import STEP_TRIGGERS
 from sqla_jobs.backoff import Backoff
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.events import describe
@@ -57,6 +58,7 @@ from sqla_jobs.observer import NO_OBSERVER, Observer
 from sqla_jobs.pooler import behind_pooler
 from sqla_jobs.queue import default_worker_name, vacuum
 from sqla_jobs.registry import Registry
+from sqla_jobs.schema import has_steps
 from sqla_jobs.worker.fetcher import Fetcher
 from sqla_jobs.worker.health import WorkerHealth, assess
 from sqla_jobs.worker.heartbeat import Heartbeat
@@ -77,7 +79,11 @@ from sqla_jobs.worker.settings import (
     worker_settings,
 )
 from sqla_jobs.worker.state import Attempt, State
-from sqla_jobs.worker.table_version import check_flow_control, check_table_version
+from sqla_jobs.worker.table_version import (
+    check_flow_control,
+    check_steps,
+    check_table_version,
+)
 from sqla_jobs.worker.writer import OutcomeWriter
 
 if TYPE_CHECKING:
@@ -466,6 +472,9 @@ class Worker:
                         self.pooled = behind_pooler(driver)
                     (trigger,) = WAKEUP_TRIGGER_EXISTS.rows(connection, self._table, {})
                     (layout,) = TABLE_LAYOUT.rows(connection, self._table, {})
+                    steps = has_steps(self.model)
+                    if steps:
+                        (triggers,) = STEP_TRIGGERS.rows(connection, self._table, {})
                 break
             except DBAPIError as exc:
                 message = str(exc.orig or exc)
@@ -489,6 +498,8 @@ class Worker:
         check_flow_control(
             self.model.__name__, self._table, self.registry, layout.indexes, rates=layout.rates
         )
+        if steps:
+            check_steps(self.model, self._table, layout.columns, triggers.names)
         if self.pooled:
             self._log_pooled(getattr(driver, "prepare_threshold", None))
         if self.listen and not trigger.exists:

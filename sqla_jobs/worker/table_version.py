@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import fields
-from typing import Final
+from typing import Any, Final
 
 from sqlalchemy import Table
 
@@ -42,8 +42,9 @@ from sqla_jobs import _queries as statements
 from sqla_jobs.errors import ConfigurationError, InvalidJobError, SchemaVersionError
 from sqla_jobs.queue.claiming import check_fair_columns
 from sqla_jobs.registry import Registry
-from sqla_jobs.schema import names
+from sqla_jobs.schema import STEP_COLUMNS, names
 from sqla_jobs.schema.fair import fair_index_name
+from sqla_jobs.schema.workflows import check_step_model, workflow_names
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -176,3 +177,22 @@ def check_flow_control(
                 f"with sqla_jobs.migrations.create_fair_index({table.name!r}, "
                 f"{share.column!r}) in a revision of yours (docs/how-to/fair-shares.md)"
             )
+
+
+def check_steps(
+    model: type[Any], table: Table, columns: Collection[str], triggers: Collection[str]
+) -> None:
+    """What a model with workflow steps needs of its job table, checked at the worker's start
+    (:class:`~sqla_jobs.errors.ConfigurationError` naming the helper): the step columns and
+    the workflow trigger, without which a step would wait for ever."""
+    model_name = model.__name__
+    workflow_table = check_step_model(model).name
+    n = workflow_names(table.name, workflow_table)
+    missing = [column for column in STEP_COLUMNS if column not in columns]
+    if missing or n.trigger not in triggers or n.delete_trigger not in triggers:
+        what = f"the step columns {missing}" if missing else "the workflow trigger"
+        raise ConfigurationError(
+            f"{model_name}'s table {table.name!r} lacks {what}, which its workflow steps "
+            f"need: add them with sqla_jobs.migrations.add_workflow_steps({table.name!r}, "
+            f"{workflow_table!r}) in a revision of yours (docs/how-to/workflows.md)"
+        )
