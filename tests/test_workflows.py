@@ -5,6 +5,7 @@ them, retries reviving it, cancels, steps added by a running step, pruning."""
 from __future__ import annotations
 
 import threading
+import uuid
 from typing import Any
 
 import pytest
@@ -557,3 +558,58 @@ def test_waiting_for_a_workflow(queue_engine: sa.Engine) -> None:
     assert wait_for_workflow(sessions, OrderWorkflow, written.id, timeout=1) is (
         WorkflowStatus.SUCCEEDED
     )
+
+
+def test_the_documented_grants_suffice(queue_engine: sa.Engine) -> None:
+    """docs/operations/privileges.md's grants for workflows: the application enqueues a
+    workflow, a worker drains it and adds steps, each as a role with only those grants."""
+    suffix = uuid.uuid4().hex[:8]
+    app, worker = f"wf_app_{suffix}", f"wf_worker_{suffix}"
+    grants = [
+        f"CREATE ROLE {app}",
+        f"CREATE ROLE {worker}",
+        f"GRANT USAGE ON SCHEMA public TO {app}, {worker}",
+        f"GRANT SELECT, INSERT ON order_jobs, order_workflows TO {app}",
+        f"GRANT USAGE ON SEQUENCE order_jobs_id_seq, order_workflows_id_seq TO {app}",
+        f"GRANT SELECT, UPDATE ON order_jobs, order_workflows TO {worker}",
+        f"GRANT INSERT ON order_jobs TO {worker}",
+        f"GRANT USAGE ON SEQUENCE order_jobs_id_seq TO {worker}",
+        f"GRANT SELECT ON order_jobs_pauses TO {worker}",
+        f"GRANT SELECT, INSERT, UPDATE ON order_job_results TO {worker}",
+    ]
+    with queue_engine.begin() as connection:
+        for grant in grants:
+            connection.execute(sa.text(grant))
+
+    def session_as(role: str) -> Session:
+        session = Session(queue_engine)
+        session.begin()
+        session.execute(sa.text(f"SET LOCAL ROLE {role}"))
+        return session
+
+    try:
+        with session_as(app) as session:
+            written = enqueue_workflow(session, order_flow())
+            session.commit()
+        with session_as(worker) as session:
+            [charge] = sqla_jobs.claim(session, OrderJob)
+            session.commit()
+        more = Workflow()
+        more.add("gift", job("gift"))
+        with session_as(worker) as session:
+            add_steps(session, charge, more, then=["ship"])
+            sqla_jobs.complete(session, charge)
+            session.commit()
+        while True:
+            with session_as(worker) as session:
+                batch = sqla_jobs.claim(session, OrderJob, limit=10)
+                sqla_jobs.complete_many(session, batch)
+                session.commit()
+            if not batch:
+                break
+        assert workflow(queue_engine, written.id).status == "succeeded"
+    finally:
+        with queue_engine.begin() as connection:
+            for role in (app, worker):
+                connection.execute(sa.text(f"DROP OWNED BY {role}"))
+                connection.execute(sa.text(f"DROP ROLE {role}"))
