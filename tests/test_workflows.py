@@ -4,8 +4,10 @@ them, retries reviving it, cancels, steps added by a running step, pruning."""
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -564,22 +566,22 @@ def test_the_documented_grants_suffice(queue_engine: sa.Engine) -> None:
     """docs/operations/privileges.md's grants for workflows: the application enqueues a
     workflow, a worker drains it and adds steps, each as a role with only those grants."""
     suffix = uuid.uuid4().hex[:8]
-    app, worker = f"wf_app_{suffix}", f"wf_worker_{suffix}"
-    grants = [
-        f"CREATE ROLE {app}",
-        f"CREATE ROLE {worker}",
-        f"GRANT USAGE ON SCHEMA public TO {app}, {worker}",
-        f"GRANT SELECT, INSERT ON order_jobs, order_workflows TO {app}",
-        f"GRANT USAGE ON SEQUENCE order_jobs_id_seq, order_workflows_id_seq TO {app}",
-        f"GRANT SELECT, UPDATE ON order_jobs, order_workflows TO {worker}",
-        f"GRANT INSERT ON order_jobs TO {worker}",
-        f"GRANT USAGE ON SEQUENCE order_jobs_id_seq TO {worker}",
-        f"GRANT SELECT ON order_jobs_pauses TO {worker}",
-        f"GRANT SELECT, INSERT, UPDATE ON order_job_results TO {worker}",
-    ]
+    roles = {name: f"{name}_{suffix}" for name in ("jobs_app", "jobs_worker", "jobs_operator")}
+    app, worker = roles["jobs_app"], roles["jobs_worker"]
+    page = (Path(__file__).resolve().parents[1] / "docs/operations/privileges.md").read_text()
+    match = re.search(r"<!-- privileges-test: workflows -->\n```sql\n(.*?)```", page, re.S)
+    assert match is not None
+    documented = re.sub(r"\bjobs_\w+", lambda role: roles[role.group(0)], match.group(1))
     with queue_engine.begin() as connection:
-        for grant in grants:
-            connection.execute(sa.text(grant))
+        for role in roles.values():
+            connection.execute(sa.text(f"CREATE ROLE {role}"))
+        connection.execute(sa.text(f"GRANT USAGE ON SCHEMA public TO {app}, {worker}"))
+        connection.exec_driver_sql(documented)
+        # What every worker needs anyway (the general grants of the page).
+        connection.execute(sa.text(f"GRANT SELECT ON order_jobs_pauses TO {worker}"))
+        connection.execute(
+            sa.text(f"GRANT SELECT, INSERT, UPDATE ON order_job_results TO {worker}")
+        )
 
     def session_as(role: str) -> Session:
         session = Session(queue_engine)
@@ -610,6 +612,6 @@ def test_the_documented_grants_suffice(queue_engine: sa.Engine) -> None:
         assert workflow(queue_engine, written.id).status == "succeeded"
     finally:
         with queue_engine.begin() as connection:
-            for role in (app, worker):
+            for role in roles.values():
                 connection.execute(sa.text(f"DROP OWNED BY {role}"))
                 connection.execute(sa.text(f"DROP ROLE {role}"))
