@@ -16,7 +16,7 @@ from conftest import FreshDatabase
 from models import EmailJob, Order, OrderJob, OrderWorkflow
 from no_sql import no_sql
 from opentelemetry.sdk.trace import TracerProvider
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 import sqla_jobs
@@ -24,11 +24,14 @@ from sqla_jobs import (
     ClaimedJob,
     ConfigurationError,
     InvalidJobError,
+    JobMixin,
     JobNotFoundError,
     LeaseLostError,
     Registry,
+    StepMixin,
     UniqueJobError,
     Worker,
+    WorkflowMixin,
     WorkflowTimeoutError,
 )
 from sqla_jobs.errors import InvalidWorkflowError
@@ -615,3 +618,24 @@ def test_the_documented_grants_suffice(queue_engine: sa.Engine) -> None:
             for role in roles.values():
                 connection.execute(sa.text(f"DROP OWNED BY {role}"))
                 connection.execute(sa.text(f"DROP ROLE {role}"))
+
+
+def test_a_model_of_steps_needs_a_workflow_model_and_keeps_its_rows() -> None:
+    class Base(DeclarativeBase):
+        metadata = sa.MetaData()
+
+    class Flows(WorkflowMixin, Base):
+        __tablename__ = "refused_flows"
+
+    with pytest.raises(ConfigurationError, match="set its workflow_model"):
+
+        class NoWorkflow(StepMixin, JobMixin, Base):
+            __tablename__ = "refused_no_workflow"
+
+    for option in ("delete_on_success", "partitioned_history"):
+        with pytest.raises(ConfigurationError, match=f"sets {option}"):
+            type(
+                f"Refused_{option}",
+                (StepMixin, JobMixin, Base),
+                {"__tablename__": f"refused_{option}", "workflow_model": Flows, option: True},
+            )
