@@ -15,22 +15,35 @@ names, and every other name a row carries (a job of a task no handler knows, the
 queue of another application sharing the table) is counted under :data:`OTHER`. The one label
 whose values come from the rows, a fairly shared queue's ``tenant``, is bounded by count: the
 :data:`TOP_TENANTS` deepest tenants of each such queue, and no other.
+
+For a job model with workflow steps (:class:`~sqla_jobs.schema.workflows.StepMixin`) the
+collector also reads the workflows by status and the waiting steps by queue
+(:data:`~sqla_jobs._queries.dashboard.WORKFLOW_GAUGES`: a scan of the workflow table), under
+the same cache rules; a model without steps reads and exports nothing of the kind.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Container, Iterator, Sequence
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from sqlalchemy import Connection, Table
 
+from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
+from sqla_jobs._queries.dashboard import WORKFLOW_GAUGES
+from sqla_jobs.events import describe
 from sqla_jobs.health import GaugeCache, QueueGauges
 from sqla_jobs.observer import Finish, Observer
 from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.queue.rating import DEFAULT_TOP_TENANTS, NO_TENANT, tenant_text
+from sqla_jobs.schema import JobStatus, has_steps
+from sqla_jobs.schema.workflows import WorkflowStatus, check_step_model
 
 __all__ = [
     "OTHER",
@@ -241,22 +254,136 @@ def fold_queues(queues: Sequence[QueueGauges], labels: LabelValues) -> list[Queu
     return list(folded.values())
 
 
+_T = TypeVar("_T")
+
+
+class _CachedRead(Generic[_T]):
+    """``read`` on a connection of ``engine``'s pool under :class:`GaugeCache`'s rules: at
+    most once per ``max_age`` seconds, in a thread of its own, under a
+    ``statement_timeout`` of ``timeout``; a caller never waits past its deadline, and gets
+    the last value read (None before the first) with the last attempt's error."""
+
+    def __init__(
+        self, engine: Any, read: Callable[[Connection], _T], *, max_age: float, timeout: float
+    ) -> None:
+        self.engine = engine
+        self._read = read
+        self.max_age = max_age
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._value: _T | None = None
+        self._taken = 0.0
+        self._error: str | None = None
+        self._done: threading.Event | None = None
+
+    def start(self) -> threading.Event | None:
+        """Begin a read unless the value is fresh (or one is under way); what to wait on
+        (None: fresh)."""
+        with self._lock:
+            if self._value is not None and time.monotonic() - self._taken < self.max_age:
+                return None
+            if self._done is None:
+                self._done = threading.Event()
+                threading.Thread(
+                    target=self._refresh,
+                    args=(self._done,),
+                    name="sqla-jobs-workflow-gauges",
+                    daemon=True,
+                ).start()
+            return self._done
+
+    def read(self, deadline: float) -> tuple[_T | None, str | None]:
+        """The value and the last error, waiting for a read under way until ``deadline``
+        (``time.monotonic()``) at most."""
+        done = self.start()
+        if done is not None and not done.wait(max(deadline - time.monotonic(), 0.0)):
+            with self._lock:
+                self._error = f"reading the workflow gauges took more than {self.timeout:g}s"
+        with self._lock:
+            return self._value, self._error
+
+    def _refresh(self, done: threading.Event) -> None:
+        try:
+            with self.engine.connect() as connection, connection.begin():
+                millis = max(1, round(self.timeout * 1000))
+                STATEMENT_TIMEOUT.one(connection, None, {"timeout": f"{millis}ms"})
+                value = self._read(connection)
+        except Exception as exc:
+            with self._lock:
+                self._error = describe(exc)
+                self._done = None
+        else:
+            with self._lock:
+                self._value, self._taken, self._error = value, time.monotonic(), None
+                self._done = None
+        finally:
+            done.set()
+
+
+@dataclass(frozen=True, slots=True)
+class _WorkflowCounts:
+    """The workflows of each status (every status, 0 for none), and the waiting steps of
+    each queue that has some."""
+
+    workflows: dict[str, int]
+    waiting: dict[str, int]
+
+
+def _read_workflows(table: Table, workflow: Table, connection: Connection) -> _WorkflowCounts:
+    workflows = dict.fromkeys((status.value for status in WorkflowStatus), 0)
+    waiting: dict[str, int] = {}
+    for row in WORKFLOW_GAUGES.rows(connection, table, {}, workflow=workflow):
+        if row.queue is None:
+            workflows[row.status] = int(row.total)
+        else:
+            waiting[row.queue] = int(row.total)
+    return _WorkflowCounts(workflows, waiting)
+
+
 class GaugeCollector(Collector):
     """The health gauges (:func:`sqla_jobs.health.read_gauges`), read on scrape through
     ``cache``. ``sqla_jobs_gauges_up`` is 0 when the last read failed or timed out; the
     other values are then the last ones read (``sqla_jobs_gauges_age_seconds`` old). The
-    queues ``labels`` does not know are added up under :data:`OTHER`."""
+    queues ``labels`` does not know are added up under :data:`OTHER`.
+
+    For a model with workflow steps, the workflows by status (``sqla_jobs_workflows``) and
+    the waiting steps (``status="waiting"`` of ``sqla_jobs_queue_jobs``), read under the
+    same rules (``cache``'s ``max_age`` and ``timeout``; both reads run at once, and a scrape
+    waits for them ``timeout`` at most), and ``sqla_jobs_gauges_up`` is 0 when either read
+    failed. For any other model, none of it: no read, no series."""
 
     def __init__(self, cache: GaugeCache, labels: LabelValues | None = None) -> None:
         self.cache = cache
         self.labels = labels if labels is not None else LabelValues()
+        self._workflows: _CachedRead[_WorkflowCounts] | None = None
+        self._workflow_table: str | None = None
+        model = cache.model
+        if has_steps(model):
+            workflow = check_step_model(model)
+            table: Table = model.__table__  # type: ignore[attr-defined]
+            self._workflow_table = workflow.fullname
+            self._workflows = _CachedRead(
+                cache.engine,
+                lambda connection: _read_workflows(table, workflow, connection),
+                max_age=cache.max_age,
+                timeout=cache.timeout,
+            )
 
     def collect(self) -> Iterator[Any]:
+        deadline = time.monotonic() + self.cache.timeout
+        if self._workflows is not None:
+            self._workflows.start()  # alongside the health gauges' read, not after it
         reading = self.cache.read()
+        flows, flows_error = (None, None)
+        if self._workflows is not None:
+            flows, flows_error = self._workflows.read(deadline)
         up = GaugeMetricFamily(
             "sqla_jobs_gauges_up", "1 if the last read of the health gauges succeeded."
         )
-        up.add_metric([], 0.0 if reading.error or reading.gauges is None else 1.0)
+        failed = reading.error or reading.gauges is None
+        if self._workflows is not None:
+            failed = failed or flows_error is not None or flows is None
+        up.add_metric([], 0.0 if failed else 1.0)
         yield up
         gauges = reading.gauges
         if gauges is None:
@@ -318,6 +445,7 @@ class GaugeCollector(Collector):
             ["queue", "tenant"],
         )
         paused_count: dict[str, int] = {}
+        seen: set[str] = set()  # the queue labels of sqla_jobs_queue_jobs
         for queue in gauges.queues:
             label = self.labels.queue(queue.queue)
             paused_count[label] = paused_count.get(label, 0) + queue.paused
@@ -328,6 +456,7 @@ class GaugeCollector(Collector):
                 ("dead", queue.dead),
             ):
                 jobs.add_metric([table, queue.queue, status], float(count))
+            seen.add(queue.queue)
             runnable.add_metric([table, queue.queue], float(queue.runnable))
             oldest.add_metric([table, queue.queue], queue.oldest_runnable_seconds or 0.0)
             expired.add_metric([table, queue.queue], float(queue.expired_leases))
@@ -345,6 +474,23 @@ class GaugeCollector(Collector):
                     if label not in shown:  # two long values cut to the same text: the deeper
                         shown.add(label)
                         tenant_pending.add_metric([table, queue.queue, label], float(count))
+        if flows is not None:
+            # A model with steps: the waiting steps by queue, for every queue shown (0 for
+            # none) and every queue with some; a model without steps has no such series.
+            waiting: dict[str, int] = dict.fromkeys(seen, 0)
+            for name, count in flows.waiting.items():
+                label = self.labels.queue(name)
+                waiting[label] = waiting.get(label, 0) + count
+            for label in sorted(waiting):
+                jobs.add_metric([table, label, JobStatus.WAITING.value], float(waiting[label]))
+            workflows = family(
+                "sqla_jobs_workflows",
+                "Workflows by status, in the workflow table (the finished ones until pruned).",
+                ["status"],
+            )
+            for status, count in flows.workflows.items():
+                workflows.add_metric([self._workflow_table or "", status], float(count))
+            yield workflows
         yield from (jobs, runnable, oldest, expired, paused, rate_started, rate_limit, rate_full)
         yield from (tenants, tenant_pending)
         stats = gauges.table

@@ -322,11 +322,9 @@ def enqueue_workflow(
             for column in workflow_table.columns
             if column.key in workflow.__dict__
         }
-        inserted = session.execute(
-            queries.insert_unique_workflow(
-                workflow_table, {**own, **values, "unique_key": unique_key}
-            )
-        ).first()
+        inserted = queries.insert_workflow(
+            session, workflow_table, {**own, **values, "unique_key": unique_key}
+        )
         if inserted is None:
             running = queries.RUNNING_WORKFLOW.one(
                 session, workflow_table, {"unique_key": unique_key}

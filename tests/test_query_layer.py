@@ -44,6 +44,7 @@ OUTSIDE_THE_QUEUE = {
     "bench/scratch.py",
     "bench/statements.py",
     "bench/workers.py",
+    "bench/workflows.py",
     # The demo's own orders table; the embedded server's CREATE DATABASE.
     "demo.py",
     "embedded.py",
@@ -54,6 +55,7 @@ OUTSIDE_THE_QUEUE = {
     "schema/leases.py",
     "schema/pauses.py",
     "schema/rates.py",
+    "schema/workflows.py",
     # Alembic helpers: DDL through Alembic's operations and the catalog reads they check.
     "migrations/check.py",
     "migrations/steps.py",

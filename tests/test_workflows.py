@@ -569,7 +569,8 @@ def test_the_documented_grants_suffice(queue_engine: sa.Engine) -> None:
     """docs/operations/privileges.md's grants for workflows: the application enqueues a
     workflow, a worker drains it and adds steps, each as a role with only those grants."""
     suffix = uuid.uuid4().hex[:8]
-    roles = {name: f"{name}_{suffix}" for name in ("jobs_app", "jobs_worker", "jobs_operator")}
+    names = ("jobs_app", "jobs_worker", "jobs_operator", "jobs_dashboard")
+    roles = {name: f"{name}_{suffix}" for name in names}
     app, worker = roles["jobs_app"], roles["jobs_worker"]
     page = (Path(__file__).resolve().parents[1] / "docs/operations/privileges.md").read_text()
     match = re.search(r"<!-- privileges-test: workflows -->\n```sql\n(.*?)```", page, re.S)

@@ -1,5 +1,7 @@
 """The dashboard's SQL: the job list, a job's record, its result, recent throughput, the
-last hour by minute (the charts) and the failing jobs by task and error.
+last hour by minute (the charts) and the failing jobs by task and error; for a model with
+workflow steps, the recent workflows, a workflow's record and its steps as a graph, and the
+workflow gauges the metrics export.
 
 Pure builders over the user's tables, like :mod:`sqla_jobs._queries`. None of them takes
 a lock.
@@ -33,13 +35,16 @@ from sqlalchemy import (
     cast,
     func,
     literal_column,
+    null,
     select,
+    union_all,
 )
 from sqlalchemy.dialects.postgresql import aggregate_order_by as _untyped_aggregate_order_by
 
 from sqla_jobs._queries.run import NoParams, Query
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.schema import JobStatus
+from sqla_jobs.schema.workflows import WorkflowStatus
 
 # Untyped in SQLAlchemy 2.0.30, the lowest version we support: typed once, here.
 aggregate_order_by: Callable[..., ColumnElement[Any]] = _untyped_aggregate_order_by
@@ -47,6 +52,7 @@ aggregate_order_by: Callable[..., ColumnElement[Any]] = _untyped_aggregate_order
 __all__ = [
     "FAILURES",
     "FAILURE_HOURS",
+    "FINISHED_WORKFLOWS",
     "JOB",
     "JOB_PAGE",
     "LIST_COLUMNS",
@@ -56,7 +62,11 @@ __all__ = [
     "RECENT_THROUGHPUT",
     "RESULT",
     "RUNNING",
+    "RUNNING_WORKFLOWS",
     "WINDOW_FLOOR",
+    "WORKFLOW",
+    "WORKFLOW_GAUGES",
+    "WORKFLOW_GRAPH",
     "BeforeParams",
     "FailureRow",
     "JobIdParams",
@@ -69,6 +79,10 @@ __all__ = [
     "RunningRow",
     "ThroughputRow",
     "WindowFloorRow",
+    "WorkflowGaugeRow",
+    "WorkflowIdParams",
+    "WorkflowListRow",
+    "WorkflowStepRow",
     "failures",
     "job",
     "job_page",
@@ -78,6 +92,10 @@ __all__ = [
     "result",
     "running",
     "window_floor",
+    "workflow",
+    "workflow_gauges",
+    "workflow_graph",
+    "workflow_record",
 ]
 
 #: The cursor of the first page: every id is below it.
@@ -524,3 +542,221 @@ class FailureRow(NamedTuple):
 
 #: Option: ``scan``.
 FAILURES: Final = Query(failures, NoParams, FailureRow)
+
+
+# -- workflows (a model with steps: sqla_jobs.schema.workflows) --------------------------------
+
+#: The columns the workflow list shows (a workflow's page reads every column).
+WORKFLOW_COLUMNS: Final = (
+    "id",
+    "name",
+    "status",
+    "steps_total",
+    "steps_left",
+    "steps_failed",
+    "created_at",
+    "cancel_requested_at",
+    "finished_at",
+)
+
+
+def _workflow_running() -> Any:
+    return literal_column(f"'{WorkflowStatus.RUNNING.value}'")
+
+
+def running_workflows(workflow: Table, *, scan: int, limit: int) -> Select[Any]:
+    """The running workflows among the newest ``scan`` of the workflow table, newest first,
+    at most ``limit``: the :data:`WORKFLOW_COLUMNS`.
+
+    Bounded like the job list: the primary key read backwards, at most ``scan`` rows,
+    whatever the table's size (the workflow table has no index on ``status``: a running
+    workflow older than the window is not listed, and the page says so). No parameters.
+    """
+    window = (
+        select(*(workflow.c[name] for name in WORKFLOW_COLUMNS))
+        .order_by(workflow.c.id.desc())
+        .limit(_int(_count("scan", scan)))
+        .subquery("window")
+    )
+    return (
+        select(*window.c)
+        .where(window.c.status == _workflow_running())
+        .order_by(window.c.id.desc())
+        .limit(_int(_count("limit", limit)))
+    )
+
+
+def finished_workflows(workflow: Table, *, limit: int) -> Select[Any]:
+    """The ``limit`` workflows that finished last, the last first: the
+    :data:`WORKFLOW_COLUMNS`. Reads the workflow table's finished index
+    (``finished_at, id WHERE finished_at IS NOT NULL``) backwards, ``limit`` entries and
+    their rows. No parameters."""
+    return (
+        select(*(workflow.c[name] for name in WORKFLOW_COLUMNS))
+        .where(workflow.c.finished_at.is_not(None))
+        .order_by(workflow.c.finished_at.desc(), workflow.c.id.desc())
+        .limit(_int(_count("limit", limit)))
+    )
+
+
+class WorkflowListRow(NamedTuple):
+    """A workflow of the list: the :data:`WORKFLOW_COLUMNS`."""
+
+    id: int
+    name: str
+    status: str
+    steps_total: int
+    steps_left: int
+    steps_failed: int
+    created_at: datetime | str | None
+    cancel_requested_at: datetime | str | None
+    finished_at: datetime | str | None
+
+
+#: Options: ``scan``, ``limit``.
+RUNNING_WORKFLOWS: Final = Query(running_workflows, NoParams, WorkflowListRow)
+#: Option: ``limit``.
+FINISHED_WORKFLOWS: Final = Query(finished_workflows, NoParams, WorkflowListRow)
+
+
+class WorkflowIdParams(TypedDict):
+    """One workflow, by its id."""
+
+    flow_id: int
+
+
+def workflow(workflow: Table) -> Select[Any]:
+    """Every column of workflow ``:flow_id`` (no row when there is none). Uses the primary
+    key."""
+    return select(workflow).where(workflow.c.id == bindparam("flow_id", type_=BigInteger))
+
+
+#: Every column of the workflow table (a model's own columns too: read by name,
+#: :func:`workflow_record`).
+WORKFLOW: Final[Query[WorkflowIdParams, tuple[Any, ...]]] = Query(workflow, WorkflowIdParams)
+
+
+def workflow_record(
+    connection: Connection, workflow_table: Table, flow_id: int
+) -> RowMapping | None:
+    """Every column of workflow ``flow_id`` by name (:data:`WORKFLOW`), in ``connection``'s
+    transaction; None when there is none."""
+    return WORKFLOW.result(connection, workflow_table, {"flow_id": flow_id}).mappings().first()
+
+
+def workflow_graph(table: Table, *, limit: int) -> Any:
+    """The steps of workflow ``:flow_id``, the first ``limit`` in id order (the order they
+    were added): ``id, step, task, queue, status, attempts, max_attempts, depends_on,
+    if_dependency_fails, blocked_by, finished_at``, what the workflow's page draws.
+
+    Through the step index only (``workflow_id, step WHERE workflow_id IS NOT NULL``): the
+    workflow's steps are read into a materialized CTE, which the primary key cannot serve, so
+    the plan never walks the job table in id order looking for them, whatever the
+    statistics. Narrow columns (no arguments, no error): a workflow of many steps costs
+    their index entries and rows, and sends at most ``limit`` of them.
+    """
+    steps = (
+        select(
+            table.c.id,
+            table.c.step,
+            table.c.task,
+            table.c.queue,
+            table.c.status,
+            table.c.attempts,
+            table.c.max_attempts,
+            table.c.depends_on,
+            table.c.if_dependency_fails,
+            table.c.blocked_by,
+            table.c.finished_at,
+        )
+        .where(table.c.workflow_id == bindparam("flow_id", type_=BigInteger))
+        .cte("steps")
+        .prefix_with("MATERIALIZED")
+    )
+    return select(*steps.c).order_by(steps.c.id).limit(_int(_count("limit", limit)))
+
+
+class WorkflowStepRow(NamedTuple):
+    """A step of :func:`workflow_graph`."""
+
+    id: int
+    step: str | None
+    task: str
+    queue: str
+    status: str
+    attempts: int
+    max_attempts: int
+    depends_on: list[int] | None
+    if_dependency_fails: str | None
+    blocked_by: int | None
+    finished_at: datetime | str | None
+
+
+#: Option: ``limit``.
+WORKFLOW_GRAPH: Final = Query(workflow_graph, WorkflowIdParams, WorkflowStepRow)
+
+
+def workflow_gauges(table: Table, *, workflow: Table) -> Any:
+    """The workflows by status, and the waiting steps of the job table by queue:
+    ``status, queue, total``; ``queue`` is NULL in a row of workflows (``status``, a
+    workflow's), and a queue in a row of waiting steps (``status`` ``'waiting'``).
+
+    One sequential scan of the workflow table (it has no index on ``status``, nor on the
+    running workflows: one narrow row per workflow, kept until ``sqla_jobs.prune`` deletes
+    the finished ones), materialized once; then, for each running workflow, its steps
+    through the step index (a waiting step is a step of a running workflow: a workflow
+    ends with its last step). So the cost grows with the workflows kept and the steps of
+    the running ones, never with the job table's other rows. Takes no lock.
+    """
+    running = _workflow_running()
+    # One pass over the workflow table: the count of each status, and the running ones' ids.
+    flows = (
+        select(
+            workflow.c.status,
+            func.count().label("total"),
+            func.array_agg(workflow.c.id).filter(workflow.c.status == running).label("running"),
+        )
+        .group_by(workflow.c.status)
+        .cte("flows")
+    )
+    by_status = select(flows.c.status, cast(null(), Text).label("queue"), flows.c.total)
+    flow_id = func.unnest(flows.c.running).table_valued("id").render_derived("flow")
+    waiting: Any = literal_column(f"'{JobStatus.WAITING.value}'")
+    # LATERAL with an aggregate inside: never pulled up into a join the planner may turn
+    # into a scan of the job table; always the step index, once per running workflow.
+    steps = (
+        select(table.c.queue, func.count().label("waiting"))
+        .where(
+            table.c.workflow_id.is_not(None),
+            table.c.workflow_id == flow_id.c.id,
+            table.c.status == waiting,
+        )
+        .group_by(table.c.queue)
+        .lateral("steps")
+    )
+    by_queue = (
+        select(
+            waiting.label("status"),
+            steps.c.queue,
+            func.sum(steps.c.waiting).cast(BigInteger).label("total"),
+        )
+        .select_from(
+            flows.join(flow_id, literal_column("true")).join(steps, literal_column("true"))
+        )
+        .where(flows.c.status == running)
+        .group_by(steps.c.queue)
+    )
+    return union_all(by_status, by_queue)
+
+
+class WorkflowGaugeRow(NamedTuple):
+    """A row of :func:`workflow_gauges`: workflows of a status (``queue`` None), or the
+    waiting steps of a queue."""
+
+    status: str
+    queue: str | None
+    total: int
+
+
+#: Option: ``workflow`` (the workflow table of the job table's model).
+WORKFLOW_GAUGES: Final = Query(workflow_gauges, NoParams, WorkflowGaugeRow)

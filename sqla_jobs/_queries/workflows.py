@@ -37,7 +37,7 @@ from sqlalchemy.sql.dml import ReturningDelete
 
 from sqla_jobs._queries._sql import _lit, _now, _seconds
 from sqla_jobs._queries.outcomes import cancel_notification
-from sqla_jobs._queries.run import NoParams, Query
+from sqla_jobs._queries.run import Executor, NoParams, Query
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.schema.workflows import WorkflowStatus
@@ -56,6 +56,7 @@ __all__ = [
     "WORKFLOW_CANCEL",
     "WORKFLOW_STATUS",
     "insert_unique_workflow",
+    "insert_workflow",
 ]
 
 _RUNNING: Final[ColumnElement[str]] = literal_column(f"'{WorkflowStatus.RUNNING.value}'")
@@ -103,6 +104,12 @@ def insert_unique_workflow(workflow: Table, values: dict[str, Any]) -> Insert:
         )
         .returning(workflow.c.id)
     )
+
+
+def insert_workflow(executor: Executor, workflow: Table, values: dict[str, Any]) -> int | None:
+    """Run :func:`insert_unique_workflow`: the new workflow's id, or None for a duplicate."""
+    row = executor.execute(insert_unique_workflow(workflow, values)).first()
+    return None if row is None else int(row.id)
 
 
 def running_workflow(workflow: Table) -> Select[Any]:

@@ -10,6 +10,10 @@ Pages (every one plain HTML, no JavaScript):
 ``GET /jobs/{id}``        a job: every column, the last error's traceback, its result
 ``GET /activity``         per queue, the last hour by minute: jobs finished and failed, depth
 ``GET /failures``         the dead jobs of the last day, grouped by task and error
+``GET /workflows``        a model with workflow steps only: the running workflows, and those
+                          that finished last
+``GET /workflows/{id}``   a workflow: its counts, and its steps as a graph (each box a link
+                          to its job)
 ``POST /jobs/{id}/retry`` ``.../cancel``, ``.../delete``: the admin actions
 ``POST /queues/{name}/pause`` ``.../resume``: pause or resume a queue
 ``GET|POST /login``       the access token form (only with a token)
@@ -53,10 +57,21 @@ from starlette.routing import Route
 
 from sqla_jobs import queue, validation
 from sqla_jobs._queries import dashboard as statements
-from sqla_jobs._queries.dashboard import RECENT_THROUGHPUT, RESULT, RUNNING, RunningRow
+from sqla_jobs._queries.dashboard import (
+    FINISHED_WORKFLOWS,
+    RECENT_THROUGHPUT,
+    RESULT,
+    RUNNING,
+    RUNNING_WORKFLOWS,
+    WORKFLOW_GRAPH,
+    RunningRow,
+    WorkflowListRow,
+    WorkflowStepRow,
+    workflow_record,
+)
 from sqla_jobs._queries.enqueueing import CONTROL_COLUMNS
 from sqla_jobs._queries.variant import tables_of
-from sqla_jobs.dashboard import access, activity
+from sqla_jobs.dashboard import access, activity, graph
 from sqla_jobs.dashboard.access import AUTH_COOKIE, CSRF_COOKIE, SESSION_LIFETIME, SESSION_MAX_AGE
 from sqla_jobs.dashboard.sources import (
     ListQuery,
@@ -73,8 +88,9 @@ from sqla_jobs.errors import (
     SqlaJobsError,
 )
 from sqla_jobs.queue.rating import TenantDepths, checked_fair_shares, tenant_depths, tenant_text
-from sqla_jobs.schema import JobMixin, JobResultMixin, JobStatus
+from sqla_jobs.schema import PLAIN_STATUSES, JobMixin, JobResultMixin, JobStatus, has_steps
 from sqla_jobs.schema.history import RESULT_COLUMN, history_table
+from sqla_jobs.schema.workflows import WorkflowStatus, check_step_model
 
 __all__ = [
     "AUTH_COOKIE",
@@ -94,6 +110,11 @@ RUNNING_SHOWN: Final = 50
 TENANTS_SHOWN: Final = 3
 #: Primary-key entries one list page reads at most (see :mod:`.statements`).
 DEFAULT_SCAN: Final = 20_000
+#: The running workflows, and the finished ones, the workflow list shows at most.
+WORKFLOWS_SHOWN: Final = 50
+#: The steps a workflow's page reads at most (in id order); it draws fewer
+#: (:data:`.graph.MAX_BOXES`).
+STEPS_READ: Final = 10_000
 MIN_TOKEN_LENGTH: Final = 16
 _TEMPLATES: Final = Path(__file__).resolve().parent / "templates"
 _DONE: Final = {
@@ -153,6 +174,7 @@ class _Settings:
     scan: int
     time_limits: Mapping[str, float] | None  # None: the tasks' limits were not given
     fair_shares: Mapping[str, validation.FairShare]  # empty: none given
+    workflow_table: Table | None  # a model with steps: its workflow table
 
 
 @dataclass(frozen=True)
@@ -229,8 +251,9 @@ def _list_params(query: ListQuery, **changes: Any) -> str:
     return urlencode({k: v for k, v in values.items() if v not in (None, "")})
 
 
-def parse_list_query(query: Any) -> ListQuery:
-    """The job list's parameters, or :class:`PageError` (400) naming the bad one."""
+def parse_list_query(query: Any, statuses: Sequence[JobStatus] = tuple(JobStatus)) -> ListQuery:
+    """The job list's parameters, or :class:`PageError` (400) naming the bad one; a status
+    filter must be one of ``statuses`` (the model's: ``waiting`` only with steps)."""
     unknown = sorted(set(query.keys()) - {"queue", "task", "status", "before", "done"})
     if unknown:
         raise PageError(400, f"unknown parameter {unknown[0]!r}")
@@ -246,11 +269,10 @@ def parse_list_query(query: Any) -> ListQuery:
     raw_status = query.get("status") or None
     status = None
     if raw_status is not None:
-        try:
-            status = JobStatus(raw_status)
-        except ValueError:
-            allowed = ", ".join(s.value for s in JobStatus)
-            raise PageError(400, f"bad status filter: must be one of {allowed}") from None
+        allowed = {s.value: s for s in statuses}
+        status = allowed.get(raw_status)
+        if status is None:
+            raise PageError(400, f"bad status filter: must be one of {', '.join(allowed)}")
     raw_before = query.get("before") or None
     before = statements.MAX_ID
     if raw_before is not None:
@@ -262,10 +284,10 @@ def parse_list_query(query: Any) -> ListQuery:
     return ListQuery(queue=names["queue"], task=names["task"], status=status, before=before)
 
 
-def _job_id(raw: str) -> int:
+def _job_id(raw: str, what: str = "job") -> int:
     if raw.isascii() and raw.isdigit() and len(raw) <= 19 and 1 <= int(raw) <= statements.MAX_ID:
         return int(raw)
-    raise PageError(404, "no such job: a job id is a positive integer")
+    raise PageError(404, f"no such {what}: a {what} id is a positive integer")
 
 
 def _mapped(model: object, mixin: type, what: str) -> Table:
@@ -354,17 +376,30 @@ def create_app(
         scan=_check_positive("scan", scan, 1_000_000),
         time_limits=_time_limits(time_limits),
         fair_shares=_fair_shares(model, fair_shares),
+        # A model with steps gets the workflow pages; any other, nothing more (no route).
+        workflow_table=check_step_model(model) if has_steps(model) else None,
     )
     dashboard = _Dashboard(settings)
     middleware = []
     if allowed_hosts is not None:
         middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)))
+    workflow_routes = []
+    if settings.workflow_table is not None:
+        workflow_routes = [
+            Route("/workflows", dashboard.page(dashboard.workflow_list), name="workflows"),
+            Route(
+                "/workflows/{workflow_id}",
+                dashboard.page(dashboard.workflow_detail),
+                name="workflow",
+            ),
+        ]
     return Starlette(
         routes=[
             Route("/", dashboard.page(dashboard.overview), name="overview"),
             Route("/jobs", dashboard.page(dashboard.job_list), name="jobs"),
             Route("/activity", dashboard.page(dashboard.activity), name="activity"),
             Route("/failures", dashboard.page(dashboard.failures), name="failures"),
+            *workflow_routes,
             Route("/jobs/{job_id}", dashboard.page(dashboard.job_detail), name="job"),
             Route(
                 "/jobs/{job_id}/{action}",
@@ -407,7 +442,11 @@ class _Dashboard:
         )
         self.env.filters["when"] = _when
         self.env.filters["pretty"] = _pretty
-        self.statuses = [status.value for status in JobStatus]
+        # The job list's status filter: ``waiting`` (a step's) only for a model with steps.
+        self.list_statuses = (
+            tuple(JobStatus) if settings.workflow_table is not None else PLAIN_STATUSES
+        )
+        self.statuses = [status.value for status in self.list_statuses]
         # What the overview counts: the statuses queue_stats reads from its partial indexes
         # (succeeded and cancelled jobs are history; the throughput columns show them).
         self.counted = [s.value for s in (JobStatus.PENDING, JobStatus.RUNNING, JobStatus.DEAD)]
@@ -428,6 +467,7 @@ class _Dashboard:
             read_only=self.s.read_only,
             logged_in=getattr(request.state, "logged_in", False),
             statuses=self.statuses,
+            has_workflows=self.s.workflow_table is not None,
             csrf=csrf,
             url=url,
             **context,
@@ -639,7 +679,7 @@ class _Dashboard:
         )
 
     async def job_list(self, request: Request, csrf: str) -> Response:
-        query = parse_list_query(request.query_params)
+        query = parse_list_query(request.query_params, self.list_statuses)
         size = self.s.page_size
 
         def read(connection: Connection) -> Page:
@@ -690,6 +730,8 @@ class _Dashboard:
         }
         if in_history:
             shown.add(RESULT_COLUMN)
+        if self.s.workflow_table is not None:
+            shown |= {"workflow_id", "step"}  # a step's: shown on their own, linked
         limits = self.s.time_limits
         extra = [(key, value) for key, value in row.items() if key not in shown]
         return self.render(
@@ -704,6 +746,86 @@ class _Dashboard:
             task_limit=None if limits is None else limits.get(row["task"]),
             limits_known=limits is not None,
             done=_DONE.get(request.query_params.get("done", "")),
+        )
+
+    async def workflow_list(self, request: Request, csrf: str) -> Response:
+        if request.query_params:
+            raise PageError(400, "this page takes no parameters")
+        workflow_table = self.s.workflow_table
+        assert workflow_table is not None  # the route exists only for a model with steps
+        scan, shown = self.s.scan, WORKFLOWS_SHOWN
+
+        def read(connection: Connection) -> tuple[list[WorkflowListRow], list[WorkflowListRow]]:
+            with queue.readable_values(connection):
+                running = RUNNING_WORKFLOWS.rows(
+                    connection, workflow_table, {}, scan=scan, limit=shown + 1
+                )
+                finished = FINISHED_WORKFLOWS.rows(connection, workflow_table, {}, limit=shown)
+            return running, finished
+
+        running, finished = await self.run(read)
+        return self.render(
+            request,
+            "workflows.html",
+            csrf,
+            workflow_table=workflow_table.fullname,
+            rows=running[:shown] + finished,
+            running=min(len(running), shown),
+            more_running=len(running) > shown,
+            shown=shown,
+            scan=scan,
+        )
+
+    async def workflow_detail(self, request: Request, csrf: str) -> Response:
+        if request.query_params:
+            raise PageError(400, "this page takes no parameters")
+        workflow_table = self.s.workflow_table
+        assert workflow_table is not None  # the route exists only for a model with steps
+        flow_id = _job_id(request.path_params["workflow_id"], "workflow")
+
+        def read(connection: Connection) -> tuple[Any, list[WorkflowStepRow]]:
+            with queue.readable_values(connection):
+                flow = workflow_record(connection, workflow_table, flow_id)
+                if flow is None:
+                    return None, []
+                steps = WORKFLOW_GRAPH.rows(
+                    connection, self.s.table, {"flow_id": flow_id}, limit=STEPS_READ
+                )
+            return flow, steps
+
+        flow, steps = await self.run(read)
+        if flow is None:
+            raise PageError(404, f"no workflow {flow_id} in {workflow_table.fullname}")
+        counts: dict[str, int] = {}
+        for step in steps:
+            counts[step.status] = counts.get(step.status, 0) + 1
+        names = {step.id: step.step or f"#{step.id}" for step in steps}
+        drawn = graph.layout(steps)
+        listed = {
+            "id",
+            "name",
+            "status",
+            "steps_total",
+            "steps_left",
+            "steps_failed",
+            "created_at",
+            "cancel_requested_at",
+            "finished_at",
+        }
+        return self.render(
+            request,
+            "workflow.html",
+            csrf,
+            flow=flow,
+            extra=[(key, value) for key, value in flow.items() if key not in listed],
+            steps=steps,
+            counts=[(s.value, counts[s.value]) for s in JobStatus if s.value in counts],
+            names=names,
+            graph=drawn,
+            box=graph,
+            truncated=len(steps) >= STEPS_READ,
+            steps_read=STEPS_READ,
+            running=flow["status"] == WorkflowStatus.RUNNING.value,
         )
 
     async def queue_action(self, request: Request, csrf: str) -> Response:
