@@ -4,6 +4,7 @@ Run it (the nox session ``chaos`` does this in a fresh virtualenv)::
 
     python tests/chaos.py                       # 120 s of faults, then the accounting
     python tests/chaos.py --duration 45 --workers 3 --concurrency 4 --jobs 400 --seed 7
+    python tests/chaos.py --workflows 150       # more workflows (default 60)
     python tests/chaos.py --json report.json    # the report as JSON too ('-': on stdout)
 
 or call :func:`run_chaos` (tests/test_chaos.py does, for a short run).
@@ -20,12 +21,34 @@ What it does
     snoozing jobs (``snoozy``: one to eight snoozes, raised or returned, on
     ``max_attempts=5``, then an effect like ``leased``). Leases are 2 s.
 
+    Producers enqueue ``--workflows`` workflows too, each in a business transaction of its
+    own that writes an order (``chaos_orders``) and, with ``enqueue_workflow``, the workflow
+    (``chaos_workflows``, tied to the order) and its steps, which are ``chaos_jobs`` rows
+    (``ChaosJob`` mixes in ``StepMixin``): the same table, queues and workers as the jobs.
+    Each one's first step runs at a time spread like the jobs' ``run_at``. The shapes, in
+    turn (:func:`plan_workflow`): ``diamond`` (a -> b, c -> d), ``fan`` (a -> a group of 4
+    to 8 -> a fan-in), ``chain`` (3 to 6) and ``expand`` (a split step, in lease or lock
+    mode, adds 2 to 6 steps at run time with ``ctx.add_steps(..., then=["merge"])``, so
+    that the merge step after it waits for them too). Each step is in lease mode
+    (``step_leased``: its effect in its own transaction) or lock mode (``step_locked``: its
+    effect in the claim's transaction, written last), and reads its dependencies' results.
+    One workflow of each shape in three (the second, the fifth...) has a failing step
+    (``step_failing`` or the lock-mode ``step_locked_failing``, ``max_attempts=2``) that
+    others wait for, and a ``finally`` step after the last one whose policy is
+    ``if_dependency_fails="run"`` (some others have one too, and in some the last step has
+    that policy as well): a failure cancels the steps after it but those. The harness plans
+    every step's outcome.
+
     It runs ``--workers`` processes of ``python -m sqla_jobs --log-format json worker
     chaos_tasks:registry`` (logs in files), and while they work it injects:
 
     * a SIGKILL of a worker every few seconds (``--kill-every``), each replaced at once by
-      a new process; every other one aims at a worker running a poison job's last attempt
-      (when one shows up within 1.5 s), which leaves that job to be made dead by a claim;
+      a new process; every other one aims at a worker running a poison job's (or a failing
+      step's) last attempt (when one shows up within 1.5 s), which leaves that job to be
+      made dead by a claim (and the step's dependents cancelled in the claim's transaction);
+      the others at a worker running a lease-mode split step that has committed the steps it
+      added (when one shows up within 1.5 s; else at random), whose next attempt is refused
+      its own add and finds them there;
     * one PostgreSQL restart at 35 % of the run: an immediate shutdown (like a crash, every
       connection cut), ``--pg-down`` seconds down, then a start (crash recovery). Skipped,
       and said so, on an external server, which cannot be restarted from here;
@@ -33,7 +56,9 @@ What it does
       lease: its jobs are taken over), then SIGCONT; chosen like a targeted kill.
 
     Then it stops injecting, waits (up to ``--drain-timeout``) until no job is pending or
-    running, stops the workers with SIGTERM and counts.
+    running (a step that waits for a dependency is not, and a step never waits without a
+    dependency that is: the transaction that ends the last one makes it pending), stops the
+    workers with SIGTERM and counts.
 
 The checks (each must hold; the exit status is 1 when one does not, and the report names it)
     ``faults_injected``                 the kills, the restart and the pause did happen
@@ -95,6 +120,44 @@ The checks (each must hold; the exit status is 1 when one does not, and the repo
     ``workers_survived``                no worker exited but those the harness killed, and none
                                         logged ``thread_crashed``
     ``workers_stopped_cleanly``         every worker exited 0 after the final SIGTERM
+    ``steps_after_dependencies``        no attempt of a step started (its start row's
+                                        ``clock_timestamp()``, written at the handler's start
+                                        in its own transaction) before each of its
+                                        dependencies (those added at run time included) had
+                                        succeeded: before the later of the dependency's
+                                        ``finished_at`` and the effect of its succeeding
+                                        attempt (a lock-mode step's ``finished_at`` is its
+                                        claim's transaction time; its effect is written just
+                                        before it commits). A step whose policy is ``run``
+                                        needs them ended, whatever their outcome. So a step
+                                        whose dependency failed, policy cancel, never started
+    ``workflows_finished``              every workflow enqueued exists, tied to its order, and
+                                        is final (not running) with steps_left == 0 and a
+                                        finished_at; no step is left waiting, pending or
+                                        running
+    ``step_lock_effect_exactly_once``   every lock-mode step that succeeded has exactly one
+                                        effect, by the attempt that succeeded; every other one
+                                        (dead, cancelled) none: a failing lock-mode step's
+                                        effect rolls back with each attempt
+    ``workflow_counts_agree``           each workflow's steps_total is the number of its steps
+                                        (as planned, those added at run time included),
+                                        steps_failed the number of dead and cancelled ones,
+                                        steps_left of those not ended; its status is failed if
+                                        one failed, else succeeded
+    ``workflow_outcomes_as_planned``    every step ended as planned: a failing one dead at
+                                        attempts == max_attempts == 2 (+1 per attempt given
+                                        back unstarted), the steps after a failed one
+                                        cancelled (``blocked_by`` a failed step of the
+                                        workflow) but those whose policy is ``run``, the rest
+                                        succeeded, each with the results of exactly its
+                                        dependencies that succeeded (``saw``); each depends
+                                        on the steps planned (those added at run time exactly
+                                        once: a lease-mode split attempt after one that added
+                                        them is refused), no step beyond the plan, and every
+                                        workflow's status is as planned
+
+    Lease-mode steps count as lease-mode jobs in ``lease_final_attempt_recorded`` and the
+    duplicate checks; dead steps must be logged like dead jobs (``deaths_logged``).
 
 The bound on lease-mode duplicate effects
     A duplicate is an effect row of a lease-mode job beyond the first: an attempt wrote its
@@ -165,6 +228,11 @@ from chaos_tasks import (
     QUEUES,
     SNOOZY_MAX_ATTEMPTS,
     SNOOZY_TASKS,
+    STEP_FAIL_MAX_ATTEMPTS,
+    STEP_FAILING_TASKS,
+    STEP_LEASE_TASKS,
+    STEP_LOCK_TASKS,
+    STEP_SPLIT_TASKS,
     TIMED_LIMIT,
     TIMED_MAX_ATTEMPTS,
     TIMED_TASKS,
@@ -172,6 +240,8 @@ from chaos_tasks import (
     ChaosEffect,
     ChaosJob,
     ChaosJobResult,
+    ChaosOrder,
+    ChaosWorkflow,
     planned_sleep,
     registry,
 )
@@ -179,6 +249,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
+from sqla_jobs import Workflow, enqueue_workflow
 from sqla_jobs.embedded import EmbeddedPostgres
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -224,6 +295,11 @@ CHECKS = (
     "deaths_logged",
     "workers_survived",
     "workers_stopped_cleanly",
+    "steps_after_dependencies",
+    "workflows_finished",
+    "step_lock_effect_exactly_once",
+    "workflow_counts_agree",
+    "workflow_outcomes_as_planned",
 )
 _SHOWN = 10  # jobs described in detail per failed check
 _RESTART_AT = 0.35
@@ -242,6 +318,7 @@ class ChaosConfig:
     workers: int = 3
     concurrency: int = 4
     jobs: int = 1000
+    workflows: int = 60
     seed: int | None = None
     database_url: str | None = None
     kill_every: tuple[float, float] = (3.0, 6.0)
@@ -270,6 +347,7 @@ class ChaosReport:
     elapsed: float
     drain_seconds: float | None
     jobs_by_task: dict[str, dict[str, int]]
+    workflows: dict[str, Any]
     faults: dict[str, Any]
     duplicates: dict[str, Any]
     log_actions: dict[str, int]
@@ -300,7 +378,8 @@ class ChaosReport:
         cfg = self.config
         head = (
             f"sqla_jobs chaos run: seed {self.seed}, {cfg['duration']:g} s of faults, "
-            f"{cfg['workers']} workers x concurrency {cfg['concurrency']}, {cfg['jobs']} jobs"
+            f"{cfg['workers']} workers x concurrency {cfg['concurrency']}, {cfg['jobs']} jobs, "
+            f"{cfg['workflows']} workflows"
         )
         lines = [head, f"server: {self.server}"]
         faults = self.faults
@@ -326,6 +405,19 @@ class ChaosReport:
         for task, statuses in self.jobs_by_task.items():
             counts = ", ".join(f"{status} {count}" for status, count in sorted(statuses.items()))
             lines.append(f"  {task:<13} {sum(statuses.values()):>5}  ({counts})")
+        flows = self.workflows
+        lines.append(
+            f"workflows: {flows['total']} ({flows['steps']} steps, {flows['added']} of them added "
+            f"at run time; {flows['found']} split attempts found their steps added by an "
+            "earlier one)"
+        )
+        for shape, statuses in flows["by_shape"].items():
+            counts = ", ".join(f"{status} {count}" for status, count in sorted(statuses.items()))
+            lines.append(f"  {shape:<19} {sum(statuses.values()):>5}  ({counts})")
+        lines.append("steps:")
+        for task, statuses in flows["steps_by_task"].items():
+            counts = ", ".join(f"{status} {count}" for status, count in sorted(statuses.items()))
+            lines.append(f"  {task:<19} {sum(statuses.values()):>5}  ({counts})")
         dup = self.duplicates
         by_cause = ", ".join(f"{cause} {count}" for cause, count in dup["by_cause"].items())
         lines.append(
@@ -336,7 +428,7 @@ class ChaosReport:
         lines.append(f"worker log actions (INFO and up): {actions or 'none'}")
         lines.append("checks:")
         for check in self.checks:
-            lines.append(f"  {'PASS' if check.ok else 'FAIL'}  {check.name:<29} {check.summary}")
+            lines.append(f"  {'PASS' if check.ok else 'FAIL'}  {check.name:<30} {check.summary}")
             lines.extend(f"        {detail}" for detail in check.details)
         verdict = "PASS" if self.ok else f"FAIL ({', '.join(self.failed)})"
         lines.append(f"result: {verdict}")
@@ -546,6 +638,268 @@ def enqueue(engine: sa.Engine, count: int, rng: random.Random, spread: float) ->
         session.add_all(rows)
         session.flush()
         return {row.id: row.task for row in rows}
+
+
+# -- workflows ------------------------------------------------------------------------------
+
+#: The shapes of the workflows, enqueued in turn: ``diamond`` (a -> b, c -> d), ``fan`` (a ->
+#: a group of 4 to 8 -> a fan-in), ``chain`` (3 to 6 in a row), ``expand`` (a split step adds
+#: 2 to 6 steps at run time, which the merge step after it waits for too: ``then=``).
+SHAPES = ("diamond", "fan", "chain", "expand")
+#: One workflow of each shape in this many has a failing step: the second of each shape, the
+#: fifth, the eighth...
+FAILING_EVERY = 3
+#: A workflow without a failing step gets a ``finally`` step (policy ``run``) this often;
+#: every one with a failing step gets one.
+FINALLY_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A planned step: its task and args, the steps it is written after, its policy; and
+    for a step that a split step adds at run time, that step (``added_by``) and the steps
+    that wait for it too (``then``)."""
+
+    name: str
+    task: str
+    args: dict[str, Any]
+    after: tuple[str, ...] = ()
+    policy: str = "cancel"
+    added_by: str | None = None
+    then: tuple[str, ...] = ()
+
+
+@dataclass
+class WorkflowPlan:
+    """A workflow as planned (its steps in an order where each comes after those it waits
+    for), and as written: its id, its order's id, the ids of the steps written with it."""
+
+    index: int
+    shape: str
+    failing: bool
+    steps: dict[str, StepPlan]
+    id: int = 0
+    order_id: int = 0
+    step_ids: dict[str, int] = field(default_factory=dict)
+
+    def dependencies(self, name: str) -> tuple[str, ...]:
+        """What step ``name`` waits for: the steps it was written after, and the steps added
+        at run time that name it in ``then``."""
+        step = self.steps[name]
+        added = tuple(p.name for p in self.steps.values() if name in p.then)
+        return (step.added_by,) if step.added_by else step.after + added
+
+    def outcomes(self) -> dict[str, str]:
+        """Each step's final status as the rules say: a failing step ends dead; a step one
+        of whose dependencies ended dead or cancelled ends cancelled, unless its policy is
+        ``run``; every other step succeeds."""
+        ends: dict[str, str] = {}
+        for name, step in self.steps.items():
+            failed = any(ends[d] != "succeeded" for d in self.dependencies(name))
+            if failed and step.policy == "cancel":
+                ends[name] = "cancelled"
+            elif step.task in STEP_FAILING_TASKS:
+                ends[name] = "dead"
+            else:
+                ends[name] = "succeeded"
+        return ends
+
+    def status(self) -> str:
+        ok = all(end == "succeeded" for end in self.outcomes().values())
+        return "succeeded" if ok else "failed"
+
+
+def _step(
+    rng: random.Random,
+    name: str,
+    task: str | None = None,
+    *,
+    after: str | Sequence[str] = (),
+    policy: str = "cancel",
+    added_by: str | None = None,
+    then: tuple[str, ...] = (),
+) -> StepPlan:
+    """A step of a lease-mode or lock-mode task (``task``: this one) with a random sleep."""
+    task = task or rng.choice(("step_leased", "step_locked"))
+    # A lease-mode split step works on a while after adding its steps: a window for a fault
+    # (a targeted kill) that leaves them to its next attempt.
+    low, high = (0.5, 1.5) if task == "step_split" else (0.02, 0.3)
+    args: dict[str, Any] = {"sleep": round(rng.uniform(low, high), 3)}
+    if task in STEP_LEASE_TASKS:
+        args["after"] = round(rng.uniform(0.0, AFTER_EFFECT), 3)
+    names = (after,) if isinstance(after, str) else tuple(after)
+    return StepPlan(name, task, args, names, policy, added_by, then)
+
+
+def plan_workflow(rng: random.Random, index: int) -> WorkflowPlan:
+    """Workflow ``index``: its shape in turn (:data:`SHAPES`); a failing step (a third of
+    them: a step that others wait for, lease or lock mode, ``max_attempts=2``), whose
+    dependents end cancelled; a ``finally`` step (policy ``run``) after the last step (in
+    every workflow with a failing step, in some others); and, in some failing ones, a last
+    step whose policy is ``run`` too."""
+    shape = SHAPES[index % len(SHAPES)]
+    failing = (index // len(SHAPES)) % FAILING_EVERY == 1
+    steps: list[StepPlan] = []
+    if shape == "diamond":
+        steps += [_step(rng, "a"), _step(rng, "b", after="a"), _step(rng, "c", after="a")]
+        steps.append(_step(rng, "d", after=["b", "c"]))
+    elif shape == "fan":
+        steps.append(_step(rng, "a"))
+        group = [f"g-{i}" for i in range(rng.randint(4, 8))]
+        steps += [_step(rng, name, after="a") for name in group]
+        steps.append(_step(rng, "join", after=group))
+    elif shape == "chain":
+        steps.append(_step(rng, "c-0"))
+        for i in range(1, rng.randint(3, 6)):
+            steps.append(_step(rng, f"c-{i}", after=f"c-{i - 1}"))
+    else:
+        split = _step(rng, "split", rng.choice(STEP_SPLIT_TASKS))
+        parts = [
+            _step(rng, f"part-{i}", added_by="split", then=("merge",))
+            for i in range(rng.randint(2, 6))
+        ]
+        plan = [[p.name, p.task, p.args] for p in parts]
+        split = StepPlan(split.name, split.task, {**split.args, "parts": plan, "then": "merge"})
+        steps += [split, *parts, _step(rng, "merge", after="split")]
+    if failing:
+        # One that others wait for (a part, in an expand: a split must add its parts).
+        waited = {d for step in steps for d in step.after}
+        candidates = [
+            i
+            for i, step in enumerate(steps)
+            if (step.name in waited or step.then) and step.task not in STEP_SPLIT_TASKS
+        ]
+        victim = rng.choice(candidates)
+        old = steps[victim]
+        task = rng.choice(STEP_FAILING_TASKS)
+        after, by, then = old.after, old.added_by, old.then
+        steps[victim] = _step(rng, old.name, task, after=after, added_by=by, then=then)
+        if by is not None:
+            split = steps[0]
+            plan = [[p.name, p.task, p.args] for p in steps if p.added_by]
+            steps[0] = StepPlan(split.name, split.task, {**split.args, "parts": plan})
+        if rng.random() < 0.3:  # the last step runs anyway
+            last = steps[-1]
+            steps[-1] = StepPlan(last.name, last.task, last.args, last.after, "run")
+    if failing or rng.random() < FINALLY_SHARE:
+        steps.append(_step(rng, "finally", after=steps[-1].name, policy="run"))
+    return WorkflowPlan(index, shape, failing, {step.name: step for step in steps})
+
+
+def enqueue_workflows(
+    engine: sa.Engine, count: int, rng: random.Random, spread: float
+) -> list[WorkflowPlan]:
+    """``count`` workflows (:func:`plan_workflow`), each written with its order in a
+    business transaction of its own; each one's first step runnable from now to ``spread``
+    seconds from now (the steps after it as soon as their dependencies end)."""
+    now = datetime.now(timezone.utc)
+    plans = []
+    for index in range(count):
+        plan = plan_workflow(rng, index)
+        run_at = now + timedelta(seconds=rng.uniform(0.0, spread))
+        flow = Workflow(f"{plan.shape} {index}")
+        for step in plan.steps.values():
+            if step.added_by is None:
+                job = registry[step.task].job(step.args, run_at=None if step.after else run_at)
+                flow.add(step.name, job, after=step.after, if_dependency_fails=step.policy)
+        with Session(engine) as session, session.begin():
+            order = ChaosOrder(shape=plan.shape)
+            session.add(order)
+            session.flush()
+            written = enqueue_workflow(session, flow, workflow=ChaosWorkflow(order_id=order.id))
+            plan.id, plan.order_id, plan.step_ids = written.id, order.id, written.steps
+        plans.append(plan)
+    return plans
+
+
+@dataclass(frozen=True)
+class StepRow:
+    id: int
+    workflow_id: int
+    step: str
+    task: str
+    status: str
+    attempts: int
+    max_attempts: int
+    depends_on: tuple[int, ...]
+    policy: str
+    blocked_by: int | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class WorkflowRow:
+    id: int
+    order_id: int | None
+    status: str
+    steps_total: int
+    steps_left: int
+    steps_failed: int
+    finished_at: datetime | None
+
+
+def read_workflows(
+    engine: sa.Engine,
+) -> tuple[dict[int, StepRow], dict[int, WorkflowRow], dict[int, str]]:
+    """The steps, the workflows, and the orders (id -> shape), as the run left them."""
+    with engine.connect() as connection:
+        steps = {
+            row.id: StepRow(
+                row.id,
+                row.workflow_id,
+                row.step,
+                row.task,
+                row.status,
+                row.attempts,
+                row.max_attempts,
+                tuple(row.depends_on or ()),
+                row.if_dependency_fails or "cancel",
+                row.blocked_by,
+                row.finished_at,
+            )
+            for row in connection.execute(
+                sa.select(
+                    ChaosJob.id,
+                    ChaosJob.workflow_id,
+                    ChaosJob.step,
+                    ChaosJob.task,
+                    ChaosJob.status,
+                    ChaosJob.attempts,
+                    ChaosJob.max_attempts,
+                    ChaosJob.depends_on,
+                    ChaosJob.if_dependency_fails,
+                    ChaosJob.blocked_by,
+                    ChaosJob.finished_at,
+                ).where(ChaosJob.workflow_id.is_not(None))
+            )
+        }
+        workflows = {
+            row.id: WorkflowRow(
+                row.id,
+                row.order_id,
+                row.status,
+                row.steps_total,
+                row.steps_left,
+                row.steps_failed,
+                row.finished_at,
+            )
+            for row in connection.execute(
+                sa.select(
+                    ChaosWorkflow.id,
+                    ChaosWorkflow.order_id,
+                    ChaosWorkflow.status,
+                    ChaosWorkflow.steps_total,
+                    ChaosWorkflow.steps_left,
+                    ChaosWorkflow.steps_failed,
+                    ChaosWorkflow.finished_at,
+                )
+            )
+        }
+        orders = {
+            row.id: row.shape
+            for row in connection.execute(sa.select(ChaosOrder.id, ChaosOrder.shape))
+        }
+    return steps, workflows, orders
 
 
 def status_counts(engine: sa.Engine) -> dict[str, int] | None:
@@ -772,16 +1126,34 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] | None = None
             Base.metadata.create_all(engine)
             enqueued = enqueue(engine, config.jobs, rng, _RUN_AT_SPREAD * config.duration)
             clock.say(f"enqueued {len(enqueued)} jobs: {dict(Counter(enqueued.values()))}")
+            plans = enqueue_workflows(
+                engine, config.workflows, rng, _RUN_AT_SPREAD * config.duration
+            )
+            steps = sum(len(plan.steps) for plan in plans)
+            shapes = dict(Counter(plan.shape for plan in plans))
+            clock.say(f"enqueued {len(plans)} workflows of {steps} steps (as planned): {shapes}")
             state = _inject(config, rng, clock, pool, engine, pg)
             drain_seconds = _drain(config, clock, pool, engine, state)
             stopped = _stop(config, clock, pool)
             jobs, effects, results = read_back(engine)
+            flows = read_workflows(engine)
         finally:
             pool.close()
             engine.dispose()
     logs = read_logs(pool.procs)
     accounting = _Accounting(
-        config, enqueued, jobs, effects, results, logs, pool, state, drain_seconds, stopped
+        config,
+        enqueued,
+        jobs,
+        effects,
+        results,
+        logs,
+        pool,
+        state,
+        drain_seconds,
+        stopped,
+        plans,
+        *flows,
     )
     report = accounting.report(seed, server, log_dir, clock)
     if own_dir and report.ok:
@@ -853,17 +1225,38 @@ def _watch(pool: Pool, clock: _Clock, state: _FaultState) -> None:
             )
 
 
-def _last_attempt_holders(engine: sa.Engine) -> dict[str, int]:
-    """Worker name -> a poison job it runs on its last attempt (empty while the server is
-    down). Killing or pausing that worker leaves the job to be made dead by a claim."""
-    query = sa.select(ChaosJob.leased_by, ChaosJob.id).where(
-        ChaosJob.task.in_(POISON_TASKS),
-        ChaosJob.status == "running",
-        ChaosJob.attempts >= ChaosJob.max_attempts,
+#: What a targeted fault aims at: a worker running a poison job's (or a failing step's) last
+#: attempt, or one running a lease-mode split step that has added its steps.
+LAST_ATTEMPT = "last_attempt"
+ADDED_STEPS = "added_steps"
+
+
+def _holders(engine: sa.Engine, target: str) -> dict[str, tuple[int, str]]:
+    """Worker name -> a job it runs that ``target`` aims at, and its task (empty while the
+    server is down).
+
+    ``LAST_ATTEMPT``: a poison job or a failing step on its last attempt; killing or pausing
+    its worker leaves the job to be made dead by a claim (and a step's dependents cancelled
+    in that claim's transaction). ``ADDED_STEPS``: a lease-mode split step whose added steps
+    are committed (they are among its dependents); killing its worker leaves them to the
+    step's next attempt, whose own add is refused."""
+    if target == LAST_ATTEMPT:
+        where = [
+            ChaosJob.task.in_(POISON_TASKS + STEP_FAILING_TASKS),
+            ChaosJob.attempts >= ChaosJob.max_attempts,
+        ]
+    else:
+        lease_splits = [t for t in STEP_SPLIT_TASKS if t in STEP_LEASE_TASKS]
+        where = [ChaosJob.task.in_(lease_splits), sa.func.cardinality(ChaosJob.dependents) > 1]
+    query = sa.select(ChaosJob.leased_by, ChaosJob.id, ChaosJob.task).where(
+        ChaosJob.status == "running", *where
     )
     try:
         with engine.connect() as connection:
-            return {str(name): int(job_id) for name, job_id in connection.execute(query)}
+            return {
+                str(name): (int(job_id), str(task))
+                for name, job_id, task in connection.execute(query)
+            }
     except sa.exc.DBAPIError:
         return {}
 
@@ -872,18 +1265,20 @@ def _choose(
     rng: random.Random,
     engine: sa.Engine,
     candidates: Sequence[WorkerProc],
-    targeted: bool,
+    target: str | None,
     patience: float = 1.5,
 ) -> tuple[WorkerProc, str]:
-    """A random candidate; when ``targeted``, preferably one that runs a poison job's last
-    attempt (waiting up to ``patience`` s for one). Also says why it was chosen."""
+    """A random candidate; with a ``target``, preferably one that runs a job it aims at
+    (:func:`_holders`), waiting up to ``patience`` s for one. Also says why it was chosen."""
     deadline = time.monotonic() + patience
-    while targeted:
-        holders = _last_attempt_holders(engine)
+    while target is not None:
+        holders = _holders(engine, target)
         hits = [p for p in candidates if p.label in holders]
         if hits:
             proc = rng.choice(hits)
-            return proc, f"it runs poison job {holders[proc.label]} on its last attempt"
+            job_id, task = holders[proc.label]
+            what = "on its last attempt" if target == LAST_ATTEMPT else "after adding its steps"
+            return proc, f"it runs job {job_id} ({task}) {what}"
         if time.monotonic() > deadline:
             break
         time.sleep(0.02)
@@ -958,7 +1353,7 @@ def _inject(
             candidates = [p for p in pool.running() if p.alive() and p.ready()]
             if candidates:
                 pause_at = None
-                paused, why = _choose(rng, engine, candidates, targeted=True)
+                paused, why = _choose(rng, engine, candidates, LAST_ATTEMPT)
                 paused.send(signal.SIGSTOP)
                 paused.paused = True
                 paused_at = _server_now(engine)
@@ -987,8 +1382,10 @@ def _inject(
                 p for p in pool.running() if p.pid != state.pause.get("pid") and p.ready()
             ]
             if candidates:
-                # Every other kill aims at a poison job's last attempt.
-                victim, why = _choose(rng, engine, candidates, targeted=len(state.kills) % 2 == 0)
+                # Every other kill aims at a poison job's (or failing step's) last attempt;
+                # the others at a lease-mode split step that added its steps, if one shows up.
+                target = ADDED_STEPS if len(state.kills) % 2 else LAST_ATTEMPT
+                victim, why = _choose(rng, engine, candidates, target)
                 victim.send(signal.SIGKILL)
                 killed_at = _server_now(engine)
                 state.at_risk("kill", victim.pid, killed_at, killed_at)
@@ -1090,17 +1487,27 @@ class _Accounting:
     state: _FaultState
     drain_seconds: float | None
     stopped: dict[str, int | None]
+    plans: list[WorkflowPlan]
+    steps: dict[int, StepRow]
+    workflows: dict[int, WorkflowRow]
+    orders: dict[int, str]
     effect_rows: dict[int, list[EffectRow]] = field(init=False)
     starts: dict[tuple[int, int], EffectRow] = field(init=False)
+    step_starts: dict[int, list[EffectRow]] = field(init=False)
+    named: dict[tuple[int, str], StepRow] = field(init=False)
 
     def __post_init__(self) -> None:
         self.effect_rows = defaultdict(list)
         self.starts = {}
+        self.step_starts = defaultdict(list)
         for row in self.effects:
             if row.kind == "effect":
                 self.effect_rows[row.job_id].append(row)
             else:
                 self.starts.setdefault((row.job_id, row.attempt), row)
+                if row.job_id in self.steps:
+                    self.step_starts[row.job_id].append(row)
+        self.named = {(s.workflow_id, s.step): s for s in self.steps.values()}
 
     def checks(self) -> list[Check]:
         checks: list[Check] = [getattr(self, name)() for name in CHECKS]
@@ -1108,6 +1515,13 @@ class _Accounting:
 
     def ids(self, tasks: Sequence[str]) -> list[int]:
         return sorted(i for i, task in self.enqueued.items() if task in tasks)
+
+    def step_ids(self, tasks: Sequence[str]) -> list[int]:
+        return sorted(i for i, step in self.steps.items() if step.task in tasks)
+
+    def lease_effect_ids(self) -> list[int]:
+        """The jobs and steps in lease mode that write an effect when they succeed."""
+        return self.ids(EFFECT_LEASE_TASKS) + self.step_ids(STEP_LEASE_TASKS)
 
     def succeeded(self, job_id: int) -> JobRow | None:
         job = self.jobs.get(job_id)
@@ -1133,6 +1547,14 @@ class _Accounting:
                 f"{job.max_attempts}, last_error {(error[-1] if error else '-')[:160]!r}"
             )
         lines = [head]
+        step = self.steps.get(job_id)
+        if step is not None:
+            finished = "-" if step.finished_at is None else f"{step.finished_at:%H:%M:%S.%f}"[:-3]
+            lines.append(
+                f"  step {step.step!r} of workflow {step.workflow_id}, depends on "
+                f"{list(step.depends_on)}, policy {step.policy}, blocked_by {step.blocked_by}, "
+                f"finished_at {finished}, result {self.results.get(job_id)}"
+            )
         rows = [row for row in self.effects if row.job_id == job_id]
         if rows:
             shown = (f"{r.kind}#{r.attempt} pid {r.pid} {r.at:%H:%M:%S.%f}"[:-3] for r in rows)
@@ -1212,26 +1634,31 @@ class _Accounting:
         )
 
     def lease_final_attempt_recorded(self) -> Check:
-        ids = self.ids(EFFECT_LEASE_TASKS)
+        ids = self.lease_effect_ids()
         bad = []
         for i in ids:
             job = self.succeeded(i)
             if job is None:
                 continue  # non_poison_succeeded (timed: timed_dead_explained) says so
             finals = [r for r in self.effect_rows.get(i, []) if r.attempt == job.attempts]
-            if len(finals) != 1 or self.results.get(i) != {"attempt": job.attempts}:
+            result = self.results.get(i)
+            if i in self.steps:  # a step's result says more (workflow_outcomes_as_planned)
+                recorded = isinstance(result, dict) and result.get("attempt") == job.attempts
+            else:
+                recorded = result == {"attempt": job.attempts}
+            if len(finals) != 1 or not recorded:
                 bad.append(i)
         return Check(
             "lease_final_attempt_recorded",
             not bad,
-            f"{len(ids) - len(bad)} of {len(ids)} lease-mode jobs have the effect and the stored "
-            "result of the attempt that succeeded",
+            f"{len(ids) - len(bad)} of {len(ids)} lease-mode jobs (workflow steps included) "
+            "have the effect and the stored result of the attempt that succeeded",
             self.details(bad),
         )
 
     def duplicates(self) -> _Duplicates:
         rows: list[EffectRow] = []
-        for i in self.ids(EFFECT_LEASE_TASKS):
+        for i in self.lease_effect_ids():
             effects = self.effect_rows.get(i, [])
             job = self.succeeded(i)
             if job is None:
@@ -1610,6 +2037,246 @@ class _Accounting:
             ],
         )
 
+    # -- workflows
+
+    def ended_at(self, step: StepRow) -> datetime | None:
+        """When step ``step`` ended, as late as the database shows it: its ``finished_at``,
+        or the effect its succeeding attempt wrote later (a lock-mode step's completion
+        keeps the claim's transaction time; its effect is written just before it commits)."""
+        if step.finished_at is None:
+            return None
+        times = [step.finished_at.astimezone(timezone.utc)]
+        if step.status == "succeeded":
+            effects = self.effect_rows.get(step.id, [])
+            times += [r.at for r in effects if r.attempt == step.attempts]
+        return max(times)
+
+    def steps_after_dependencies(self) -> Check:
+        """No attempt of a step started (its start row, database time) before each of its
+        dependencies had ended, succeeded (for a step whose policy is ``run``: ended in any
+        way); so a step whose dependency failed and whose policy is cancel never started."""
+        problems: dict[int, list[str]] = defaultdict(list)
+        margins: list[timedelta] = []
+        starts = 0
+        for step_id, rows in sorted(self.step_starts.items()):
+            step = self.steps[step_id]
+            for row in rows:
+                starts += 1
+                for dep_id in step.depends_on:
+                    dep = self.steps.get(dep_id)
+                    if dep is None:
+                        problems[step_id].append(f"dependency {dep_id} is not a step")
+                        continue
+                    ok = dep.status == "succeeded" or (
+                        step.policy == "run" and dep.status in FINISHED
+                    )
+                    ended = self.ended_at(dep)
+                    if not ok or ended is None or row.at <= ended:
+                        when = "never" if ended is None else f"{ended:%H:%M:%S.%f}"
+                        problems[step_id].append(
+                            f"attempt {row.attempt} started {row.at:%H:%M:%S.%f} (pid "
+                            f"{row.pid}); dependency {dep_id} ({dep.step}) is {dep.status}, "
+                            f"ended {when}"
+                        )
+                    else:
+                        margins.append(row.at - ended)
+        blocked = [
+            s
+            for s in self.steps.values()
+            if s.policy == "cancel"
+            and any(
+                d in self.steps and self.steps[d].status in ("dead", "cancelled")
+                for d in s.depends_on
+            )
+        ]
+        least = f"{min(margins).total_seconds() * 1000:.1f} ms" if margins else "-"
+        shown = [f"step {i}: {'; '.join(p)}" for i, p in sorted(problems.items())[:_SHOWN]]
+        return Check(
+            "steps_after_dependencies",
+            not problems,
+            f"{starts} attempt starts of {len(self.step_starts)} steps, against {len(margins)} "
+            f"dependency ends: {len(problems)} steps started too early (least margin {least}); "
+            f"{sum(1 for s in blocked if s.id not in self.step_starts)} of {len(blocked)} steps "
+            "whose dependency failed (policy cancel) never started",
+            shown + self.details(sorted(problems)),
+        )
+
+    def workflows_finished(self) -> Check:
+        """Every workflow enqueued exists with its order, is final (succeeded, failed or
+        cancelled) with steps_left == 0, and no step is left waiting, pending or running."""
+        problems: list[str] = []
+        ids = {plan.id for plan in self.plans}
+        for plan in self.plans:
+            flow = self.workflows.get(plan.id)
+            if flow is None:
+                problems.append(f"workflow {plan.id} ({plan.shape} {plan.index}) is missing")
+                continue
+            if flow.order_id != plan.order_id or self.orders.get(plan.order_id) != plan.shape:
+                problems.append(f"workflow {plan.id}: order {flow.order_id}, not {plan.order_id}")
+            if flow.status == "running" or flow.steps_left != 0 or flow.finished_at is None:
+                problems.append(
+                    f"workflow {plan.id} ({plan.shape} {plan.index}): {flow.status}, "
+                    f"steps_left {flow.steps_left}, finished_at {flow.finished_at}"
+                )
+        extra = sorted(set(self.workflows) - ids)
+        if extra or len(self.orders) != len(self.plans):
+            problems.append(
+                f"workflows not enqueued: {extra[:20]}; {len(self.orders)} orders for "
+                f"{len(self.plans)} workflows"
+            )
+        stuck = sorted(i for i, s in self.steps.items() if s.status not in FINISHED)
+        if stuck:
+            problems.append(f"{len(stuck)} steps waiting, pending or running: {stuck[:50]}")
+        counts = Counter(self.workflows[i].status for i in ids if i in self.workflows)
+        return Check(
+            "workflows_finished",
+            not problems,
+            f"{sum(n for status, n in counts.items() if status != 'running')} of "
+            f"{len(self.plans)} workflows final ("
+            + ", ".join(f"{status} {n}" for status, n in sorted(counts.items()))
+            + f") with steps_left 0; {len(stuck)} of {len(self.steps)} steps not ended",
+            problems[:_SHOWN] + self.details(stuck),
+        )
+
+    def step_lock_effect_exactly_once(self) -> Check:
+        """Every lock-mode step that succeeded has exactly one effect, by the attempt that
+        succeeded; one that did not (dead, cancelled) has none: a failed attempt's effect
+        rolled back with it."""
+        ids = self.step_ids(STEP_LOCK_TASKS)
+        bad = []
+        rolled_back = 0
+        for i in ids:
+            step = self.steps[i]
+            rows = self.effect_rows.get(i, [])
+            expected = [step.attempts] if step.status == "succeeded" else []
+            if [row.attempt for row in rows] != expected:
+                bad.append(i)
+            if step.task in STEP_FAILING_TASKS:
+                rolled_back += len(self.step_starts.get(i, []))
+        succeeded = sum(1 for i in ids if self.steps[i].status == "succeeded")
+        return Check(
+            "step_lock_effect_exactly_once",
+            not bad,
+            f"{len(ids) - len(bad)} of {len(ids)} lock-mode steps have one effect by the "
+            f"attempt that succeeded ({succeeded}) or none ({len(ids) - succeeded} not "
+            f"succeeded; {rolled_back} attempts of failing ones wrote an effect that rolled "
+            "back)",
+            self.details(bad),
+        )
+
+    def workflow_counts_agree(self) -> Check:
+        """Each workflow's counts are its steps': steps_total all of them (as planned, the
+        steps added at run time included), steps_failed the dead and cancelled ones,
+        steps_left those not ended; and its status follows (failed if a step failed)."""
+        by_flow: dict[int, list[StepRow]] = defaultdict(list)
+        for step in self.steps.values():
+            by_flow[step.workflow_id].append(step)
+        problems = []
+        for plan in self.plans:
+            flow = self.workflows.get(plan.id)
+            if flow is None:
+                continue  # workflows_finished says so
+            rows = by_flow.get(plan.id, [])
+            failed = sum(1 for s in rows if s.status in ("dead", "cancelled"))
+            left = sum(1 for s in rows if s.status not in FINISHED)
+            status = "running" if left else ("failed" if failed else "succeeded")
+            counted = (flow.steps_total, flow.steps_failed, flow.steps_left, flow.status)
+            wanted = (len(rows), failed, left, status)
+            if counted != wanted or len(rows) != len(plan.steps):
+                problems.append(
+                    f"workflow {plan.id} ({plan.shape} {plan.index}): total, failed, left, "
+                    f"status {counted}; its steps say {wanted} ({len(plan.steps)} planned)"
+                )
+        return Check(
+            "workflow_counts_agree",
+            not problems,
+            f"{len(self.plans) - len(problems)} of {len(self.plans)} workflows count their "
+            "steps as the steps are (steps_total, steps_failed, steps_left, status)",
+            problems[:_SHOWN],
+        )
+
+    def workflow_outcomes_as_planned(self) -> Check:
+        """Every planned step exists (those added at run time once, by name) and ended as the
+        rules say (WorkflowPlan.outcomes): a failing one dead at max_attempts == 2 (+1 per
+        attempt given back unstarted), the steps after a failed one cancelled (blocked_by a
+        failed step), but those whose policy is run, every other one succeeded with the
+        results of exactly its succeeded dependencies (``saw``); no step beyond the plan;
+        each workflow's status as planned."""
+        problems: dict[int, list[str]] = defaultdict(list)
+        ids: list[int] = []
+        planned_steps = 0
+        for plan in self.plans:
+            ends = plan.outcomes()
+            planned_steps += len(ends)
+            for name in ends:
+                step = self.named.get((plan.id, name))
+                if step is None:
+                    problems[plan.id].append(f"step {name!r} is missing")
+                    continue
+                wrong = self.outcome_wrong(plan, name, ends, step)
+                if wrong:
+                    problems[plan.id].append(f"step {name!r} ({step.id}, {step.task}): {wrong}")
+                    ids.append(step.id)
+            extra = sorted(
+                s.step
+                for s in self.steps.values()
+                if s.workflow_id == plan.id and s.step not in plan.steps
+            )
+            if extra:
+                problems[plan.id].append(f"steps not planned: {extra}")
+            flow = self.workflows.get(plan.id)
+            if flow is not None and flow.status != plan.status():
+                problems[plan.id].append(f"{flow.status}, planned {plan.status()}")
+        found = self.found_added()
+        planned = Counter(end for plan in self.plans for end in plan.outcomes().values())
+        shown = [f"workflow {i}: {'; '.join(p)}" for i, p in sorted(problems.items())[:_SHOWN]]
+        return Check(
+            "workflow_outcomes_as_planned",
+            not problems,
+            f"{len(self.plans) - len(problems)} of {len(self.plans)} workflows ended as planned: "
+            f"{planned_steps} steps ("
+            + ", ".join(f"{end} {n}" for end, n in sorted(planned.items()))
+            + f"); {found} lease-mode split attempts found their steps added by an earlier one",
+            shown + self.details(ids),
+        )
+
+    def found_added(self) -> int:
+        """How many split steps succeeded on an attempt whose add was refused because an
+        earlier attempt had added the steps (lease mode, that attempt then lost its job)."""
+        results = [self.results.get(i) for i in self.step_ids(STEP_SPLIT_TASKS)]
+        return sum(1 for result in results if isinstance(result, dict) and result.get("found"))
+
+    def outcome_wrong(
+        self, plan: WorkflowPlan, name: str, ends: dict[str, str], step: StepRow
+    ) -> str:
+        """What is wrong with step ``name`` of ``plan``, whose steps were to end as ``ends``
+        say ('' if nothing)."""
+        end = ends[name]
+        if name in plan.step_ids and step.id != plan.step_ids[name]:
+            return f"id {step.id}, but enqueue_workflow wrote it as {plan.step_ids[name]}"
+        depends = sorted(self.steps[d].step for d in step.depends_on if d in self.steps)
+        if depends != sorted(plan.dependencies(name)):
+            return f"depends on {depends}, planned {sorted(plan.dependencies(name))}"
+        if step.status != end:
+            return f"{step.status}, planned {end}"
+        if end == "dead":
+            most = STEP_FAIL_MAX_ATTEMPTS + self.logs.released[step.id]
+            if (step.attempts, step.max_attempts) != (most, most):
+                return f"dead at attempts {step.attempts}/{step.max_attempts}, not {most}/{most}"
+        elif end == "cancelled":
+            blocker = self.steps.get(step.blocked_by or 0)
+            if blocker is None or blocker.workflow_id != plan.id:
+                return f"cancelled, blocked_by {step.blocked_by}: not a step of its workflow"
+            if blocker.status not in ("dead", "cancelled"):
+                return f"cancelled, blocked_by {blocker.id} ({blocker.step}): {blocker.status}"
+        else:
+            wanted = sorted(d for d in plan.dependencies(name) if ends[d] == "succeeded")
+            result = self.results.get(step.id)
+            saw = result.get("saw") if isinstance(result, dict) else None
+            if saw != wanted:
+                return f"read the results of {saw}, not {wanted}"
+        return ""
+
     # -- the report
 
     def report(self, seed: int, server: str, log_dir: Path, clock: _Clock) -> ChaosReport:
@@ -1624,6 +2291,24 @@ class _Accounting:
             actions["(lines that are not JSON)"] = len(self.logs.not_json)
         dup = self.duplicates()
         config = self.config
+        by_shape: dict[str, dict[str, int]] = {}
+        for plan in self.plans:
+            flow = self.workflows.get(plan.id)
+            status = "missing" if flow is None else flow.status
+            counts = by_shape.setdefault(f"{plan.shape}{' (failing)' if plan.failing else ''}", {})
+            counts[status] = counts.get(status, 0) + 1
+        steps_by_task: dict[str, dict[str, int]] = {}
+        for step in sorted(self.steps.values(), key=lambda s: s.task):
+            counts = steps_by_task.setdefault(step.task, {})
+            counts[step.status] = counts.get(step.status, 0) + 1
+        workflows = {
+            "total": len(self.plans),
+            "steps": len(self.steps),
+            "added": sum(1 for plan in self.plans for s in plan.steps.values() if s.added_by),
+            "found": self.found_added(),
+            "by_shape": dict(sorted(by_shape.items())),
+            "steps_by_task": steps_by_task,
+        }
         return ChaosReport(
             seed=seed,
             config={
@@ -1631,6 +2316,7 @@ class _Accounting:
                 "workers": config.workers,
                 "concurrency": config.concurrency,
                 "jobs": config.jobs,
+                "workflows": config.workflows,
                 "kill_every": list(config.kill_every),
                 "pg_down": config.pg_down,
                 "pause": config.pause,
@@ -1641,6 +2327,7 @@ class _Accounting:
             elapsed=clock.elapsed(),
             drain_seconds=self.drain_seconds,
             jobs_by_task=jobs_by_task,
+            workflows=workflows,
             faults={
                 "kills": len(self.state.kills),
                 "killed": self.state.kills,
@@ -1650,7 +2337,7 @@ class _Accounting:
             },
             duplicates={
                 "total": len(dup.rows),
-                "lease_jobs": len(self.ids(EFFECT_LEASE_TASKS)),
+                "lease_jobs": len(self.lease_effect_ids()),
                 "bound": dup.bound,
                 "bound_formula": dup.formula,
                 "by_cause": dup.by_cause,
@@ -1679,6 +2366,16 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
 
 def _positive_int(text: str) -> int:
     return int(_positive(int)(text))
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
 
 
 def _range(text: str) -> tuple[float, float]:
@@ -1722,6 +2419,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=defaults.jobs,
         help=f"jobs to enqueue (default {defaults.jobs})",
+    )
+    parser.add_argument(
+        "--workflows",
+        type=_count,
+        default=defaults.workflows,
+        help=f"workflows to enqueue (default {defaults.workflows}; 0: none), of 3 to 11 steps each",
     )
     parser.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
     parser.add_argument(
@@ -1777,6 +2480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=args.workers,
         concurrency=args.concurrency,
         jobs=args.jobs,
+        workflows=args.workflows,
         seed=args.seed,
         database_url=args.database_url,
         kill_every=args.kill_every,

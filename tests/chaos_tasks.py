@@ -34,6 +34,29 @@ The four tasks, and what the harness expects of each:
                   ``leased``. Up to eight snoozes on five attempts: a snooze that spent an
                   attempt would leave the job dead
 
+Workflows: ``ChaosJob`` mixes in ``StepMixin`` (its workflows are ``ChaosWorkflow`` rows,
+each tied to the ``ChaosOrder`` written in the same business transaction), so steps share
+the table, the queues and the workers with the jobs above. The step tasks record a ``start``
+row like the others; every one but the failing ones reads its dependencies' results
+(``ctx.dependency_results()``) and returns ``{"attempt": n, "saw": [their step names]}``:
+
+``step_leased``          lease mode: start, read the results, sleep, effect (its own
+                         transaction), sleep ``args["after"]``
+``step_locked``          lock mode: start, read the results through the claim's session,
+                         sleep, then the effect through the claim's session (written last,
+                         just before the completion: the harness compares its dependents'
+                         starts with it)
+``step_failing``         lease mode, ``max_attempts=2``: start, sleep, raise (a dead step
+                         cancels the steps after it, but those whose policy is ``run``)
+``step_locked_failing``  lock mode, ``max_attempts=2``: start, effect through the claim's
+                         session, sleep, raise: the effect rolls back with the attempt
+``step_split``           lease mode: start, add the steps ``args["parts"]`` plans to its
+                         workflow (``ctx.add_steps(..., then=[args["then"]])``), sleep,
+                         effect. Lease mode writes them at once: an attempt after one that
+                         added them (and then lost its job to a fault) is refused, finds
+                         them there, and goes on (its result says ``"found": true``)
+``step_split_locked``    the same in lock mode: the steps commit with the completion
+
 Leases are two seconds (heartbeats every 0.67 s), so a killed or paused worker's jobs come
 back within a few seconds, and retries are quick, so a job that failed during a fault does
 not wait long for its next attempt.
@@ -51,7 +74,16 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from sqla_jobs import JobMixin, JobResultMixin, RetryPolicy, Snooze
+from sqla_jobs import (
+    InvalidWorkflowError,
+    JobMixin,
+    JobResultMixin,
+    RetryPolicy,
+    Snooze,
+    StepMixin,
+    Workflow,
+    WorkflowMixin,
+)
 from sqla_jobs.registry import JobContext, Registry
 
 #: The variable the ``sqla-jobs`` command reads its database URL from; the handlers too.
@@ -84,17 +116,47 @@ SNOOZY_TASKS = ("snoozy",)
 #: Every lease-mode task whose jobs must end with an effect (at least once).
 EFFECT_LEASE_TASKS = LEASE_TASKS + TIMED_TASKS + SNOOZY_TASKS
 
+#: Workflow steps that fail on every attempt: dead at their last.
+STEP_FAIL_MAX_ATTEMPTS = 2
+#: The step tasks: lease-mode ones that write an effect when they succeed (at least once),
+#: lock-mode ones (an effect exactly once if they succeed, none if not), the failing ones,
+#: and those that add steps at run time.
+STEP_LEASE_TASKS = ("step_leased", "step_split")
+STEP_LOCK_TASKS = ("step_locked", "step_split_locked", "step_locked_failing")
+STEP_FAILING_TASKS = ("step_failing", "step_locked_failing")
+STEP_SPLIT_TASKS = ("step_split", "step_split_locked")
+
 
 class Base(DeclarativeBase):
     pass
 
 
-class ChaosJob(JobMixin, Base):
-    __tablename__ = "chaos_jobs"
+class ChaosOrder(Base):
+    """The business row a producer writes in the transaction that enqueues a workflow."""
+
+    __tablename__ = "chaos_orders"
+
+    id: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True)
+    shape: Mapped[str] = mapped_column(sa.String(20))
+
+
+class ChaosWorkflow(WorkflowMixin, Base):
+    __tablename__ = "chaos_workflows"
+
+    order_id: Mapped[int | None] = mapped_column(sa.ForeignKey("chaos_orders.id"))
 
 
 class ChaosJobResult(JobResultMixin, Base):
     __tablename__ = "chaos_job_results"
+
+
+class ChaosJob(StepMixin, JobMixin, Base):
+    """The harness's jobs, and the steps of its workflows (the other jobs leave the step
+    columns NULL)."""
+
+    __tablename__ = "chaos_jobs"
+    workflow_model = ChaosWorkflow
+    result_model = ChaosJobResult
 
 
 class ChaosEffect(Base):
@@ -260,3 +322,106 @@ def snoozy(ctx: JobContext) -> dict[str, Any] | Snooze:
     record(ctx, "effect")
     time.sleep(_sleep(ctx, "after"))
     return {"attempt": ctx.attempt}
+
+
+# -- workflow steps -------------------------------------------------------------------------
+
+
+def _saw(ctx: JobContext) -> list[str]:
+    """The step names of the dependency results this step reads (those that succeeded)."""
+    return sorted(ctx.dependency_results())
+
+
+def _effect_in_claim(ctx: JobContext) -> None:
+    """The effect through the claim's session: it commits with the completion, or not at
+    all; stamped (``clock_timestamp()``) as it is flushed."""
+    ctx.session.add(_row(ctx, "effect"))
+    ctx.session.flush()
+
+
+@registry.task
+def step_leased(ctx: JobContext) -> dict[str, Any]:
+    """A lease-mode step: start, its dependencies' results, sleep, effect, sleep."""
+    record(ctx, "start")
+    saw = _saw(ctx)
+    time.sleep(_sleep(ctx))
+    record(ctx, "effect")
+    time.sleep(_sleep(ctx, "after"))
+    return {"attempt": ctx.attempt, "saw": saw}
+
+
+@registry.task(queue=LOCK_QUEUE, mode="lock")
+def step_locked(ctx: JobContext) -> dict[str, Any]:
+    """A lock-mode step: its effect, written last, commits with its completion."""
+    record(ctx, "start")
+    saw = _saw(ctx)
+    time.sleep(_sleep(ctx))
+    _effect_in_claim(ctx)
+    return {"attempt": ctx.attempt, "saw": saw}
+
+
+@registry.task(max_attempts=STEP_FAIL_MAX_ATTEMPTS, retry=POISON_RETRY)
+def step_failing(ctx: JobContext) -> None:
+    """A lease-mode step that fails on every attempt."""
+    record(ctx, "start")
+    time.sleep(_sleep(ctx))
+    raise RuntimeError(f"poisoned on attempt {ctx.attempt}")
+
+
+@registry.task(
+    queue=LOCK_QUEUE, mode="lock", max_attempts=STEP_FAIL_MAX_ATTEMPTS, retry=POISON_RETRY
+)
+def step_locked_failing(ctx: JobContext) -> None:
+    """A lock-mode step that fails on every attempt: its effect rolls back each time."""
+    record(ctx, "start")
+    _effect_in_claim(ctx)
+    time.sleep(_sleep(ctx))
+    raise RuntimeError(f"poisoned on attempt {ctx.attempt}")
+
+
+def planned_parts(ctx: JobContext) -> Workflow:
+    """The steps a split step adds: ``args["parts"]``, ``[name, task, args]`` each."""
+    flow = Workflow()
+    for name, task, args in ctx.args["parts"]:
+        flow.add(name, registry[task].job(args))
+    return flow
+
+
+def steps_named(ctx: JobContext, names: list[str]) -> list[str]:
+    """Which of ``names`` are steps of this step's workflow (committed)."""
+    this = sa.select(ChaosJob.workflow_id).where(ChaosJob.id == ctx.id).scalar_subquery()
+    with own_engine().connect() as connection:
+        found = connection.execute(
+            sa.select(ChaosJob.step).where(ChaosJob.workflow_id == this, ChaosJob.step.in_(names))
+        ).scalars()
+        return sorted(str(name) for name in found)
+
+
+@registry.task
+def step_split(ctx: JobContext) -> dict[str, Any]:
+    """Lease mode: adds its planned steps (which ``args["then"]`` waits for too), at once."""
+    record(ctx, "start")
+    flow = planned_parts(ctx)
+    found = False
+    try:
+        ctx.add_steps(flow, then=[ctx.args["then"]])
+    except InvalidWorkflowError:
+        # Refused when an earlier attempt added them (committed at once, in lease mode) and
+        # then lost the job: they are there, and this attempt goes on. Anything else raises.
+        names = [step.name for step in flow.steps]
+        if steps_named(ctx, names) != sorted(names):
+            raise
+        found = True
+    time.sleep(_sleep(ctx))
+    record(ctx, "effect")
+    return {"attempt": ctx.attempt, "saw": _saw(ctx), "found": found}
+
+
+@registry.task(queue=LOCK_QUEUE, mode="lock")
+def step_split_locked(ctx: JobContext) -> dict[str, Any]:
+    """Lock mode: adds its planned steps through the claim's session (they commit with it)."""
+    record(ctx, "start")
+    ctx.add_steps(planned_parts(ctx), then=[ctx.args["then"]])
+    time.sleep(_sleep(ctx))
+    _effect_in_claim(ctx)
+    return {"attempt": ctx.attempt, "saw": _saw(ctx)}

@@ -17,13 +17,13 @@ from sqla_jobs import bench
 
 #: The sections of the quick bench, in groups, each run by a test of its own so that the
 #: suite's workers share them (one run of all took two minutes of one worker on CI; the
-#: groups some 40, 35 and 10 s here). A figure measured against another section's (a drain
+#: groups some 40, 20 and 10 s here). A figure measured against another section's (a drain
 #: against its ceiling) is in that section's group, but for memory.bulk_rate (against
 #: ceiling.insert), whose ratio only a run of both shows.
 QUICK_GROUPS = (
     ("ceiling", "drain", "history", "enqueue"),
     ("pgbouncer", "processes", "memory", "latency"),
-    ("hot", "keys", "fair", "async", "baseline"),
+    ("hot", "keys", "fair", "async", "baseline", "workflows"),
 )
 
 
@@ -226,3 +226,56 @@ def test_the_fair_section_drains_every_job_and_serves_the_small_tenants_first(
     (target,) = (row for row in document["targets"] if row["metric"] == "fair.first_claims")
     assert target["met"] is True
     assert "fair.drain.many_tenants_plain" in capsys.readouterr().out
+
+
+def test_the_workflows_section_drains_every_step_beside_plain_jobs(
+    server_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --quick: a fan-out graph of 300 steps (--jobs; a root, 298 side by side, a merge), a
+    # chain of 30 (--single-jobs), and 300 plain jobs on each table, five pairs per run.
+    out = tmp_path / "bench.json"
+    argv = ["--database-url", server_url, "--quick", "--only", "workflows"]
+    assert bench.main([*argv, "--repeat", "2", "--json", str(out)]) == 0
+
+    document = json.loads(out.read_text())
+    metrics = document["metrics"]
+    ceilings = {
+        "workflows.create": "workflows.create.plain",
+        "workflows.drain.fan_out": "workflows.drain.fan_out.plain",
+        "workflows.drain.chain": "workflows.drain.chain.plain",
+        "workflows.plain_on_step_table": "workflows.plain_on_job_table",
+    }
+    seconds = {"workflows.create.seconds", "workflows.create.plain.seconds"}
+    paired = "workflows.plain_on_step_table.paired"  # each lockstep drain's own ratio
+    assert set(metrics) == {*ceilings, *ceilings.values(), *seconds, paired}
+    for name, ceiling in ceilings.items():  # each beside plain jobs measured the same way
+        assert metrics[name]["ceiling"] == ceiling
+        assert metrics[ceiling]["ceiling"] is None
+        assert metrics[name]["ratio"] > 0
+    for name in ("workflows.create.seconds", "workflows.create.plain.seconds"):
+        assert metrics[name]["unit"] == "s"
+        assert not metrics[name]["higher_is_better"]
+        assert metrics[name]["jobs"] == 300
+    # Every step claimed and completed: the trigger made each dependent pending in turn (the
+    # drain checks the count, and the workflow ended succeeded with no step left).
+    drained = {
+        "workflows.drain.fan_out": (300, 10),
+        "workflows.drain.fan_out.plain": (300, 10),
+        "workflows.drain.chain": (30, 10),  # claims of --batch, each finding one step
+        "workflows.drain.chain.plain": (30, 1),  # one job per claim, as the chain takes
+    }
+    for name, (jobs, batch) in drained.items():
+        assert (metrics[name]["jobs"], metrics[name]["batch"]) == (jobs, batch), name
+    for name, metric in metrics.items():
+        pairs = name.startswith("workflows.plain_on_")
+        assert len(metric["runs"]) == (10 if pairs else 2), name
+        assert all(math.isfinite(value) and value > 0 for value in metric["runs"]), name
+    step_table = metrics["workflows.plain_on_step_table"]["runs"]
+    job_table = metrics["workflows.plain_on_job_table"]["runs"]
+    ratios = [step / job for step, job in zip(step_table, job_table, strict=True)]
+    assert metrics[paired]["runs"] == pytest.approx(ratios)
+    assert (metrics[paired]["unit"], metrics[paired]["ceiling"]) == ("ratio", None)
+    (target,) = (r for r in document["targets"] if r["metric"] == paired)
+    assert target["value"] == pytest.approx(metrics[paired]["median"])
+    assert target["met"] is not None
+    assert "plain jobs on a step table >= 0.97 of plain" in capsys.readouterr().out

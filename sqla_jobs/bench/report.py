@@ -82,6 +82,14 @@ TARGETS: Final = [
         2.0,
         at_least=False,
     ),
+    # Issue 25: plain jobs (no workflow) on a table with steps, within 3% of a plain table:
+    # the median of the lockstep drains' own ratios.
+    Target(
+        "workflows.plain_on_step_table.paired",
+        "plain jobs on a step table >= 0.97 of plain",
+        _value("workflows.plain_on_step_table.paired"),
+        0.97,
+    ),
     # Issue 10: with none of its features used, within 5% of the version before it.
     *(
         _at_least(f"baseline.{operation}", f"{operation} >= 0.95 of --baseline's", 0.95)
@@ -173,6 +181,7 @@ _SECTION_ORDER: Final = {
     "async": 7,
     "keys": 8,
     "fair": 9,
+    "workflows": 10,
 }
 
 
@@ -186,7 +195,7 @@ def _order(name: str) -> tuple[int, str]:
     if name.startswith("ceiling.sweep."):  # by batch size, numerically
         _, _, mode, batch, procs = name.split(".")
         return _SECTION_ORDER[section], f"sweep.{mode}.{procs}.{int(batch[1:]):06d}"
-    return _SECTION_ORDER.get(section, 10), name
+    return _SECTION_ORDER.get(section, 11), name
 
 
 def machine(engine: sa.Engine, cfg: Config, server: str) -> dict[str, Any]:

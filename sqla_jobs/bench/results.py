@@ -21,6 +21,7 @@ SECTIONS: Final = (
     "async",
     "keys",
     "fair",
+    "workflows",
     "baseline",
     "processes",
 )

@@ -5,8 +5,8 @@ What it measures and against what: :mod:`sqla_jobs.bench`. One module per sectio
 :mod:`~sqla_jobs.bench.enqueue`, :mod:`~sqla_jobs.bench.latency`,
 :mod:`~sqla_jobs.bench.history`, :mod:`~sqla_jobs.bench.memory`,
 :mod:`~sqla_jobs.bench.bouncer`, :mod:`~sqla_jobs.bench.asynchronous`,
-:mod:`~sqla_jobs.bench.keys`, :mod:`~sqla_jobs.bench.fair`), the report in
-:mod:`~sqla_jobs.bench.report`.
+:mod:`~sqla_jobs.bench.keys`, :mod:`~sqla_jobs.bench.fair`,
+:mod:`~sqla_jobs.bench.workflows`), the report in :mod:`~sqla_jobs.bench.report`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from sqla_jobs.bench.memory import run_memory
 from sqla_jobs.bench.processes import run_processes
 from sqla_jobs.bench.results import SECTIONS, Config, Results
 from sqla_jobs.bench.tasks import Q_LEASE
+from sqla_jobs.bench.workflows import run_workflows
 from sqla_jobs.embedded import EmbeddedPostgres
 from sqla_jobs.models import metadata
 from sqla_jobs.urls import psycopg_url
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_keys(cfg, engine, results)
             if "fair" in cfg.sections:
                 run_fair(cfg, engine, results)
+            if "workflows" in cfg.sections:
+                run_workflows(cfg, engine, results)
             if "baseline" in cfg.sections:
                 run_baseline(cfg, results)
             if "processes" in cfg.sections:
