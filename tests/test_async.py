@@ -24,6 +24,9 @@ from models import (
     EmailJobResult,
     EmailJobSchedule,
     Order,
+    OrderJob,
+    OrderJobResult,
+    OrderWorkflow,
     ReportJob,
     ReportJobResult,
     TenantJob,
@@ -45,6 +48,8 @@ from sqla_jobs import (
     queue,
 )
 from sqla_jobs import _queries as statements
+from sqla_jobs._queries import workflows as workflow_queries
+from sqla_jobs._queries.run import Query
 from sqla_jobs.history import history_table
 from sqla_jobs.registry import Registry
 from sqla_jobs.testing import assert_enqueued
@@ -135,6 +140,9 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
         if "column" in parameters:  # the fair shares' statements: a model with a tenant column
             args = [TenantJob.__table__]
             variants = [{"column": "tenant"}]
+        if "steps" in parameters:  # prune: a model with workflow steps leaves them
+            args = [OrderJob.__table__]
+            variants = [{}, {"steps": True}]
         if "queue_count" in parameters:
             variants = [{"queue_count": 1}, {"queue_count": 2}]
             if "limited" in parameters:  # a limited queue is claimed on its own
@@ -157,7 +165,7 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
             variants += [options | {"json_text": True} for options in variants]
         known = set(tables) | {
             *("queue_count", "limited", "rows", "local", "name", "history", "busy", "json_text"),
-            *("rated", "column"),
+            *("rated", "column", "steps"),
         }
         assert set(parameters) <= known, f"{name}: teach this test its parameters"
         for options in variants:
@@ -172,7 +180,30 @@ def _built_statements() -> Iterator[tuple[str, Any]]:
                 yield f"{name}{shown or ''}", built
 
 
-@pytest.mark.parametrize(("name", "statement"), list(_built_statements()), ids=lambda v: v)
+def _built_workflow_statements() -> Iterator[tuple[str, Any]]:
+    """Every statement of sqla_jobs._queries.workflows (its Query objects), built for the
+    test models with steps."""
+    tables = {
+        "table": OrderJob.__table__,
+        "workflow": OrderWorkflow.__table__,
+        "results": OrderJobResult.__table__,
+    }
+    for name in workflow_queries.__all__:
+        query = getattr(workflow_queries, name)
+        if not isinstance(query, Query):
+            continue
+        parameters = inspect.signature(query.builder).parameters
+        assert set(parameters) <= set(tables), f"{name}: teach this test its parameters"
+        positional = [p for p, v in parameters.items() if v.kind is v.POSITIONAL_OR_KEYWORD]
+        keywords = {p: tables[p] for p, v in parameters.items() if v.kind is v.KEYWORD_ONLY}
+        yield f"workflows.{name}", query.builder(*(tables[p] for p in positional), **keywords)
+
+
+@pytest.mark.parametrize(
+    ("name", "statement"),
+    [*_built_statements(), *_built_workflow_statements()],
+    ids=lambda v: v,
+)
 def test_every_statement_parameter_is_typed(name: str, statement: sa.ClauseElement) -> None:
     """asyncpg takes a parameter only as the type it was prepared with; a typed bind
     parameter is sent with its cast (``$1::VARCHAR``), an untyped one leaves the server to

@@ -26,7 +26,6 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
-    literal,
     literal_column,
     select,
     text,
@@ -38,6 +37,7 @@ from sqlalchemy.sql.dml import ReturningDelete
 from sqla_jobs._queries._sql import _lit, _now, _seconds
 from sqla_jobs._queries.outcomes import cancel_notification
 from sqla_jobs._queries.run import Executor, NoParams, Query
+from sqla_jobs.ddl import literal as ddl_literal
 from sqla_jobs.ddl import qualified_name
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.schema.workflows import WorkflowStatus
@@ -62,10 +62,15 @@ __all__ = [
 _RUNNING: Final[ColumnElement[str]] = literal_column(f"'{WorkflowStatus.RUNNING.value}'")
 
 
+def _sequence_of(table: Table) -> ColumnElement[Any]:
+    # The table's id sequence, named in the statement's text (a constant of the table's).
+    name = ddl_literal(qualified_name(table.name, table.schema))
+    return func.pg_get_serial_sequence(literal_column(name), literal_column("'id'"))
+
+
 def _ids_of(table: Table, count: str) -> ColumnElement[Any]:
-    sequence = func.pg_get_serial_sequence(literal(qualified_name(table.name, table.schema)), "id")
-    series = select(func.nextval(sequence)).select_from(
-        func.generate_series(1, bindparam(count, type_=Integer))
+    series = select(func.nextval(_sequence_of(table))).select_from(
+        func.generate_series(literal_column("1"), bindparam(count, type_=Integer))
     )
     return func.array(series.scalar_subquery())
 
@@ -74,11 +79,8 @@ def new_ids(table: Table, *, workflow: Table) -> Select[Any]:
     """New ids from the sequences of the workflow table (one, for the workflow) and of the job
     table (``:count``, for its steps), so that the caller can write each step with the ids of
     its dependencies and dependents in one flush. Returns ``workflow_id, step_ids``."""
-    sequence = func.pg_get_serial_sequence(
-        literal(qualified_name(workflow.name, workflow.schema)), "id"
-    )
     return select(
-        func.nextval(sequence).label("workflow_id"),
+        func.nextval(_sequence_of(workflow)).label("workflow_id"),
         _ids_of(table, "count").label("step_ids"),
     )
 
