@@ -46,6 +46,7 @@ from sqla_jobs import (
     aio,
     leasing,
     queue,
+    workflows,
 )
 from sqla_jobs import _queries as statements
 from sqla_jobs._queries import workflows as workflow_queries
@@ -118,8 +119,10 @@ def test_every_operation_has_one_implementation() -> None:
     for name in aio.__all__:
         wrapper = getattr(aio, name)
         assert inspect.iscoroutinefunction(wrapper)
-        # The queue's operations, or leasing's (sqla_jobs.leasing).
-        implementation = getattr(queue, name, None) or getattr(leasing, name)
+        # The queue's operations, leasing's (sqla_jobs.leasing) or workflows'.
+        implementation = (
+            getattr(queue, name, None) or getattr(leasing, name, None) or getattr(workflows, name)
+        )
         assert wrapper.__wrapped__ is implementation is getattr(sqla_jobs, name)
 
 

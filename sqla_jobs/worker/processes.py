@@ -443,8 +443,8 @@ class _ChildFlag:
 def _no_columns(job: ClaimedJob, session: object, read: object = None) -> Any:
     raise ConfigurationError(
         f"task {job.task!r} runs in a child process, which has no database connection: "
-        "ctx.columns, ctx.dependency_results() and ctx.add_steps() are not available there; "
-        "pass what the handler needs in the job's args"
+        "ctx.columns is not available there (nor ctx.dependency_results() or "
+        "ctx.add_steps()); pass what the handler needs in the job's args"
     )
 
 
