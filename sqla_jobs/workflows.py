@@ -164,8 +164,7 @@ class Workflow:
                 f"step {name!r} is a {model.__name__}, the others are "
                 f"{self._model.__name__}: a workflow's steps share one job model",
             )
-        state = inspect(job)
-        if not state.transient or job.__dict__.get("id") is not None:
+        if not _is_new(job) or job.__dict__.get("id") is not None:
             raise InvalidWorkflowError("job", f"step {name!r}'s job is not a new job row")
         if len(self._steps) >= MAX_STEPS:
             raise InvalidWorkflowError("steps", f"a workflow writes at most {MAX_STEPS} steps")
@@ -192,6 +191,12 @@ class Workflow:
             raise InvalidWorkflowError("steps", "a group needs at least one step")
         names = (after,) if isinstance(after, str) else tuple(after)
         return [self.add(name, job, after=names) for name, job in steps.items()]
+
+
+def _is_new(row: object) -> bool:
+    """Whether ``row`` (a mapped instance) is transient: in no session, never written."""
+    state: Any = inspect(row)  # (an InstanceState; Optional in the lowest SQLAlchemy's stubs)
+    return bool(state.transient)
 
 
 def _label(name: object) -> str:
@@ -297,7 +302,7 @@ def enqueue_workflow(
     workflow_model = model.workflow_model  # type: ignore[attr-defined]
     if workflow is None:
         workflow = workflow_model()
-    elif type(workflow) is not workflow_model or not inspect(workflow).transient:
+    elif type(workflow) is not workflow_model or not _is_new(workflow):
         raise InvalidWorkflowError(
             "workflow", f"must be a new {workflow_model.__name__}, not {workflow!r}"
         )

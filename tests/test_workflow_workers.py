@@ -106,7 +106,7 @@ def test_a_worker_runs_workflows_woken_step_by_step(queue_engine: sa.Engine, mod
         ).all()
         orders = connection.scalar(sa.text("SELECT count(*) FROM orders"))
     assert early == 0
-    assert totals == [(4 + 3, 0), (4 + 6, 0)]
+    assert [tuple(row) for row in totals] == [(4 + 3, 0), (4 + 6, 0)]
     assert orders == (2 if mode == "lock" else 0)  # a lock-mode step's writes commit with it
 
 

@@ -427,7 +427,7 @@ def test_pruning_keeps_running_workflows_and_deletes_finished_ones_whole(
         left = connection.execute(
             sa.text("SELECT workflow_id, count(*) FROM order_jobs GROUP BY 1")
         ).all()
-    assert left == [(running.id, 4)]
+    assert [tuple(row) for row in left] == [(running.id, 4)]
     assert done.id != running.id
 
 
@@ -483,8 +483,8 @@ def test_concurrent_claimers_run_every_step_after_its_dependencies(
         steps = connection.execute(
             sa.text("SELECT status, count(*) FROM order_jobs GROUP BY 1")
         ).all()
-    assert flows == [("succeeded", 0, 0, 40)]
-    assert steps == [("succeeded", 30 * 4 + 10 * 21)]
+    assert [tuple(row) for row in flows] == [("succeeded", 0, 0, 40)]
+    assert [tuple(row) for row in steps] == [("succeeded", 30 * 4 + 10 * 21)]
     assert early == 0
 
 

@@ -89,7 +89,11 @@ def create_workflow_table(
         sa.Column("steps_left", sa.Integer(), server_default=sa.text("0"), nullable=False),
         sa.Column("steps_failed", sa.Integer(), server_default=sa.text("0"), nullable=False),
         sa.Column("unique_key", sa.String(_UNIQUE_KEY_LENGTH), nullable=True),
-        sa.Column("trace_context", JSONB(), nullable=True),
+        sa.Column(
+            "trace_context",
+            JSONB(),  # type: ignore[no-untyped-call, unused-ignore]
+            nullable=True,
+        ),
         sa.Column(
             "created_at",
             sa.DateTime(timezone=True),
