@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from conftest import FreshDatabase
+from in_process import PATIENCE, running
 from models import EmailJob, Order, OrderJob, OrderWorkflow
 from no_sql import no_sql
 from opentelemetry.sdk.trace import TracerProvider
@@ -640,3 +643,49 @@ def test_a_model_of_steps_needs_a_workflow_model_and_keeps_its_rows() -> None:
                 (StepMixin, JobMixin, Base),
                 {"__tablename__": f"refused_{option}", "workflow_model": Flows, option: True},
             )
+
+
+def test_steps_keep_their_queue_limits(queue_engine: sa.Engine) -> None:
+    flow = Workflow()
+    root = flow.add("root", job("root"))
+    flow.group({f"p{i}": OrderJob(task="part", queue="narrow") for i in range(6)}, after=root)
+    enqueue(queue_engine, flow)
+    [attempt] = claim(queue_engine)
+    complete(queue_engine, attempt)
+    with Session(queue_engine) as session, session.begin():
+        first = sqla_jobs.claim(
+            session, OrderJob, queues="narrow", limit=10, queue_limits={"narrow": 2}
+        )
+    assert len(first) == 2  # six runnable steps, two at a time
+    with Session(queue_engine) as session, session.begin():
+        assert (
+            sqla_jobs.claim(
+                session, OrderJob, queues="narrow", limit=10, queue_limits={"narrow": 2}
+            )
+            == []
+        )
+
+
+def test_a_step_past_its_time_limit_fails_and_cancels_what_follows(
+    queue_engine: sa.Engine,
+) -> None:
+    registry = Registry(OrderJob)
+
+    @registry.task
+    def slow(ctx: sqla_jobs.JobContext) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ctx.raise_if_cancelled()  # raises JobTimeoutError past the limit
+            time.sleep(0.05)
+
+    flow = Workflow()
+    first = flow.add(
+        "slow", OrderJob(task="slow", time_limit=timedelta(seconds=0.5), max_attempts=1)
+    )
+    flow.add("after", OrderJob(task="slow"), after=first)
+    written = enqueue(queue_engine, flow)
+    sessions = sessionmaker(queue_engine)
+    with running(registry, queue_engine):
+        status = wait_for_workflow(sessions, OrderWorkflow, written.id, timeout=PATIENCE)
+    assert status is WorkflowStatus.FAILED
+    assert statuses(queue_engine, written.id) == {"slow": "dead", "after": "cancelled"}
