@@ -201,17 +201,20 @@ class JobContext:
         else in a transaction of its own."""
         return self._in_session(lambda job, session: dependency_results(session, job))
 
-    def add_steps(self, flow: Workflow, *, then: Iterable[str] = ()) -> dict[str, int]:
+    def add_steps(
+        self, flow: Workflow, *, then: Iterable[str] = (), exist_ok: bool = False
+    ) -> dict[str, int]:
         """Add ``flow``'s steps to this step's workflow (see :func:`sqla_jobs.add_steps`):
         they run after this step succeeded, and the steps named in ``then`` wait for them
         too. In lock mode through :attr:`session` (they exist if this job's transaction
         commits); in lease mode in a transaction of its own, fenced by this attempt
         (:class:`~sqla_jobs.errors.LeaseLostError` once it lost the job). Returns each new
-        step's job id by name."""
+        step's job id by name. ``exist_ok=True`` makes a retried attempt find the steps an
+        earlier attempt added instead of refusing them (see :func:`sqla_jobs.add_steps`)."""
         names = tuple(then)
 
         def write(job: ClaimedJob, session: Session) -> dict[str, int]:
-            return add_steps(session, job, flow, then=names)
+            return add_steps(session, job, flow, then=names, exist_ok=exist_ok)
 
         return self._in_session(write)
 

@@ -350,6 +350,7 @@ def add_steps(
     flow: Workflow,
     *,
     then: Iterable[str] = (),
+    exist_ok: bool = False,
 ) -> dict[str, int]:
     """Add ``flow``'s steps to the workflow of running step ``job``, in ``session``'s
     transaction (in lock mode the claim's own, ``ctx.session``; in lease mode one of
@@ -363,6 +364,10 @@ def add_steps(
     Fenced by the attempt: :class:`~sqla_jobs.errors.LeaseLostError` if it no longer holds
     the job. Runs in a savepoint and flushes the new steps: a refusal writes nothing and
     leaves the caller's transaction usable.
+
+    ``exist_ok``: when the workflow already has every step of ``flow`` by name (an earlier
+    attempt of this lease-mode step added them, then failed or lost its worker), add
+    nothing and return their ids; some but not all of them is still refused.
     """
     model = flow.model
     if job.model is not model:
@@ -372,6 +377,23 @@ def add_steps(
     names = [_checked(validation.check_name, "then", name) for name in then]
     table = job_table_of(model)
     workflow_table = model.workflow_model.__table__  # type: ignore[attr-defined]
+    if exist_ok:
+        found = {
+            row.step: row.id
+            for row in queries.ADDED_STEPS.rows(
+                session,
+                job_table_of(model),
+                {"job_id": job.id, "attempt": job.attempt, "names": list(flow._steps)},
+            )
+        }
+        if len(found) == len(flow):
+            return {name: found[name] for name in flow._steps}
+        if found:
+            raise InvalidWorkflowError(
+                "name",
+                f"job {job.id}'s workflow has {sorted(found)} of these steps but not the "
+                "others: exist_ok takes all of them or none",
+            )
     # In a savepoint: a refusal once rows were read (a lost lease, a ``then`` step that is
     # not waiting, a name the workflow has) leaves the caller's transaction as it was.
     with session.begin_nested():

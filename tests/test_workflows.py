@@ -689,3 +689,39 @@ def test_a_step_past_its_time_limit_fails_and_cancels_what_follows(
         status = wait_for_workflow(sessions, OrderWorkflow, written.id, timeout=PATIENCE)
     assert status is WorkflowStatus.FAILED
     assert statuses(queue_engine, written.id) == {"slow": "dead", "after": "cancelled"}
+
+
+def test_a_retried_step_finds_the_steps_an_earlier_attempt_added(
+    queue_engine: sa.Engine,
+) -> None:
+    flow = Workflow()
+    split = flow.add("split", job("split"))
+    flow.add("merge", job("merge"), after=split)
+    written = enqueue(queue_engine, flow)
+
+    def parts(*names: str) -> Workflow:
+        more = Workflow()
+        for name in names:
+            more.add(name, job("part"))
+        return more
+
+    [first] = claim(queue_engine)
+    with Session(queue_engine) as session, session.begin():
+        added = add_steps(session, first, parts("p0", "p1"), then=["merge"])
+    with queue_engine.begin() as connection:  # its worker died: the lease runs out
+        connection.execute(
+            sa.text("UPDATE order_jobs SET lease_expires_at = now() - interval '1 hour'")
+        )
+    [retried] = claim(queue_engine)
+    assert retried.id == first.id
+    with Session(queue_engine) as session, session.begin():
+        with pytest.raises(InvalidWorkflowError, match="already a step"):
+            add_steps(session, retried, parts("p0", "p1"), then=["merge"])
+        assert add_steps(session, retried, parts("p0", "p1"), exist_ok=True) == added
+        with pytest.raises(InvalidWorkflowError, match="all of them or none"):
+            add_steps(session, retried, parts("p0", "p2"), exist_ok=True)
+    row = workflow(queue_engine, written.id)
+    assert (row.steps_total, row.steps_left) == (4, 4)  # nothing added twice
+    complete(queue_engine, retried)
+    assert run_all(queue_engine) == ["part", "part", "merge"]
+    assert workflow(queue_engine, written.id).status == "succeeded"

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Text,
     TextClause,
     Update,
+    and_,
     bindparam,
     delete,
     func,
@@ -43,6 +44,7 @@ from sqla_jobs.schema import JobStatus
 from sqla_jobs.schema.workflows import WorkflowStatus
 
 __all__ = [
+    "ADDED_STEPS",
     "ADD_STEPS_FENCE",
     "CANCEL_WAITING_STEPS",
     "DEPENDENCY_RESULTS",
@@ -207,6 +209,30 @@ def add_steps_fence(table: Table, *, workflow: Table) -> Select[Any]:
         .cte("counted")
     )
     return select(counted.c.id.label("workflow_id"))
+
+
+def added_steps(table: Table) -> Select[Any]:
+    """The steps named ``:names`` of the workflow of attempt ``(:job_id, :attempt)``
+    (fenced: none when it no longer holds its job): ``step, id``. What a retried step finds
+    of the steps an earlier attempt of it added. Through the primary key and the step
+    index."""
+    this = table.alias("this")
+    return (
+        select(table.c.step, table.c.id)
+        .select_from(this)
+        .join(
+            table,
+            and_(
+                table.c.workflow_id == this.c.workflow_id,
+                table.c.step == func.any(bindparam("names", type_=ARRAY(String))),
+            ),
+        )
+        .where(
+            this.c.id == bindparam("job_id", type_=BigInteger),
+            this.c.attempts == bindparam("attempt", type_=Integer),
+            this.c.status == _lit(JobStatus.RUNNING),
+        )
+    )
 
 
 def wait_for_new_steps(table: Table) -> Update:
@@ -377,6 +403,17 @@ class WaitForParams(TypedDict):
     last_steps: list[int]
 
 
+class AddedParams(TypedDict):
+    job_id: int
+    attempt: int
+    names: list[str]
+
+
+class AddedRow(NamedTuple):
+    step: str
+    id: int
+
+
 class StepRow(NamedTuple):
     id: int
     step: str
@@ -430,6 +467,7 @@ REQUEST_STEP_CANCELS: Final = Query(request_step_cancels, WorkflowIdParams, Canc
 CANCEL_WAITING_STEPS: Final = Query(cancel_waiting_steps, WorkflowIdParams, IdRow)
 ADD_STEPS_FENCE: Final = Query(add_steps_fence, AddStepsParams, WorkflowRow)
 WAIT_FOR_NEW_STEPS: Final = Query(wait_for_new_steps, WaitForParams, StepRow)
+ADDED_STEPS: Final = Query(added_steps, AddedParams, AddedRow)
 DEPENDENCY_RESULTS: Final = Query(dependency_results, JobIdParams, DependencyRow)
 STEPS: Final = Query(steps, WorkflowIdParams, StepStateRow)
 PRUNE_WORKFLOWS: Final = Query(prune_workflows, PruneParams, IdRow)
