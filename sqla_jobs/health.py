@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
-from typing import Any, Final, overload
+from typing import Any, Final, Generic, TypeVar, overload
+
+from sqlalchemy import Connection
 
 from sqla_jobs._queries.admin import OLDEST_XMIN, STATEMENT_TIMEOUT, TABLE_STATS
 from sqla_jobs._queries.history import DATABASE_NOW
@@ -445,45 +447,94 @@ class GaugeCache:
         self.fair_shares = _fair_shares(model, fair_shares)
         self.max_age = float(max_age)
         self.timeout = float(timeout)
+        shares = self.fair_shares
+        self._reads = CachedRead(
+            engine,
+            lambda connection: read_gauges(connection, model, fair_shares=shares),
+            max_age=self.max_age,
+            timeout=self.timeout,
+            what="the gauges",
+        )
+
+    def read(self) -> GaugeReading:
+        gauges, error, age = self._reads.read(time.monotonic() + self.timeout)
+        return GaugeReading(gauges, age, error)
+
+
+_T = TypeVar("_T")
+
+
+class CachedRead(Generic[_T]):
+    """The rules of :class:`GaugeCache`, for any read: ``read(connection)`` on a connection
+    of ``engine``'s pool, at most once per ``max_age`` seconds, in a thread of its own,
+    under a ``statement_timeout`` of ``timeout``; concurrent callers share one read, and a
+    caller never waits past its deadline: it gets the last value read (None before the
+    first), how old it is, and the last attempt's error (``"reading <what> took more
+    than ...``" when it did not finish in time). Thread-safe. The metrics' workflow gauges
+    use it beside :class:`GaugeCache`."""
+
+    def __init__(
+        self,
+        engine: Any,
+        read: Callable[[Connection], _T],
+        *,
+        max_age: float,
+        timeout: float,
+        what: str,
+    ) -> None:
+        self.engine = engine
+        self.max_age = max_age
+        self.timeout = timeout
+        self._read = read
+        self._what = what
         self._lock = threading.Lock()
-        self._gauges: Gauges | None = None
+        self._value: _T | None = None
         self._taken = 0.0
         self._error: str | None = None
         self._done: threading.Event | None = None
 
-    def read(self) -> GaugeReading:
+    def start(self) -> threading.Event | None:
+        """Begin a read unless the value is fresh (or one is under way); what to wait on
+        (None: fresh)."""
         with self._lock:
-            fresh = self._gauges is not None and time.monotonic() - self._taken < self.max_age
-            if not fresh:
-                if self._done is None:
-                    self._done = threading.Event()
-                    threading.Thread(
-                        target=self._refresh,
-                        args=(self._done,),
-                        name="sqla-jobs-gauges",
-                        daemon=True,
-                    ).start()
-                done = self._done
-        if not fresh and not done.wait(self.timeout):
+            if self._value is not None and time.monotonic() - self._taken < self.max_age:
+                return None
+            if self._done is None:
+                self._done = threading.Event()
+                threading.Thread(
+                    target=self._refresh,
+                    args=(self._done,),
+                    # sqla-jobs-gauges, sqla-jobs-workflow-gauges
+                    name="sqla-jobs-" + self._what.removeprefix("the ").replace(" ", "-"),
+                    daemon=True,
+                ).start()
+            return self._done
+
+    def read(self, deadline: float) -> tuple[_T | None, str | None, float | None]:
+        """The value, the last error and the value's age (seconds; None before the first
+        value), waiting for a read under way until ``deadline`` (``time.monotonic()``) at
+        most."""
+        done = self.start()
+        if done is not None and not done.wait(max(deadline - time.monotonic(), 0.0)):
             with self._lock:
-                self._error = f"reading the gauges took more than {self.timeout:g}s"
+                self._error = f"reading {self._what} took more than {self.timeout:g}s"
         with self._lock:
-            age = None if self._gauges is None else time.monotonic() - self._taken
-            return GaugeReading(self._gauges, age, self._error)
+            age = None if self._value is None else time.monotonic() - self._taken
+            return self._value, self._error, age
 
     def _refresh(self, done: threading.Event) -> None:
         try:
             with self.engine.connect() as connection, connection.begin():
                 millis = max(1, round(self.timeout * 1000))
                 STATEMENT_TIMEOUT.one(connection, None, {"timeout": f"{millis}ms"})
-                gauges = read_gauges(connection, self.model, fair_shares=self.fair_shares)
+                value = self._read(connection)
         except Exception as exc:
             with self._lock:
                 self._error = describe(exc)
                 self._done = None
         else:
             with self._lock:
-                self._gauges, self._taken, self._error = gauges, time.monotonic(), None
+                self._value, self._taken, self._error = value, time.monotonic(), None
                 self._done = None
         finally:
             done.set()

@@ -28,17 +28,15 @@ import threading
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Table
 
-from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
 from sqla_jobs._queries.dashboard import WORKFLOW_GAUGES
-from sqla_jobs.events import describe
-from sqla_jobs.health import GaugeCache, QueueGauges
+from sqla_jobs.health import CachedRead, GaugeCache, QueueGauges
 from sqla_jobs.observer import Finish, Observer
 from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.queue.rating import DEFAULT_TOP_TENANTS, NO_TENANT, tenant_text
@@ -254,72 +252,6 @@ def fold_queues(queues: Sequence[QueueGauges], labels: LabelValues) -> list[Queu
     return list(folded.values())
 
 
-_T = TypeVar("_T")
-
-
-class _CachedRead(Generic[_T]):
-    """``read`` on a connection of ``engine``'s pool under :class:`GaugeCache`'s rules: at
-    most once per ``max_age`` seconds, in a thread of its own, under a
-    ``statement_timeout`` of ``timeout``; a caller never waits past its deadline, and gets
-    the last value read (None before the first) with the last attempt's error."""
-
-    def __init__(
-        self, engine: Any, read: Callable[[Connection], _T], *, max_age: float, timeout: float
-    ) -> None:
-        self.engine = engine
-        self._read = read
-        self.max_age = max_age
-        self.timeout = timeout
-        self._lock = threading.Lock()
-        self._value: _T | None = None
-        self._taken = 0.0
-        self._error: str | None = None
-        self._done: threading.Event | None = None
-
-    def start(self) -> threading.Event | None:
-        """Begin a read unless the value is fresh (or one is under way); what to wait on
-        (None: fresh)."""
-        with self._lock:
-            if self._value is not None and time.monotonic() - self._taken < self.max_age:
-                return None
-            if self._done is None:
-                self._done = threading.Event()
-                threading.Thread(
-                    target=self._refresh,
-                    args=(self._done,),
-                    name="sqla-jobs-workflow-gauges",
-                    daemon=True,
-                ).start()
-            return self._done
-
-    def read(self, deadline: float) -> tuple[_T | None, str | None]:
-        """The value and the last error, waiting for a read under way until ``deadline``
-        (``time.monotonic()``) at most."""
-        done = self.start()
-        if done is not None and not done.wait(max(deadline - time.monotonic(), 0.0)):
-            with self._lock:
-                self._error = f"reading the workflow gauges took more than {self.timeout:g}s"
-        with self._lock:
-            return self._value, self._error
-
-    def _refresh(self, done: threading.Event) -> None:
-        try:
-            with self.engine.connect() as connection, connection.begin():
-                millis = max(1, round(self.timeout * 1000))
-                STATEMENT_TIMEOUT.one(connection, None, {"timeout": f"{millis}ms"})
-                value = self._read(connection)
-        except Exception as exc:
-            with self._lock:
-                self._error = describe(exc)
-                self._done = None
-        else:
-            with self._lock:
-                self._value, self._taken, self._error = value, time.monotonic(), None
-                self._done = None
-        finally:
-            done.set()
-
-
 @dataclass(frozen=True, slots=True)
 class _WorkflowCounts:
     """The workflows of each status (every status, 0 for none), and the waiting steps of
@@ -355,18 +287,19 @@ class GaugeCollector(Collector):
     def __init__(self, cache: GaugeCache, labels: LabelValues | None = None) -> None:
         self.cache = cache
         self.labels = labels if labels is not None else LabelValues()
-        self._workflows: _CachedRead[_WorkflowCounts] | None = None
+        self._workflows: CachedRead[_WorkflowCounts] | None = None
         self._workflow_table: str | None = None
         model = cache.model
         if has_steps(model):
             workflow = check_step_model(model)
             table: Table = model.__table__  # type: ignore[attr-defined]
             self._workflow_table = workflow.fullname
-            self._workflows = _CachedRead(
+            self._workflows = CachedRead(
                 cache.engine,
                 lambda connection: _read_workflows(table, workflow, connection),
                 max_age=cache.max_age,
                 timeout=cache.timeout,
+                what="the workflow gauges",
             )
 
     def collect(self) -> Iterator[Any]:
@@ -376,7 +309,7 @@ class GaugeCollector(Collector):
         reading = self.cache.read()
         flows, flows_error = (None, None)
         if self._workflows is not None:
-            flows, flows_error = self._workflows.read(deadline)
+            flows, flows_error, _ = self._workflows.read(deadline)
         up = GaugeMetricFamily(
             "sqla_jobs_gauges_up", "1 if the last read of the health gauges succeeded."
         )
