@@ -801,17 +801,7 @@ class _Dashboard:
             counts[step.status] = counts.get(step.status, 0) + 1
         names = {step.id: step.step or f"#{step.id}" for step in steps}
         drawn = graph.layout(steps)
-        listed = {
-            "id",
-            "name",
-            "status",
-            "steps_total",
-            "steps_left",
-            "steps_failed",
-            "created_at",
-            "cancel_requested_at",
-            "finished_at",
-        }
+        listed = frozenset(statements.WORKFLOW_COLUMNS)  # the rest are the model's own
         return self.render(
             request,
             "workflow.html",
