@@ -19,7 +19,6 @@ Each figure a run of each variant, side by side, the order rotating from run to 
 
 from __future__ import annotations
 
-import time
 from typing import Final
 
 import sqlalchemy as sa
@@ -29,8 +28,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqla_jobs.bench import scratch
 from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.bench.results import Config, Results
-from sqla_jobs.bench.tasks import LEASE_SECONDS
-from sqla_jobs.queue import claim, complete_many
 from sqla_jobs.schema import JobMixin
 from sqla_jobs.schema.fair import fair_index
 from sqla_jobs.validation import FairShare
@@ -123,31 +120,10 @@ def _clear(engine: sa.Engine) -> None:
 
 
 def _drain(engine: sa.Engine, batch: int, count: int, *, fair: bool) -> float:
-    """Claims of ``batch`` (fair ones: ``fair``) and the complete_many of what each took, a
-    transaction each, on one Core connection, until a claim comes back empty: jobs/s (all
-    ``count`` must be done)."""
+    """:func:`~sqla_jobs.bench.scratch.drain` of the section's queue, by fair claims
+    (``fair``) or plain ones: jobs/s."""
     shares = _SHARES if fair else None
-    done = 0
-    with engine.connect() as connection:
-        started = time.perf_counter()
-        while True:
-            with connection.begin():
-                jobs = claim(
-                    connection,
-                    FairBenchJob,
-                    queues=_QUEUE,
-                    limit=batch,
-                    lease=LEASE_SECONDS,
-                    fair_shares=shares,
-                )
-            if not jobs:
-                break
-            with connection.begin():
-                done += len(jobs) - len(complete_many(connection, jobs))
-        elapsed = time.perf_counter() - started
-    if done != count:
-        raise RuntimeError(f"claimed and completed {done} of {count} jobs")
-    return done / elapsed
+    return scratch.drain(engine, FairBenchJob, _QUEUE, batch, count, fair_shares=shares)
 
 
 def _first_claims(engine: sa.Engine) -> int:

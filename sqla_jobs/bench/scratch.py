@@ -20,12 +20,16 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from sqla_jobs.bench import statements as bench_sql
+from sqla_jobs.bench.tasks import LEASE_SECONDS
 from sqla_jobs.models import Job, JobResult
+from sqla_jobs.queue import claim, complete_many
 
 __all__ = [
     "RESULTS",
     "TABLE",
+    "claim_cycle",
     "db_now",
+    "drain",
     "engine",
     "fill",
     "peak_rss",
@@ -124,3 +128,36 @@ def scratch_database(server_url: str, stack: contextlib.ExitStack) -> str:
 
     stack.callback(drop)
     return make_url(server_url).set(database=name).render_as_string(hide_password=False)
+
+
+def claim_cycle(
+    connection: sa.Connection, model: type[Any], queue: str, batch: int, **options: Any
+) -> tuple[int, int]:
+    """A claim of ``batch`` jobs of ``queue`` (``options``: the claim's other arguments,
+    such as ``fair_shares``) and the ``complete_many`` of what it took, a transaction each
+    on ``connection``: how many it claimed and how many it completed."""
+    with connection.begin():
+        jobs = claim(connection, model, queues=queue, limit=batch, lease=LEASE_SECONDS, **options)
+    if not jobs:
+        return 0, 0
+    with connection.begin():
+        return len(jobs), len(jobs) - len(complete_many(connection, jobs))
+
+
+def drain(
+    engine: sa.Engine, model: type[Any], queue: str, batch: int, count: int, **options: Any
+) -> float:
+    """:func:`claim_cycle` on one Core connection until a claim comes back empty: jobs/s
+    (RuntimeError unless all ``count`` were done)."""
+    done = 0
+    with engine.connect() as connection:
+        started = time.perf_counter()
+        while True:
+            claimed, completed = claim_cycle(connection, model, queue, batch, **options)
+            if not claimed:
+                break
+            done += completed
+        elapsed = time.perf_counter() - started
+    if done != count:
+        raise RuntimeError(f"claimed and completed {done} of {count} jobs")
+    return done / elapsed

@@ -47,8 +47,6 @@ from sqlalchemy.orm import DeclarativeBase, Session
 from sqla_jobs.bench import scratch
 from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.bench.results import Config, Results
-from sqla_jobs.bench.tasks import LEASE_SECONDS
-from sqla_jobs.queue import claim, complete_many
 from sqla_jobs.schema import JobMixin
 from sqla_jobs.workflows import StepMixin, Workflow, WorkflowMixin, enqueue_workflow
 
@@ -149,26 +147,6 @@ def _write_plain(engine: sa.Engine, count: int) -> float:
     return time.perf_counter() - started
 
 
-def _drain(engine: sa.Engine, model: _JobModel, batch: int, count: int) -> float:
-    """Claims of ``batch`` and the complete_many of what each took, a transaction each, on
-    one Core connection, until a claim comes back empty: jobs/s (all ``count`` must be
-    done)."""
-    done = 0
-    with engine.connect() as connection:
-        started = time.perf_counter()
-        while True:
-            with connection.begin():
-                jobs = claim(connection, model, queues=_QUEUE, limit=batch, lease=LEASE_SECONDS)
-            if not jobs:
-                break
-            with connection.begin():
-                done += len(jobs) - len(complete_many(connection, jobs))
-        elapsed = time.perf_counter() - started
-    if done != count:
-        raise RuntimeError(f"claimed and completed {done} of {count} jobs")
-    return done / elapsed
-
-
 def _check_succeeded(engine: sa.Engine, workflow_id: int) -> None:
     """The drained workflow ended succeeded, with no step left: the trigger counted every
     step."""
@@ -195,7 +173,7 @@ def _create_and_drain(cfg: Config, results: Results, engine: sa.Engine, turn: in
         timed.higher_is_better = False
         timed.extra["jobs"] = steps
         _vacuum(engine, _STEPS)
-        value = _drain(engine, StepBenchJob, cfg.batch, steps)
+        value = scratch.drain(engine, StepBenchJob, _QUEUE, cfg.batch, steps)
         if graph:
             _check_succeeded(engine, workflow_id)
         ceiling = "workflows.drain.fan_out.plain" if graph else None
@@ -214,7 +192,7 @@ def _chain_drain(cfg: Config, results: Results, engine: sa.Engine, turn: int) ->
             _write_plain(engine, steps)
         _vacuum(engine, _STEPS)
         batch = cfg.batch if chain else 1
-        value = _drain(engine, StepBenchJob, batch, steps)
+        value = scratch.drain(engine, StepBenchJob, _QUEUE, batch, steps)
         if chain:
             _check_succeeded(engine, workflow_id)
         label, ceiling = ("", "workflows.drain.chain.plain") if chain else (".plain", None)
@@ -243,13 +221,10 @@ def _lockstep(engine: sa.Engine, batch: int, count: int) -> dict[_JobModel, floa
             claimed = 0
             for model in models if turn % 2 == 0 else models[::-1]:
                 started = time.perf_counter()
-                with connection.begin():
-                    jobs = claim(connection, model, queues=_QUEUE, limit=batch, lease=LEASE_SECONDS)
-                if jobs:
-                    with connection.begin():
-                        done[model] += len(jobs) - len(complete_many(connection, jobs))
+                took, completed = scratch.claim_cycle(connection, model, _QUEUE, batch)
                 spent[model] += time.perf_counter() - started
-                claimed += len(jobs)
+                done[model] += completed
+                claimed += took
             if not claimed:
                 break
     for model in models:
