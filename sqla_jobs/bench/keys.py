@@ -41,24 +41,11 @@ _CLAIMERS: Final = 4
 def _cycle(
     connection: sa.Connection, batch: int, *, keys: bool, queue_limits: dict[str, int] | None
 ) -> tuple[int, int]:
-    """One claim of ``batch`` and the complete_many of what it took, a transaction each, on
-    a Core connection, as the worker's fetch loop and outcome writer run them (the
-    statements' driver path, :func:`sqla_jobs.queue._plumbing._rows`): how many jobs were
-    claimed, and how many of them completed."""
-    with connection.begin():
-        jobs = claim(
-            connection,
-            Job,
-            queues=Q_KEYS,
-            limit=batch,
-            lease=LEASE_SECONDS,
-            keys=keys,
-            queue_limits=queue_limits,
-        )
-    if not jobs:
-        return 0, 0
-    with connection.begin():
-        return len(jobs), len(jobs) - len(complete_many(connection, jobs))
+    """One claim of ``batch`` of the keyed queue and the complete_many of what it took
+    (:func:`~sqla_jobs.bench.scratch.claim_cycle`), as the worker's fetch loop and outcome
+    writer run them (the statements' driver path, :func:`sqla_jobs.queue._plumbing._rows`):
+    how many jobs were claimed, and how many of them completed."""
+    return scratch.claim_cycle(connection, Job, Q_KEYS, batch, keys=keys, queue_limits=queue_limits)
 
 
 def _claim_throughput(
@@ -66,19 +53,8 @@ def _claim_throughput(
 ) -> float:
     """The library's batched claim + complete_many (:func:`_cycle`), in this process, on one
     connection, until a claim comes back empty: jobs/s (all ``count`` must be done)."""
-    done = 0
     queue_limits = {Q_KEYS: batch} if queue_limited else None
-    with engine.connect() as connection:
-        started = time.perf_counter()
-        while True:
-            claimed, completed = _cycle(connection, batch, keys=keys, queue_limits=queue_limits)
-            if not claimed:
-                break
-            done += completed
-        elapsed = time.perf_counter() - started
-    if done != count:
-        raise RuntimeError(f"claimed and completed {done} of {count} jobs")
-    return done / elapsed
+    return scratch.drain(engine, Job, Q_KEYS, batch, count, keys=keys, queue_limits=queue_limits)
 
 
 def _concurrent_throughput(engine: sa.Engine, batch: int, count: int, *, keys: bool) -> float:
