@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 
 from sqla_jobs.errors import EmbeddedPostgresError
 
@@ -31,32 +32,40 @@ def is_root() -> bool:
 
 
 def ensure_os_user(name: str) -> tuple[int, int]:
-    """Return the uid and gid of OS user ``name``, creating it (as root) when missing."""
-    import pwd  # POSIX only
+    """Return the uid and gid of OS user ``name``, creating it (as root) when missing.
 
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        useradd = shutil.which("useradd") or "/usr/sbin/useradd"
-        result = subprocess.run(
-            [
-                useradd,
-                "--system",
-                "--user-group",
-                "--no-create-home",
-                "--shell",
-                "/bin/false",
-                name,
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        try:  # another process may have created it meanwhile: look again either way
+    Processes that start servers at once (test workers, say) take turns, under an exclusive
+    lock of a file beside the temporary files: two ``useradd`` runs at once have been seen to
+    leave one of them holding a uid that the other's write of ``/etc/passwd`` took away."""
+    import fcntl  # POSIX only
+    import pwd
+
+    lock_path = os.path.join(tempfile.gettempdir(), "sqla_jobs_useradd.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
             entry = pwd.getpwnam(name)
         except KeyError:
-            raise EmbeddedPostgresError(
-                f"PostgreSQL cannot run as root and creating the OS user {name!r} failed: "
-                f"{one_line(result.stderr) or f'useradd exited {result.returncode}'}"
-            ) from None
+            useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+            result = subprocess.run(
+                [
+                    useradd,
+                    "--system",
+                    "--user-group",
+                    "--no-create-home",
+                    "--shell",
+                    "/bin/false",
+                    name,
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            try:
+                entry = pwd.getpwnam(name)
+            except KeyError:
+                raise EmbeddedPostgresError(
+                    f"PostgreSQL cannot run as root and creating the OS user {name!r} failed: "
+                    f"{one_line(result.stderr) or f'useradd exited {result.returncode}'}"
+                ) from None
     return entry.pw_uid, entry.pw_gid

@@ -33,6 +33,8 @@ from sqlalchemy.exc import IntegrityError
 from sqla_jobs import tracing, validation
 from sqla_jobs._queries import workflows as queries
 from sqla_jobs._queries.run import Executor, job_table_of, result_table_of
+from sqla_jobs._queries.variant import tables_of
+from sqla_jobs._queries.workflows import StepState
 from sqla_jobs.errors import (
     ConfigurationError,
     InvalidWorkflowError,
@@ -481,41 +483,15 @@ def cancel_workflow(session: Executor, model: type[JobMixin], workflow_id: int) 
     return WorkflowStatus(status.status)
 
 
-class StepState(NamedTuple):
-    """A step as :func:`workflow_steps` reads it."""
-
-    id: int
-    step: str
-    task: str
-    queue: str
-    status: str
-    attempts: int
-    max_attempts: int
-    depends_on: list[int]
-    waiting_for: int | None
-    if_dependency_fails: str
-    blocked_by: int | None
-    run_at: Any
-    attempted_at: Any
-    finished_at: Any
-    last_error: str | None
-
-
 def workflow_steps(session: Executor, model: type[JobMixin], workflow_id: int) -> list[StepState]:
     """The steps of workflow ``workflow_id`` (of job model ``model``) in the order they were
-    added, each with its status and its dependencies' ids: the graph, as it stands."""
+    added, each with its status and its dependencies' ids: the graph, as it stands. For a
+    model with a partitioned history, an ended workflow's steps are read from the history
+    once the mover took them there."""
     validation.check_job_id("workflow_id", workflow_id)
     table, _ = _tables(model)
-    return [
-        StepState(
-            *row[:7],
-            row.depends_on or [],
-            row.waiting_for,
-            row.if_dependency_fails or "cancel",
-            *row[10:],
-        )
-        for row in queries.STEPS.rows(session, table, {"flow_id": workflow_id})
-    ]
+    history = tables_of(model).history
+    return queries.STEPS.rows(session, table, {"flow_id": workflow_id}, history=history)
 
 
 def dependency_results(session: Executor, job: ClaimedJob) -> dict[str, Any]:

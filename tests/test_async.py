@@ -18,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 import worker_tasks
 from conftest import FreshDatabase, async_url
+from ledger_models import LedgerJob, LedgerJobResult, LedgerWorkflow
 from models import (
     ArchiveJob,
     EmailJob,
@@ -49,6 +50,7 @@ from sqla_jobs import (
     workflows,
 )
 from sqla_jobs import _queries as statements
+from sqla_jobs._queries import history as history_queries
 from sqla_jobs._queries import workflows as workflow_queries
 from sqla_jobs._queries.run import Query
 from sqla_jobs.history import history_table
@@ -190,6 +192,9 @@ def _built_workflow_statements() -> Iterator[tuple[str, Any]]:
         "table": OrderJob.__table__,
         "workflow": OrderWorkflow.__table__,
         "results": OrderJobResult.__table__,
+        # A model with steps and a history (its history is read where an ended workflow's
+        # steps moved; the history's own statements of steps are built below).
+        "history": history_table(LedgerJob),
     }
     for name in workflow_queries.__all__:
         query = getattr(workflow_queries, name)
@@ -200,6 +205,23 @@ def _built_workflow_statements() -> Iterator[tuple[str, Any]]:
         positional = [p for p, v in parameters.items() if v.kind is v.POSITIONAL_OR_KEYWORD]
         keywords = {p: tables[p] for p, v in parameters.items() if v.kind is v.KEYWORD_ONLY}
         yield f"workflows.{name}", query.builder(*(tables[p] for p in positional), **keywords)
+    ledger: dict[str, Any] = {
+        "table": LedgerJob.__table__,
+        "result_table": LedgerJobResult.__table__,
+        "workflow": LedgerWorkflow.__table__,
+    }
+    for query in (
+        history_queries.SWEEP,
+        history_queries.STEP_WORKFLOW,
+        history_queries.BRING_BACK,
+        history_queries.PRUNE_ENDED_WORKFLOWS,
+    ):
+        parameters = inspect.signature(query.builder).parameters
+        assert set(parameters) <= set(ledger), f"{query.builder.__name__}: teach this test"
+        positional = [ledger[p] for p, v in parameters.items() if v.kind is v.POSITIONAL_OR_KEYWORD]
+        keywords = {p: ledger[p] for p, v in parameters.items() if v.kind is v.KEYWORD_ONLY}
+        yield f"history.{query.builder.__name__}[steps]", query.builder(*positional, **keywords)
+    yield "history.lock_workflow", history_queries.LOCK_WORKFLOW.builder(ledger["workflow"])
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
 from history_jobs import enqueue, where
+from ledger_models import LedgerJob, LedgerJobResult, LedgerWorkflow
 from models import ArchiveJob, ArchiveJobHistory, EmailJob
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import NullPool
@@ -648,21 +649,39 @@ def test_each_history_query_matches_its_statement() -> None:
 
     table: sa.Table = ArchiveJob.__table__  # type: ignore[assignment]
     sqla_jobs.history.history_table(ArchiveJob)  # the table the moves insert into
-    variants: dict[Any, list[dict[str, Any]]] = {
-        history_sql.COMPLETE: [{}, {"held": True}],
-        history_sql.SWEEP: [{"result_table": None}],
-        history_sql.MOVE_OUT_OF_DEFAULT: [{"day_partition": NAMES.partition(date(2026, 1, 1))}],
+    # A model with workflow steps and a history: its own statements.
+    steps: sa.Table = LedgerJob.__table__  # type: ignore[assignment]
+    flows: sa.Table = LedgerWorkflow.__table__  # type: ignore[assignment]
+    results: sa.Table = LedgerJobResult.__table__  # type: ignore[assignment]
+    variants: dict[Any, list[tuple[sa.Table | None, dict[str, Any]]]] = {
+        history_sql.COMPLETE: [(table, {}), (table, {"held": True})],
+        history_sql.SWEEP: [
+            (table, {"result_table": None}),
+            (steps, {"result_table": results, "workflow": flows}),
+        ],
+        history_sql.MOVE_OUT_OF_DEFAULT: [
+            (table, {"day_partition": NAMES.partition(date(2026, 1, 1))})
+        ],
+        history_sql.STEP_WORKFLOW: [(steps, {})],
+        history_sql.LOCK_WORKFLOW: [(flows, {})],
+        history_sql.BRING_BACK: [(steps, {}), (steps, {"result_table": results})],
+        history_sql.PRUNE_ENDED_WORKFLOWS: [(steps, {"workflow": flows})],
     }
     queries = [value for value in vars(history_sql).values() if isinstance(value, Query)]
+    default_table = {
+        True: table,  # a builder of the job table
+        False: None,  # of no table (the catalog's, the server's)
+    }
     built = [
-        query.statement(
-            table if "table" in inspect.signature(query.builder).parameters else None, **options
-        )
+        query.statement(on, **options)
         for query in queries
-        for options in variants.get(query, [{}])
+        for on, options in variants.get(
+            query,
+            [(default_table["table" in inspect.signature(query.builder).parameters], {})],
+        )
     ]
-    assert len(queries) == 15
-    assert len(built) == 16
+    assert len(queries) == 19
+    assert len(built) == 22
     # A record that misses a bind fails the same check.
     with pytest.raises(QueryDefinitionError, match=r"takes \['job_id'\]"):
         Query(history_sql.status_of, history_sql.SweepParams).statement(table)

@@ -42,6 +42,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import aggregate_order_by as _untyped_aggregate_order_by
 
 from sqla_jobs._queries.run import NoParams, Query
+from sqla_jobs._queries.workflows import workflow_steps_of
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.schema.workflows import WorkflowStatus
@@ -67,6 +68,7 @@ __all__ = [
     "WORKFLOW",
     "WORKFLOW_GAUGES",
     "WORKFLOW_GRAPH",
+    "WORKFLOW_GRAPH_COLUMNS",
     "BeforeParams",
     "FailureRow",
     "JobIdParams",
@@ -644,35 +646,36 @@ def workflow_record(
     return WORKFLOW.result(connection, workflow_table, {"flow_id": flow_id}).mappings().first()
 
 
-def workflow_graph(table: Table, *, limit: int) -> Any:
-    """The steps of workflow ``:flow_id``, the first ``limit`` in id order (the order they
-    were added): ``id, step, task, queue, status, attempts, max_attempts, depends_on,
-    if_dependency_fails, blocked_by, finished_at``, what the workflow's page draws.
+#: The columns of a workflow's steps that its page draws (:func:`workflow_graph`).
+WORKFLOW_GRAPH_COLUMNS: Final = (
+    "id",
+    "step",
+    "task",
+    "queue",
+    "status",
+    "attempts",
+    "max_attempts",
+    "depends_on",
+    "if_dependency_fails",
+    "blocked_by",
+    "finished_at",
+)
 
-    Through the step index only (``workflow_id, step WHERE workflow_id IS NOT NULL``): the
-    workflow's steps are read into a materialized CTE, which the primary key cannot serve, so
-    the plan never walks the job table in id order looking for them, whatever the
-    statistics. Narrow columns (no arguments, no error): a workflow of many steps costs
-    their index entries and rows, and sends at most ``limit`` of them.
+
+def workflow_graph(table: Table, *, limit: int, history: Table | None = None) -> Any:
+    """The steps of workflow ``:flow_id``, the first ``limit`` in id order (the order they
+    were added): the :data:`WORKFLOW_GRAPH_COLUMNS`, what the workflow's page draws; with
+    ``history``, from the history too (an ended workflow's steps, once moved).
+
+    Through the step index only (``workflow_id, step WHERE workflow_id IS NOT NULL``, and
+    the history's workflow index): the workflow's steps are read into a materialized CTE,
+    which the primary key cannot serve, so the plan never walks the job table in id order
+    looking for them, whatever the statistics. Narrow columns (no arguments, no error): a
+    workflow of many steps costs their index entries and rows, and sends at most ``limit``
+    of them.
     """
-    steps = (
-        select(
-            table.c.id,
-            table.c.step,
-            table.c.task,
-            table.c.queue,
-            table.c.status,
-            table.c.attempts,
-            table.c.max_attempts,
-            table.c.depends_on,
-            table.c.if_dependency_fails,
-            table.c.blocked_by,
-            table.c.finished_at,
-        )
-        .where(table.c.workflow_id == bindparam("flow_id", type_=BigInteger))
-        .cte("steps")
-        .prefix_with("MATERIALIZED")
-    )
+    found = workflow_steps_of(table, WORKFLOW_GRAPH_COLUMNS, history=history)
+    steps = select(*found.c).cte("steps").prefix_with("MATERIALIZED")
     return select(*steps.c).order_by(steps.c.id).limit(_int(_count("limit", limit)))
 
 
@@ -692,7 +695,7 @@ class WorkflowStepRow(NamedTuple):
     finished_at: datetime | str | None
 
 
-#: Option: ``limit``.
+#: Options: ``limit``, ``history``.
 WORKFLOW_GRAPH: Final = Query(workflow_graph, WorkflowIdParams, WorkflowStepRow)
 
 

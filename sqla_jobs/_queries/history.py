@@ -17,6 +17,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     Connection,
+    DateTime,
     Insert,
     Integer,
     Select,
@@ -32,11 +33,13 @@ from sqlalchemy import (
     insert,
     literal_column,
     null,
+    or_,
     select,
     text,
     union_all,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.sql.dml import ReturningDelete
 
 from sqla_jobs._queries._sql import FenceParams, _fenced_by_key, _fences, _lit, _now
 from sqla_jobs._queries.outcomes import JobIdParams
@@ -56,19 +59,24 @@ from sqla_jobs.schema.history import (
     history_table,
     hold_inserts,
 )
+from sqla_jobs.schema.workflows import WorkflowStatus
 
 __all__ = [
+    "BRING_BACK",
     "COMPLETE",
     "DATABASE_NOW",
     "DEFAULT_ROWS_BETWEEN",
     "DELETE_DEFAULT_BEFORE",
+    "LOCK_WORKFLOW",
     "MOVE_FINISHED",
     "MOVE_OUT_OF_DEFAULT",
     "PARTITIONS",
+    "PRUNE_ENDED_WORKFLOWS",
     "RECORD",
     "RETRY",
     "SET_LOCK_TIMEOUT",
     "STATUS_OF",
+    "STEP_WORKFLOW",
     "SWEEP",
     "SWEEP_WINDOW",
     "TRY_LOCK",
@@ -90,6 +98,9 @@ __all__ = [
     "SweepWindowRow",
     "TryLockRow",
     "ValueParams",
+    "WorkflowIdParams",
+    "WorkflowIdRow",
+    "bring_back",
     "complete",
     "database_now",
     "default_rows_between",
@@ -97,16 +108,19 @@ __all__ = [
     "drop_day_partition",
     "found_record",
     "hold_maintenance_lock",
+    "lock_workflow",
     "make_day_partition",
     "move_finished",
     "move_out_of_default",
     "partition_rows",
     "partitions",
+    "prune_ended_workflows",
     "record",
     "retry",
     "set_lock_timeout",
     "statement_time",
     "status_of",
+    "step_workflow",
     "sweep",
     "sweep_window",
     "try_lock",
@@ -205,25 +219,45 @@ def sweep_window(table: Table) -> Select[Any]:
     return select(func.max(window.c.id))
 
 
-def sweep(table: Table, result_table: Table | None = None) -> Insert:
+def sweep(
+    table: Table, result_table: Table | None = None, *, workflow: Table | None = None
+) -> Insert:
     """Move the finished jobs with ids in ``(:after, :upto]`` into the history, with their
     rows of ``result_table`` (which are deleted), in one statement.
 
     For the jobs that finished without a move: dead by a claim (a lost lease on the last
-    attempt), and every finished job of a table from before it had a history. Rows locked
-    by someone else are skipped (``FOR UPDATE SKIP LOCKED``), left for a later sweep.
-    Returns ``id, attempts, task`` of each moved job.
+    attempt), every finished job of a table from before it had a history, and every
+    finished job of a model with workflow steps (``workflow``: its workflow table), whose
+    jobs finish in place. There a step moves only once its workflow ended, under a share
+    lock of the workflow's row (taken with ``SKIP LOCKED``): a retry, which locks that row
+    first (:func:`step_workflow`), never finds half its workflow gone mid-way, and a
+    workflow's steps move in the sweeps that cover their ids, none while it runs. Rows
+    locked by someone else are skipped (``FOR UPDATE SKIP LOCKED``), left for a later
+    sweep. Returns ``id, attempts, task`` of each moved job.
     """
     upto = and_(
         table.c.id > bindparam("after", type_=BigInteger),
         table.c.id <= bindparam("upto", type_=BigInteger),
     )
-    doomed = (
-        select(table.c.id)
-        .where(upto, table.c.status.in_(_FINISHED))
-        .with_for_update(skip_locked=True)
-        .cte("doomed")
-    )
+    finished = and_(upto, table.c.status.in_(_FINISHED))
+    movable: ColumnElement[bool] = finished
+    if workflow is not None:
+        ended = (
+            select(workflow.c.id)
+            .where(
+                workflow.c.id.in_(
+                    select(table.c.workflow_id).where(finished, table.c.workflow_id.is_not(None))
+                ),
+                workflow.c.status != literal_column(f"'{WorkflowStatus.RUNNING.value}'"),
+            )
+            .with_for_update(read=True, skip_locked=True)
+            .cte("ended_workflows")
+        )
+        movable = and_(
+            finished,
+            or_(table.c.workflow_id.is_(None), table.c.workflow_id.in_(select(ended.c.id))),
+        )
+    doomed = select(table.c.id).where(movable).with_for_update(skip_locked=True).cte("doomed")
     moved = delete(table).where(table.c.id == doomed.c.id).returning(*table.columns).cte("moved")
     result: ColumnElement[Any] = null()
     joined = None
@@ -246,6 +280,93 @@ def sweep(table: Table, result_table: Table | None = None) -> Insert:
     if result_table is not None:
         stmt = stmt.add_cte(gone)
     return stmt.add_cte(doomed)
+
+
+def step_workflow(table: Table) -> Select[Any]:
+    """The workflow of job ``:job_id``, wherever the job is (its table, else its history):
+    ``workflow_id``, null for a job that is no step; no row when there is no such job.
+    Reads the primary keys; takes no lock (the caller locks the workflow next:
+    :func:`lock_workflow`)."""
+    history = history_table(table)
+    job_id = bindparam("job_id", type_=BigInteger)
+    hot = select(table.c.workflow_id, literal_column("0").label("place")).where(
+        table.c.id == job_id
+    )
+    old = select(history.c.workflow_id, literal_column("1").label("place")).where(
+        history.c.id == job_id
+    )
+    found = union_all(hot, old).subquery("found")
+    return select(found.c.workflow_id).order_by(found.c.place).limit(1)
+
+
+def lock_workflow(workflow: Table) -> Select[Any]:
+    """Lock workflow ``:workflow_id``'s row (``FOR UPDATE``) until the transaction ends,
+    before its steps change: the sweep skips a workflow locked so (:func:`sweep`), and
+    waits for nothing. Returns its ``id``, no row when it is gone."""
+    return (
+        select(workflow.c.id)
+        .where(workflow.c.id == bindparam("workflow_id", type_=BigInteger))
+        .with_for_update()
+    )
+
+
+def bring_back(table: Table, result_table: Table | None = None) -> Insert:
+    """Move every step of workflow ``:workflow_id`` that sits in the history back into the
+    job table as it was (status, attempts, finish time kept), with its result into
+    ``result_table`` (when given), in one statement: the first half of the retry of a
+    step of an ended workflow, whose graph the workflow trigger then reads whole. Inserts
+    fire no workflow trigger. Returns the ids. Reads the history's workflow index."""
+    history = history_table(table)
+    back = (
+        delete(history)
+        .where(history.c.workflow_id == bindparam("workflow_id", type_=BigInteger))
+        .returning(*(history.c[c.name] for c in table.columns), history.c[RESULT_COLUMN])
+        .cte("back")
+    )
+    names = [c.name for c in table.columns]
+    stmt = (
+        insert(table)
+        .from_select(names, select(*(back.c[name] for name in names)))
+        .add_cte(back)
+        .returning(table.c.id)
+    )
+    if result_table is None:
+        return stmt
+    results = (
+        insert(result_table)
+        .from_select(
+            ["job_id", "task", "value", "finished_at"],
+            select(
+                back.c.id,
+                back.c.task,
+                back.c[RESULT_COLUMN],
+                func.coalesce(back.c[PARTITION_KEY], _now()),
+            ).where(back.c[RESULT_COLUMN].is_not(null())),
+        )
+        .cte("results")
+    )
+    return stmt.add_cte(results)
+
+
+def prune_ended_workflows(table: Table, *, workflow: Table) -> ReturningDelete[Any]:
+    """Retention of a model with steps and a history: delete up to ``:limit`` workflows
+    that finished before ``:cutoff`` and have no step left in the job table (theirs are in
+    the history, or gone with its partitions), oldest first; one locked by a retry is
+    skipped. Returns their ``id``."""
+    steps = select(table.c.id).where(table.c.workflow_id == workflow.c.id)
+    doomed = (
+        select(workflow.c.id)
+        .where(
+            workflow.c.finished_at < bindparam("cutoff", type_=DateTime(timezone=True)),
+            ~steps.exists(),
+        )
+        .order_by(workflow.c.finished_at)
+        .limit(bindparam("limit", type_=Integer))
+        .with_for_update(skip_locked=True)
+    )
+    return (
+        delete(workflow).where(workflow.c.id.in_(doomed.scalar_subquery())).returning(workflow.c.id)
+    )
 
 
 def retry(table: Table) -> Insert:
@@ -448,6 +569,18 @@ class CutoffParams(TypedDict):
     limit: int
 
 
+class WorkflowIdParams(TypedDict):
+    """One workflow (:func:`lock_workflow`, :func:`bring_back`)."""
+
+    workflow_id: int
+
+
+class WorkflowIdRow(NamedTuple):
+    """A job's workflow, None for a job that is no step."""
+
+    workflow_id: int | None
+
+
 class SweepWindowRow(NamedTuple):
     """The last id of the next window, None past the end."""
 
@@ -494,9 +627,16 @@ class ExistsRow(NamedTuple):
 COMPLETE: Final = Query(complete, CompleteParams, CompleteRow)
 MOVE_FINISHED: Final = Query(move_finished, JobIdParams, CompleteRow)
 SWEEP_WINDOW: Final = Query(sweep_window, SweepWindowParams, SweepWindowRow)
-#: ``result_table=``: the result table whose rows move with their jobs.
+#: ``result_table=``: the result table whose rows move with their jobs; ``workflow=``: the
+#: workflow table of a model with steps.
 SWEEP: Final = Query(sweep, SweepParams, CompleteRow)
 RETRY: Final = Query(retry, JobIdParams, IdRow)
+STEP_WORKFLOW: Final = Query(step_workflow, JobIdParams, WorkflowIdRow)
+LOCK_WORKFLOW: Final = Query(lock_workflow, WorkflowIdParams, IdRow)
+#: ``result_table=``: the result table the steps' results go back into.
+BRING_BACK: Final = Query(bring_back, WorkflowIdParams, IdRow)
+#: ``workflow=``: the workflow table.
+PRUNE_ENDED_WORKFLOWS: Final = Query(prune_ended_workflows, CutoffParams, IdRow)
 STATUS_OF: Final = Query(status_of, JobIdParams, StatusRow)
 #: Every job column (their names differ by model: read by name), then ``result`` and
 #: ``in_history``; see :func:`found_record`.

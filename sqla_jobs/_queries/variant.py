@@ -23,11 +23,19 @@ from sqla_jobs._queries import admin, history, outcomes
 from sqla_jobs._queries._sql import FenceParams
 from sqla_jobs._queries.rows import COMPLETE_STATUS, FENCE
 from sqla_jobs._queries.run import Executor, job_table_of, result_table_of
-from sqla_jobs.errors import ConfigurationError, InvalidJobError
-from sqla_jobs.schema import JobStatus
+from sqla_jobs.errors import ConfigurationError, InvalidJobError, JobStateError
+from sqla_jobs.schema import JobStatus, has_steps
 from sqla_jobs.schema.history import has_history, history_table
+from sqla_jobs.schema.workflows import check_step_model
 
-__all__ = ["Completion", "HistoryJobTables", "JobTables", "Result", "tables_of"]
+__all__ = [
+    "Completion",
+    "HistoryJobTables",
+    "JobTables",
+    "Result",
+    "StepHistoryJobTables",
+    "tables_of",
+]
 
 _CANCELLED = JobStatus.CANCELLED.value
 
@@ -85,11 +93,10 @@ class JobTables:
         """Job ``job_id`` has just ended (cancelled, or dead) in this transaction, outside a
         worker's completion: it stays where it is."""
 
-    def retry_ended(self, executor: Executor, job_id: int) -> bool:
-        """Make job ``job_id`` pending again where it is kept once ended, if it is there and
-        dead or cancelled; whether it was (:data:`~sqla_jobs._queries.outcomes.RETRY` has
-        run on the job table already)."""
-        return False
+    def retry(self, executor: Executor, job_id: int) -> bool:
+        """Make job ``job_id`` pending again, if it is dead or cancelled; whether it was.
+        Here it is in its table (:data:`~sqla_jobs._queries.outcomes.RETRY`)."""
+        return outcomes.RETRY.one(executor, self.table, {"job_id": job_id}) is not None
 
     def check_prunable(self) -> None:
         """Raise ConfigurationError where finished jobs are not pruned one by one."""
@@ -170,9 +177,13 @@ class HistoryJobTables(JobTables):
         """A job that has just ended moves into the history, in the same transaction."""
         history.MOVE_FINISHED.result(executor, self.table, {"job_id": job_id})
 
-    def retry_ended(self, executor: Executor, job_id: int) -> bool:
-        """A dead or cancelled job in the history moves back into the job table, pending."""
-        return history.RETRY.one(executor, self.table, {"job_id": job_id}) is not None
+    def retry(self, executor: Executor, job_id: int) -> bool:
+        """In its table, else a dead or cancelled job in the history moves back into the
+        job table, pending (:data:`~sqla_jobs._queries.history.RETRY`)."""
+        return (
+            super().retry(executor, job_id)
+            or history.RETRY.one(executor, self.table, {"job_id": job_id}) is not None
+        )
 
     def complete(
         self,
@@ -207,9 +218,66 @@ class HistoryJobTables(JobTables):
         )
 
 
+class StepHistoryJobTables(HistoryJobTables):
+    """A job model with workflow steps and a partitioned history: its jobs finish in place,
+    like :class:`JobTables` (a step's dependents and its workflow read its row and its
+    result until the workflow ends), and the history's mover moves them
+    (:data:`~sqla_jobs._queries.history.SWEEP`): a job that is no step at the mover's next
+    run, a workflow's steps once the workflow ended.
+
+    The one rule of this variant: the rows of an ended workflow's steps change only under
+    its workflow's row lock, which the mover takes too (shared, skipping a locked one). A
+    retry takes it first, brings every step of the workflow that the mover took back from
+    the history, then retries the step in the job table: the workflow trigger then finds
+    the whole graph, as for a model without a history."""
+
+    keeps_results = False
+
+    def __init__(self, model: type[Any], table: Table) -> None:
+        super().__init__(model, table)
+        self.workflow = check_step_model(model)
+
+    def ended(self, executor: Executor, job_id: int) -> None:
+        """It stays in the job table: the mover moves it."""
+
+    def retry(self, executor: Executor, job_id: int) -> bool:
+        """A step: its workflow locked, its steps back from the history, then retried in the
+        job table. Raises JobStateError for a step whose workflow is gone (retention
+        deleted it). A job that is no step: as for :class:`HistoryJobTables`."""
+        found = history.STEP_WORKFLOW.one(executor, self.table, {"job_id": job_id})
+        if found is None or found.workflow_id is None:
+            return super().retry(executor, job_id)
+        flow: history.WorkflowIdParams = {"workflow_id": found.workflow_id}
+        if history.LOCK_WORKFLOW.one(executor, self.workflow, flow) is None:
+            raise JobStateError(
+                f"job {job_id} is a step of workflow {found.workflow_id}, which is gone "
+                "(the history's retention deleted it): it cannot run again"
+            )
+        result_model = self.model.result_model
+        results = None if result_model is None else result_table_of(result_model)
+        history.BRING_BACK.rows(executor, self.table, flow, result_table=results)
+        return JobTables.retry(self, executor, job_id)
+
+    def complete(
+        self,
+        executor: Executor,
+        fences: FenceParams,
+        count: int,
+        *,
+        held: bool = False,
+        results: Sequence[Result] | None = None,
+        result_model: type[Any] | None = None,
+    ) -> Completion:
+        """In place, as :meth:`JobTables.complete` (results into ``result_model``'s table)."""
+        return JobTables.complete(
+            self, executor, fences, count, held=held, results=results, result_model=result_model
+        )
+
+
 def tables_of(model: type[Any]) -> JobTables:
     """The model's :class:`JobTables`, resolved once: :class:`HistoryJobTables` for a model
-    with ``partitioned_history``. Refuses what is not a mapped job model
+    with ``partitioned_history``, :class:`StepHistoryJobTables` for one that has workflow
+    steps too. Refuses what is not a mapped job model
     (:func:`~sqla_jobs._queries.run.job_table_of`)."""
     return _tables_of(cast(Hashable, model))
 
@@ -218,4 +286,8 @@ def tables_of(model: type[Any]) -> JobTables:
 def _tables_of(key: Hashable) -> JobTables:
     model = cast(type[Any], key)
     table = job_table_of(model)
-    return HistoryJobTables(model, table) if has_history(model) else JobTables(model, table)
+    if not has_history(model):
+        return JobTables(model, table)
+    if has_steps(model):
+        return StepHistoryJobTables(model, table)
+    return HistoryJobTables(model, table)

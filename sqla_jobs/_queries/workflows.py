@@ -10,6 +10,7 @@ step's own row, then the workflow's row, then waiting steps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final, NamedTuple, TypedDict
 
 from sqlalchemy import (
@@ -30,10 +31,12 @@ from sqlalchemy import (
     literal_column,
     select,
     text,
+    union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.sql.dml import ReturningDelete
+from sqlalchemy.sql.selectable import Subquery
 
 from sqla_jobs._queries._sql import _lit, _now, _seconds
 from sqla_jobs._queries.outcomes import cancel_notification
@@ -53,12 +56,15 @@ __all__ = [
     "REQUEST_STEP_CANCELS",
     "RUNNING_WORKFLOW",
     "STEPS",
+    "STEP_STATE_COLUMNS",
     "STEP_TRIGGERS",
     "WAIT_FOR_NEW_STEPS",
     "WORKFLOW_CANCEL",
     "WORKFLOW_STATUS",
+    "StepState",
     "insert_unique_workflow",
     "insert_workflow",
+    "workflow_steps_of",
 ]
 
 _RUNNING: Final[ColumnElement[str]] = literal_column(f"'{WorkflowStatus.RUNNING.value}'")
@@ -270,31 +276,56 @@ def dependency_results(table: Table, *, results: Table) -> Select[Any]:
     )
 
 
-def steps(table: Table) -> Select[Any]:
-    """The steps of workflow ``:flow_id``, in id order (the order they were added):
-    ``id, step, task, queue, status, attempts, max_attempts, depends_on, waiting_for,
-    if_dependency_fails, blocked_by, run_at, attempted_at, finished_at, last_error``.
-    Through the step index."""
-    return (
-        select(
-            table.c.id,
-            table.c.step,
-            table.c.task,
-            table.c.queue,
-            table.c.status,
-            table.c.attempts,
-            table.c.max_attempts,
-            table.c.depends_on,
-            table.c.waiting_for,
-            table.c.if_dependency_fails,
-            table.c.blocked_by,
-            table.c.run_at,
-            table.c.attempted_at,
-            table.c.finished_at,
-            table.c.last_error,
-        )
-        .where(table.c.workflow_id == bindparam("flow_id", type_=BigInteger))
-        .order_by(table.c.id)
+#: The columns of a workflow's steps as :func:`steps` reads them (:class:`StepState`).
+STEP_STATE_COLUMNS: Final = (
+    "id",
+    "step",
+    "task",
+    "queue",
+    "status",
+    "attempts",
+    "max_attempts",
+    "depends_on",
+    "waiting_for",
+    "if_dependency_fails",
+    "blocked_by",
+    "run_at",
+    "attempted_at",
+    "finished_at",
+    "last_error",
+)
+
+
+def workflow_steps_of(
+    table: Table, columns: Sequence[str], *, history: Table | None = None
+) -> Subquery:
+    """The ``columns`` of workflow ``:flow_id``'s steps, wherever each is: the job table
+    (through its step index), and with ``history`` (a model with a partitioned history)
+    the history too (through its workflow index, one range per partition), where an ended
+    workflow's steps move. A step is in one of the two. The source every reader of a
+    workflow's steps selects from."""
+    flow_id = bindparam("flow_id", type_=BigInteger)
+    hot = select(*(table.c[name] for name in columns)).where(table.c.workflow_id == flow_id)
+    if history is None:
+        return hot.subquery("steps")
+    old = select(*(history.c[name] for name in columns)).where(history.c.workflow_id == flow_id)
+    return union_all(hot, old).subquery("steps")
+
+
+def steps(table: Table, *, history: Table | None = None) -> Select[Any]:
+    """The steps of workflow ``:flow_id``, in id order (the order they were added): the
+    :data:`STEP_STATE_COLUMNS`, with no dependencies as ``{}`` and no policy as
+    ``'cancel'`` (:func:`workflow_steps_of`: ``history`` too)."""
+    found = workflow_steps_of(table, STEP_STATE_COLUMNS, history=history)
+    empty = literal_column("'{}'", ARRAY(BigInteger))
+    filled = {
+        "depends_on": func.coalesce(found.c.depends_on, empty).label("depends_on"),
+        "if_dependency_fails": func.coalesce(
+            found.c.if_dependency_fails, literal_column("'cancel'")
+        ).label("if_dependency_fails"),
+    }
+    return select(*(filled.get(name, found.c[name]) for name in STEP_STATE_COLUMNS)).order_by(
+        found.c.id
     )
 
 
@@ -430,7 +461,13 @@ class DependencyRow(NamedTuple):
     value: Any
 
 
-class StepStateRow(NamedTuple):
+class StepState(NamedTuple):
+    """A step as :func:`~sqla_jobs.workflow_steps` reads it: its id and name, task, queue,
+    status and attempts, the ids of the steps it depends on (``[]`` for none), how many of
+    them it still waits for (while ``waiting``), what it does when one fails (``"cancel"``
+    or ``"run"``), the failed step that cancelled it (``blocked_by``), and its times and
+    last error."""
+
     id: int
     step: str
     task: str
@@ -438,9 +475,9 @@ class StepStateRow(NamedTuple):
     status: str
     attempts: int
     max_attempts: int
-    depends_on: list[int] | None
+    depends_on: list[int]
     waiting_for: int | None
-    if_dependency_fails: str | None
+    if_dependency_fails: str
     blocked_by: int | None
     run_at: Any
     attempted_at: Any
@@ -469,6 +506,7 @@ ADD_STEPS_FENCE: Final = Query(add_steps_fence, AddStepsParams, WorkflowRow)
 WAIT_FOR_NEW_STEPS: Final = Query(wait_for_new_steps, WaitForParams, StepRow)
 ADDED_STEPS: Final = Query(added_steps, AddedParams, AddedRow)
 DEPENDENCY_RESULTS: Final = Query(dependency_results, JobIdParams, DependencyRow)
-STEPS: Final = Query(steps, WorkflowIdParams, StepStateRow)
+#: ``history=``: the history table of a model with one.
+STEPS: Final = Query(steps, WorkflowIdParams, StepState)
 PRUNE_WORKFLOWS: Final = Query(prune_workflows, PruneParams, IdRow)
 PRUNE_STEPS: Final = Query(prune_steps, PruneStepsParams, IdRow)

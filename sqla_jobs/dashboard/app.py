@@ -789,7 +789,11 @@ class _Dashboard:
                 if flow is None:
                     return None, []
                 steps = WORKFLOW_GRAPH.rows(
-                    connection, self.s.table, {"flow_id": flow_id}, limit=STEPS_READ
+                    connection,
+                    self.s.table,
+                    {"flow_id": flow_id},
+                    limit=STEPS_READ,
+                    history=tables_of(self.s.model).history,
                 )
             return flow, steps
 

@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 from sqla_jobs import validation
 from sqla_jobs._queries.history import (
     DELETE_DEFAULT_BEFORE,
+    PRUNE_ENDED_WORKFLOWS,
     SWEEP,
     SWEEP_WINDOW,
     drop_day_partition,
@@ -50,8 +51,9 @@ from sqla_jobs._queries.history import (
 )
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.events import describe
-from sqla_jobs.schema import JobMixin, JobResultMixin
+from sqla_jobs.schema import JobMixin, JobResultMixin, has_steps
 from sqla_jobs.schema.history import has_history, history_names, partition_day
+from sqla_jobs.schema.workflows import check_step_model
 
 __all__ = [
     "DEFAULT_DAYS_AHEAD",
@@ -110,6 +112,8 @@ class MaintenanceReport:
     dropped: list[str] = field(default_factory=list)
     moved: int = 0
     default_rows_deleted: int = 0
+    #: Workflows deleted by the retention of a model with workflow steps.
+    workflows_deleted: int = 0
     moved_from_default: int = 0
     skipped: list[str] = field(default_factory=list)
 
@@ -281,7 +285,11 @@ def drop_partitions(
     """Retention: drop every day partition whose whole day ended more than ``older_than``
     ago (the database's clock), one ``DROP TABLE`` per partition in a transaction of its
     own; then delete, ``batch_size`` at a time, the ``DEFAULT`` partition's rows that
-    finished before then. Never a ``DELETE`` of a day partition's rows."""
+    finished before then. Never a ``DELETE`` of a day partition's rows. For a model with
+    workflow steps, the workflows that ended before then and have no step left in the job
+    table are deleted too, ``batch_size`` at a time (``workflows_deleted``): their steps
+    are in partitions dropped now or soon (a day partition goes once its whole day is past
+    the cutoff), and a step whose workflow is gone cannot be retried."""
     table = _history_model(model)
     keep = validation.check_duration("older_than", older_than)
     timeout = _check_timeout(lock_timeout)
@@ -312,6 +320,17 @@ def drop_partitions(
         report.default_rows_deleted += deleted
         if deleted < batch_size:
             break
+    workflow = check_step_model(model) if has_steps(model) else None
+    while workflow is not None:
+        with engine.begin() as connection:
+            deleted = len(
+                PRUNE_ENDED_WORKFLOWS.rows(
+                    connection, table, {"cutoff": cutoff, "limit": batch_size}, workflow=workflow
+                )
+            )
+        report.workflows_deleted += deleted
+        if deleted < batch_size:
+            break
     if report.dropped:
         logger.info(
             "dropped history partitions %s",
@@ -331,10 +350,14 @@ def move_finished(
 ) -> int:
     """Move the finished jobs still in the job table into the history, one window of
     ``scan`` ids per transaction (:func:`sqla_jobs._queries.history.sweep`), walking the
-    primary key from the lowest id to the highest; with ``result_model``, each job's result
-    row moves into its history row. Returns how many jobs moved. Rows locked by others are
-    skipped (a later run takes them); pending and running jobs stay."""
+    primary key from the lowest id to the highest; each job's row of ``result_model`` (by
+    default the model's own ``result_model``) moves into its history row. Returns how many
+    jobs moved. Rows locked by others are skipped (a later run takes them); pending and
+    running jobs stay. For a model with workflow steps, whose jobs finish in place, this is
+    how they reach the history: a workflow's steps once the workflow ended."""
     table = _history_model(model)
+    workflow = check_step_model(model) if has_steps(model) else None
+    result_model = result_model or model.result_model
     results = None
     if result_model is not None:
         results = result_model.__table__  # type: ignore[attr-defined]
@@ -348,7 +371,11 @@ def move_finished(
             if upto is None:
                 break
             rows = SWEEP.rows(
-                connection, table, {"after": after, "upto": upto}, result_table=results
+                connection,
+                table,
+                {"after": after, "upto": upto},
+                result_table=results,
+                workflow=workflow,
             )
         moved += len(rows)
         after = upto

@@ -142,8 +142,10 @@ from sqla_jobs.migrations.v4 import (
     upgrade_job_table_to_v4,
 )
 from sqla_jobs.migrations.workflows import (
+    add_history_steps,
     add_workflow_steps,
     create_workflow_table,
+    drop_history_steps,
     drop_workflow_steps,
     drop_workflow_table,
 )
@@ -157,6 +159,7 @@ __all__ = [
     "add_cancel",
     "add_dead_index",
     "add_history",
+    "add_history_steps",
     "add_job_control",
     "add_lease_columns",
     "add_ordering_keys",
@@ -186,6 +189,7 @@ __all__ = [
     "drop_dead_index",
     "drop_fair_index",
     "drop_history",
+    "drop_history_steps",
     "drop_job_control",
     "drop_job_table",
     "drop_lease_columns",

@@ -15,6 +15,24 @@ def _execute(sql: str) -> None:
     op.execute(ddl.executable(sql))
 
 
+def _unattached_partitions(table: str, index: str) -> list[str]:
+    # The partitions of partitioned ``table`` (a qualified name) that have no index attached
+    # to partitioned ``index`` yet: those a build partition by partition has still to do.
+    found = op.get_bind().execute(
+        sa.text(
+            "SELECT c.relname FROM pg_catalog.pg_inherits AS i "
+            "JOIN pg_catalog.pg_class AS c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = to_regclass(:table) AND NOT EXISTS ("
+            "SELECT FROM pg_catalog.pg_inherits AS ii "
+            "JOIN pg_catalog.pg_index AS x ON x.indexrelid = ii.inhrelid "
+            "WHERE ii.inhparent = to_regclass(:index) AND x.indrelid = c.oid) "
+            "ORDER BY c.relname"
+        ),
+        {"table": table, "index": index},
+    )
+    return [str(name) for name in found.scalars()]
+
+
 def _add_columns(table_name: str, schema: str | None, *definitions: str) -> None:
     # One ALTER TABLE of nullable columns without defaults (no rewrite); IF NOT EXISTS, so
     # that an upgrade interrupted after it can run again.

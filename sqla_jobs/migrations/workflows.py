@@ -35,8 +35,10 @@ from sqla_jobs.migrations.steps import (
     _drop_columns,
     _drop_index,
     _execute,
+    _unattached_partitions,
 )
-from sqla_jobs.naming import names
+from sqla_jobs.naming import identifier, names
+from sqla_jobs.schema.history import history_names
 from sqla_jobs.schema.workflows import (
     drop_step_trigger_sql,
     step_trigger_sql,
@@ -44,8 +46,10 @@ from sqla_jobs.schema.workflows import (
 )
 
 __all__ = [
+    "add_history_steps",
     "add_workflow_steps",
     "create_workflow_table",
+    "drop_history_steps",
     "drop_workflow_steps",
     "drop_workflow_table",
 ]
@@ -64,6 +68,7 @@ _STEP_COLUMNS = (
 )
 _STEP_INDEX_COLUMNS = ("workflow_id", "step")
 _STEP_INDEX_PREDICATE = "workflow_id IS NOT NULL"
+_HISTORY_INDEX_COLUMN = "workflow_id"
 _PLAIN_STATUSES = ("pending", "running", "succeeded", "dead", "cancelled")
 _STEP_STATUSES = ("waiting", *_PLAIN_STATUSES)
 _WORKFLOW_STATUSES = ("running", "succeeded", "failed", "cancelled")
@@ -141,12 +146,17 @@ def add_workflow_steps(
     schema: str | None = None,
     workflow_schema: str | None = None,
     concurrently: bool = False,
+    history: bool = False,
 ) -> None:
     """Let job table ``job_table``'s jobs be steps of the workflows in ``workflow_table``:
     add the seven step columns (nullable, no default: no rewrite), allow the ``waiting``
     status (the check is replaced ``NOT VALID``, then validated without blocking writes),
     build the step index (``concurrently``: in Alembic's ``autocommit_block()``, for a live
-    table), and create the workflow trigger and its function. Re-runnable."""
+    table), and create the workflow trigger and its function. Re-runnable.
+
+    ``history``: the table has a partitioned history (``partitioned_history = True``),
+    which gets the step columns too, and its workflow index
+    (:func:`add_history_steps`)."""
     n = names(job_table)
     w = workflow_names(job_table, workflow_table)
     table = ddl.qualified_name(job_table, schema)
@@ -164,6 +174,52 @@ def add_workflow_steps(
         job_table, workflow_table, schema=schema, workflow_schema=workflow_schema
     ):
         _execute(sql)
+    if history:
+        add_history_steps(job_table, schema=schema, concurrently=concurrently)
+
+
+def add_history_steps(
+    job_table: str, *, schema: str | None = None, concurrently: bool = False
+) -> None:
+    """Give the partitioned history of job table ``job_table`` the seven step columns (the
+    partitions get them with the parent, no rewrite) and the workflow index, ``(workflow_id)
+    WHERE workflow_id IS NOT NULL``, by which a retry brings an ended workflow's steps back.
+    Re-runnable; :func:`add_workflow_steps` calls it with ``history=True``.
+
+    A partitioned table cannot be indexed ``CONCURRENTLY``: with ``concurrently``, the
+    parent's index is made ``ON ONLY`` (invalid, and copied onto every partition made from
+    then on), each partition's is built concurrently in Alembic's ``autocommit_block()`` and
+    attached, and the parent's turns valid with the last. Without, one ``CREATE INDEX``
+    builds them all, while inserts into the history (completions of a model without steps,
+    the mover) wait for it."""
+    n = history_names(job_table, schema)
+    history = ddl.qualified_name(n.table, schema)
+    _add_columns(n.table, schema, *_STEP_COLUMNS)
+    only = "ONLY " if concurrently else ""
+    _execute(
+        f"CREATE INDEX IF NOT EXISTS {ddl.quote(n.workflow_index)} ON {only}{history} "
+        f"({_HISTORY_INDEX_COLUMN}) WHERE {_STEP_INDEX_PREDICATE}"
+    )
+    if not concurrently:
+        return
+    index = ddl.qualified_name(n.workflow_index, schema)
+    with op.get_context().autocommit_block():
+        for partition in _unattached_partitions(history, index):
+            own = identifier(partition, "workflow_idx")
+            _execute(
+                f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {ddl.quote(own)} "
+                f"ON {ddl.qualified_name(partition, schema)} "
+                f"({_HISTORY_INDEX_COLUMN}) WHERE {_STEP_INDEX_PREDICATE}"
+            )
+            _execute(f"ALTER INDEX {index} ATTACH PARTITION {ddl.qualified_name(own, schema)}")
+
+
+def drop_history_steps(job_table: str, *, schema: str | None = None) -> None:
+    """Undo :func:`add_history_steps`: the workflow index (with its partitions' copies)
+    and the step columns of the history of ``job_table``."""
+    n = history_names(job_table, schema)
+    _execute(f"DROP INDEX IF EXISTS {ddl.qualified_name(n.workflow_index, schema)}")
+    _drop_columns(n.table, schema, *(column.split()[0] for column in _STEP_COLUMNS))
 
 
 def _create_step_index(
@@ -183,9 +239,14 @@ def _create_step_index(
         op.create_index(name, job_table, list(_STEP_INDEX_COLUMNS), **options)
 
 
-def drop_workflow_steps(job_table: str, workflow_table: str, *, schema: str | None = None) -> None:
+def drop_workflow_steps(
+    job_table: str, workflow_table: str, *, schema: str | None = None, history: bool = False
+) -> None:
     """Undo :func:`add_workflow_steps`: the trigger, the step index, the step columns, and
-    the ``waiting`` status (fails while a job is waiting: cancel its workflow first)."""
+    the ``waiting`` status (fails while a job is waiting: cancel its workflow first);
+    ``history``: the history's too (:func:`drop_history_steps`)."""
+    if history:
+        drop_history_steps(job_table, schema=schema)
     n = names(job_table)
     w = workflow_names(job_table, workflow_table)
     table = ddl.qualified_name(job_table, schema)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from time import monotonic
@@ -30,12 +30,10 @@ from sqla_jobs._queries.outcomes import (
     CANCEL_REQUESTS,
     DELETE_JOB,
     REQUEST_CANCEL,
-    RETRY,
-    IdRow,
     JobIdParams,
 )
-from sqla_jobs._queries.run import Executor, Query, job_table_of
-from sqla_jobs._queries.variant import tables_of
+from sqla_jobs._queries.run import Executor, job_table_of
+from sqla_jobs._queries.variant import JobTables, tables_of
 from sqla_jobs.errors import (
     InvalidJobError,
     JobNotFoundError,
@@ -71,18 +69,12 @@ def _admin(
     session: Executor,
     model: type[JobMixin],
     job_id: int,
-    query: Query[JobIdParams, IdRow],
+    change: Callable[[JobTables, JobIdParams], bool],
     expected: str,
 ) -> None:
     validation.check_job_id("job_id", job_id)
     tables = tables_of(model)
-    params: JobIdParams = {"job_id": job_id}
-    if query.one(session, tables.table, params) is not None:
-        if query is CANCEL:
-            tables.ended(session, job_id)
-        return
-    # A finished job kept elsewhere (a model's history): a retry moves it back, pending.
-    if query is RETRY and tables.retry_ended(session, job_id):
+    if change(tables, {"job_id": job_id}):
         return
     status = tables.status(session, job_id)
     if status is None:
@@ -97,10 +89,18 @@ def retry(session: Executor, model: type[JobMixin], job_id: int) -> None:
     caller's transaction stays usable: the attempt runs under a savepoint).
 
     For a model with ``partitioned_history``, a dead or cancelled job found in the history
-    moves back into the job table (same id, ``attempts`` kept), in one statement."""
+    moves back into the job table (same id, ``attempts`` kept), in one statement; a step
+    of a workflow there brings its workflow's steps back with it, and the workflow runs
+    again (:class:`~sqla_jobs._queries.variant.StepHistoryJobTables`)."""
     try:
         with session.begin_nested():
-            _admin(session, model, job_id, RETRY, "dead or cancelled")
+            _admin(
+                session,
+                model,
+                job_id,
+                lambda tables, params: tables.retry(session, params["job_id"]),
+                "dead or cancelled",
+            )
     except IntegrityError as exc:
         if names(job_table_of(model).name).unique_index not in str(exc.orig):
             raise
@@ -172,7 +172,13 @@ def delete(session: Executor, model: type[JobMixin], job_id: int) -> None:
     the job is running (its attempt owns it until it ends). A stored result row of the job
     is kept (results are deliberately not tied to job rows; see :class:`JobResultMixin`).
     """
-    _admin(session, model, job_id, DELETE_JOB, "pending or finished")
+    _admin(
+        session,
+        model,
+        job_id,
+        lambda tables, params: DELETE_JOB.one(session, tables.table, params) is not None,
+        "pending or finished",
+    )
 
 
 def prune(

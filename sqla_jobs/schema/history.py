@@ -83,6 +83,8 @@ class HistoryNames:
     table: str
     primary_key: str
     dead_index: str
+    #: The steps' index of a model with workflow steps (:class:`~sqla_jobs.StepMixin`).
+    workflow_index: str
     default_partition: str
     lock_key: str
 
@@ -99,6 +101,7 @@ def history_names(job_table: str, schema: str | None = None) -> HistoryNames:
         table=table,
         primary_key=identifier(table, "pkey"),
         dead_index=identifier(table, "dead_idx"),
+        workflow_index=identifier(table, "workflow_idx"),
         default_partition=identifier(table, "pdefault"),
         # The advisory lock that keeps two maintenance runs of one history apart.
         lock_key=f"sqla_jobs.history:{qualified_name(table, schema)}",
@@ -128,6 +131,8 @@ def has_history(model: type[Any]) -> bool:
     return bool(getattr(model, "partitioned_history", False))
 
 
+#: The step column of a model with workflow steps, indexed in its history.
+WORKFLOW_COLUMN: Final = "workflow_id"
 #: The one job column whose server default the history keeps (see :func:`history_table`).
 SNOOZES_COLUMN: Final = "snoozes"
 
@@ -180,6 +185,7 @@ def history_table(model: type[Any] | Table) -> Table:
         # finish time first, so that dead_jobs reads the newest backwards and stops at its
         # limit; queue last, so that queue_stats counts them from the index alone.
         Index(n.dead_index, PARTITION_KEY, "id", "queue", postgresql_where=text(dead_predicate())),
+        *_workflow_index(job, n),
         schema=job.schema,
         postgresql_partition_by=f"RANGE ({PARTITION_KEY})",
         info={"sqla_jobs_history_of": job.name},
@@ -187,6 +193,20 @@ def history_table(model: type[Any] | Table) -> Table:
     sql = create_default_partition(job.name, job.schema)
     event.listen(table, "after_create", executable(sql).execute_if(dialect="postgresql"))
     return table
+
+
+def _workflow_index(job: Table, n: HistoryNames) -> list[Index]:
+    # A model with workflow steps: a finished workflow's steps, found by its id (a retry
+    # brings them back, the workflow's page lists them), one index range per partition.
+    if WORKFLOW_COLUMN not in job.columns:
+        return []
+    return [
+        Index(
+            n.workflow_index,
+            WORKFLOW_COLUMN,
+            postgresql_where=text(f"{WORKFLOW_COLUMN} IS NOT NULL"),
+        )
+    ]
 
 
 def create_default_partition(job_table: str, schema: str | None = None) -> str:

@@ -176,8 +176,10 @@ class StepMixin:
 
     Never set these columns yourself: :func:`sqla_jobs.enqueue_workflow` and
     :meth:`sqla_jobs.JobContext.add_steps` write them. A model with steps cannot also set
-    ``delete_on_success`` or ``partitioned_history``: a step's row must stay where its
-    dependents and its workflow can read it until the workflow ends.
+    ``delete_on_success``: a step's row must stay where its dependents and its workflow can
+    read it until the workflow ends. With ``partitioned_history``, its jobs finish in place
+    and the history's mover moves them: a job that is no step at its next run, a
+    workflow's steps once the workflow ended, together (see :mod:`sqla_jobs.history`).
     """
 
     #: The :class:`WorkflowMixin` model whose rows are this model's workflows.
@@ -420,9 +422,10 @@ def drop_step_trigger_sql(
 
 def check_step_model(model: type[Any]) -> Table:
     """The workflow table of job model ``model`` (one that mixes in :class:`StepMixin`), or
-    ConfigurationError: it names no ``workflow_model``, or sets ``delete_on_success`` or
-    ``partitioned_history`` (a step's row stays where its dependents and its workflow read
-    it until the workflow ends)."""
+    ConfigurationError: it names no ``workflow_model``, or sets ``delete_on_success`` (a
+    step's row stays where its dependents and its workflow read it until the workflow
+    ends; with ``partitioned_history``, the steps of a workflow move into the history
+    together once it ended)."""
     workflow_model = getattr(model, "workflow_model", None)
     table = getattr(workflow_model, "__table__", None)
     if not (
@@ -434,11 +437,10 @@ def check_step_model(model: type[Any]) -> Table:
             f"{model.__name__} mixes in StepMixin: set its workflow_model to a mapped class "
             f"that mixes in WorkflowMixin, not {workflow_model!r}"
         )
-    for option in ("delete_on_success", "partitioned_history"):
-        if getattr(model, option, False):
-            raise ConfigurationError(
-                f"{model.__name__} mixes in StepMixin and sets {option}: a workflow step's "
-                "row stays in the job table until its workflow ends (its dependents and its "
-                "workflow read it); prune finished workflows with sqla_jobs.prune"
-            )
+    if getattr(model, "delete_on_success", False):
+        raise ConfigurationError(
+            f"{model.__name__} mixes in StepMixin and sets delete_on_success: a workflow "
+            "step's row stays in the job table until its workflow ends (its dependents and "
+            "its workflow read it); prune finished workflows with sqla_jobs.prune"
+        )
     return table
