@@ -42,7 +42,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import aggregate_order_by as _untyped_aggregate_order_by
 
 from sqla_jobs._queries.run import NoParams, Query
-from sqla_jobs._queries.workflows import workflow_steps_of
+from sqla_jobs._queries.workflows import STEP_STATE_COLUMNS, workflow_steps_of
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.schema import JobStatus
 from sqla_jobs.schema.workflows import WorkflowStatus
@@ -646,19 +646,12 @@ def workflow_record(
     return WORKFLOW.result(connection, workflow_table, {"flow_id": flow_id}).mappings().first()
 
 
-#: The columns of a workflow's steps that its page draws (:func:`workflow_graph`).
-WORKFLOW_GRAPH_COLUMNS: Final = (
-    "id",
-    "step",
-    "task",
-    "queue",
-    "status",
-    "attempts",
-    "max_attempts",
-    "depends_on",
-    "if_dependency_fails",
-    "blocked_by",
-    "finished_at",
+#: The columns of a workflow's steps that its page draws (:func:`workflow_graph`): a step's
+#: state but its times of waiting and running and its error, which the job's page shows.
+WORKFLOW_GRAPH_COLUMNS: Final = tuple(
+    name
+    for name in STEP_STATE_COLUMNS
+    if name not in ("waiting_for", "run_at", "attempted_at", "last_error")
 )
 
 

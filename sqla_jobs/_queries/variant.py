@@ -237,8 +237,11 @@ class StepHistoryJobTables(HistoryJobTables):
         super().__init__(model, table)
         self.workflow = check_step_model(model)
 
-    def ended(self, executor: Executor, job_id: int) -> None:
-        """It stays in the job table: the mover moves it."""
+    # Its jobs finish in place, as a model's without a history: a completion writes where
+    # JobTables' does (results into the result model's table), and a job that ended
+    # otherwise stays where it is, for the mover.
+    complete = JobTables.complete
+    ended = JobTables.ended
 
     def retry(self, executor: Executor, job_id: int) -> bool:
         """A step: its workflow locked, its steps back from the history, then retried in the
@@ -257,21 +260,6 @@ class StepHistoryJobTables(HistoryJobTables):
         results = None if result_model is None else result_table_of(result_model)
         history.BRING_BACK.rows(executor, self.table, flow, result_table=results)
         return JobTables.retry(self, executor, job_id)
-
-    def complete(
-        self,
-        executor: Executor,
-        fences: FenceParams,
-        count: int,
-        *,
-        held: bool = False,
-        results: Sequence[Result] | None = None,
-        result_model: type[Any] | None = None,
-    ) -> Completion:
-        """In place, as :meth:`JobTables.complete` (results into ``result_model``'s table)."""
-        return JobTables.complete(
-            self, executor, fences, count, held=held, results=results, result_model=result_model
-        )
 
 
 def tables_of(model: type[Any]) -> JobTables:
