@@ -5,15 +5,20 @@ Not how fast anything is: only that every section ran and every number is sane.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 import sqla_jobs
 from sqla_jobs import bench
+from sqla_jobs.bench.cpu import Meter, Usage, process_seconds
 
 #: The sections of the quick bench, in groups, each run by a test of its own so that the
 #: suite's workers share them (one run of all took two minutes of one worker on CI; the
@@ -118,20 +123,45 @@ def _check_ceiling_and_drain(document: dict[str, Any], table: str) -> None:
     sweep = document["config"]["sweep"]
     for mode in ("lease", "lock", "lock_counted"):
         for procs in (1, 2):
-            # The ceiling: every point of the sweep; B = 1 is one per claim, the best of the
-            # others is the batched ceiling.
-            points = {b: metrics[f"ceiling.sweep.{mode}.b{b}.{procs}p"]["runs"] for b in sweep}
-            assert metrics[f"ceiling.{mode}.single.{procs}p"]["runs"] == points[1]
+            # The ceiling, on the seed table: every point of the sweep, and past its largest
+            # size while the rate rose; B = 1 is one per claim, the best of the others is the
+            # batched ceiling.
+            tried = sorted(
+                int(name.split(".")[3][1:])
+                for name in metrics
+                if name.startswith(f"ceiling.sweep.{mode}.b") and name.endswith(f".{procs}p")
+            )
+            assert tried[: len(sweep)] == list(sweep)
+            points = {b: metrics[f"ceiling.sweep.{mode}.b{b}.{procs}p"]["runs"][0] for b in tried}
+            for smaller, larger in itertools.pairwise(tried[len(sweep) - 1 :]):
+                # Each size past --sweep doubles one whose rate was the best so far.
+                assert larger == 2 * smaller
+                assert points[smaller] == max(points[b] for b in tried if 1 < b <= smaller)
+            assert metrics[f"ceiling.{mode}.single.{procs}p"]["runs"] == [points[1]]
             batched = metrics[f"ceiling.{mode}.batched.{procs}p"]
-            assert batched["runs"] == [max(points[b][0] for b in sweep if b > 1)]
-            assert batched["best_batch"][0] in sweep
+            assert batched["runs"] == [max(points[b] for b in tried if b > 1)]
+            assert batched["best_batch"][0] in tried
+            # The same loops on the library's table, against the seed table's; and the CPU
+            # per job of each loop, the server's where it runs on this machine.
+            for kind in ("single", "batched"):
+                library = metrics[f"ceiling.library.{mode}.{kind}.{procs}p"]
+                assert library["ceiling"] == f"ceiling.{mode}.{kind}.{procs}p"
+                client = metrics.get(f"ceiling.{mode}.{kind}.{procs}p.client_us")
+                assert client is None or client["unit"] == "us/job"
             for kind in ("single", "batched"):
                 if mode == "lock_counted":  # the lock-held drain, against the counted loop
                     drain = metrics[f"drain.lock.{kind}.{procs}p.counted"]
                     assert drain["runs"] == metrics[f"drain.lock.{kind}.{procs}p"]["runs"]
                 else:
                     drain = metrics[f"drain.{mode}.{kind}.{procs}p"]
+                    # Its CPU, where the drain was long enough to count (clock ticks).
+                    worker = metrics.get(f"drain.{mode}.{kind}.{procs}p.worker_us")
+                    if worker is not None:
+                        assert worker["ceiling"] == f"ceiling.{mode}.{kind}.{procs}p.client_us"
                 assert drain["ceiling"] == f"ceiling.{mode}.{kind}.{procs}p"
+        # What tuning nothing gets: the worker's defaults against the batched drain.
+        default = metrics[f"drain.lease.default.{procs}p"]
+        assert default["ceiling"] == f"drain.lease.batched.{procs}p"
     assert "best batch of each sweep" in table
 
 
@@ -279,3 +309,25 @@ def test_the_workflows_section_drains_every_step_beside_plain_jobs(
     assert target["value"] == pytest.approx(metrics[paired]["median"])
     assert target["met"] is not None
     assert "plain jobs on a step table >= 0.97 of plain" in capsys.readouterr().out
+
+
+def test_cpu_figures_count_the_work_done(engine: sa.Engine) -> None:
+    # A process's CPU and the server's grow by the work each did (clock ticks: 10 ms).
+    spent = process_seconds(os.getpid())
+    assert spent is not None
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    after = process_seconds(os.getpid())
+    assert after is not None
+    assert after - spent >= 0.2
+    meter = Meter(engine)
+    meter.start()
+    with engine.connect() as connection:
+        connection.execute(sa.text("SELECT count(*) FROM generate_series(1, 3000000)")).one()
+    usage = meter.stop()
+    assert usage.client is None  # no process named
+    assert usage.server is not None  # the test server runs on this machine
+    assert usage.server >= 0.1
+    assert Usage(client=0.5, server=usage.server).per_job(1000)[0] == 500.0
+    assert Usage(client=0.01, server=None).per_job(10) == (None, None)  # one tick: too coarse

@@ -32,6 +32,7 @@ OUTSIDE_THE_QUEUE = {
     # The benchmark measures the simplest correct SQL on the simplest table it needs (the
     # ceilings), on tables of its own, and reads the server's settings.
     "bench/ceiling.py",
+    "bench/cpu.py",
     "bench/enqueue.py",
     "bench/fair.py",
     "bench/history.py",

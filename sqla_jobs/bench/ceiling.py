@@ -1,4 +1,12 @@
-"""The ceiling: the simplest correct queue SQL in a plain psycopg loop, at its best batch.
+"""The ceiling: the simplest correct queue SQL in a plain psycopg loop, at its best batch, on
+the simplest table that SQL needs.
+
+The loops run on the seed articles' own table
+(:data:`~sqla_jobs.bench.statements.SEED_TABLE`: the columns they read and write, one
+partial index of the pending jobs): that is the ceiling (``ceiling.<mode>.*``), and every
+ratio is against it. The same loops run on the library's job table beside it
+(``ceiling.library.<mode>.*``, at one job per claim and at the seed table's best batch),
+their ratio to the ceiling the cost of the library table's shape alone.
 
 Each loop runs in processes of its own (1 or 2), on one autocommit connection each, with
 server-side prepared statements (``prepare=True``), until the queue is empty:
@@ -20,11 +28,16 @@ server-side prepared statements (``prepare=True``), until the queue is empty:
            completes them (:func:`~sqla_jobs.bench.statements.seed_complete`) and commits.
            The worker's lock-held mode does this, and is compared with it too.
 
-B runs over the sweep (``--sweep``, default 1, 10, 50, 100, 200, 500): B = 1 is the
-one-job-per-claim ceiling, and the best rate of the others the batched ceiling
+B runs over the sweep (``--sweep``, default 1, 10, 50, 100, 200, 500), and on past its
+largest size, doubling, for as long as the rate still rises: B = 1 is the one-job-per-claim
+ceiling, and the best rate of the others the batched ceiling
 (``ceiling.<mode>.batched.<n>p``), so that the ceiling is the strongest plain loop, not one
 at a batch size that happens to suit the library. Every point of the sweep is reported
 (``ceiling.sweep.<mode>.b<B>.<n>p``), and the batch that won each run is recorded.
+
+Each drain's CPU per job is reported beside its rate (:mod:`~sqla_jobs.bench.cpu`): the
+loop processes' own (``.client_us``) and the server's (``.server_us``, when it runs on this
+machine), which the worker's drains are compared with.
 
 Also the bulk INSERT of :func:`sqla_jobs.enqueue_many` run by psycopg alone.
 """
@@ -35,7 +48,7 @@ import json
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final, NamedTuple
 
 import psycopg
 import sqlalchemy as sa
@@ -43,6 +56,7 @@ import sqlalchemy as sa
 from sqla_jobs import _queries as statements
 from sqla_jobs.bench import scratch
 from sqla_jobs.bench import statements as bench_sql
+from sqla_jobs.bench.cpu import Meter, Usage
 from sqla_jobs.bench.results import Config, Results
 from sqla_jobs.bench.tasks import LEASE_SECONDS, Q_ENQUEUE, Q_LEASE, Q_LOCK
 from sqla_jobs.urls import libpq_url
@@ -50,18 +64,27 @@ from sqla_jobs.urls import libpq_url
 __all__ = ["bare_insert", "processes", "run_sweep", "seed_loop"]
 
 
-def seed_loop(url: str, queue: str, batch: int, mode: str, ready: Any, go: Any, out: Any) -> None:
+#: The tables a ceiling loop can run on, by name (a spawned process gets the name).
+_TABLES: dict[str, sa.Table] = {"seed": bench_sql.SEED_TABLE, "library": scratch.TABLE}
+#: The largest batch the sweep grows to past ``--sweep``.
+MAX_BATCH: Final = 16_000
+
+
+def seed_loop(
+    url: str, queue: str, batch: int, mode: str, table_name: str, ready: Any, go: Any, out: Any
+) -> None:
     """Once connected, put None on ``ready`` and wait for ``go``; then claim and complete
-    with the seed SQL until the queue is empty. Sends ``(count, started, ended)`` (wall
-    clock) to ``out``."""
-    table = scratch.TABLE
+    with the seed SQL on table ``table_name`` (``"seed"`` or ``"library"``) until the queue
+    is empty. Sends ``(count, started, ended, cpu_seconds)`` (wall clock; this process's
+    CPU over the loop) to ``out``."""
+    table = _TABLES[table_name]
     many = batch > 1
     done = 0
     with psycopg.connect(libpq_url(url), autocommit=True) as connection:
         connection.execute(scratch.sql(statements.ping()))
         ready.put(None)
         go.wait(120)
-        started = time.time()
+        started, cpu = time.time(), time.process_time()
         if mode == "lease":
             claim_sql = scratch.sql(bench_sql.seed_claim(table))
             complete_sql = scratch.sql(bench_sql.seed_complete(table, many=many))
@@ -98,8 +121,8 @@ def seed_loop(url: str, queue: str, batch: int, mode: str, ready: Any, go: Any, 
                         {"ids": [r[0] for r in rows]} if many else {"id": rows[0][0]}
                     )
                     done += connection.execute(complete_sql, ids, prepare=True).rowcount
-        ended = time.time()
-    out.put((done, started, ended))
+        ended, cpu = time.time(), time.process_time() - cpu
+    out.put((done, started, ended, cpu))
 
 
 def processes(target: Callable[..., None], args: Sequence[Any], count: int) -> list[Any]:
@@ -119,33 +142,83 @@ def processes(target: Callable[..., None], args: Sequence[Any], count: int) -> l
     return results
 
 
-def _seed_drain(cfg: Config, engine: sa.Engine, mode: str, batch: int, procs: int) -> float:
+class _Drain(NamedTuple):
+    rate: float
+    client_us: float | None
+    server_us: float | None
+
+
+def _seed_drain(
+    cfg: Config, engine: sa.Engine, mode: str, batch: int, procs: int, table: str = "seed"
+) -> _Drain:
     queue = Q_LEASE if mode == "lease" else Q_LOCK
     count = cfg.jobs if batch > 1 else cfg.single_jobs
-    scratch.reset(engine)
-    scratch.fill(engine, queue, "bench_noop", count)
-    results = processes(seed_loop, (cfg.url, queue, batch, mode), procs)
+    scratch.reset(engine, _TABLES[table])
+    # The server's CPU counts the INSERT of the jobs, as a worker drain's does (its workers
+    # wait for the jobs, which wake them).
+    meter = Meter(engine)
+    meter.start()
+    scratch.fill(engine, queue, "bench_noop", count, table=_TABLES[table])
+    results = processes(seed_loop, (cfg.url, queue, batch, mode, table), procs)
+    server = meter.stop().server
     done = sum(r[0] for r in results)
     span = max(r[2] for r in results) - min(r[1] for r in results)
     if done != count:
         raise RuntimeError(f"the seed {mode} loop completed {done} of {count} jobs")
-    return float(done / span)
+    usage = Usage(client=sum(r[3] for r in results), server=server)
+    return _Drain(float(done / span), *usage.per_job(done))
+
+
+def _add(results: Results, name: str, drain: _Drain, ceiling: str | None = None) -> None:
+    """A drain's rate as ``name``, and its CPU per job as ``name.client_us`` and
+    ``name.server_us`` (each against ``ceiling``'s, when given)."""
+    results.add(name, drain.rate, "jobs/s", ceiling)
+    for kind, value in (("client_us", drain.client_us), ("server_us", drain.server_us)):
+        if value is not None:
+            against = None if ceiling is None else f"{ceiling}.{kind}"
+            results.add(f"{name}.{kind}", value, "us/job", against).higher_is_better = False
+
+
+def _batches(cfg: Config, rates: dict[int, float], procs: int) -> int | None:
+    """The sweep's next batch size: the next of ``--sweep``, then double the largest tried
+    while its rate was the best so far (the rate still rising), up to :data:`MAX_BATCH` and
+    to a batch each process can still fill from ``--jobs``; None when done."""
+    for batch in cfg.sweep:
+        if batch not in rates:
+            return batch
+    largest = max(rates)
+    grow = largest * 2
+    if largest == 1 or grow > MAX_BATCH or grow * procs > cfg.jobs:
+        return None
+    best = max((b for b in rates if b > 1), key=rates.__getitem__)
+    return grow if best == largest else None
 
 
 def run_sweep(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs: int) -> None:
-    """One run of the sweep for ``mode`` with ``procs`` processes: every point, the
-    one-per-claim ceiling (B = 1) and the batched ceiling (the best B > 1)."""
-    best: tuple[float, int] | None = None
-    for batch in cfg.sweep:
-        rate = _seed_drain(cfg, engine, mode, batch, procs)
-        results.add(f"ceiling.sweep.{mode}.b{batch}.{procs}p", rate, "jobs/s")
-        if batch == 1:
-            results.add(f"ceiling.{mode}.single.{procs}p", rate, "jobs/s")
-        elif best is None or rate > best[0]:
-            best = (rate, batch)
-    if best is not None:
-        metric = results.add(f"ceiling.{mode}.batched.{procs}p", best[0], "jobs/s")
-        metric.extra.setdefault("best_batch", []).append(best[1])
+    """One run of the sweep for ``mode`` with ``procs`` processes on the seed table: every
+    point, the one-per-claim ceiling (B = 1) and the batched ceiling (the best B > 1); then
+    the same loop on the library's table at B = 1 and at that best B, against them."""
+    drains: dict[int, _Drain] = {}
+    while (batch := _batches(cfg, {b: d.rate for b, d in drains.items()}, procs)) is not None:
+        drains[batch] = drain = _seed_drain(cfg, engine, mode, batch, procs)
+        results.add(f"ceiling.sweep.{mode}.b{batch}.{procs}p", drain.rate, "jobs/s")
+    single, batched = f"ceiling.{mode}.single.{procs}p", f"ceiling.{mode}.batched.{procs}p"
+    shape = f"ceiling.library.{mode}"
+    if 1 in drains:
+        _add(results, single, drains[1])
+        _add(
+            results,
+            f"{shape}.single.{procs}p",
+            _seed_drain(cfg, engine, mode, 1, procs, "library"),
+            single,
+        )
+    larger = [b for b in drains if b > 1]
+    if larger:
+        best = max(larger, key=lambda b: drains[b].rate)
+        _add(results, batched, drains[best])
+        results.metrics[batched].extra.setdefault("best_batch", []).append(best)
+        library = _seed_drain(cfg, engine, mode, best, procs, "library")
+        _add(results, f"{shape}.batched.{procs}p", library, batched)
 
 
 def bare_insert(cfg: Config, count: int) -> float:

@@ -9,6 +9,8 @@ For each mode (lease, lock-held) and 1 and 2 processes: one run of the ceiling's
              concurrency gets; the same in both modes. (Lock-held mode holds a connection
              per running group of jobs, not per job: no-op handlers at concurrency 200 hold
              about as many as at 20, see docs/benchmarks.md.)
+``default``  lease mode only: the worker's default concurrency (``sqla-jobs worker`` with no
+             options), against the ``batched`` drain of the same run.
 ``single``   one job per claim: ``concurrency=1``. In lease mode also with
              ``synchronous_commit=False`` (``.async_commit``), beside the durable figure,
              against the same ceiling.
@@ -26,7 +28,8 @@ import sqlalchemy as sa
 from sqla_jobs.bench import scratch
 from sqla_jobs.bench.ceiling import run_sweep
 from sqla_jobs.bench.results import Config, Results
-from sqla_jobs.bench.workers import worker_drain
+from sqla_jobs.bench.workers import measured_drain, worker_drain
+from sqla_jobs.worker.settings import ClaimSettings
 
 __all__ = ["drain_name", "run_drain"]
 
@@ -46,7 +49,21 @@ def run_drain(cfg: Config, engine: sa.Engine, results: Results) -> None:
                     run_sweep(cfg, engine, results, "lock_counted", procs)
             if "drain" in cfg.sections:
                 _drains(cfg, engine, results, mode, procs)
+                if mode == "lease":
+                    _default_drain(cfg, engine, results, procs)
             scratch.progress(f"{mode} {procs}p")
+
+
+def _default_drain(cfg: Config, engine: sa.Engine, results: Results, procs: int) -> None:
+    """``drain.lease.default.<n>p``: the worker as ``sqla-jobs worker`` runs it with no
+    options (its default concurrency), against the batched drain (``--concurrency``) of
+    the same run: what a user who tunes nothing gets of what tuning gives."""
+    slots = ClaimSettings.concurrency
+    value = worker_drain(cfg, engine, "lease", slots, procs, cfg.jobs)
+    against = drain_name("drain", "lease", "batched", procs)
+    results.add(drain_name("drain", "lease", "default", procs), value, "jobs/s", against).extra[
+        "concurrency"
+    ] = slots
 
 
 def _drains(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs: int) -> None:
@@ -56,8 +73,19 @@ def _drains(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs: 
     ):
         ceiling = drain_name("ceiling", mode, batch_kind, procs)
         name = drain_name("drain", mode, batch_kind, procs)
-        value = worker_drain(cfg, engine, mode, slots, procs, count)
+        drained = measured_drain(cfg, engine, mode, slots, procs, count)
+        value = drained.rate
         results.add(name, value, "jobs/s", ceiling).extra["concurrency"] = slots
+        # CPU per job: the worker processes' against the loop processes', the server's
+        # against the server's in the loop's drain.
+        worker_us, server_us = drained.usage.per_job(count)
+        for kind, spent, against in (
+            ("worker_us", worker_us, "client_us"),
+            ("server_us", server_us, "server_us"),
+        ):
+            if spent is not None:
+                metric = results.add(f"{name}.{kind}", spent, "us/job", f"{ceiling}.{against}")
+                metric.higher_is_better = False
         if mode == "lock":
             counted = drain_name("ceiling", "lock_counted", batch_kind, procs)
             results.add(f"{name}.counted", value, "jobs/s", counted)

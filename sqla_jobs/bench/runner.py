@@ -19,6 +19,7 @@ import threading
 from typing import Any, Final
 
 from sqla_jobs.bench import partitioned, report, scratch, workers
+from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.bench.asynchronous import run_async
 from sqla_jobs.bench.baseline import check_baseline, run_baseline
 from sqla_jobs.bench.bouncer import run_pgbouncer
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(engine.dispose)
         metadata.create_all(engine)
         partitioned.metadata.create_all(engine)
+        bench_sql.seed_metadata.create_all(engine)  # the ceiling's own table
         results = Results()
         machine = report.machine(engine, cfg, server)
         scratch.progress(

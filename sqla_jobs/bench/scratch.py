@@ -76,13 +76,23 @@ def peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def reset(engine: sa.Engine) -> None:
+def reset(engine: sa.Engine, *tables: sa.Table) -> None:
+    """Empty ``tables`` (by default the library's job and result tables)."""
     with engine.begin() as connection:
-        connection.execute(sa.text(bench_sql.truncate(TABLE, RESULTS)))
+        connection.execute(sa.text(bench_sql.truncate(*(tables or (TABLE, RESULTS)))))
 
 
-def fill(engine: sa.Engine, queue: str, task: str, count: int, *, finished: bool = False) -> None:
-    stmt = bench_sql.fill(TABLE, finished=finished)
+def fill(
+    engine: sa.Engine,
+    queue: str,
+    task: str,
+    count: int,
+    *,
+    finished: bool = False,
+    table: sa.Table = TABLE,
+) -> None:
+    """``count`` jobs of ``task`` in ``queue`` of ``table`` (by default the library's)."""
+    stmt = bench_sql.fill(table, finished=finished)
     with engine.begin() as connection:
         connection.execute(stmt, {"queue": queue, "task": task, "count": count})
 

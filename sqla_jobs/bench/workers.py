@@ -12,18 +12,26 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
 from sqla_jobs.bench import partitioned, scratch
 from sqla_jobs.bench import statements as bench_sql
+from sqla_jobs.bench.cpu import Meter, Usage
 from sqla_jobs.bench.results import Config
 from sqla_jobs.bench.tasks import Q_LATENCY, Q_LEASE, Q_LOCK, latency_registry, registry
 from sqla_jobs.worker import Worker
 
-__all__ = ["sample_until_drained", "worker_drain", "worker_process", "workers"]
+__all__ = [
+    "Drained",
+    "measured_drain",
+    "sample_until_drained",
+    "worker_drain",
+    "worker_process",
+    "workers",
+]
 
 
 def worker_process(
@@ -128,18 +136,57 @@ def worker_drain(
 ) -> float:
     """Drain ``count`` no-op jobs through ``procs`` worker processes of ``concurrency``
     (``batch`` None: the worker's default batch size); jobs per second."""
+    return measured_drain(
+        cfg,
+        engine,
+        mode,
+        concurrency,
+        procs,
+        count,
+        batch=batch,
+        on_sample=on_sample,
+        pooled_url=pooled_url,
+        synchronous_commit=synchronous_commit,
+    ).rate
+
+
+class Drained(NamedTuple):
+    """A drain's rate (jobs/s), and its CPU: the worker processes' and the server's."""
+
+    rate: float
+    usage: Usage
+
+
+def measured_drain(
+    cfg: Config,
+    engine: sa.Engine,
+    mode: str,
+    concurrency: int,
+    procs: int,
+    count: int,
+    *,
+    batch: int | None = None,
+    on_sample: Callable[[list[int], float], None] | None = None,
+    pooled_url: str | None = None,
+    synchronous_commit: bool = True,
+) -> Drained:
+    """:func:`worker_drain`, with the CPU the worker processes and the server used from the
+    moment the jobs arrive to the last one's completion (:mod:`~sqla_jobs.bench.cpu`)."""
     queue = Q_LEASE if mode == "lease" else Q_LOCK
     task = "bench_noop" if mode == "lease" else "bench_noop_lock"
     scratch.reset(engine)
     with workers(cfg, mode, procs, concurrency, batch, pooled_url, synchronous_commit) as pids:
+        meter = Meter(engine, pids)
+        meter.start()
         scratch.fill(engine, queue, task, count)
         committed = scratch.db_now(engine)
         if on_sample is not None:
             sample_until_drained(engine, queue, pids, on_sample)
         done, last = scratch.wait_drained(engine, queue, timeout=max(600.0, count / 100))
+        usage = meter.stop()
     if done != count or last is None:
         raise RuntimeError(f"the workers completed {done} of {count} jobs")
-    return done / (last - committed).total_seconds()
+    return Drained(done / (last - committed).total_seconds(), usage)
 
 
 def sample_until_drained(
