@@ -73,9 +73,19 @@ def _drains(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs: 
     ):
         ceiling = drain_name("ceiling", mode, batch_kind, procs)
         name = drain_name("drain", mode, batch_kind, procs)
-        drained = measured_drain(cfg, engine, mode, slots, procs, count)
+        # Lock-held drains sample the server's wait events: a row lock waited for (two
+        # processes' groups after the same rows) shows as "active Lock:...".
+        drained = measured_drain(cfg, engine, mode, slots, procs, count, waits=mode == "lock")
         value = drained.rate
-        results.add(name, value, "jobs/s", ceiling).extra["concurrency"] = slots
+        metric = results.add(name, value, "jobs/s", ceiling)
+        metric.extra["concurrency"] = slots
+        if drained.waits is not None:
+            metric.extra.setdefault("wait_events", []).append(drained.waits)
+            in_transaction = sum(drained.waits.values())
+            locked = sum(n for key, n in drained.waits.items() if key.startswith("active Lock:"))
+            if in_transaction:
+                share = results.add(f"{name}.lock_waits", locked / in_transaction, "fraction")
+                share.higher_is_better = False
         # CPU per job: the worker processes' against the loop processes', the server's
         # against the server's in the loop's drain.
         worker_us, server_us = drained.usage.per_job(count)

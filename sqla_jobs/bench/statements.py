@@ -78,6 +78,7 @@ __all__ = [
     "table_size",
     "truncate",
     "vacuum_analyze",
+    "wait_events",
     "wal_position",
 ]
 
@@ -378,6 +379,20 @@ def set_user_triggers(table: Table, *, enabled: bool) -> str:
     NOTIFY trigger off to measure what it costs an enqueue."""
     action = "ENABLE" if enabled else "DISABLE"
     return f"ALTER TABLE {qualified_name(table.name, table.schema)} {action} TRIGGER USER"
+
+
+def wait_events() -> TextClause:
+    """What this database's other backends in a transaction are doing now: one row per
+    ``state`` and wait (``wait_event_type:wait_event``, or ``CPU`` for an active backend
+    that waits for nothing), with how many. ``idle in transaction`` backends wait for their
+    client (``Client:ClientRead``). Reads ``pg_stat_activity``; takes no lock."""
+    return text(
+        "SELECT state, coalesce(wait_event_type || ':' || wait_event, 'CPU') AS wait, "
+        "count(*) AS n FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+        "AND backend_type = 'client backend' "
+        "AND state IN ('active', 'idle in transaction') GROUP BY 1, 2"
+    )
 
 
 def backend_pid() -> Select[Any]:

@@ -26,6 +26,7 @@ from sqla_jobs.worker import Worker
 
 __all__ = [
     "Drained",
+    "WaitSampler",
     "measured_drain",
     "sample_until_drained",
     "worker_drain",
@@ -151,10 +152,43 @@ def worker_drain(
 
 
 class Drained(NamedTuple):
-    """A drain's rate (jobs/s), and its CPU: the worker processes' and the server's."""
+    """A drain's rate (jobs/s), and its CPU: the worker processes' and the server's; with
+    ``waits``, the server's wait events sampled during it (:class:`WaitSampler`)."""
 
     rate: float
     usage: Usage
+    waits: dict[str, int] | None = None
+
+
+class WaitSampler:
+    """Samples, every ``every`` seconds on a thread of its own until :meth:`stop`, what the
+    scratch database's backends in a transaction are doing (:func:`bench_sql.wait_events`):
+    counts by ``"<state> <wait>"``, such as ``"active Lock:transactionid"`` (a row lock
+    waited for), ``"active CPU"``, ``"idle in transaction Client:ClientRead"`` (the worker's
+    own time inside a transaction)."""
+
+    def __init__(self, engine: sa.Engine, every: float = 0.02) -> None:
+        self.engine, self.every = engine, every
+        self.counts: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        query = bench_sql.wait_events()
+        with self.engine.connect() as connection:
+            while not self._stop.wait(self.every):
+                for state, wait, n in connection.execute(query):
+                    key = f"{state} {wait}"
+                    self.counts[key] = self.counts.get(key, 0) + int(n)
+                connection.commit()
+
+    def __enter__(self) -> WaitSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 def measured_drain(
@@ -169,24 +203,29 @@ def measured_drain(
     on_sample: Callable[[list[int], float], None] | None = None,
     pooled_url: str | None = None,
     synchronous_commit: bool = True,
+    waits: bool = False,
 ) -> Drained:
     """:func:`worker_drain`, with the CPU the worker processes and the server used from the
-    moment the jobs arrive to the last one's completion (:mod:`~sqla_jobs.bench.cpu`)."""
+    moment the jobs arrive to the last one's completion (:mod:`~sqla_jobs.bench.cpu`);
+    ``waits``: and the server's wait events meanwhile (:class:`WaitSampler`)."""
     queue = Q_LEASE if mode == "lease" else Q_LOCK
     task = "bench_noop" if mode == "lease" else "bench_noop_lock"
     scratch.reset(engine)
     with workers(cfg, mode, procs, concurrency, batch, pooled_url, synchronous_commit) as pids:
         meter = Meter(engine, pids)
         meter.start()
-        scratch.fill(engine, queue, task, count)
-        committed = scratch.db_now(engine)
-        if on_sample is not None:
-            sample_until_drained(engine, queue, pids, on_sample)
-        done, last = scratch.wait_drained(engine, queue, timeout=max(600.0, count / 100))
+        with contextlib.ExitStack() as sampling:
+            sampler = sampling.enter_context(WaitSampler(engine)) if waits else None
+            scratch.fill(engine, queue, task, count)
+            committed = scratch.db_now(engine)
+            if on_sample is not None:
+                sample_until_drained(engine, queue, pids, on_sample)
+            done, last = scratch.wait_drained(engine, queue, timeout=max(600.0, count / 100))
         usage = meter.stop()
     if done != count or last is None:
         raise RuntimeError(f"the workers completed {done} of {count} jobs")
-    return Drained(done / (last - committed).total_seconds(), usage)
+    found = None if sampler is None else dict(sampler.counts)
+    return Drained(done / (last - committed).total_seconds(), usage, found)
 
 
 def sample_until_drained(
