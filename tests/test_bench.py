@@ -28,7 +28,7 @@ from sqla_jobs.bench.cpu import Meter, Usage, process_seconds
 QUICK_GROUPS = (
     ("ceiling", "drain", "history", "enqueue"),
     ("pgbouncer", "processes", "memory", "latency"),
-    ("hot", "keys", "fair", "async", "baseline", "workflows"),
+    ("hot", "keys", "fair", "async", "baseline", "workflows", "shape"),
 )
 
 
@@ -110,6 +110,10 @@ def test_quick_bench_writes_every_section(
         for which in ("history", "mover"):  # WAL per job, against the drain without a history
             wal = metrics[f"drain.wal_per_job.{which}"]
             assert (wal["unit"], wal["ceiling"]) == ("bytes", "drain.wal_per_job.nohist")
+    if "shape" in sections:  # each part of the table, against the whole table
+        for variant in (*bench.shape.VARIANTS, "seed"):
+            drain = metrics[f"shape.{variant}"]
+            assert drain["ceiling"] == (None if variant == "library" else "shape.library")
     if "hot" in sections:
         for label in ("history", "plain"):
             assert metrics[f"hot.{label}.total_mib"]["unit"] == "MiB"

@@ -43,6 +43,7 @@ OUTSIDE_THE_QUEUE = {
     "bench/probe.py",
     "bench/report.py",
     "bench/scratch.py",
+    "bench/shape.py",
     "bench/statements.py",
     "bench/workers.py",
     "bench/workflows.py",

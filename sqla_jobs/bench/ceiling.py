@@ -61,11 +61,30 @@ from sqla_jobs.bench.results import Config, Results
 from sqla_jobs.bench.tasks import LEASE_SECONDS, Q_ENQUEUE, Q_LEASE, Q_LOCK
 from sqla_jobs.urls import libpq_url
 
-__all__ = ["bare_insert", "processes", "run_sweep", "seed_loop"]
+__all__ = [
+    "Drain",
+    "add_drain",
+    "bare_insert",
+    "processes",
+    "run_sweep",
+    "seed_drain",
+    "seed_loop",
+    "table_named",
+]
 
 
-#: The tables a ceiling loop can run on, by name (a spawned process gets the name).
+#: The tables a ceiling loop can run on, by name (a spawned process gets the name); any
+#: other name is ``<schema>`` of a copy of the library's table (:mod:`~sqla_jobs.bench.shape`).
 _TABLES: dict[str, sa.Table] = {"seed": bench_sql.SEED_TABLE, "library": scratch.TABLE}
+
+
+def table_named(name: str) -> sa.Table:
+    """The table a ceiling loop runs on: ``"seed"``, ``"library"``, or the schema of a copy
+    of the library's job table."""
+    found = _TABLES.get(name)
+    return found if found is not None else scratch.TABLE.to_metadata(sa.MetaData(), schema=name)
+
+
 #: The largest batch the sweep grows to past ``--sweep``.
 MAX_BATCH: Final = 16_000
 
@@ -77,7 +96,7 @@ def seed_loop(
     with the seed SQL on table ``table_name`` (``"seed"`` or ``"library"``) until the queue
     is empty. Sends ``(count, started, ended, cpu_seconds)`` (wall clock; this process's
     CPU over the loop) to ``out``."""
-    table = _TABLES[table_name]
+    table = table_named(table_name)
     many = batch > 1
     done = 0
     with psycopg.connect(libpq_url(url), autocommit=True) as connection:
@@ -142,23 +161,25 @@ def processes(target: Callable[..., None], args: Sequence[Any], count: int) -> l
     return results
 
 
-class _Drain(NamedTuple):
+class Drain(NamedTuple):
+    """A loop's drain: jobs/s, and CPU per job of the loop's processes and of the server."""
+
     rate: float
     client_us: float | None
     server_us: float | None
 
 
-def _seed_drain(
+def seed_drain(
     cfg: Config, engine: sa.Engine, mode: str, batch: int, procs: int, table: str = "seed"
-) -> _Drain:
+) -> Drain:
     queue = Q_LEASE if mode == "lease" else Q_LOCK
     count = cfg.jobs if batch > 1 else cfg.single_jobs
-    scratch.reset(engine, _TABLES[table])
+    scratch.reset(engine, table_named(table))
     # The server's CPU counts the INSERT of the jobs, as a worker drain's does (its workers
     # wait for the jobs, which wake them).
     meter = Meter(engine)
     meter.start()
-    scratch.fill(engine, queue, "bench_noop", count, table=_TABLES[table])
+    scratch.fill(engine, queue, "bench_noop", count, table=table_named(table))
     results = processes(seed_loop, (cfg.url, queue, batch, mode, table), procs)
     server = meter.stop().server
     done = sum(r[0] for r in results)
@@ -167,10 +188,10 @@ def _seed_drain(
         raise RuntimeError(f"the seed {mode} loop completed {done} of {count} jobs")
     # The loops' own CPU is process_time(), exact; the server's is counted in clock ticks.
     client_us = sum(r[3] for r in results) / done * 1e6
-    return _Drain(float(done / span), client_us, Usage(None, server).per_job(done)[1])
+    return Drain(float(done / span), client_us, Usage(None, server).per_job(done)[1])
 
 
-def _add(results: Results, name: str, drain: _Drain, ceiling: str | None = None) -> None:
+def add_drain(results: Results, name: str, drain: Drain, ceiling: str | None = None) -> None:
     """A drain's rate as ``name``, and its CPU per job as ``name.client_us`` and
     ``name.server_us`` (each against ``ceiling``'s, when given)."""
     results.add(name, drain.rate, "jobs/s", ceiling)
@@ -199,27 +220,27 @@ def run_sweep(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs
     """One run of the sweep for ``mode`` with ``procs`` processes on the seed table: every
     point, the one-per-claim ceiling (B = 1) and the batched ceiling (the best B > 1); then
     the same loop on the library's table at B = 1 and at that best B, against them."""
-    drains: dict[int, _Drain] = {}
+    drains: dict[int, Drain] = {}
     while (batch := _batches(cfg, {b: d.rate for b, d in drains.items()}, procs)) is not None:
-        drains[batch] = drain = _seed_drain(cfg, engine, mode, batch, procs)
+        drains[batch] = drain = seed_drain(cfg, engine, mode, batch, procs)
         results.add(f"ceiling.sweep.{mode}.b{batch}.{procs}p", drain.rate, "jobs/s")
     single, batched = f"ceiling.{mode}.single.{procs}p", f"ceiling.{mode}.batched.{procs}p"
     shape = f"ceiling.library.{mode}"
     if 1 in drains:
-        _add(results, single, drains[1])
-        _add(
+        add_drain(results, single, drains[1])
+        add_drain(
             results,
             f"{shape}.single.{procs}p",
-            _seed_drain(cfg, engine, mode, 1, procs, "library"),
+            seed_drain(cfg, engine, mode, 1, procs, "library"),
             single,
         )
     larger = [b for b in drains if b > 1]
     if larger:
         best = max(larger, key=lambda b: drains[b].rate)
-        _add(results, batched, drains[best])
+        add_drain(results, batched, drains[best])
         results.metrics[batched].extra.setdefault("best_batch", []).append(best)
-        library = _seed_drain(cfg, engine, mode, best, procs, "library")
-        _add(results, f"{shape}.batched.{procs}p", library, batched)
+        library = seed_drain(cfg, engine, mode, best, procs, "library")
+        add_drain(results, f"{shape}.batched.{procs}p", library, batched)
 
 
 def bare_insert(cfg: Config, count: int) -> float:

@@ -24,6 +24,7 @@ SECTIONS: Final = (
     "workflows",
     "baseline",
     "processes",
+    "shape",
 )
 
 #: The batch sizes the ceiling's plain loops are measured at; the best is the ceiling.

@@ -32,6 +32,7 @@ from sqla_jobs.bench.latency import run_latency
 from sqla_jobs.bench.memory import run_memory
 from sqla_jobs.bench.processes import run_processes
 from sqla_jobs.bench.results import SECTIONS, Config, Results
+from sqla_jobs.bench.shape import run_shape
 from sqla_jobs.bench.tasks import Q_LEASE
 from sqla_jobs.bench.workflows import run_workflows
 from sqla_jobs.embedded import EmbeddedPostgres
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch.progress(
             f"bench on {machine['version'].split(',')[0]}, sections {','.join(cfg.sections)}"
         )
-        for _ in range(cfg.repeat):
+        for turn in range(cfg.repeat):
             if {"ceiling", "drain"} & set(cfg.sections):
                 run_drain(cfg, engine, results)
             if "drain" in cfg.sections:
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_baseline(cfg, results)
             if "processes" in cfg.sections:
                 run_processes(cfg, engine, results)
+            if "shape" in cfg.sections:
+                run_shape(cfg, engine, results, turn)
         if "history" in cfg.sections:
             run_history(cfg, engine, results)
             partitioned.run_partitioned_history(cfg, engine, results, scratch.progress)

@@ -55,9 +55,13 @@ __all__ = [
     "backend_pid",
     "clear",
     "create_database",
+    "create_schema",
     "database_clock",
     "delete_queue",
+    "drop_constraint",
     "drop_database",
+    "drop_index",
+    "drop_schema",
     "fill",
     "fill_burst",
     "fill_history",
@@ -408,6 +412,26 @@ def truncate(*tables: Table) -> str:
         + ", ".join(qualified_name(t.name, t.schema) for t in tables)
         + " RESTART IDENTITY"
     )
+
+
+def create_schema(name: str) -> str:
+    """``CREATE SCHEMA``, as SQL text: a schema for one of the shape section's copies."""
+    return f"CREATE SCHEMA {quote(name)}"
+
+
+def drop_schema(name: str) -> str:
+    """``DROP SCHEMA ... CASCADE``, as SQL text: a copy's schema and all in it."""
+    return f"DROP SCHEMA IF EXISTS {quote(name)} CASCADE"
+
+
+def drop_index(name: str, schema: str | None = None) -> str:
+    """``DROP INDEX``, as SQL text."""
+    return f"DROP INDEX {qualified_name(name, schema)}"
+
+
+def drop_constraint(table: Table, name: str) -> str:
+    """``ALTER TABLE ... DROP CONSTRAINT``, as SQL text."""
+    return f"ALTER TABLE {qualified_name(table.name, table.schema)} DROP CONSTRAINT {quote(name)}"
 
 
 def create_database(name: str) -> str:
