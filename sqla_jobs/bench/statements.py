@@ -144,11 +144,15 @@ def fill(table: Table, *, finished: bool = False) -> Insert:
 
 def _pending_in_order(table: Table, columns: str = "id") -> str:
     # The literal status matches the pending index's predicate, so the index serves it, in
-    # its own order (queue, priority, run_at, id).
+    # its own order (queue, priority, run_at, id). On the library's job table, whose pending
+    # index is partial on jobs without an ordering key too, the condition says so: without
+    # it, no index of that table serves the claim, which then reads and sorts every pending
+    # job (a sequential scan per claim).
+    keyless = " AND ordering_key IS NULL" if "ordering_key" in table.c else ""
     return (
         f"SELECT {columns} FROM {qualified_name(table.name, table.schema)} "
-        f"WHERE status = '{JobStatus.PENDING.value}' AND queue = :queue AND run_at <= now() "
-        "ORDER BY priority, run_at, id"
+        f"WHERE status = '{JobStatus.PENDING.value}'{keyless} AND queue = :queue "
+        "AND run_at <= now() ORDER BY priority, run_at, id"
     )
 
 
