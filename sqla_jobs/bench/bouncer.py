@@ -12,7 +12,7 @@ from sqlalchemy.engine import make_url
 from sqla_jobs.bench import scratch
 from sqla_jobs.bench.drain import drain_name
 from sqla_jobs.bench.results import Config, Results
-from sqla_jobs.bench.workers import worker_drain
+from sqla_jobs.bench.workers import measured_drain
 from sqla_jobs.pgbouncer import PgBouncer, find_binary
 
 __all__ = ["run_pgbouncer"]
@@ -44,7 +44,9 @@ def run_pgbouncer(cfg: Config, engine: sa.Engine, results: Results) -> None:
             )
             direct = drain_name("pgbouncer.direct", "lease", batch_kind, procs)
             for via in (pooled_url, None) if pooled_first else (None, pooled_url):
-                value = worker_drain(cfg, engine, "lease", slots, procs, count, pooled_url=via)
+                value = measured_drain(
+                    cfg, engine, "lease", slots, procs, count, pooled_url=via
+                ).rate
                 if via is None:
                     results.add(direct, value, "jobs/s")
                 else:

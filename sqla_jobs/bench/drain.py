@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from sqla_jobs.bench import scratch
 from sqla_jobs.bench.ceiling import run_sweep
 from sqla_jobs.bench.results import Config, Results
-from sqla_jobs.bench.workers import measured_drain, worker_drain
+from sqla_jobs.bench.workers import measured_drain
 from sqla_jobs.worker.settings import ClaimSettings
 
 __all__ = ["drain_name", "run_drain"]
@@ -59,7 +59,7 @@ def _default_drain(cfg: Config, engine: sa.Engine, results: Results, procs: int)
     options (its default concurrency), against the batched drain (``--concurrency``) of
     the same run: what a user who tunes nothing gets of what tuning gives."""
     slots = ClaimSettings.concurrency
-    value = worker_drain(cfg, engine, "lease", slots, procs, cfg.jobs)
+    value = measured_drain(cfg, engine, "lease", slots, procs, cfg.jobs).rate
     against = drain_name("drain", "lease", "batched", procs)
     results.add(drain_name("drain", "lease", "default", procs), value, "jobs/s", against).extra[
         "concurrency"
@@ -102,5 +102,7 @@ def _drains(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs: 
         if mode == "lease" and batch_kind == "single":
             # The worker's own transactions with synchronous_commit = off (Worker(...,
             # synchronous_commit=False)), beside the durable figure, same ceiling.
-            value = worker_drain(cfg, engine, mode, slots, procs, count, synchronous_commit=False)
+            value = measured_drain(
+                cfg, engine, mode, slots, procs, count, synchronous_commit=False
+            ).rate
             results.add(f"{name}.async_commit", value, "jobs/s", ceiling)

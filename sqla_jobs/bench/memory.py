@@ -16,7 +16,7 @@ from sqla_jobs import _queries as statements
 from sqla_jobs.bench import scratch
 from sqla_jobs.bench.results import Config, Results
 from sqla_jobs.bench.tasks import Q_ENQUEUE
-from sqla_jobs.bench.workers import worker_drain
+from sqla_jobs.bench.workers import measured_drain
 from sqla_jobs.models import Job
 from sqla_jobs.queue import enqueue_many
 
@@ -58,7 +58,7 @@ def run_memory(cfg: Config, engine: sa.Engine, results: Results) -> None:
 
     # The short drain first: the long one's rate is compared with it.
     base_jobs = min(cfg.memory_base_jobs, cfg.memory_jobs)
-    rate = worker_drain(cfg, engine, "lease", cfg.concurrency, 1, base_jobs)
+    rate = measured_drain(cfg, engine, "lease", cfg.concurrency, 1, base_jobs).rate
     results.add("memory.drain_rate.base", rate, "jobs/s").extra["jobs"] = base_jobs
 
     # Worker RSS over a long drain: after the first 10% of it (warmed up) against the rest.
@@ -69,7 +69,9 @@ def run_memory(cfg: Config, engine: sa.Engine, results: Results) -> None:
         if rss is not None:
             samples.append((round(seconds, 3), rss))
 
-    rate = worker_drain(cfg, engine, "lease", cfg.concurrency, 1, cfg.memory_jobs, on_sample=sample)
+    rate = measured_drain(
+        cfg, engine, "lease", cfg.concurrency, 1, cfg.memory_jobs, on_sample=sample
+    ).rate
     metric = results.add("memory.drain_rate", rate, "jobs/s", "memory.drain_rate.base")
     metric.extra["jobs"] = cfg.memory_jobs
     span = samples[-1][0] if samples else 0.0

@@ -29,7 +29,6 @@ __all__ = [
     "WaitSampler",
     "measured_drain",
     "sample_until_drained",
-    "worker_drain",
     "worker_process",
     "workers",
 ]
@@ -122,35 +121,6 @@ def workers(
                 proc.kill()
 
 
-def worker_drain(
-    cfg: Config,
-    engine: sa.Engine,
-    mode: str,
-    concurrency: int,
-    procs: int,
-    count: int,
-    *,
-    batch: int | None = None,
-    on_sample: Callable[[list[int], float], None] | None = None,
-    pooled_url: str | None = None,
-    synchronous_commit: bool = True,
-) -> float:
-    """Drain ``count`` no-op jobs through ``procs`` worker processes of ``concurrency``
-    (``batch`` None: the worker's default batch size); jobs per second."""
-    return measured_drain(
-        cfg,
-        engine,
-        mode,
-        concurrency,
-        procs,
-        count,
-        batch=batch,
-        on_sample=on_sample,
-        pooled_url=pooled_url,
-        synchronous_commit=synchronous_commit,
-    ).rate
-
-
 class Drained(NamedTuple):
     """A drain's rate (jobs/s), and its CPU: the worker processes' and the server's; with
     ``waits``, the server's wait events sampled during it (:class:`WaitSampler`)."""
@@ -205,8 +175,10 @@ def measured_drain(
     synchronous_commit: bool = True,
     waits: bool = False,
 ) -> Drained:
-    """:func:`worker_drain`, with the CPU the worker processes and the server used from the
-    moment the jobs arrive to the last one's completion (:mod:`~sqla_jobs.bench.cpu`);
+    """Drain ``count`` no-op jobs through ``procs`` worker processes of ``concurrency``
+    (``batch`` None: the worker's default batch size): the rate, and the CPU the worker
+    processes and the server used from the moment the jobs arrive to the last one's
+    completion (:mod:`~sqla_jobs.bench.cpu`);
     ``waits``: and the server's wait events meanwhile (:class:`WaitSampler`)."""
     queue = Q_LEASE if mode == "lease" else Q_LOCK
     task = "bench_noop" if mode == "lease" else "bench_noop_lock"
