@@ -14,6 +14,7 @@ from sqla_jobs import ConfigurationError
 from sqla_jobs.models import Job
 from sqla_jobs.queue import ClaimedJob
 from sqla_jobs.worker import Worker
+from sqla_jobs.worker.fetcher import default_prefetch
 from sqla_jobs.worker.heartbeat import Heartbeat
 from sqla_jobs.worker.state import UNWRITTEN_MAX, Attempt, Kind, Outcome, State
 
@@ -109,6 +110,17 @@ def test_the_default_prefetch_is_bounded_by_a_batch(db: JobDatabase) -> None:
         assert fetcher.prefetch() == 0
         assert db.count_by_status() == {"running": 2, "pending": 10}
     _let_handlers_finish(db)
+
+
+def test_the_default_prefetch_holds_what_the_handlers_settle_in_50_ms() -> None:
+    # Quick jobs: a batch, whatever the concurrency (20,000 jobs/s settle 1,000 in 50 ms).
+    assert default_prefetch(20_000, 0.003, 500) == 500
+    assert default_prefetch(2_000, 0.003, 500) == 100
+    # Slow ones are not hoarded: 10 jobs/s settle none in 50 ms.
+    assert default_prefetch(10, 0.005, 500) == 0
+    assert default_prefetch(0, 0.005, 500) == 0
+    # A slow claim: two of its round trips' worth (80 jobs/s x 2 x 0.5 s).
+    assert default_prefetch(80, 0.5, 500) == 80
 
 
 def test_room_counts_the_prefetch() -> None:
