@@ -72,7 +72,7 @@ def _add_rate(results: Results, operation: str, path: str, rate: Rate) -> None:
     before = _before(operation, path)
     results.add(name, rate.per_second, "jobs/s", before)
     ceiling = before and before.replace(".", ".cpu.", 1)
-    results.add(cpu, rate.cpu_us_per_job, "us/job", ceiling).higher_is_better = False
+    results.add_cpu(cpu, rate.cpu_us_per_job, ceiling)
 
 
 def _before(operation: str, path: str) -> str | None:

@@ -93,8 +93,8 @@ def seed_loop(
     url: str, queue: str, batch: int, mode: str, table_name: str, ready: Any, go: Any, out: Any
 ) -> None:
     """Once connected, put None on ``ready`` and wait for ``go``; then claim and complete
-    with the seed SQL on table ``table_name`` (``"seed"`` or ``"library"``) until the queue
-    is empty. Sends ``(count, started, ended, cpu_seconds)`` (wall clock; this process's
+    with the seed SQL on table ``table_name`` (:func:`table_named`) until the queue is
+    empty. Sends ``(count, started, ended, cpu_seconds)`` (wall clock; this process's
     CPU over the loop) to ``out``."""
     table = table_named(table_name)
     many = batch > 1
@@ -174,12 +174,13 @@ def seed_drain(
 ) -> Drain:
     queue = Q_LEASE if mode == "lease" else Q_LOCK
     count = cfg.jobs if batch > 1 else cfg.single_jobs
-    scratch.reset(engine, table_named(table))
+    jobs = table_named(table)
+    scratch.reset(engine, jobs)
     # The server's CPU counts the INSERT of the jobs, as a worker drain's does (its workers
     # wait for the jobs, which wake them).
     meter = Meter(engine)
     meter.start()
-    scratch.fill(engine, queue, "bench_noop", count, table=table_named(table))
+    scratch.fill(engine, queue, "bench_noop", count, table=jobs)
     results = processes(seed_loop, (cfg.url, queue, batch, mode, table), procs)
     server = meter.stop().server
     done = sum(r[0] for r in results)
@@ -196,9 +197,7 @@ def add_drain(results: Results, name: str, drain: Drain, ceiling: str | None = N
     ``name.server_us`` (each against ``ceiling``'s, when given)."""
     results.add(name, drain.rate, "jobs/s", ceiling)
     for kind, value in (("client_us", drain.client_us), ("server_us", drain.server_us)):
-        if value is not None:
-            against = None if ceiling is None else f"{ceiling}.{kind}"
-            results.add(f"{name}.{kind}", value, "us/job", against).higher_is_better = False
+        results.add_cpu(f"{name}.{kind}", value, ceiling and f"{ceiling}.{kind}")
 
 
 def _batches(cfg: Config, rates: dict[int, float], procs: int) -> int | None:

@@ -61,9 +61,8 @@ def _default_drain(cfg: Config, engine: sa.Engine, results: Results, procs: int)
     slots = ClaimSettings.concurrency
     value = measured_drain(cfg, engine, "lease", slots, procs, cfg.jobs).rate
     against = drain_name("drain", "lease", "batched", procs)
-    results.add(drain_name("drain", "lease", "default", procs), value, "jobs/s", against).extra[
-        "concurrency"
-    ] = slots
+    metric = results.add(drain_name("drain", "lease", "default", procs), value, "jobs/s", against)
+    metric.extra["concurrency"] = slots
 
 
 def _drains(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs: int) -> None:
@@ -89,13 +88,8 @@ def _drains(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs: 
         # CPU per job: the worker processes' against the loop processes', the server's
         # against the server's in the loop's drain.
         worker_us, server_us = drained.usage.per_job(count)
-        for kind, spent, against in (
-            ("worker_us", worker_us, "client_us"),
-            ("server_us", server_us, "server_us"),
-        ):
-            if spent is not None:
-                metric = results.add(f"{name}.{kind}", spent, "us/job", f"{ceiling}.{against}")
-                metric.higher_is_better = False
+        results.add_cpu(f"{name}.worker_us", worker_us, f"{ceiling}.client_us")
+        results.add_cpu(f"{name}.server_us", server_us, f"{ceiling}.server_us")
         if mode == "lock":
             counted = drain_name("ceiling", "lock_counted", batch_kind, procs)
             results.add(f"{name}.counted", value, "jobs/s", counted)

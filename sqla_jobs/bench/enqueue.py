@@ -84,17 +84,12 @@ def run_enqueue(cfg: Config, engine: sa.Engine, results: Results) -> None:
             client_us = (time.process_time() - cpu) / count * 1e6
             if model is PlainJob:
                 results.add("ceiling.orm_add_all", rate, "jobs/s")
-                ceiling_cpu = results.add("ceiling.orm_add_all.client_us", client_us, "us/job")
-                ceiling_cpu.higher_is_better = False
+                results.add_cpu("ceiling.orm_add_all.client_us", client_us)
             else:
                 results.add("enqueue.add_all", rate, "jobs/s", "ceiling.orm_add_all")
-                cpu_metric = results.add(
-                    "enqueue.add_all.client_us",
-                    client_us,
-                    "us/job",
-                    "ceiling.orm_add_all.client_us",
+                results.add_cpu(
+                    "enqueue.add_all.client_us", client_us, "ceiling.orm_add_all.client_us"
                 )
-                cpu_metric.higher_is_better = False
     if "enqueue" not in cfg.sections:
         return
     scratch.reset(engine)

@@ -76,6 +76,16 @@ class Results:
         metric.runs.append(value)
         return metric
 
+    def add_cpu(self, name: str, value: float | None, ceiling: str | None = None) -> Metric | None:
+        """A CPU-per-job figure (microseconds, lower is better; :mod:`sqla_jobs.bench.cpu`),
+        when there is one: None, not measured (the server not on this machine, a drain too
+        short to count), adds nothing."""
+        if value is None:
+            return None
+        metric = self.add(name, value, "us/job", ceiling)
+        metric.higher_is_better = False
+        return metric
+
     def median(self, name: str) -> float | None:
         metric = self.metrics.get(name)
         return None if metric is None else metric.median
