@@ -10,6 +10,7 @@ whatever crashes when.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import date, datetime
 from typing import Any, Final, NamedTuple, TypedDict
 
@@ -150,6 +151,35 @@ def _into_history(
         .add_cte(moved)
         .returning(history.c.id, history.c.attempts, history.c.task, history.c.status)
     )
+
+
+def _out_of_history(
+    table: Table,
+    match: ColumnElement[bool],
+    *,
+    overrides: Callable[[Any], dict[str, ColumnElement[Any]]] | None = None,
+) -> tuple[Insert, Any]:
+    """``WITH back AS (DELETE FROM history WHERE match RETURNING ...) INSERT INTO jobs SELECT
+    ... FROM back RETURNING id``: the history's rows that ``match`` back into the job table,
+    each column as it was but those ``overrides(back)`` gives. Also returns the ``back`` CTE
+    (every job column, then ``result``), for a statement that takes more from it."""
+    history = history_table(table)
+    back = (
+        delete(history)
+        .where(match)
+        .returning(*(history.c[c.name] for c in table.columns), history.c[RESULT_COLUMN])
+        .cte("back")
+    )
+    changed = {} if overrides is None else overrides(back)
+    names = [c.name for c in table.columns]
+    values = [changed.get(name, back.c[name]) for name in names]
+    stmt = (
+        insert(table)
+        .from_select(names, select(*values).select_from(back))
+        .add_cte(back)
+        .returning(table.c.id)
+    )
+    return stmt, back
 
 
 def complete(table: Table, *, held: bool = False) -> Insert:
@@ -317,18 +347,8 @@ def bring_back(table: Table, result_table: Table | None = None) -> Insert:
     step of an ended workflow, whose graph the workflow trigger then reads whole. Inserts
     fire no workflow trigger. Returns the ids. Reads the history's workflow index."""
     history = history_table(table)
-    back = (
-        delete(history)
-        .where(history.c.workflow_id == bindparam("workflow_id", type_=BigInteger))
-        .returning(*(history.c[c.name] for c in table.columns), history.c[RESULT_COLUMN])
-        .cte("back")
-    )
-    names = [c.name for c in table.columns]
-    stmt = (
-        insert(table)
-        .from_select(names, select(*(back.c[name] for name in names)))
-        .add_cte(back)
-        .returning(table.c.id)
+    stmt, back = _out_of_history(
+        table, history.c.workflow_id == bindparam("workflow_id", type_=BigInteger)
     )
     if result_table is None:
         return stmt
@@ -376,32 +396,23 @@ def retry(table: Table) -> Insert:
     is deleted. Returns the id, or no row when the history has no such dead or cancelled
     job. The insert wakes listeners like an enqueue (the NOTIFY trigger)."""
     history = history_table(table)
-    back = (
-        delete(history)
-        .where(
-            history.c.id == bindparam("job_id", type_=BigInteger),
-            history.c.status.in_(_RETRYABLE),
-        )
-        .returning(*(history.c[c.name] for c in table.columns))
-        .cte("back")
-    )
     one = literal_column("1", Integer)
-    overrides: dict[str, ColumnElement[Any]] = {
-        "status": _lit(JobStatus.PENDING),
-        "run_at": _now(),
-        "max_attempts": func.greatest(back.c.max_attempts, back.c.attempts + one),
-        PARTITION_KEY: null(),
-        "lease_expires_at": null(),
-        "leased_by": null(),
-    }
-    names = [c.name for c in table.columns]
-    values = [overrides.get(name, back.c[name]) for name in names]
-    return (
-        insert(table)
-        .from_select(names, select(*values).select_from(back))
-        .add_cte(back)
-        .returning(table.c.id)
+
+    def pending(back: Any) -> dict[str, ColumnElement[Any]]:
+        return {
+            "status": _lit(JobStatus.PENDING),
+            "run_at": _now(),
+            "max_attempts": func.greatest(back.c.max_attempts, back.c.attempts + one),
+            PARTITION_KEY: null(),
+            "lease_expires_at": null(),
+            "leased_by": null(),
+        }
+
+    match = and_(
+        history.c.id == bindparam("job_id", type_=BigInteger),
+        history.c.status.in_(_RETRYABLE),
     )
+    return _out_of_history(table, match, overrides=pending)[0]
 
 
 def status_of(table: Table) -> Select[Any]:

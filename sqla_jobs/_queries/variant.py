@@ -76,6 +76,9 @@ class JobTables:
 
     #: The partitioned history table, for a model that has one.
     history: Table | None = None
+    #: The workflow table, for a model with workflow steps whose finished jobs move into a
+    #: history (its mover moves a workflow's steps together: :class:`StepHistoryJobTables`).
+    workflow: Table | None = None
     #: Whether a completion stores the handler's result without a result model (the history
     #: rows hold it: :data:`~sqla_jobs._queries.history.COMPLETE`).
     keeps_results: bool = False
@@ -232,6 +235,7 @@ class StepHistoryJobTables(HistoryJobTables):
     the whole graph, as for a model without a history."""
 
     keeps_results = False
+    workflow: Table
 
     def __init__(self, model: type[Any], table: Table) -> None:
         super().__init__(model, table)

@@ -793,7 +793,7 @@ class _Dashboard:
                     self.s.table,
                     {"flow_id": flow_id},
                     limit=STEPS_READ,
-                    history=tables_of(self.s.model).history,
+                    history=None if self.history is None else self.history.table,
                 )
             return flow, steps
 

@@ -49,11 +49,11 @@ from sqla_jobs._queries.history import (
     partition_rows,
     statement_time,
 )
+from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.errors import ConfigurationError, InvalidJobError
 from sqla_jobs.events import describe
-from sqla_jobs.schema import JobMixin, JobResultMixin, has_steps
+from sqla_jobs.schema import JobMixin, JobResultMixin
 from sqla_jobs.schema.history import has_history, history_names, partition_day
-from sqla_jobs.schema.workflows import check_step_model
 
 __all__ = [
     "DEFAULT_DAYS_AHEAD",
@@ -320,7 +320,7 @@ def drop_partitions(
         report.default_rows_deleted += deleted
         if deleted < batch_size:
             break
-    workflow = check_step_model(model) if has_steps(model) else None
+    workflow = tables_of(model).workflow
     while workflow is not None:
         with engine.begin() as connection:
             deleted = len(
@@ -356,7 +356,7 @@ def move_finished(
     running jobs stay. For a model with workflow steps, whose jobs finish in place, this is
     how they reach the history: a workflow's steps once the workflow ended."""
     table = _history_model(model)
-    workflow = check_step_model(model) if has_steps(model) else None
+    workflow = tables_of(model).workflow
     result_model = result_model or model.result_model
     results = None
     if result_model is not None:
