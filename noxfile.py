@@ -30,7 +30,9 @@ Sessions run by default, in this order:
   otherwise. (``tests/test_pgbouncer.py``, the worker and the commands through PgBouncer,
   is part of the suite in every session.)
 
-Not run by default (``.ci/run`` runs them):
+Not run by default: ``bench``, ``chaos`` (the fault harness) and ``failover`` (the failover
+drill on pg_auto_failover; ``tests`` runs its short form), and these two, which ``.ci/run``
+runs:
 
 * ``tests_lowest``, ``typecheck_lowest``: the suite (without the slow proofs) and
   ``typecheck`` on the lowest versions sqla_jobs declares: the Python of ``requires-python``
@@ -242,6 +244,7 @@ SLOW_PROOFS = [
     "--ignore=tests/test_lease_proof.py",
     "--ignore=tests/test_unique_concurrency.py",
     "--ignore=tests/test_chaos.py",
+    "--ignore=tests/test_failover.py",
     "--deselect=tests/test_concurrency.py::test_eight_processes_claim_each_job_exactly_once",
     "--deselect=tests/test_periodic.py::test_three_workers_run_a_per_second_schedule_once_per_slot",
     "--deselect=tests/test_limited_workers.py::test_four_workers_of_eight_never_run_more_than_the_queue_limit",
@@ -399,3 +402,21 @@ def chaos(session: nox.Session) -> None:
     # `python tests/chaos.py` puts tests/ first on sys.path, not the source tree: the harness
     # and its workers import the installed wheel.
     session.run("python", "tests/chaos.py", *session.posargs)
+
+
+@nox.session(default=False)
+def failover(session: nox.Session) -> None:
+    """The failover drill ``tests/failover.py``: pg_auto_failover on this machine (a monitor,
+    a primary, a synchronous standby; Debian's ``postgresql-15-auto-failover``, installed
+    with apt-get when missing and run as root), producers and three workers under load, the
+    primary SIGKILLed and its standby promoted, twice (the killed node rejoins as the
+    standby in between); then every job accounted for from SQL on the last primary. Prints
+    the seconds from each kill to the first completion on the new primary.
+
+    Not in the default sessions (``tests`` runs a short form: ``tests/test_failover.py``).
+    Options after ``--``, e.g. ``nox -s failover -- --defaults`` (pg_auto_failover's own
+    timeouts, about a minute per failover) or ``-- --json failover.json``.
+    """
+    _install_wheel(session, "embedded", *_group("test"))
+    args = session.posargs or ["--failovers", "2"]
+    session.run("python", "tests/failover.py", *args)

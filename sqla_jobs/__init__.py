@@ -6,6 +6,7 @@ no thread, opens no connection, and does not import Alembic or the command line.
 
 from sqla_jobs.context import JobContext, Snooze
 from sqla_jobs.errors import (
+    CommitUnknownError,
     ConfigurationError,
     EmbeddedPostgresError,
     InvalidJobError,
@@ -48,6 +49,7 @@ from sqla_jobs.queue import (
     TenantDepths,
     cancel,
     claim,
+    commit,
     complete,
     complete_many,
     dead_jobs,
@@ -105,6 +107,7 @@ from sqla_jobs.workflows import (
 __all__ = [
     "ClaimSettings",
     "ClaimedJob",
+    "CommitUnknownError",
     "ConfigurationError",
     "DeadJob",
     "EmbeddedPostgresError",
@@ -163,6 +166,7 @@ __all__ = [
     "cancel",
     "cancel_workflow",
     "claim",
+    "commit",
     "complete",
     "complete_many",
     "dead_jobs",

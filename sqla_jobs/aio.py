@@ -43,6 +43,7 @@ __all__ = [
     "cancel",
     "cancel_workflow",
     "claim",
+    "commit",
     "complete",
     "complete_many",
     "dead_jobs",
@@ -91,6 +92,7 @@ def _awaitable(
 claim = _awaitable(queue.claim)
 lock = _awaitable(queue.lock)
 complete = _awaitable(queue.complete)
+commit = _awaitable(queue.commit)
 complete_many = _awaitable(queue.complete_many)
 dead_jobs = _awaitable(queue.dead_jobs)
 enqueue_many = _awaitable(queue.enqueue_many)

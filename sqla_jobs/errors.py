@@ -21,6 +21,8 @@ The tree::
     ├── WorkflowTimeoutError       wait_for_workflow() ran out of time (also a TimeoutError)
     ├── ProcessHandlerError        a process handler's child died mid-job, or its function
     │                              or what it raised or returned could not cross over
+    ├── CommitUnknownError         sqla_jobs.commit(): the connection was lost while the
+    │                              COMMIT was in flight, so it may or may not have committed
     ├── ConfigurationError         the library was set up wrongly (a model without the mixin, ...)
     │   ├── ScheduleError          a periodic task's schedule is malformed (cron, timezone, ...)
     │   └── SchemaVersionError     the job table is at an older schema version than the worker
@@ -29,12 +31,14 @@ The tree::
 
 Errors raised by the database inside the caller's own transaction (a unique violation in
 the caller's model, a serialization failure, ...) are not wrapped: they pass through as
-SQLAlchemy raised them, so the caller's existing handling keeps working.
+SQLAlchemy raised them, so the caller's existing handling keeps working; but for a lost
+connection during a COMMIT that the caller made through :func:`sqla_jobs.commit`.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CommitUnknownError",
     "ConfigurationError",
     "EmbeddedPostgresError",
     "InvalidJobError",
@@ -108,6 +112,18 @@ class LeaseLostError(SqlaJobsError):
     Raised too by :func:`~sqla_jobs.renew_lease` and :func:`~sqla_jobs.release_lease` when
     the lease of a row is no longer the caller's: it was released, or it expired and another
     acquire took the row (a higher ``lease_fence``). Nothing changed; stop using the row.
+    """
+
+
+class CommitUnknownError(SqlaJobsError):
+    """The connection was lost while the transaction's COMMIT was in flight: it may or may
+    not have committed, and no client can tell which.
+
+    Raised by :func:`~sqla_jobs.commit` (and :func:`sqla_jobs.aio.commit`), only for that
+    case; its ``__cause__`` is SQLAlchemy's error. Retry the transaction only if it is
+    idempotent: the jobs enqueued with a unique key (:func:`~sqla_jobs.enqueue_unique`, with
+    a key of the business row's and every status), the business rows written so that a
+    second write changes nothing. Then a retry after a commit that did land is a no-op.
     """
 
 

@@ -21,6 +21,7 @@ PUBLIC: dict[str, list[str]] = {
     "sqla_jobs": [
         "ClaimSettings",
         "ClaimedJob",
+        "CommitUnknownError",
         "ConfigurationError",
         "DeadJob",
         "EmbeddedPostgresError",
@@ -79,6 +80,7 @@ PUBLIC: dict[str, list[str]] = {
         "cancel",
         "cancel_workflow",
         "claim",
+        "commit",
         "complete",
         "complete_many",
         "dead_jobs",
@@ -121,6 +123,7 @@ PUBLIC: dict[str, list[str]] = {
         "cancel",
         "cancel_workflow",
         "claim",
+        "commit",
         "complete",
         "complete_many",
         "dead_jobs",
@@ -159,6 +162,7 @@ PUBLIC: dict[str, list[str]] = {
         "EmbeddedPostgres",
     ],
     "sqla_jobs.errors": [
+        "CommitUnknownError",
         "ConfigurationError",
         "EmbeddedPostgresError",
         "InvalidJobError",

@@ -1,7 +1,8 @@
 """The queue operations: claim, complete, fail, heartbeat, release, retry, cancel, prune.
 
 Every function takes the caller's :class:`~sqlalchemy.orm.Session` and runs inside the
-caller's transaction: it may flush, it never commits, rolls back or closes. A claim in lease
+caller's transaction: it may flush, it never commits, rolls back or closes (but
+:func:`commit`, which the caller calls to commit an enqueue: :mod:`.committing`). A claim in lease
 mode is therefore durable only once the caller commits, and a completion commits together
 with whatever else the caller wrote in that transaction.
 
@@ -65,6 +66,7 @@ from sqla_jobs.queue.claiming import (
     lock_one,
     lock_started,
 )
+from sqla_jobs.queue.committing import commit
 from sqla_jobs.queue.enqueueing import (
     MAX_UNIQUE_KEY_LENGTH,
     Enqueued,
@@ -119,6 +121,7 @@ __all__ = [
     "cancel_attempts",
     "cancel_requests",
     "claim",
+    "commit",
     "complete",
     "complete_attempts",
     "complete_held",
