@@ -86,6 +86,7 @@ from sqla_jobs.worker import (
     SessionSettings,
     TimingSettings,
     Worker,
+    WorkerGroup,
     WorkerHealth,
     WorkerOptions,
 )
@@ -155,6 +156,7 @@ __all__ = [
     "TimingSettings",
     "UniqueJobError",
     "Worker",
+    "WorkerGroup",
     "WorkerHealth",
     "WorkerOptions",
     "Workflow",

@@ -69,6 +69,7 @@ PUBLIC: dict[str, list[str]] = {
         "TimingSettings",
         "UniqueJobError",
         "Worker",
+        "WorkerGroup",
         "WorkerHealth",
         "WorkerOptions",
         "Workflow",

@@ -32,6 +32,9 @@ How a job goes through it, one module per role:
     (:mod:`~sqla_jobs.worker.health`).
 :mod:`~sqla_jobs.worker.state`
     what they share, with its locking rules, and where "one outcome per attempt" lives.
+:mod:`~sqla_jobs.worker.group`
+    :class:`WorkerGroup`: one worker per database in one process, for jobs spread over
+    several primaries.
 
 Shutdown
     The first SIGTERM or SIGINT (to :meth:`Worker.run` on the main thread, unless
@@ -52,6 +55,7 @@ Faults
 The events the worker logs are listed in :mod:`sqla_jobs.events`.
 """
 
+from sqla_jobs.worker.group import WorkerGroup
 from sqla_jobs.worker.lifecycle import Worker, WorkerHealth
 from sqla_jobs.worker.settings import (
     ClaimSettings,
@@ -69,6 +73,7 @@ __all__ = [
     "SessionSettings",
     "TimingSettings",
     "Worker",
+    "WorkerGroup",
     "WorkerHealth",
     "WorkerOptions",
 ]

@@ -1,0 +1,188 @@
+"""Several workers in one process: one per database, for jobs spread over several primaries.
+
+A job lives in the database of its business rows (a shard chosen by the application's own
+key, with SQLAlchemy's ``horizontal_shard`` extension or ``Session`` binds: docs,
+how-to/several-databases). Each database needs a worker; :class:`WorkerGroup` runs one
+:class:`~sqla_jobs.worker.Worker` per database in one process and stops them together.
+
+Each member is a whole worker of its own: its engine and connections, its handler slots
+(``concurrency``), its claims, heartbeats and outcome writer. So the databases are served
+fairly by construction: a busy database cannot take another's slots, and a database that is
+down (its member waits for it, as any worker waits for a server that is down or restarting)
+holds up none of the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError
+
+from sqla_jobs.errors import ConfigurationError
+from sqla_jobs.worker.lifecycle import Worker
+
+__all__ = ["WorkerGroup"]
+
+logger = logging.getLogger("sqla_jobs.worker")
+
+_SUPERVISE_EVERY = 0.1
+
+
+class WorkerGroup:
+    """Run ``workers`` (one per database) in this process until stopped.
+
+    :meth:`run` owns the process, as :meth:`Worker.run` does: the first SIGTERM or SIGINT stops
+    every member gracefully (each gives its running jobs its ``grace``), a second one exits at
+    once. ``with group:`` (or :meth:`start` / :meth:`stop`) runs them in background threads
+    instead, with no signal handler. A member that the database refuses for good (no such
+    table, a wrong password: :class:`~sqla_jobs.ConfigurationError`) stops the group, which
+    then raises that error; a member whose database is down waits for it, the others run.
+
+    Members must be distinct :class:`Worker` objects on distinct engines (two workers on one
+    database in one process would only split its slots; raise its ``concurrency`` instead).
+    """
+
+    def __init__(self, workers: Iterable[Worker]) -> None:
+        members = list(workers)
+        if not members:
+            raise ConfigurationError("a WorkerGroup needs at least one Worker")
+        for member in members:
+            if not isinstance(member, Worker):
+                raise ConfigurationError(f"expected a sqla_jobs Worker, not {member!r}")
+        engines = [member.engine for member in members]
+        if len({id(member) for member in members}) != len(members) or len(
+            {id(engine) for engine in engines}
+        ) != len(engines):
+            raise ConfigurationError(
+                "each Worker of a WorkerGroup serves a database of its own: the same worker or "
+                "engine is given twice"
+            )
+        #: The members, in the order given.
+        self.workers: tuple[Worker, ...] = tuple(members)
+        self._threads: list[threading.Thread] = []
+        self._outcomes: dict[int, int | BaseException] = {}
+        self._stop = threading.Event()
+        self._signals = 0
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run every member until a signal or :meth:`stop`; return the exit status (0 after a
+        graceful stop). Raises the first :class:`~sqla_jobs.ConfigurationError` a member
+        raised (the others are stopped first)."""
+        previous = self._install_signal_handlers()
+        try:
+            self._start_members()
+            self._supervise()
+            return self._finish()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def start(self) -> None:
+        """Start every member in background threads of this process and return at once
+        (a member whose database is down starts when it answers)."""
+        if self._threads:
+            raise ConfigurationError("this WorkerGroup is already running")
+        self._start_members()
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="sqla-jobs-group", daemon=True
+        )
+        self._supervisor.start()
+
+    def stop(self, *, graceful: bool = True, wait: bool = False) -> None:
+        """Stop every member (as :meth:`Worker.stop`); with ``wait``, return once all have
+        stopped, raising the first error one of them ended with."""
+        for member in self.workers:
+            member.stop(graceful=graceful)
+        self._stop.set()
+        if wait:
+            self._finish()
+
+    def __enter__(self) -> WorkerGroup:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop(wait=True)
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _start_members(self) -> None:
+        self._stop.clear()
+        self._outcomes.clear()
+        self._threads = []
+        for index, member in enumerate(self.workers):
+            thread = threading.Thread(
+                target=self._run_member,
+                args=(index, member),
+                name=f"sqla-jobs-group-{index}",
+                daemon=True,
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def _run_member(self, index: int, member: Worker) -> None:
+        try:
+            self._outcomes[index] = member._run(embedded=True)
+        except BaseException as exc:
+            self._outcomes[index] = exc
+
+    def _supervise(self) -> None:
+        """Wait for a stop; a member that ended on its own with an error stops the rest."""
+        while not self._stop.is_set():
+            failed = [o for o in self._outcomes.values() if isinstance(o, BaseException)]
+            if failed or not any(thread.is_alive() for thread in self._threads):
+                break
+            time.sleep(_SUPERVISE_EVERY)
+        self._stop.set()
+        for member in self.workers:
+            member.stop()
+
+    def _finish(self) -> int:
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+        errors: list[BaseException] = []
+        status = 0
+        for outcome in self._outcomes.values():
+            if isinstance(outcome, DBAPIError) and self._stop.is_set():
+                continue  # stopped while its database was still down: nothing ran
+            if isinstance(outcome, BaseException):
+                errors.append(outcome)
+            else:
+                status = max(status, outcome)
+        configuration = [e for e in errors if isinstance(e, ConfigurationError)]
+        if configuration or errors:
+            raise (configuration or errors)[0]
+        return status
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning(
+                "the worker group runs off the main thread (%s), where Python cannot install "
+                "signal handlers: SIGTERM and SIGINT do not stop it; call group.stop()",
+                threading.current_thread().name,
+                extra={"action": "signals_not_handled"},
+            )
+            return previous
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, self._on_signal)
+        return previous
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # As Worker._on_signal: only set flags here, or leave at once.
+        self._signals += 1
+        if self._signals > 1:
+            name = signal.Signals(signum).name
+            os.write(2, f"sqla-jobs: second {name}: exiting at once\n".encode())
+            os._exit(128 + signum)
+        self._stop.set()

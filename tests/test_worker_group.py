@@ -1,0 +1,161 @@
+"""Jobs spread over several databases: enqueued with their business rows in their own
+database (``horizontal_shard``), run by one process that serves every database fairly
+(:class:`sqla_jobs.worker.WorkerGroup`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from conftest import FreshDatabase
+from shard_models import Base, RegionJob, RegionOrder, fulfil, registry, sharded_sessions
+from sqlalchemy.orm import Session
+
+from sqla_jobs import ConfigurationError, JobStatus, Worker, WorkerGroup
+
+REGIONS = ("eu", "us", "ap")
+
+
+@pytest.fixture
+def engines(fresh_database: FreshDatabase) -> Iterator[dict[str, sa.Engine]]:
+    made = {region: sa.create_engine(fresh_database("sqla_jobs_shard")) for region in REGIONS}
+    for engine in made.values():
+        Base.metadata.create_all(engine)
+    try:
+        yield made
+    finally:
+        for engine in made.values():
+            engine.dispose()
+
+
+def statuses(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as connection:
+        rows = connection.execute(
+            sa.select(RegionJob.status, sa.func.count()).group_by(RegionJob.status)
+        ).all()
+    return {JobStatus(status).value: int(count) for status, count in rows}
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def enqueue(engines: dict[str, sa.Engine], orders: dict[str, int], sleep: float = 0.0) -> None:
+    """``orders[region]`` orders, each with its job, in one sharded session."""
+    sessions = sharded_sessions(engines)
+    next_id = 1
+    with sessions() as session, session.begin():
+        for region, count in orders.items():
+            for _ in range(count):
+                order = RegionOrder(id=next_id, region=region)
+                session.add(order)
+                session.add(fulfil.job({"sleep": sleep}, order=order))
+                next_id += 1
+
+
+def test_each_job_is_written_with_its_order_in_its_regions_database(
+    engines: dict[str, sa.Engine],
+) -> None:
+    enqueue(engines, {"eu": 2, "us": 1, "ap": 3})
+    for region, engine in engines.items():
+        with Session(engine) as session:
+            rows = session.execute(
+                sa.select(RegionOrder.region, RegionJob.order_id).join(
+                    RegionJob, RegionJob.order_id == RegionOrder.id
+                )
+            ).all()
+            assert {r for r, _ in rows} == {region}
+            assert len(rows) == {"eu": 2, "us": 1, "ap": 3}[region]
+    # A business transaction that rolls back leaves no order and no job in any database.
+    sessions = sharded_sessions(engines)
+    with sessions() as session:
+        session.begin()
+        for i, region in enumerate(REGIONS, 100):
+            order = RegionOrder(id=i, region=region)
+            session.add(order)
+            session.add(fulfil.job({}, order=order))
+        session.flush()
+        session.rollback()
+    assert sum(sum(statuses(engine).values()) for engine in engines.values()) == 6
+
+
+def _worker(engine: sa.Engine) -> Worker:
+    return Worker(registry, engine, concurrency=2, poll_interval=0.1)
+
+
+def test_one_group_drains_every_database(engines: dict[str, sa.Engine]) -> None:
+    enqueue(engines, {"eu": 20, "us": 20, "ap": 20})
+    with WorkerGroup(_worker(engine) for engine in engines.values()):
+        wait_for(lambda: all(statuses(e) == {"succeeded": 20} for e in engines.values()))
+
+
+def test_a_busy_database_does_not_hold_up_a_quiet_one(engines: dict[str, sa.Engine]) -> None:
+    enqueue(engines, {"eu": 400}, sleep=0.01)
+    enqueue_more = sharded_sessions(engines)
+    with enqueue_more() as session, session.begin():
+        for i in range(10):
+            order = RegionOrder(id=10_000 + i, region="us")
+            session.add(order)
+            session.add(fulfil.job({}, order=order))
+    with WorkerGroup(_worker(engine) for engine in engines.values()):
+        wait_for(lambda: statuses(engines["us"]) == {"succeeded": 10})
+        # The quiet database's jobs are done while the busy one still has most of its own.
+        assert statuses(engines["eu"]).get("pending", 0) > 0
+
+
+def test_a_database_that_is_down_holds_up_none_of_the_others(
+    engines: dict[str, sa.Engine],
+) -> None:
+    enqueue(engines, {"eu": 10})
+    down = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none?connect_timeout=1")
+    group = WorkerGroup([_worker(engines["eu"]), _worker(down)])
+    try:
+        group.start()
+        wait_for(lambda: statuses(engines["eu"]) == {"succeeded": 10})
+    finally:
+        group.stop(wait=True)  # the member still waiting for its server stops too
+        down.dispose()
+
+
+def test_a_database_that_refuses_the_worker_stops_the_group_with_its_error(
+    engines: dict[str, sa.Engine], fresh_database: FreshDatabase
+) -> None:
+    empty = sa.create_engine(fresh_database("sqla_jobs_shard"))  # no job table there
+    group = WorkerGroup([_worker(engines["eu"]), _worker(empty)])
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            group.run()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    empty.dispose()
+    assert not thread.is_alive()
+    (error,) = outcome
+    assert isinstance(error, ConfigurationError)
+    assert "region_jobs" in str(error)
+    assert all(not member._running for member in group.workers)
+
+
+def test_a_group_is_refused_bad_members_before_anything_runs(
+    engines: dict[str, sa.Engine],
+) -> None:
+    with pytest.raises(ConfigurationError, match="at least one Worker"):
+        WorkerGroup([])
+    with pytest.raises(ConfigurationError, match="expected a sqla_jobs Worker"):
+        WorkerGroup([engines["eu"]])  # type: ignore[list-item]
+    one = _worker(engines["eu"])
+    with pytest.raises(ConfigurationError, match="given twice"):
+        WorkerGroup([one, one])
+    with pytest.raises(ConfigurationError, match="given twice"):
+        WorkerGroup([one, _worker(engines["eu"])])
