@@ -14,23 +14,17 @@ holds up none of the others.
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterable
-from types import FrameType
-from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.worker.lifecycle import Worker
+from sqla_jobs.worker.signals import StopSignals
 
 __all__ = ["WorkerGroup"]
-
-logger = logging.getLogger("sqla_jobs.worker")
 
 _SUPERVISE_EVERY = 0.1
 
@@ -69,7 +63,6 @@ class WorkerGroup:
         self._threads: list[threading.Thread] = []
         self._outcomes: dict[int, int | BaseException] = {}
         self._stop = threading.Event()
-        self._signals = 0
 
     # -- running ---------------------------------------------------------------------------
 
@@ -77,14 +70,14 @@ class WorkerGroup:
         """Run every member until a signal or :meth:`stop`; return the exit status (0 after a
         graceful stop). Raises the first :class:`~sqla_jobs.ConfigurationError` a member
         raised (the others are stopped first)."""
-        previous = self._install_signal_handlers()
+        signals = StopSignals(lambda _signum: self._stop.set())
+        signals.install("worker group", "group.stop()")
         try:
             self._start_members()
             self._supervise()
             return self._finish()
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            signals.restore()
 
     def start(self) -> None:
         """Start every member in background threads of this process and return at once
@@ -163,26 +156,3 @@ class WorkerGroup:
         if configuration or errors:
             raise (configuration or errors)[0]
         return status
-
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        previous: dict[int, Any] = {}
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning(
-                "the worker group runs off the main thread (%s), where Python cannot install "
-                "signal handlers: SIGTERM and SIGINT do not stop it; call group.stop()",
-                threading.current_thread().name,
-                extra={"action": "signals_not_handled"},
-            )
-            return previous
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, self._on_signal)
-        return previous
-
-    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        # As Worker._on_signal: only set flags here, or leave at once.
-        self._signals += 1
-        if self._signals > 1:
-            name = signal.Signals(signum).name
-            os.write(2, f"sqla-jobs: second {name}: exiting at once\n".encode())
-            os._exit(128 + signum)
-        self._stop.set()

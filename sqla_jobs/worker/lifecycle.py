@@ -28,13 +28,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import re
-import signal
 import threading
 import time
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Engine
@@ -78,6 +75,7 @@ from sqla_jobs.worker.settings import (
     WorkerSettings,
     worker_settings,
 )
+from sqla_jobs.worker.signals import StopSignals
 from sqla_jobs.worker.state import Attempt, State
 from sqla_jobs.worker.table_version import (
     check_flow_control,
@@ -257,7 +255,6 @@ class Worker:
         self._finished = threading.Event()  # the writer and the heartbeat end
         self._stop_requested = False
         self._stop_signal: int | None = None
-        self._signals = 0
         self._running = False
         self._database = DatabaseWatch()
         self._last_stuck_log = 0.0
@@ -300,7 +297,10 @@ class Worker:
         try:
             self._preflight()
             self._start_metrics()
-            previous = self._install_signal_handlers(embedded)
+            signals = StopSignals(self._on_signal)
+            wanted = self.handle_signals if self.handle_signals is not None else not embedded
+            if wanted:
+                signals.install("worker", "worker.stop()")
             try:
                 self._start()
                 self._started.set()
@@ -314,7 +314,7 @@ class Worker:
                         last_health_write = now
                 return self._shutdown()
             finally:
-                self._restore_signal_handlers(previous)
+                signals.restore()
         finally:
             self._running = False
             self._stop_metrics()
@@ -739,39 +739,8 @@ class Worker:
 
     # -- signals ------------------------------------------------------------------------------
 
-    def _install_signal_handlers(self, embedded: bool) -> dict[int, Any]:
-        """SIGTERM and SIGINT stop the worker: by default for :meth:`run` (it owns the
-        process), not for the embedding APIs (the application owns its signals)."""
-        previous: dict[int, Any] = {}
-        wanted = self.handle_signals if self.handle_signals is not None else not embedded
-        if not wanted:
-            return previous
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning(
-                "the worker runs off the main thread (%s), where Python cannot install "
-                "signal handlers: SIGTERM and SIGINT do not stop it; call worker.stop()",
-                threading.current_thread().name,
-                extra={"action": "signals_not_handled"},
-            )
-            return previous
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, self._on_signal)
-        return previous
-
-    @staticmethod
-    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        # Runs in the main thread between two bytecodes: only set flags here (taking a lock
-        # the interrupted code may hold would deadlock), or leave at once.
-        self._signals += 1
-        if self._signals > 1:
-            # Not through logging: a handler lock held by the interrupted code would deadlock.
-            name = signal.Signals(signum).name
-            os.write(2, f"sqla-jobs: second {name}: exiting at once\n".encode())
-            os._exit(128 + signum)
+    def _on_signal(self, signum: int) -> None:
+        # The first SIGTERM or SIGINT (StopSignals: a second exits at once): flags only.
         self._stop_signal = signum
         self._stop_requested = True
 
