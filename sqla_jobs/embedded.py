@@ -23,6 +23,12 @@ Usage::
 
 A started server is stopped (and its data directory deleted) when the Python process
 exits normally, even when :meth:`EmbeddedPostgres.stop` was never called.
+
+A running server can have a streaming replica, for tests of what reads from one
+(:meth:`EmbeddedPostgres.start_standby`)::
+
+    with EmbeddedPostgres() as primary, primary.start_standby() as standby:
+        replica_engine = create_engine(standby.url())
 """
 
 from __future__ import annotations
@@ -114,9 +120,10 @@ class EmbeddedPostgres:
 
     :meth:`start` runs ``initdb`` (first time only) and the server; :meth:`stop` shuts the
     server down and deletes the data directory; :meth:`restart` does a fast shutdown and
-    starts again on the same port with the data kept; :meth:`kill` simulates a crash.
-    Every failure raises :class:`~sqla_jobs.errors.EmbeddedPostgresError` with the tail of
-    the server log in its one-line message.
+    starts again on the same port with the data kept; :meth:`kill` simulates a crash;
+    :meth:`start_standby` starts a streaming replica of it, another instance. Every failure
+    raises :class:`~sqla_jobs.errors.EmbeddedPostgresError` with the tail of the server log
+    in its one-line message.
     """
 
     def __init__(
@@ -202,6 +209,53 @@ class EmbeddedPostgres:
         The next :meth:`start` runs crash recovery.
         """
         self._shutdown(signal.SIGQUIT)
+
+    def start_standby(
+        self,
+        *,
+        port: int | None = None,
+        settings: Mapping[str, str | int] | None = None,
+        name: str = "sqla_jobs_standby",
+    ) -> EmbeddedPostgres:
+        """Start a streaming replica of this running server (a hot standby) and return it.
+
+        The standby is another :class:`EmbeddedPostgres`, stopped and deleted like any other
+        (its own :meth:`stop`, or a ``with`` block): a base backup of this server
+        (``pg_basebackup --checkpoint=fast``, its WAL streamed along) in a temporary
+        directory of its own, started with a ``standby.signal`` on a free port of 127.0.0.1
+        (or ``port``), and streaming this server's WAL as the ``postgres`` role, under the
+        ``application_name`` ``name`` (as ``pg_stat_replication`` on this server shows it).
+        It has this server's settings, then ``settings``; it answers read-only queries
+        once it returns, and sees what this server committed once it has replayed it (the
+        lag: :func:`sqla_jobs.health.read_replica_lag`). No replication slot is made: a
+        standby that falls far behind a busy server may lose the WAL it still needs.
+
+        This server needs ``wal_level`` ``replica`` or ``logical`` and a free WAL sender
+        (``max_wal_senders``), PostgreSQL's defaults; initdb's ``trust`` authentication
+        already lets 127.0.0.1 connect for replication. Raises
+        :class:`~sqla_jobs.errors.EmbeddedPostgresError` when this server is not running,
+        when the base backup fails (with ``pg_basebackup``'s message) or when the standby
+        does not start (with its log). Stopping this server first leaves the standby
+        running, not streaming.
+        """
+        if not self.running or self._bin is None:
+            raise EmbeddedPostgresError("start_standby() needs a running server: start() it")
+        quoted = name.replace("\\", "\\\\").replace("'", "\\'")  # a libpq value
+        conninfo = f"host=127.0.0.1 port={self.port} user={_SUPERUSER} application_name='{quoted}'"
+        standby = EmbeddedPostgres(
+            port=port,
+            max_connections=self.max_connections,  # a standby needs at least its primary's
+            settings={**self.settings, **(settings or {}), "primary_conninfo": conninfo},
+            os_user=self.os_user,
+            startup_timeout=self.startup_timeout,
+        )
+        try:
+            standby._base_backup(self)
+            standby.start()
+        except BaseException:
+            standby.stop()
+            raise
+        return standby
 
     def url(self, database: str = "postgres") -> str:
         """SQLAlchemy URL of ``database`` on this server, as the ``postgres`` superuser."""
@@ -311,6 +365,69 @@ class EmbeddedPostgres:
             self.port = free_port()
         self._write_conf()
 
+    def _base_backup(self, primary: EmbeddedPostgres) -> None:
+        """Make this (never started) server's data directory a standby of ``primary``: a
+        base backup, ``standby.signal``, our settings over the ones it copied."""
+        assert primary._bin is not None
+        self._bin, self._ids, self.version = primary._bin, primary._ids, primary.version
+        base_dir = Path(tempfile.mkdtemp(prefix="sqla_jobs_pg_"))
+        self.base_dir, self.data_dir = base_dir, base_dir / "data"
+        self.log_path = base_dir / "postgresql.log"
+        self._register_atexit()
+        if self._ids is not None:
+            os.chown(base_dir, *self._ids)
+        command = [
+            str(self._bin / "pg_basebackup"),
+            "--pgdata",
+            str(self.data_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(primary.port),
+            "--username",
+            _SUPERUSER,
+            "--no-password",
+            "--checkpoint",
+            "fast",  # now, not at the next checkpoint
+            "--wal-method",
+            "stream",
+            "--no-sync",  # a throwaway copy, as initdb's --no-sync
+        ]
+        try:
+            result = subprocess.run(
+                command,
+                cwd=base_dir,
+                env=self._env(),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=self.startup_timeout + 60,
+                check=False,
+                user=self._uid,
+                group=self._gid,
+                extra_groups=self._extra_groups,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise EmbeddedPostgresError(f"pg_basebackup could not run: {exc}") from exc
+        if result.returncode != 0:
+            # Its warnings about the sockets it skips are noise: keep the rest.
+            lines = [
+                line
+                for line in (result.stderr or result.stdout).splitlines()
+                if "skipping special file" not in line
+            ]
+            raise EmbeddedPostgresError(
+                f"pg_basebackup of the server on port {primary.port} failed with exit code "
+                f"{result.returncode}: {one_line(chr(10).join(lines[-_LOG_TAIL_LINES:]))}"
+            )
+        signal_file = self.data_dir / "standby.signal"
+        signal_file.touch()
+        if self._ids is not None:
+            os.chown(signal_file, *self._ids)
+        if not self.port:
+            self.port = free_port()
+        self._write_conf()  # over the primary's, which the backup copied
+
     def _conf_lines(self) -> list[str]:
         assert self.data_dir is not None
         socket_path = self.data_dir / f".s.PGSQL.{self.port}"
@@ -399,8 +516,13 @@ class EmbeddedPostgres:
             lines = pid_file.read_text().splitlines()
         except OSError:
             return False
-        # Line 1 is the postmaster's pid, line 8 its status ("starting", "ready", ...).
-        return len(lines) >= 8 and lines[0].strip() == str(pid) and lines[7].strip() == "ready"
+        # Line 1 is the postmaster's pid, line 8 its status ("starting", "ready", ...; a hot
+        # standby that accepts connections may say "standby").
+        return (
+            len(lines) >= 8
+            and lines[0].strip() == str(pid)
+            and lines[7].strip() in ("ready", "standby")
+        )
 
     def _shutdown(self, how: signal.Signals, timeout: float = 60.0) -> None:
         process, self._process = self._process, None

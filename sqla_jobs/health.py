@@ -14,6 +14,13 @@ database's clock. ``sqla-jobs status`` prints them, ``sqla-jobs health`` checks 
     with Session(engine) as session:
         gauges = read_gauges(session, EmailJob)
     problems = Thresholds(max_oldest_runnable=60, max_dead=100).problems(gauges)
+
+Read from a read replica (a streaming standby), the same gauges are as old as its replay:
+:func:`read_replica_lag`, in the same transaction, says how old (:class:`ReplicaLag`; it
+lives in :mod:`sqla_jobs.replicas` and is exported here). On a standby the job table's
+dead row versions and last vacuum are the standby's own statistics, not the primary's
+(PostgreSQL does not replicate them), and the oldest snapshot is one of the standby's
+backends.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from sqla_jobs.errors import ConfigurationError, InvalidJobError, InvalidThresho
 from sqla_jobs.events import describe
 from sqla_jobs.queue import Executor, paused_queues, queue_stats, rate_usage
 from sqla_jobs.queue.rating import DEFAULT_TOP_TENANTS, checked_fair_shares, tenant_depths
+from sqla_jobs.replicas import ReplicaLag, read_replica_lag
 from sqla_jobs.schema import JobMixin, JobStatus
 from sqla_jobs.validation import FairShare
 
@@ -42,10 +50,12 @@ __all__ = [
     "GaugeReading",
     "Gauges",
     "QueueGauges",
+    "ReplicaLag",
     "TableGauges",
     "Thresholds",
     "XminHolder",
     "read_gauges",
+    "read_replica_lag",
 ]
 
 #: The longest a :class:`GaugeCache` read may take (seconds), and the longest time its

@@ -192,10 +192,12 @@ PUBLIC: dict[str, list[str]] = {
         "GaugeReading",
         "Gauges",
         "QueueGauges",
+        "ReplicaLag",
         "TableGauges",
         "Thresholds",
         "XminHolder",
         "read_gauges",
+        "read_replica_lag",
     ],
     "sqla_jobs.hooks": [
         "AfterHook",

@@ -20,7 +20,7 @@ claim of queue limits), :mod:`.rates` (the rate table of rate limits), :mod:`.fa
 fair claim of fair shares: the tenants in turn, the claim, their depths), :mod:`.keyed` (the
 keyed claim of ordering keys: lock, walk, claim), :mod:`.outcomes` (what an attempt and a job
 become: lock, complete, fail, heartbeat, release, retry, cancel, delete) and :mod:`.admin`
-(status, pruning, vacuum, statistics, the worker's runtime). What they share
+(status, pruning, vacuum, statistics, a replica's lag, the worker's runtime). What they share
 (status literals, the database's clock, the fence of an attempt) is in :mod:`._sql`.
 """
 
@@ -36,6 +36,7 @@ from sqla_jobs._queries.admin import (
     ping,
     prune,
     queue_stats,
+    replica_lag,
     reset_setting,
     set_setting,
     statement_timeout,
@@ -160,6 +161,7 @@ __all__ = [
     "rate_allowances",
     "rate_lock_space",
     "release",
+    "replica_lag",
     "request_cancel",
     "reset_setting",
     "retry",

@@ -423,6 +423,84 @@ class SetConfigRow(NamedTuple):
 STATEMENT_TIMEOUT: Final = Query(statement_timeout, TimeoutParams, SetConfigRow)
 
 
+def replica_lag() -> TextClause:
+    """How far the server it runs on, a streaming standby, is behind its primary: one row.
+
+    ``in_recovery`` is ``pg_is_in_recovery()``: false on a primary, where the other columns
+    but ``taken_at`` are NULL (``streaming`` false, ``replay_paused`` NULL). On a standby:
+    ``streaming``, whether its WAL receiver streams from the primary now (false without a
+    receiver: the primary is unreachable, or WAL comes from an archive; NULL when the role
+    may not see the receiver's details, which needs ``pg_read_all_stats``);
+    ``receive_lsn`` and ``replay_lsn``, the WAL received and the WAL replayed (as text,
+    ``0/3020B60``); ``unreplayed_bytes``, WAL received but not yet replayed (0: caught up
+    with what it received); ``primary_bytes_ahead``, how far the primary's WAL end, as its
+    last message to the receiver reported it, is ahead of the replay (NULL without a
+    receiver or its details); ``replay_age_seconds``, the database time since the commit of
+    the last transaction replayed (``pg_last_xact_replay_timestamp()``: the primary's commit
+    time, so it grows while the primary commits nothing, caught up or not; NULL before the
+    first); ``replay_paused``, ``pg_get_wal_replay_pause_state()`` is not ``'not paused'``.
+
+    The age is database time, never the client's: the standby's ``statement_timestamp()``
+    less the primary's commit time (two servers' clocks, which NTP keeps together; never
+    below 0). Reads the server's own state (``pg_stat_wal_receiver``, the recovery
+    functions), nothing of any table; takes no lock; runs in a read-only transaction, as on a
+    standby it must.
+    """
+    # Each recovery function is called once (the MATERIALIZED CTE): the replay moves on
+    # while the statement runs, and two calls could disagree.
+    return text(
+        """
+        WITH state AS MATERIALIZED (
+            SELECT pg_is_in_recovery() AS in_recovery,
+                   CASE WHEN receiver.pid IS NULL THEN false
+                        ELSE receiver.status = 'streaming' END AS streaming,
+                   pg_last_wal_receive_lsn() AS receive_lsn,
+                   pg_last_wal_replay_lsn() AS replay_lsn,
+                   receiver.latest_end_lsn AS primary_lsn,
+                   statement_timestamp() - pg_last_xact_replay_timestamp() AS replay_age,
+                   CASE WHEN pg_is_in_recovery()
+                        THEN pg_get_wal_replay_pause_state() <> 'not paused' END
+                       AS replay_paused
+            FROM (SELECT) AS here
+            LEFT JOIN pg_stat_wal_receiver AS receiver ON true
+        ), measured AS (
+            SELECT *,
+                   pg_wal_lsn_diff(receive_lsn, replay_lsn) AS unreplayed,
+                   pg_wal_lsn_diff(primary_lsn, replay_lsn) AS ahead,
+                   extract(epoch FROM replay_age) AS age
+            FROM state
+        )
+        -- Never below 0 (a receive position behind the replay after a restart, the two
+        -- servers' clocks apart), and NULL stays NULL.
+        SELECT in_recovery, streaming, receive_lsn::text AS receive_lsn,
+               replay_lsn::text AS replay_lsn,
+               (CASE WHEN unreplayed < 0 THEN 0 ELSE unreplayed END)::bigint
+                   AS unreplayed_bytes,
+               (CASE WHEN ahead < 0 THEN 0 ELSE ahead END)::bigint AS primary_bytes_ahead,
+               CASE WHEN age < 0 THEN 0 ELSE age END AS replay_age_seconds,
+               replay_paused, statement_timestamp() AS taken_at
+        FROM measured
+        """
+    )
+
+
+class ReplicaLagRow(NamedTuple):
+    """The one row of :func:`replica_lag`."""
+
+    in_recovery: bool
+    streaming: bool | None
+    receive_lsn: str | None
+    replay_lsn: str | None
+    unreplayed_bytes: int | None
+    primary_bytes_ahead: int | None
+    replay_age_seconds: Decimal | None
+    replay_paused: bool | None
+    taken_at: datetime
+
+
+REPLICA_LAG: Final = Query(replica_lag, NoParams, ReplicaLagRow)
+
+
 # -- worker runtime and command line -------------------------------------------------------
 
 

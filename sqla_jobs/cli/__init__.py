@@ -16,7 +16,10 @@ The database URL comes from ``--database-url`` or the ``SQLA_JOBS_DATABASE_URL``
 environment variable. Through PgBouncer in transaction mode it needs nothing more: the
 commands find out at connect (``--pooler auto``) and turn psycopg's prepared statements off
 there; the worker LISTENs on ``--listen-url`` (``SQLA_JOBS_LISTEN_URL``), a direct URL of
-the server, or polls. Admin commands work on the default model
+the server, or polls. ``status`` and ``dashboard`` read from a read replica (a streaming
+standby) given by ``--replica-url`` (``SQLA_JOBS_REPLICA_URL``) and show how far behind it
+is; the dashboard's actions still write to the database URL. Admin commands work on the
+default model
 (:class:`sqla_jobs.models.Job`) unless ``--model module:Class`` or
 ``--registry module:registry`` names another.
 
@@ -50,6 +53,7 @@ from sqla_jobs.cli.dashboard import DASHBOARD_TOKEN_VARIABLE as DASHBOARD_TOKEN_
 from sqla_jobs.cli.dashboard import cmd_dashboard as cmd_dashboard
 from sqla_jobs.cli.database import DATABASE_URL_VARIABLE as DATABASE_URL_VARIABLE
 from sqla_jobs.cli.database import LISTEN_URL_VARIABLE as LISTEN_URL_VARIABLE
+from sqla_jobs.cli.database import REPLICA_URL_VARIABLE as REPLICA_URL_VARIABLE
 from sqla_jobs.cli.database import database_url as database_url
 from sqla_jobs.cli.database import make_engine as make_engine
 from sqla_jobs.cli.history import cmd_history as cmd_history
@@ -71,7 +75,14 @@ from sqla_jobs.cli.worker import cmd_worker as cmd_worker
 from sqla_jobs.errors import SqlaJobsError
 from sqla_jobs.events import describe
 
-__all__ = ["DATABASE_URL_VARIABLE", "LISTEN_URL_VARIABLE", "main", "make_engine", "parse_duration"]
+__all__ = [
+    "DATABASE_URL_VARIABLE",
+    "LISTEN_URL_VARIABLE",
+    "REPLICA_URL_VARIABLE",
+    "main",
+    "make_engine",
+    "parse_duration",
+]
 
 logger = logging.getLogger(__name__)
 

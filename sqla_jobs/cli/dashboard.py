@@ -1,4 +1,8 @@
-"""``sqla-jobs dashboard``: the web dashboard (extra: dashboard)."""
+"""``sqla-jobs dashboard``: the web dashboard (extra: dashboard).
+
+With ``--replica-url`` (or ``$SQLA_JOBS_REPLICA_URL``) the pages read from that read replica
+and show its lag, and the actions write through the database URL; given a replica and no
+database URL, the dashboard is read-only: it has nothing to write to."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import sys
 from typing import Final
 
 from sqla_jobs.cli.arguments import CommandError
-from sqla_jobs.cli.database import database_url, make_engine
+from sqla_jobs.cli.database import database_url, has_database_url, make_engine, replica_url
 from sqla_jobs.cli.loading import load_model, load_object, load_registry
 from sqla_jobs.schema import JobResultMixin
 
@@ -58,12 +62,24 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         result_model = load_object(args.result_model, "the result model")
         if not (isinstance(result_model, type) and issubclass(result_model, JobResultMixin)):
             raise CommandError(f"{args.result_model} is not a model class mixing in JobResultMixin")
-    engine = make_engine(
-        database_url(args.database_url),
-        pool_size=4,
-        application_name="sqla-jobs dashboard",
-        pooler=args.pooler,
+    # The URLs, checked before anything connects.
+    replica = replica_url(args.replica_url)
+    primary = (
+        database_url(args.database_url)
+        if replica is None or has_database_url(args.database_url)
+        else None
     )
+    read_only = args.read_only or primary is None
+    engine = None
+    if primary is not None:
+        engine = make_engine(
+            primary, pool_size=4, application_name="sqla-jobs dashboard", pooler=args.pooler
+        )
+    replica_engine = None
+    if replica is not None:
+        replica_engine = make_engine(
+            replica, pool_size=4, application_name="sqla-jobs dashboard", pooler=args.pooler
+        )
     hosts = None
     if loopback and token is None:
         # Only the names of this machine: a page of another site that rebinds its own name
@@ -73,19 +89,26 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         app = create_app(
             engine,
             model,
+            replica=replica_engine,
             result_model=result_model,
-            read_only=args.read_only,
+            read_only=read_only,
             token=token,
             allowed_hosts=hosts,
             time_limits=time_limits,
             fair_shares=fair_shares,
         )
         shown = f"[{args.host}]" if ":" in args.host else args.host
-        mode = " (read-only)" if args.read_only else ""
+        mode = ""
+        if replica is not None:
+            mode = f", reading from the replica {replica.render_as_string(hide_password=True)}"
+        if read_only:
+            mode += " (read-only)" if primary is not None else " (read-only: no database URL)"
         sys.stderr.write(f"sqla-jobs dashboard on http://{shown}:{args.port}/{mode}\n")
         sys.stderr.flush()
         # log_config=None: uvicorn's records go through the logging configured above.
         uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
     finally:
-        engine.dispose()
+        for made in (engine, replica_engine):
+            if made is not None:
+                made.dispose()
     return 0

@@ -1,5 +1,6 @@
-"""The database a command works on: its URL (``--database-url`` or the environment) and the
-engine made for it."""
+"""The database a command works on: its URL (``--database-url`` or the environment), a read
+replica's for the commands that only read (``--replica-url``), and the engine made for
+each."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ DATABASE_URL_VARIABLE: Final = "SQLA_JOBS_DATABASE_URL"
 LISTEN_URL_VARIABLE: Final = "SQLA_JOBS_LISTEN_URL"
 
 
+REPLICA_URL_VARIABLE: Final = "SQLA_JOBS_REPLICA_URL"
+
+
 def database_url(value: str | None, variable: str = DATABASE_URL_VARIABLE) -> URL:
     """The URL from ``--database-url`` or the environment, with the psycopg 3 driver."""
     raw = value or os.environ.get(variable, "").strip()
@@ -33,6 +37,33 @@ def database_url(value: str | None, variable: str = DATABASE_URL_VARIABLE) -> UR
             f"no database URL: pass --database-url or set {variable} "
             "(e.g. postgresql://user@localhost/app)"
         )
+    return _checked_url(raw)
+
+
+def has_database_url(value: str | None, variable: str = DATABASE_URL_VARIABLE) -> bool:
+    """Whether a database URL is given (``--database-url`` or the environment), well formed
+    or not."""
+    return bool(value or os.environ.get(variable, "").strip())
+
+
+def replica_url(value: str | None) -> URL | None:
+    """A read replica's URL from ``--replica-url`` or ``$SQLA_JOBS_REPLICA_URL``, with the
+    psycopg 3 driver; None when neither is given. A malformed one is a
+    :class:`~sqla_jobs.cli.arguments.CommandError` naming it (its password hidden), before
+    anything connects."""
+    raw = value or os.environ.get(REPLICA_URL_VARIABLE, "").strip()
+    if not raw:
+        return None
+    try:
+        return _checked_url(raw)
+    except CommandError as exc:
+        raise CommandError(
+            f"the replica URL (--replica-url, {REPLICA_URL_VARIABLE}): {exc}"
+        ) from None
+
+
+def _checked_url(raw: str) -> URL:
+    """``raw`` as a PostgreSQL URL with the psycopg 3 driver, or a one-line CommandError."""
     # Never print the password: an error shows the URL as hidden_password() leaves it.
     try:
         url = psycopg_url(raw)
@@ -90,10 +121,12 @@ def make_engine(
 
 
 @contextmanager
-def command_engine(args: argparse.Namespace) -> Iterator[Engine]:
-    """The engine of a one-shot command (``--database-url``, ``--pooler``): one connection,
-    disposed at the end."""
-    engine = make_engine(database_url(args.database_url), pool_size=1, pooler=args.pooler)
+def command_engine(args: argparse.Namespace, url: URL | None = None) -> Iterator[Engine]:
+    """The engine of a one-shot command (``url``, by default ``--database-url``'s;
+    ``--pooler``): one connection, disposed at the end."""
+    if url is None:
+        url = database_url(args.database_url)
+    engine = make_engine(url, pool_size=1, pooler=args.pooler)
     try:
         yield engine
     finally:
@@ -101,8 +134,8 @@ def command_engine(args: argparse.Namespace) -> Iterator[Engine]:
 
 
 @contextmanager
-def command_session(args: argparse.Namespace) -> Iterator[Session]:
+def command_session(args: argparse.Namespace, url: URL | None = None) -> Iterator[Session]:
     """A session of a one-shot command in one transaction, committed at the end (see
     :func:`command_engine`)."""
-    with command_engine(args) as engine, Session(engine) as session, session.begin():
+    with command_engine(args, url) as engine, Session(engine) as session, session.begin():
         yield session

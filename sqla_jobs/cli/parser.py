@@ -17,7 +17,11 @@ from sqla_jobs.cli.arguments import (
     parse_duration,
 )
 from sqla_jobs.cli.dashboard import DASHBOARD_TOKEN_VARIABLE, cmd_dashboard
-from sqla_jobs.cli.database import DATABASE_URL_VARIABLE, LISTEN_URL_VARIABLE
+from sqla_jobs.cli.database import (
+    DATABASE_URL_VARIABLE,
+    LISTEN_URL_VARIABLE,
+    REPLICA_URL_VARIABLE,
+)
 from sqla_jobs.cli.history import cmd_history
 from sqla_jobs.cli.loading import DEFAULT_MODEL
 from sqla_jobs.cli.pausing import cmd_pause, cmd_resume
@@ -68,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a connection pooler in transaction mode (PgBouncer) between here and "
         "PostgreSQL: found out at connect (auto, the default), assumed (transaction), or "
         "assumed absent (none); behind one, no prepared statements and no session state",
+    )
+    replica = _Parser(add_help=False)
+    replica.add_argument(
+        "--replica-url",
+        metavar="URL",
+        help="read from this read replica (a streaming standby) instead, and show how far "
+        f"behind the primary it is (default: ${REPLICA_URL_VARIABLE})",
     )
     which = _Parser(add_help=False)
     group = which.add_mutually_exclusive_group()
@@ -163,14 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser(
         "status",
-        parents=[db, which],
+        parents=[db, replica, which],
         help="live job counts, vacuum and table gauges, and dead jobs",
         description=(
             "Pending, runnable, running, expired and dead jobs by queue, the oldest runnable "
             "job's age, the job table's size and dead row versions, and the oldest snapshot "
             "holding back vacuum; read from indexes and statistics only, never the history. "
             "The rate-limited queues' windows; with --registry, its fairly shared queues' "
-            "tenants with pending jobs and the deepest of them."
+            "tenants with pending jobs and the deepest of them. With --replica-url, all of "
+            "it read from that read replica (no primary URL needed), after a line that says "
+            "how far behind the primary it is, or that the URL names a primary."
         ),
     )
     status.add_argument("--dead", type=_positive_int, default=10, help="dead jobs to list")
@@ -277,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dashboard = commands.add_parser(
         "dashboard",
-        parents=[db, which],
+        parents=[db, replica, which],
         help="serve the web dashboard (extra: dashboard)",
         description=(
             "Serve a web page of the job table: queues, the running jobs, the job list, each "
@@ -285,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
             "time left to its task's time limit, each fairly shared queue its tenants with "
             "pending jobs and the deepest of them, and the registry's result model its "
             "results. Binds to 127.0.0.1; anywhere else it needs an access token "
-            f"(${DASHBOARD_TOKEN_VARIABLE})."
+            f"(${DASHBOARD_TOKEN_VARIABLE}). With --replica-url, the pages read from that read "
+            "replica and show how far behind the primary it is, and the actions write to the "
+            "primary's URL; with a replica URL and no database URL, the dashboard is read-only."
         ),
     )
     dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")

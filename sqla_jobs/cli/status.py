@@ -1,4 +1,8 @@
-"""``sqla-jobs status`` and ``sqla-jobs health``: the health gauges, shown or checked."""
+"""``sqla-jobs status`` and ``sqla-jobs health``: the health gauges, shown or checked.
+
+``status --replica-url`` reads them from a read replica, with how far behind the primary it
+is (:func:`sqla_jobs.health.read_replica_lag`) read in the same transaction, so the lag
+printed is the lag of the figures printed."""
 
 from __future__ import annotations
 
@@ -7,9 +11,11 @@ import sys
 from collections.abc import Mapping
 from typing import Final
 
+from sqlalchemy.engine import URL
+
 from sqla_jobs import health, queue
 from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
-from sqla_jobs.cli.database import command_session
+from sqla_jobs.cli.database import command_session, replica_url
 from sqla_jobs.cli.display import _age, _bytes, _last_line
 from sqla_jobs.cli.loading import load_model, load_registry
 from sqla_jobs.health import QueueGauges
@@ -26,13 +32,29 @@ def _read_gauges(
     model: type[JobMixin],
     dead: int = 0,
     fair_shares: Mapping[str, FairShare] | None = None,
-) -> tuple[health.Gauges, list[queue.DeadJob]]:
-    with command_session(args) as session:
+    replica: URL | None = None,
+) -> tuple[health.Gauges, list[queue.DeadJob], health.ReplicaLag | None]:
+    """The gauges and the ``dead`` most recent dead jobs, from ``--database-url``'s
+    server, or in one transaction on ``replica`` with its lag."""
+    with command_session(args, replica) as session:
         timeout = f"{max(1, round(args.timeout * 1000))}ms"
         STATEMENT_TIMEOUT.one(session, None, {"timeout": timeout})
         gauges = health.read_gauges(session, model, fair_shares=fair_shares)
         listed = queue.dead_jobs(session, model, limit=dead) if dead and gauges.dead else []
-    return gauges, listed
+        lag = None if replica is None else health.read_replica_lag(session)
+    return gauges, listed, lag
+
+
+def _replica_line(url: URL, lag: health.ReplicaLag) -> str:
+    """The first line of ``status`` from a replica: how far behind it is, or that the URL
+    names a primary."""
+    shown = url.render_as_string(hide_password=True)
+    if not lag.in_recovery:
+        return (
+            f"not a replica: {shown} is not in recovery (pg_is_in_recovery() is false), it "
+            "is a primary; the figures below are read from it\n"
+        )
+    return f"read from the replica {shown}: {lag}\n"
 
 
 def _rate(queue: QueueGauges) -> str:
@@ -59,12 +81,21 @@ def _fair(queue: QueueGauges) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    # A malformed replica URL fails first, before anything is imported or connected.
+    replica = replica_url(args.replica_url)
     # With --registry, its fair shares too: the configuration says which queues are shared.
     registry = load_registry(args.registry) if getattr(args, "registry", None) else None
     model = load_model(args) if registry is None else registry.model
     fair_shares = None if registry is None else registry.fair_shares
-    gauges, dead = _read_gauges(args, model, dead=args.dead, fair_shares=fair_shares)
+    gauges, dead, lag = _read_gauges(
+        args, model, dead=args.dead, fair_shares=fair_shares, replica=replica
+    )
+    # A standby keeps no statistics of the primary's (dead row versions, vacuums), and its
+    # snapshots are its own backends'.
+    standby = lag is not None and lag.in_recovery
     out = sys.stdout
+    if replica is not None and lag is not None:
+        out.write(_replica_line(replica, lag))
     table = gauges.table
     out.write(f"{table.table}\n")
     if gauges.queues:
@@ -126,15 +157,29 @@ def cmd_status(args: argparse.Namespace) -> int:
         if table.estimated_rows is None or table.estimated_rows < 0
         else (f"~{table.estimated_rows}")
     )
-    out.write(
-        f"\ntable: {estimate} rows with history (estimate), {table.dead_tuples} dead row "
-        f"versions, {_bytes(table.table_bytes)}; indexes {_bytes(table.indexes_bytes)} (pending "
+    indexes = (
+        f"{_bytes(table.table_bytes)}; indexes {_bytes(table.indexes_bytes)} (pending "
         f"{_bytes(table.pending_index_bytes)}, running {_bytes(table.running_index_bytes)}, "
-        f"dead {_bytes(table.dead_index_bytes)}); last vacuum "
-        f"{_age(table.vacuum_age_seconds)}{'' if table.vacuum_age_seconds is None else ' ago'}\n"
+        f"dead {_bytes(table.dead_index_bytes)})"
     )
     holder = gauges.oldest_xmin
-    out.write(f"oldest snapshot holding back vacuum: {holder if holder else 'none'}\n")
+    if standby:
+        out.write(
+            f"\ntable: {estimate} rows with history (estimate), {indexes}; its dead row "
+            "versions and last vacuum are the primary's statistics, which a replica does not "
+            "keep\n"
+        )
+        out.write(
+            f"oldest snapshot on the replica: {holder if holder else 'none'} (it holds back "
+            "the primary's vacuum only with hot_standby_feedback)\n"
+        )
+    else:
+        out.write(
+            f"\ntable: {estimate} rows with history (estimate), {table.dead_tuples} dead row "
+            f"versions, {indexes}; last vacuum {_age(table.vacuum_age_seconds)}"
+            f"{'' if table.vacuum_age_seconds is None else ' ago'}\n"
+        )
+        out.write(f"oldest snapshot holding back vacuum: {holder if holder else 'none'}\n")
     if gauges.dead:
         shown = f"the {len(dead)} most recent" if gauges.dead > len(dead) else "all"
         out.write(f"\ndead jobs ({gauges.dead}; {shown}):\n")
@@ -144,7 +189,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"  {row.id}  {row.queue}/{row.task}  attempts={row.attempts}  "
                 f"finished={finished}  {_last_line(row.last_error)[:160]}\n"
             )
-        out.write("retry one with: sqla-jobs retry ID\n")
+        primary = " (on the primary: --database-url)" if replica is not None else ""
+        out.write(f"retry one with: sqla-jobs retry ID{primary}\n")
     return 0
 
 
@@ -165,7 +211,7 @@ def cmd_health(args: argparse.Namespace) -> int:
         max_dead_tuples=args.max_dead_tuples,
     )
     model = load_model(args)
-    gauges, _ = _read_gauges(args, model)
+    gauges, _, _ = _read_gauges(args, model)
     problems = thresholds.problems(gauges)
     if problems:
         sys.stdout.write(f"unhealthy: {'; '.join(problems)}\n")

@@ -29,7 +29,11 @@ filter that is not a queue name, a cursor that is not an id) gets an error page 
 nothing.
 
 The database work runs in Starlette's thread pool on the sync engine, each request in one
-short transaction of its own.
+short transaction of its own. Given a ``replica`` (the engine of a read replica, a streaming
+standby), every page reads from it, in one transaction that also reads how far
+behind the primary it is (:func:`sqla_jobs.health.read_replica_lag`), shown on every page;
+the actions still write through ``engine``, the primary's (without one, the dashboard is
+read-only).
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ from sqla_jobs.errors import (
     SqlaJobsError,
 )
 from sqla_jobs.queue.rating import TenantDepths, checked_fair_shares, tenant_depths, tenant_text
+from sqla_jobs.replicas import ReplicaLag, read_replica_lag
 from sqla_jobs.schema import PLAIN_STATUSES, JobMixin, JobResultMixin, JobStatus, has_steps
 from sqla_jobs.schema.history import RESULT_COLUMN, history_table
 from sqla_jobs.schema.workflows import WorkflowStatus, check_step_model
@@ -162,7 +167,9 @@ async def _check_csrf(request: Request, csrf: str, kept: str) -> None:
 
 @dataclass(frozen=True)
 class _Settings:
-    engine: Engine
+    engine: Engine | None  # the primary: the actions write here (None: read-only)
+    reader: Engine  # the pages read here: the replica's, else the primary's
+    replica: bool  # the reader is a replica: each page reads and shows its lag
     table: Table
     model: type[JobMixin]
     result_table: Table | None
@@ -308,9 +315,10 @@ def _check_positive(field: str, value: object, maximum: int) -> int:
 
 
 def create_app(
-    engine: Engine,
+    engine: Engine | None,
     model: type[JobMixin],
     *,
+    replica: Engine | None = None,
     result_model: type[JobResultMixin] | None = None,
     read_only: bool = False,
     token: str | None = None,
@@ -339,6 +347,16 @@ def create_app(
     shows each fairly shared queue's tenants with pending jobs and the deepest of them
     (:func:`~sqla_jobs.tenant_depths`).
 
+    ``replica``: the engine of a read replica (a streaming standby of ``engine``'s server).
+    Every page then reads from it, each in one transaction that also reads how far
+    the replica is behind (:func:`~sqla_jobs.health.read_replica_lag`, by the database's
+    clock), and shows it in the header: *caught up*, how many seconds (and bytes) behind,
+    *not streaming*, or, for a server that is not in recovery, *not a replica*. The actions
+    (retry, cancel, delete, pause, resume) still write through ``engine``; the page they
+    lead back to reads the replica, which shows the change once it has replayed it. With a
+    replica, ``engine`` may be None: the dashboard is then read-only (nothing to write to),
+    whatever ``read_only`` says.
+
     The login cookie and the forms' CSRF tokens are signed with keys derived from ``secret``
     (16+ characters) and ``token``: processes given the same ones accept each other's. With
     neither, the key is random per process, so run several processes (replicas, workers)
@@ -350,8 +368,16 @@ def create_app(
 
     Raises :class:`~sqla_jobs.errors.ConfigurationError` for a bad argument.
     """
-    if not isinstance(engine, Engine):
+    if replica is not None and not isinstance(replica, Engine):
+        raise ConfigurationError(
+            f"replica must be a sqlalchemy Engine (of a read replica), not {type(replica).__name__}"
+        )
+    if engine is None and replica is None:
+        raise ConfigurationError("engine is None: give the primary's engine, or a replica's")
+    if engine is not None and not isinstance(engine, Engine):
         raise ConfigurationError(f"engine must be a sqlalchemy Engine, not {type(engine).__name__}")
+    reader = replica if replica is not None else engine
+    assert reader is not None
     table = _mapped(model, JobMixin, "model")
     result_table = (
         None if result_model is None else _mapped(result_model, JobResultMixin, "result_model")
@@ -363,10 +389,12 @@ def create_app(
         )
     settings = _Settings(
         engine=engine,
+        reader=reader,
+        replica=replica is not None,
         table=table,
         model=model,
         result_table=result_table,
-        read_only=bool(read_only),
+        read_only=bool(read_only) or engine is None,
         token=token,
         keys=access.Keys(
             secret=secret, token=token, lifetime=session_lifetime, max_age=session_max_age
@@ -465,6 +493,7 @@ class _Dashboard:
             title=self.s.title,
             table=self.s.table.fullname,
             read_only=self.s.read_only,
+            replica=getattr(request.state, "replica", None),
             logged_in=getattr(request.state, "logged_in", False),
             statuses=self.statuses,
             has_workflows=self.s.workflow_table is not None,
@@ -526,9 +555,29 @@ class _Dashboard:
 
         return endpoint
 
-    def run(self, work: Callable[[Connection], Any]) -> Awaitable[Any]:
+    def read(self, request: Request, work: Callable[[Connection], Any]) -> Awaitable[Any]:
+        """``work`` on the reader (the replica, else the primary) in a transaction of its
+        own; on a replica, that transaction reads its lag too, for the page to show
+        (``request.state.replica``)."""
+        replica = self.s.replica
+
         def in_transaction() -> Any:
-            with self.s.engine.begin() as connection:
+            with self.s.reader.begin() as connection:
+                value = work(connection)
+                if replica:
+                    lag: ReplicaLag = read_replica_lag(connection)
+                    request.state.replica = lag
+                return value
+
+        return run_in_threadpool(in_transaction)
+
+    def write(self, work: Callable[[Connection], Any]) -> Awaitable[Any]:
+        """``work`` on the primary in a transaction of its own (an action)."""
+        engine = self.s.engine
+        assert engine is not None  # without one, the dashboard is read-only
+
+        def in_transaction() -> Any:
+            with engine.begin() as connection:
                 return work(connection)
 
         return run_in_threadpool(in_transaction)
@@ -609,7 +658,7 @@ class _Dashboard:
             ]
             return _Overview(stats, recent, paused, rates, fair, busy)
 
-        stats, recent, paused, rates, fair, busy = await self.run(read)
+        stats, recent, paused, rates, fair, busy = await self.read(request, read)
         queues: dict[str, dict[str, Any]] = {}
         # A paused, rate-limited or fairly shared queue is listed, with or without jobs.
         for kind, items in (("paused", paused), ("rate", rates), ("fair", fair)):
@@ -651,7 +700,7 @@ class _Dashboard:
         def read(connection: Connection) -> list[activity.QueueActivity]:
             return activity.read_activity(connection, self.s.model, self.sources)
 
-        queues = await self.run(read)
+        queues = await self.read(request, read)
         return self.render(
             request,
             "activity.html",
@@ -668,7 +717,7 @@ class _Dashboard:
         def read(connection: Connection) -> list[activity.Failure]:
             return activity.read_failures(connection, self.sources)
 
-        failures = await self.run(read)
+        failures = await self.read(request, read)
         return self.render(
             request,
             "failures.html",
@@ -685,7 +734,7 @@ class _Dashboard:
         def read(connection: Connection) -> Page:
             return read_page(connection, self.sources, query, size)
 
-        page = await self.run(read)
+        page = await self.read(request, read)
         return self.render(
             request,
             "jobs.html",
@@ -714,7 +763,7 @@ class _Dashboard:
                 stored = RESULT.one(connection, result_table, {"job_id": job_id})
             return row, stored
 
-        row, stored = await self.run(read)
+        row, stored = await self.read(request, read)
         if row is None:
             raise PageError(404, f"no job {job_id} in {table.fullname}")
         # A job found in the history table: its result is the row's own result column.
@@ -763,7 +812,7 @@ class _Dashboard:
                 finished = FINISHED_WORKFLOWS.rows(connection, workflow_table, {}, limit=shown)
             return running, finished
 
-        running, finished = await self.run(read)
+        running, finished = await self.read(request, read)
         return self.render(
             request,
             "workflows.html",
@@ -797,7 +846,7 @@ class _Dashboard:
                 )
             return flow, steps
 
-        flow, steps = await self.run(read)
+        flow, steps = await self.read(request, read)
         if flow is None:
             raise PageError(404, f"no workflow {flow_id} in {workflow_table.fullname}")
         counts: dict[str, int] = {}
@@ -837,7 +886,7 @@ class _Dashboard:
             return queue.resume_queue(connection, self.s.model, name)
 
         try:
-            await self.run(act)
+            await self.write(act)
         except SqlaJobsError as exc:  # a malformed queue name, before any SQL
             raise PageError(400, f"{exc}: nothing was changed") from None
         return RedirectResponse(request.url_for("overview").path, status_code=303, headers=_HEADERS)
@@ -862,7 +911,7 @@ class _Dashboard:
             return operation(connection, self.s.model, job_id)
 
         try:
-            outcome = await self.run(act)
+            outcome = await self.write(act)
         except JobNotFoundError:
             raise PageError(404, f"no job {job_id} in {self.s.table.fullname}") from None
         except JobStateError as exc:
