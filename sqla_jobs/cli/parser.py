@@ -65,14 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help=f"PostgreSQL URL (default: ${DATABASE_URL_VARIABLE})",
     )
-    db.add_argument(
-        "--pooler",
-        choices=POOLER_MODES,
-        default="auto",
-        help="a connection pooler in transaction mode (PgBouncer) between here and "
-        "PostgreSQL: found out at connect (auto, the default), assumed (transaction), or "
-        "assumed absent (none); behind one, no prepared statements and no session state",
+    _add_pooler(db)
+    # The commands that serve or read several databases at once (jobs spread over several
+    # primaries): --database-url may be given once per database.
+    dbs = _Parser(add_help=False)
+    dbs.add_argument(
+        "--database-url",
+        metavar="URL",
+        action="append",
+        help=f"PostgreSQL URL (default: ${DATABASE_URL_VARIABLE}); give it once per database "
+        "to serve or read several",
     )
+    _add_pooler(dbs)
     replica = _Parser(add_help=False)
     replica.add_argument(
         "--replica-url",
@@ -88,7 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--registry", metavar="MODULE:REGISTRY", help="use this registry's model")
 
     worker = commands.add_parser(
-        "worker", parents=[db], help="run jobs", description="Claim and run jobs until stopped."
+        "worker",
+        parents=[dbs],
+        help="run jobs",
+        description=(
+            "Claim and run jobs until stopped. With --database-url given once per database, "
+            "one process serves them all: a worker for each, with its own connections and "
+            "--concurrency slots (a WorkerGroup)."
+        ),
     )
     worker.add_argument("target", metavar="MODULE:REGISTRY", help="the task registry to run")
     worker.add_argument("--queues", help="comma-separated queues (default: the registry's)")
@@ -174,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser(
         "status",
-        parents=[db, replica, which],
+        parents=[dbs, replica, which],
         help="live job counts, vacuum and table gauges, and dead jobs",
         description=(
             "Pending, runnable, running, expired and dead jobs by queue, the oldest runnable "
@@ -194,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "health",
-        parents=[db, which],
+        parents=[dbs, which],
         help="exit 3 with a one-line reason when a threshold is crossed",
         description=(
             "Read the health gauges (as `status` does) and compare them with the given "
@@ -377,3 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=cmd_bench)
     return parser
+
+
+def _add_pooler(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pooler",
+        choices=POOLER_MODES,
+        default="auto",
+        help="a connection pooler in transaction mode (PgBouncer) between here and "
+        "PostgreSQL: found out at connect (auto, the default), assumed (transaction), or "
+        "assumed absent (none); behind one, no prepared statements and no session state",
+    )

@@ -15,7 +15,8 @@ from sqlalchemy.engine import URL
 
 from sqla_jobs import health, queue
 from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
-from sqla_jobs.cli.database import command_session, replica_url
+from sqla_jobs.cli.arguments import CommandError
+from sqla_jobs.cli.database import command_session, database_urls, replica_url
 from sqla_jobs.cli.display import _age, _bytes, _last_line
 from sqla_jobs.cli.loading import load_model, load_registry
 from sqla_jobs.health import QueueGauges
@@ -29,19 +30,20 @@ STATUS_TENANTS: Final = 3
 
 def _read_gauges(
     args: argparse.Namespace,
+    url: URL,
     model: type[JobMixin],
     dead: int = 0,
     fair_shares: Mapping[str, FairShare] | None = None,
-    replica: URL | None = None,
+    replica: bool = False,
 ) -> tuple[health.Gauges, list[queue.DeadJob], health.ReplicaLag | None]:
-    """The gauges and the ``dead`` most recent dead jobs, from ``--database-url``'s
-    server, or in one transaction on ``replica`` with its lag."""
-    with command_session(args, replica) as session:
+    """The gauges and the ``dead`` most recent dead jobs of ``url``'s database, in one
+    transaction; with ``replica`` (``url`` is a read replica's), its lag too."""
+    with command_session(args, url) as session:
         timeout = f"{max(1, round(args.timeout * 1000))}ms"
         STATEMENT_TIMEOUT.one(session, None, {"timeout": timeout})
         gauges = health.read_gauges(session, model, fair_shares=fair_shares)
         listed = queue.dead_jobs(session, model, limit=dead) if dead and gauges.dead else []
-        lag = None if replica is None else health.read_replica_lag(session)
+        lag = health.read_replica_lag(session) if replica else None
     return gauges, listed, lag
 
 
@@ -80,22 +82,55 @@ def _fair(queue: QueueGauges) -> str:
     )
 
 
+def _databases(args: argparse.Namespace) -> list[URL]:
+    """The databases a reading command reads: ``--database-url`` once per database (or the
+    environment's), checked before anything connects."""
+    return database_urls(args.database_url)
+
+
+def _header(url: URL, several: bool) -> str:
+    """The line that names a database, when a command reads several."""
+    return f"== {url.render_as_string(hide_password=True)}\n" if several else ""
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    # A malformed replica URL fails first, before anything is imported or connected.
+    # Malformed URLs fail first, before anything is imported or connected.
     replica = replica_url(args.replica_url)
+    if replica is not None and args.database_url and len(args.database_url) > 1:
+        raise CommandError(
+            "--replica-url reads one database's replica: give one --database-url with it"
+        )
+    urls = [replica] if replica is not None else _databases(args)
     # With --registry, its fair shares too: the configuration says which queues are shared.
     registry = load_registry(args.registry) if getattr(args, "registry", None) else None
     model = load_model(args) if registry is None else registry.model
     fair_shares = None if registry is None else registry.fair_shares
+    for index, url in enumerate(urls):
+        if index:
+            sys.stdout.write("\n")
+        sys.stdout.write(_header(url, len(urls) > 1))
+        _status(args, url, model, fair_shares, replica=replica is not None)
+    return 0
+
+
+def _status(
+    args: argparse.Namespace,
+    url: URL,
+    model: type[JobMixin],
+    fair_shares: Mapping[str, FairShare] | None,
+    *,
+    replica: bool,
+) -> None:
+    """One database's part of ``status``."""
     gauges, dead, lag = _read_gauges(
-        args, model, dead=args.dead, fair_shares=fair_shares, replica=replica
+        args, url, model, dead=args.dead, fair_shares=fair_shares, replica=replica
     )
     # A standby keeps no statistics of the primary's (dead row versions, vacuums), and its
     # snapshots are its own backends'.
     standby = lag is not None and lag.in_recovery
     out = sys.stdout
-    if replica is not None and lag is not None:
-        out.write(_replica_line(replica, lag))
+    if lag is not None:
+        out.write(_replica_line(url, lag))
     table = gauges.table
     out.write(f"{table.table}\n")
     if gauges.queues:
@@ -189,9 +224,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"  {row.id}  {row.queue}/{row.task}  attempts={row.attempts}  "
                 f"finished={finished}  {_last_line(row.last_error)[:160]}\n"
             )
-        primary = " (on the primary: --database-url)" if replica is not None else ""
+        primary = " (on the primary: --database-url)" if replica else ""
         out.write(f"retry one with: sqla-jobs retry ID{primary}\n")
-    return 0
 
 
 #: ``sqla-jobs health`` exit statuses (the table of docs/operations/health.md).
@@ -210,18 +244,24 @@ def cmd_health(args: argparse.Namespace) -> int:
         max_xmin_age=args.max_xmin_age,
         max_dead_tuples=args.max_dead_tuples,
     )
+    urls = _databases(args)
     model = load_model(args)
-    gauges, _, _ = _read_gauges(args, model)
-    problems = thresholds.problems(gauges)
-    if problems:
-        sys.stdout.write(f"unhealthy: {'; '.join(problems)}\n")
-        return UNHEALTHY
-    holder = gauges.oldest_xmin
-    sys.stdout.write(
-        f"healthy: {gauges.runnable} runnable, {gauges.running} running, "
-        f"{gauges.expired_leases} expired leases, {gauges.dead} dead; oldest runnable "
-        f"{_age(gauges.oldest_runnable_seconds)}; vacuum held back "
-        f"{_age(holder.age_seconds if holder else None)}"
-        f"{'; paused: ' + ', '.join(gauges.paused) if gauges.paused else ''}\n"
-    )
-    return HEALTHY
+    status = HEALTHY
+    for url in urls:
+        # With several databases, each line names its own, and any unhealthy one fails.
+        named = f"{url.render_as_string(hide_password=True)}: " if len(urls) > 1 else ""
+        gauges, _, _ = _read_gauges(args, url, model)
+        problems = thresholds.problems(gauges)
+        if problems:
+            sys.stdout.write(f"{named}unhealthy: {'; '.join(problems)}\n")
+            status = UNHEALTHY
+            continue
+        holder = gauges.oldest_xmin
+        sys.stdout.write(
+            f"{named}healthy: {gauges.runnable} runnable, {gauges.running} running, "
+            f"{gauges.expired_leases} expired leases, {gauges.dead} dead; oldest runnable "
+            f"{_age(gauges.oldest_runnable_seconds)}; vacuum held back "
+            f"{_age(holder.age_seconds if holder else None)}"
+            f"{'; paused: ' + ', '.join(gauges.paused) if gauges.paused else ''}\n"
+        )
+    return status

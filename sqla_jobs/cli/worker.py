@@ -7,13 +7,13 @@ import dataclasses
 import os
 from typing import Any
 
-from sqla_jobs.cli.arguments import _queue_list
-from sqla_jobs.cli.database import LISTEN_URL_VARIABLE, database_url, make_engine
+from sqla_jobs.cli.arguments import CommandError, _queue_list
+from sqla_jobs.cli.database import LISTEN_URL_VARIABLE, database_url, database_urls, make_engine
 from sqla_jobs.cli.loading import load_registry
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from sqla_jobs.worker import Worker
+    from sqla_jobs.worker import Worker, WorkerGroup
     from sqla_jobs.worker.settings import (
         ClaimSettings,
         MaintenanceSettings,
@@ -21,8 +21,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         TimingSettings,
     )
 
+    urls = database_urls(args.database_url)
+    several = len(urls) > 1
+    if several and (args.metrics_port is not None or args.health_file or args.listen_url):
+        raise CommandError(
+            "--metrics-port, --health-file and --listen-url serve one database: with several "
+            "--database-url, run a worker process per database to use them"
+        )
     registry = load_registry(args.target)
-    url = database_url(args.database_url)
     # An option left out is left out here too: its default is the setting's own.
     timing = TimingSettings(
         **_given(grace=args.grace, lock_timeout=args.lock_timeout),
@@ -52,15 +58,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
         listen=not args.no_listen,
         pooler=args.pooler,
     )
-    engine = make_engine(
-        url,
-        pool_size=claiming.concurrency + 4,
-        application_name="sqla-jobs worker",
-        pooler=args.pooler,
-    )
+    engines = [
+        make_engine(
+            url,
+            pool_size=claiming.concurrency + 4,
+            application_name="sqla-jobs worker",
+            pooler=args.pooler,
+        )
+        for url in urls
+    ]
     listen_url = args.listen_url or os.environ.get(LISTEN_URL_VARIABLE, "").strip()
     listen_engine = None
-    if listen_url and not args.no_listen:
+    if listen_url and not args.no_listen and not several:
         listen_engine = make_engine(
             database_url(listen_url, LISTEN_URL_VARIABLE),
             pool_size=1,
@@ -69,18 +78,24 @@ def cmd_worker(args: argparse.Namespace) -> int:
         )
         claiming = dataclasses.replace(claiming, listen_engine=listen_engine)
     try:
-        worker = Worker(
-            registry,
-            engine,
-            claiming=claiming,
-            timing=timing,
-            observability=observability,
-            maintenance=maintenance,
-            handle_signals=True,
-        )
-        return worker.run()
+        workers = [
+            Worker(
+                registry,
+                engine,
+                claiming=claiming,
+                timing=timing,
+                observability=observability,
+                maintenance=maintenance,
+                handle_signals=not several,  # a group handles them for all
+            )
+            for engine in engines
+        ]
+        # One database: the worker owns the process. Several: a group of one worker each,
+        # which owns it instead (docs/how-to/several-databases.md).
+        return workers[0].run() if not several else WorkerGroup(workers).run()
     finally:
-        engine.dispose()
+        for engine in engines:
+            engine.dispose()
         if listen_engine is not None:
             listen_engine.dispose()
 
