@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Table
 
@@ -46,6 +46,7 @@ from sqla_jobs.schema.workflows import WorkflowStatus, check_step_model
 __all__ = [
     "OTHER",
     "TOP_TENANTS",
+    "DatabasesCollector",
     "GaugeCollector",
     "LabelValues",
     "MetricsServer",
@@ -467,6 +468,41 @@ class GaugeCollector(Collector):
         )
         xids.add_metric([], float((by_xids.age_xids if by_xids else None) or 0))
         yield xids
+
+
+class DatabasesCollector(Collector):
+    """The metrics of several workers of one process, one database each (a
+    :class:`~sqla_jobs.WorkerGroup`), as one set: each metric once, every sample labelled
+    with its worker's ``database``. Workers come (:meth:`put` their registry) and go
+    (``put(database, None)``) while it serves."""
+
+    def __init__(self) -> None:
+        self._registries: dict[str, CollectorRegistry] = {}
+        self._lock = threading.Lock()
+
+    def put(self, database: str, registry: CollectorRegistry | None) -> None:
+        with self._lock:
+            if registry is None:
+                self._registries.pop(database, None)
+            else:
+                self._registries[database] = registry
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            registries = list(self._registries.items())
+        merged: dict[str, Metric] = {}
+        for database, registry in registries:
+            for family in registry.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                into.samples += [
+                    sample._replace(labels={"database": database, **sample.labels})
+                    for sample in family.samples
+                ]
+        yield from merged.values()
 
 
 class MetricsServer:

@@ -157,6 +157,8 @@ PUBLIC: dict[str, list[str]] = {
     ],
     "sqla_jobs.dashboard": [
         "create_app",
+        "create_multi_app",
+        "database_name",
     ],
     "sqla_jobs.embedded": [
         "DEFAULT_OS_USER",
@@ -238,6 +240,7 @@ PUBLIC: dict[str, list[str]] = {
         "renew_leases",
     ],
     "sqla_jobs.metrics": [
+        "DatabasesCollector",
         "GaugeCollector",
         "LabelValues",
         "MetricsServer",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -221,7 +222,7 @@ def test_several_databases_are_refused_what_serves_one_before_anything_connects(
     engines: dict[str, sa.Engine], capsys: pytest.CaptureFixture[str]
 ) -> None:
     urls = _urls(engines)
-    for extra in (["--metrics-port", "0"], ["--health-file", "/tmp/x"]):
+    for extra in (["--listen-url", urls[1]], ["--health-file", "/tmp/x"]):
         status, _, err = _cli(capsys, "worker", "shard_models:registry", *urls, *extra)
         assert status == 1
         assert "run a worker process per database" in err
@@ -256,3 +257,55 @@ def test_the_worker_command_serves_every_database(
         log.close()
     text = (tmp_path / "worker.log").read_text()
     assert text.count("action=worker_started") == 3, text
+
+
+def test_a_group_serves_every_databases_metrics_on_one_port(
+    engines: dict[str, sa.Engine],
+) -> None:
+    pytest.importorskip("prometheus_client")
+    enqueue(engines, {"eu": 4, "us": 2})
+    members = [_worker(engines["eu"]), _worker(engines["us"])]
+    group = WorkerGroup(members, metrics_port=0)
+    labels = dict(zip(("eu", "us"), group.labels, strict=True))
+    assert all(label.endswith(engines[r].url.database or "") for r, label in labels.items())
+    with group:
+        wait_for(lambda: statuses(engines["eu"]) == {"succeeded": 4})
+        wait_for(lambda: statuses(engines["us"]) == {"succeeded": 2})
+        address = group.metrics_address
+        assert address is not None
+
+        def scraped() -> str:
+            host, port = address
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as reply:
+                return str(reply.read().decode())
+
+        def succeeded(text: str, region: str) -> float:
+            line = next(
+                (
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("sqla_jobs_jobs_succeeded_total{")
+                    and f'database="{labels[region]}"' in line
+                ),
+                None,
+            )
+            return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
+
+        # The outcome writer counts a success once its commit is through.
+        wait_for(lambda: succeeded(scraped(), "eu") == 4 and succeeded(scraped(), "us") == 2)
+        text = scraped()
+        # Each metric once, whatever the number of databases.
+        types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(types) == len(set(types))
+        assert "# TYPE sqla_jobs_jobs_succeeded_total counter" in types
+    assert group.metrics_address is None
+
+
+def test_a_group_with_metrics_refuses_members_with_their_own(
+    engines: dict[str, sa.Engine],
+) -> None:
+    own = Worker(registry, engines["eu"], metrics_port=0)
+    with pytest.raises(ConfigurationError, match="none of their own"):
+        WorkerGroup([own, _worker(engines["us"])], metrics_port=0)
+    with pytest.raises(ConfigurationError, match="metrics_port"):
+        WorkerGroup([_worker(engines["us"])], metrics_port=-1)

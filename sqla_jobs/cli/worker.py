@@ -23,10 +23,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     urls = database_urls(args.database_url)
     several = len(urls) > 1
-    if several and (args.metrics_port is not None or args.health_file or args.listen_url):
+    if several and (args.health_file or args.listen_url):
         raise CommandError(
-            "--metrics-port, --health-file and --listen-url serve one database: with several "
-            "--database-url, run a worker process per database to use them"
+            "--health-file and --listen-url serve one database: with several --database-url, "
+            "run a worker process per database to use them"
         )
     registry = load_registry(args.target)
     # An option left out is left out here too: its default is the setting's own.
@@ -34,13 +34,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         **_given(grace=args.grace, lock_timeout=args.lock_timeout),
         synchronous_commit=not args.async_commit,
     )
+    # With several databases the group serves every member's metrics on the one port.
+    metrics = _given(metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     observability = ObservabilitySettings(
-        **_given(
-            name=args.name,
-            health_file=args.health_file,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-        )
+        **_given(name=args.name, health_file=args.health_file), **({} if several else metrics)
     )
     maintenance = MaintenanceSettings(
         history_retention=args.history_retention,
@@ -92,7 +89,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         ]
         # One database: the worker owns the process. Several: a group of one worker each,
         # which owns it instead (docs/how-to/several-databases.md).
-        return workers[0].run() if not several else WorkerGroup(workers).run()
+        return workers[0].run() if not several else WorkerGroup(workers, **metrics).run()
     finally:
         for engine in engines:
             engine.dispose()

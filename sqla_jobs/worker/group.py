@@ -14,17 +14,40 @@ holds up none of the others.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.worker.lifecycle import Worker
+from sqla_jobs.worker.settings import ObservabilitySettings
 from sqla_jobs.worker.signals import StopSignals
 
-__all__ = ["WorkerGroup"]
+if TYPE_CHECKING:
+    from sqla_jobs.metrics import MetricsServer
+
+__all__ = ["WorkerGroup", "database_label"]
+
+
+def database_label(engine: Engine) -> str:
+    """How a group names a member's database: ``host:port/database`` of its engine's URL
+    (every host of a multi-host URL), without the user or the password."""
+    url = engine.url
+    hosts = url.host or ",".join(_query_hosts(url.query.get("host")))
+    port = f":{url.port}" if url.port else ""
+    return f"{hosts}{port}/{url.database or ''}"
+
+
+def _query_hosts(value: str | tuple[str, ...] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
 
 _SUPERVISE_EVERY = 0.1
 
@@ -41,9 +64,21 @@ class WorkerGroup:
 
     Members must be distinct :class:`Worker` objects on distinct engines (two workers on one
     database in one process would only split its slots; raise its ``concurrency`` instead).
+
+    With a ``metrics_port``, the group serves its members' Prometheus metrics there while it
+    runs (:attr:`metrics_address` says where; the ``metrics`` extra): each metric once, each
+    sample labelled with its ``database`` (:func:`database_label`: the URL's host, port and
+    database, never its user or password). Members then have no ``metrics_port`` of their
+    own.
     """
 
-    def __init__(self, workers: Iterable[Worker]) -> None:
+    def __init__(
+        self,
+        workers: Iterable[Worker],
+        *,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+    ) -> None:
         members = list(workers)
         if not members:
             raise ConfigurationError("a WorkerGroup needs at least one Worker")
@@ -51,15 +86,29 @@ class WorkerGroup:
             if not isinstance(member, Worker):
                 raise ConfigurationError(f"expected a sqla_jobs Worker, not {member!r}")
         engines = [member.engine for member in members]
-        if len({id(member) for member in members}) != len(members) or len(
-            {id(engine) for engine in engines}
-        ) != len(engines):
+        if metrics_port is not None:
+            ObservabilitySettings(metrics_port=metrics_port, metrics_host=metrics_host)  # checks
+            own = [m.name for m in members if m.metrics_port is not None]
+            if own:
+                raise ConfigurationError(
+                    "a WorkerGroup with a metrics_port serves its members' metrics: its "
+                    f"workers have none of their own (these do: {', '.join(own)})"
+                )
+        # Two workers on one database in one process would only split its slots.
+        labels = [database_label(engine) for engine in engines]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
             raise ConfigurationError(
-                "each Worker of a WorkerGroup serves a database of its own: the same worker or "
-                "engine is given twice"
+                "each Worker of a WorkerGroup serves a database of its own: "
+                f"{', '.join(twice)} is given twice"
             )
         #: The members, in the order given.
         self.workers: tuple[Worker, ...] = tuple(members)
+        #: Each member's ``database`` label (its metrics', its log lines').
+        self.labels: tuple[str, ...] = tuple(labels)
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self._metrics_server: MetricsServer | None = None
         self._threads: list[threading.Thread] = []
         self._outcomes: dict[int, int | BaseException] = {}
         self._stop = threading.Event()
@@ -108,7 +157,14 @@ class WorkerGroup:
 
     # -- inside ------------------------------------------------------------------------------
 
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the members' metrics are served on while the group runs."""
+        server = self._metrics_server
+        return None if server is None else server.address
+
     def _start_members(self) -> None:
+        self._start_metrics()
         self._stop.clear()
         self._outcomes.clear()
         self._threads = []
@@ -139,10 +195,32 @@ class WorkerGroup:
         for member in self.workers:
             member.stop()
 
+    def _start_metrics(self) -> None:
+        if self.metrics_port is None:
+            return
+        from prometheus_client import CollectorRegistry  # only with metrics (its extra)
+
+        from sqla_jobs.metrics import DatabasesCollector, MetricsServer
+
+        collector = DatabasesCollector()
+        registry = CollectorRegistry()
+        registry.register(collector)
+        try:
+            self._metrics_server = MetricsServer(registry, self.metrics_host, self.metrics_port)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {self.metrics_host}:{self.metrics_port}: {exc}"
+            ) from exc
+        for member, label in zip(self.workers, self.labels, strict=True):
+            member._metrics_home = functools.partial(collector.put, label)
+
     def _finish(self) -> int:
         for thread in self._threads:
             thread.join()
         self._threads = []
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            server.close()
         errors: list[BaseException] = []
         status = 0
         for outcome in self._outcomes.values():

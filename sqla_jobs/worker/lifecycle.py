@@ -31,6 +31,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -218,6 +219,9 @@ class Worker:
         self.metrics_host = seen.metrics_host
         self.metrics_max_age = seen.metrics_max_age
         self._metrics_server: MetricsServer | None = None
+        #: Set by a WorkerGroup that serves its members' metrics: called with this worker's
+        #: metrics registry when it starts, and with None when it stops.
+        self._metrics_home: Callable[[Any], None] | None = None
         self._observer: Observer = NO_OBSERVER
         self.history_retention = upkeep.retention
         self.history_partitions = upkeep.history_partitions
@@ -416,7 +420,8 @@ class Worker:
     # -- start ----------------------------------------------------------------------------
 
     def _start_metrics(self) -> None:
-        if self.metrics_port is None:
+        home = self._metrics_home
+        if self.metrics_port is None and home is None:
             return
         from sqla_jobs.health import GaugeCache  # only with metrics: never for a plain worker
         from sqla_jobs.metrics import LabelValues, MetricsServer, WorkerMetrics
@@ -435,6 +440,11 @@ class Worker:
                 tasks=self.registry, queues=frozenset((*self.queues, *self.registry.queues))
             ),
         )
+        if home is not None:  # its group serves it, with the other databases'
+            home(metrics.registry)
+            self._observer = self._runner.observer = self._database.observer = metrics
+            return
+        assert self.metrics_port is not None
         try:
             self._metrics_server = MetricsServer(
                 metrics.registry, self.metrics_host, self.metrics_port
@@ -453,6 +463,8 @@ class Worker:
         )
 
     def _stop_metrics(self) -> None:
+        if self._metrics_home is not None and self._observer is not NO_OBSERVER:
+            self._metrics_home(None)
         server, self._metrics_server = self._metrics_server, None
         if server is not None:
             server.close()
