@@ -2,7 +2,12 @@
 
 With ``--replica-url`` (or ``$SQLA_JOBS_REPLICA_URL``) the pages read from that read replica
 and show its lag, and the actions write through the database URL; given a replica and no
-database URL, the dashboard is read-only: it has nothing to write to."""
+database URL, the dashboard is read-only: it has nothing to write to.
+
+With ``--database-url`` given once per database (jobs spread over several databases), it
+serves one dashboard of them all (:func:`sqla_jobs.dashboard.create_multi_app`), each
+database named by :func:`sqla_jobs.dashboard.database_name`; a replica serves one database,
+so ``--replica-url`` with several is refused."""
 
 from __future__ import annotations
 
@@ -10,10 +15,20 @@ import argparse
 import ipaddress
 import os
 import sys
+from collections.abc import Callable
 from typing import Final
 
+from sqlalchemy import Engine
+from sqlalchemy.engine import URL
+
 from sqla_jobs.cli.arguments import CommandError
-from sqla_jobs.cli.database import database_url, has_database_url, make_engine, replica_url
+from sqla_jobs.cli.database import (
+    database_url,
+    database_urls,
+    has_database_url,
+    make_engine,
+    replica_url,
+)
 from sqla_jobs.cli.loading import load_model, load_object, load_registry
 from sqla_jobs.schema import JobResultMixin
 
@@ -40,7 +55,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from sqla_jobs.dashboard import create_app
+        from sqla_jobs.dashboard import create_app, create_multi_app, database_name
         from sqla_jobs.dashboard.app import MIN_TOKEN_LENGTH
     except ImportError as exc:
         raise CommandError(
@@ -63,52 +78,92 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         if not (isinstance(result_model, type) and issubclass(result_model, JobResultMixin)):
             raise CommandError(f"{args.result_model} is not a model class mixing in JobResultMixin")
     # The URLs, checked before anything connects.
+    given: list[str] = args.database_url or []
     replica = replica_url(args.replica_url)
-    primary = (
-        database_url(args.database_url)
-        if replica is None or has_database_url(args.database_url)
-        else None
-    )
-    read_only = args.read_only or primary is None
-    engine = None
-    if primary is not None:
-        engine = make_engine(
-            primary, pool_size=4, application_name="sqla-jobs dashboard", pooler=args.pooler
+    if replica is not None and len(given) > 1:
+        raise CommandError(
+            "--replica-url reads one database's replica: give one --database-url with it "
+            "(a dashboard of several databases reads their primaries)"
         )
-    replica_engine = None
-    if replica is not None:
-        replica_engine = make_engine(
-            replica, pool_size=4, application_name="sqla-jobs dashboard", pooler=args.pooler
+    first = given[0] if given else None
+    if replica is None and len(given) > 1:
+        primaries = database_urls(given)
+        names = _names(primaries, database_name)
+        primary = None
+    else:
+        primaries = []
+        names = []
+        primary = database_url(first) if replica is None or has_database_url(first) else None
+    read_only = args.read_only or (primary is None and not primaries)
+    engines: list[Engine] = []
+
+    def engine_of(url: URL) -> Engine:
+        made = make_engine(
+            url, pool_size=4, application_name="sqla-jobs dashboard", pooler=args.pooler
         )
+        engines.append(made)
+        return made
+
     hosts = None
     if loopback and token is None:
         # Only the names of this machine: a page of another site that rebinds its own name
         # to 127.0.0.1 (DNS rebinding) gets no answer.
         hosts = ["127.0.0.1", "localhost", "[::1]", "::1"]
     try:
-        app = create_app(
-            engine,
-            model,
-            replica=replica_engine,
-            result_model=result_model,
-            read_only=read_only,
-            token=token,
-            allowed_hosts=hosts,
-            time_limits=time_limits,
-            fair_shares=fair_shares,
-        )
         shown = f"[{args.host}]" if ":" in args.host else args.host
         mode = ""
-        if replica is not None:
-            mode = f", reading from the replica {replica.render_as_string(hide_password=True)}"
-        if read_only:
-            mode += " (read-only)" if primary is not None else " (read-only: no database URL)"
+        if primaries:
+            app = create_multi_app(
+                {name: engine_of(url) for name, url in zip(names, primaries, strict=True)},
+                model,
+                result_model=result_model,
+                read_only=read_only,
+                token=token,
+                allowed_hosts=hosts,
+                time_limits=time_limits,
+                fair_shares=fair_shares,
+            )
+            mode = f", {len(names)} databases: {', '.join(names)}"
+            if read_only:
+                mode += " (read-only)"
+        else:
+            app = create_app(
+                None if primary is None else engine_of(primary),
+                model,
+                replica=None if replica is None else engine_of(replica),
+                result_model=result_model,
+                read_only=read_only,
+                token=token,
+                allowed_hosts=hosts,
+                time_limits=time_limits,
+                fair_shares=fair_shares,
+            )
+            if replica is not None:
+                mode = f", reading from the replica {replica.render_as_string(hide_password=True)}"
+            if read_only:
+                mode += " (read-only)" if primary is not None else " (read-only: no database URL)"
         sys.stderr.write(f"sqla-jobs dashboard on http://{shown}:{args.port}/{mode}\n")
         sys.stderr.flush()
         # log_config=None: uvicorn's records go through the logging configured above.
         uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
     finally:
-        for made in (engine, replica_engine):
-            if made is not None:
-                made.dispose()
+        for made in engines:
+            made.dispose()
     return 0
+
+
+def _names(urls: list[URL], name_of: Callable[[URL], str]) -> list[str]:
+    """The name of each database of a dashboard of several (``name_of``: the dashboard's
+    :func:`~sqla_jobs.dashboard.database_name`), or a CommandError when two URLs name the
+    same database (the same host, port and database, as different users, say)."""
+    names = [name_of(url) for url in urls]
+    seen: dict[str, URL] = {}
+    for name, url in zip(names, urls, strict=True):
+        other = seen.setdefault(name.casefold(), url)
+        if other is not url:
+            raise CommandError(
+                f"--database-url names the database {name} twice "
+                f"({other.render_as_string(hide_password=True)} and "
+                f"{url.render_as_string(hide_password=True)}): give each database once"
+            )
+    return names

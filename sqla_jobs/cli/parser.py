@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dashboard = commands.add_parser(
         "dashboard",
-        parents=[db, replica, which],
+        parents=[dbs, replica, which],
         help="serve the web dashboard (extra: dashboard)",
         description=(
             "Serve a web page of the job table: queues, the running jobs, the job list, each "
@@ -311,7 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
             "results. Binds to 127.0.0.1; anywhere else it needs an access token "
             f"(${DASHBOARD_TOKEN_VARIABLE}). With --replica-url, the pages read from that read "
             "replica and show how far behind the primary it is, and the actions write to the "
-            "primary's URL; with a replica URL and no database URL, the dashboard is read-only."
+            "primary's URL; with a replica URL and no database URL, the dashboard is read-only. "
+            "With --database-url given once per database, one dashboard shows them all: a "
+            "page of their counts, each named host-port-database, and each one's pages under "
+            "/db/NAME/ (not with --replica-url)."
         ),
     )
     dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")

@@ -19,6 +19,11 @@ Pages (every one plain HTML, no JavaScript):
 ``GET|POST /login``       the access token form (only with a token)
 ``POST /logout``          ends the browser's login: its cookie is deleted (only with a token)
 
+With several databases (:func:`create_multi_app`: the jobs spread over independent databases
+with the same tables), ``GET /`` lists the databases, each with its counts or why it did not
+answer, and each database's pages above are under ``/db/{name}`` (``/db/{name}/``,
+``/db/{name}/jobs``, ...), where every link and form stays; the login is one for all of them.
+
 Every POST carries a CSRF token: a form field signed by the server for the browser's
 ``SameSite=Strict`` nonce cookie and its login (:mod:`.access`), so a cookie and field that
 someone else chose are refused (403). With ``read_only=True`` the actions are not shown and
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -47,9 +53,11 @@ from pathlib import Path
 from typing import Any, Final, NamedTuple
 from urllib.parse import urlencode
 
+import anyio
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy import Connection, Engine, Table
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -61,6 +69,7 @@ from starlette.routing import Route
 
 from sqla_jobs import queue, validation
 from sqla_jobs._queries import dashboard as statements
+from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
 from sqla_jobs._queries.dashboard import (
     FINISHED_WORKFLOWS,
     RECENT_THROUGHPUT,
@@ -106,6 +115,8 @@ __all__ = [
     "SESSION_LIFETIME",
     "SESSION_MAX_AGE",
     "create_app",
+    "create_multi_app",
+    "database_name",
 ]
 
 DEFAULT_PAGE_SIZE: Final = 50
@@ -121,6 +132,13 @@ WORKFLOWS_SHOWN: Final = 50
 #: (:data:`.graph.MAX_BOXES`).
 STEPS_READ: Final = 10_000
 MIN_TOKEN_LENGTH: Final = 16
+#: Seconds each database's counts may take on the databases page of
+#: :func:`create_multi_app` (a ``statement_timeout``); a slower one shows as an error.
+COUNTS_TIMEOUT: Final = 5.0
+#: A database's name in :func:`create_multi_app`: the ``/db/{name}`` of its pages, so only
+#: letters, digits, ``-``, ``_``, ``.`` and ``~`` (URL-safe as they are), not starting with a
+#: dot, at most 255 characters.
+_NAME: Final = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9._~-]{0,254}")
 _TEMPLATES: Final = Path(__file__).resolve().parent / "templates"
 _DONE: Final = {
     "retried": "pending again",
@@ -166,10 +184,20 @@ async def _check_csrf(request: Request, csrf: str, kept: str) -> None:
 
 
 @dataclass(frozen=True)
-class _Settings:
+class _Database:
+    """One database the dashboard shows: where its pages read and its actions write."""
+
+    name: str | None  # its /db/{name} in a dashboard of several; None: the only one
     engine: Engine | None  # the primary: the actions write here (None: read-only)
     reader: Engine  # the pages read here: the replica's, else the primary's
     replica: bool  # the reader is a replica: each page reads and shows its lag
+    server: str  # host:port/database, never the user or the password
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What the pages of every database share (one model, the same tables in each)."""
+
     table: Table
     model: type[JobMixin]
     result_table: Table | None
@@ -246,6 +274,73 @@ class _Overview(NamedTuple):
     rates: list[queue.RateUsage]
     fair: list[TenantDepths]
     busy: list[RunningRow]
+
+
+@dataclass(frozen=True)
+class _Summary:
+    """A database's line on the databases page: its counts, or why it has none.
+
+    ``state`` is ``ok``; ``unreachable`` (no connection: ``error`` is why); or ``error``
+    (connected, but the reads failed: no job table, the statement timeout)."""
+
+    name: str
+    server: str
+    state: str
+    error: str | None = None
+    pending: int = 0
+    runnable: int = 0
+    running: int = 0
+    expired_leases: int = 0
+    dead: int = 0
+    oldest_runnable: float | None = None  # seconds, by the database's clock
+    paused: tuple[str, ...] = ()
+
+
+def _summary(database: _Database, model: type[JobMixin]) -> _Summary:
+    """``database``'s counts (:func:`~sqla_jobs.queue_stats`, the paused queues) in one
+    transaction under a ``statement_timeout``, or what kept them from being read."""
+    assert database.name is not None  # the databases page: every one has a name
+    name, server = database.name, database.server
+    try:
+        connection = database.reader.connect()
+    except (SQLAlchemyError, SqlaJobsError) as exc:
+        return _Summary(name, server, "unreachable", _first_line(exc))
+    try:
+        with connection, connection.begin():
+            timeout = f"{round(COUNTS_TIMEOUT * 1000)}ms"
+            STATEMENT_TIMEOUT.one(connection, None, {"timeout": timeout})
+            stats = queue.queue_stats(connection, model)
+            paused = queue.paused_queues(connection, model)
+    except (SQLAlchemyError, SqlaJobsError) as exc:
+        lost = isinstance(exc, DBAPIError) and exc.connection_invalidated
+        return _Summary(name, server, "unreachable" if lost else "error", _first_line(exc))
+    counts = dict.fromkeys(JobStatus, 0)
+    runnable = expired = 0
+    oldest: float | None = None
+    for stat in stats:
+        counts[stat.status] += stat.count
+        runnable += stat.runnable
+        expired += stat.expired_leases
+        if stat.oldest_pending_seconds is not None:
+            oldest = max(oldest or 0.0, stat.oldest_pending_seconds)
+    return _Summary(
+        name,
+        server,
+        "ok",
+        pending=counts[JobStatus.PENDING],
+        runnable=runnable,
+        running=counts[JobStatus.RUNNING],
+        expired_leases=expired,
+        dead=counts[JobStatus.DEAD],
+        oldest_runnable=oldest,
+        paused=tuple(pause.queue for pause in paused),
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of a database error (the driver's own message when there is one)."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _list_params(query: ListQuery, **changes: Any) -> str:
@@ -378,6 +473,188 @@ def create_app(
         raise ConfigurationError(f"engine must be a sqlalchemy Engine, not {type(engine).__name__}")
     reader = replica if replica is not None else engine
     assert reader is not None
+    settings = _settings(
+        model,
+        result_model=result_model,
+        read_only=bool(read_only) or engine is None,
+        token=token,
+        title=title,
+        page_size=page_size,
+        scan=scan,
+        secret=secret,
+        session_lifetime=session_lifetime,
+        session_max_age=session_max_age,
+        time_limits=time_limits,
+        fair_shares=fair_shares,
+    )
+    only = _Database(None, engine, reader, replica is not None, _server(reader))
+    dashboard = _Dashboard(settings, [only], several=False)
+    return dashboard.app(dashboard.database_routes(""), allowed_hosts)
+
+
+def create_multi_app(
+    engines: Mapping[str, Engine],
+    model: type[JobMixin],
+    *,
+    result_model: type[JobResultMixin] | None = None,
+    read_only: bool = False,
+    token: str | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+    title: str = "sqla_jobs",
+    page_size: int = DEFAULT_PAGE_SIZE,
+    scan: int = DEFAULT_SCAN,
+    secret: str | bytes | None = None,
+    session_lifetime: timedelta | float = SESSION_LIFETIME,
+    session_max_age: timedelta | float = SESSION_MAX_AGE,
+    time_limits: Mapping[str, timedelta | float] | None = None,
+    fair_shares: Mapping[str, validation.FairShare] | None = None,
+) -> Starlette:
+    """One dashboard of several databases: ``engines`` maps each database's name to its
+    engine, and every database holds ``model``'s tables (the jobs spread over independent
+    databases, see :doc:`/how-to/several-databases`).
+
+    ``GET /`` lists the databases in the order given: each one's name (a link to its pages),
+    its server (``host:port/database`` of its engine's URL, never the user or the password)
+    and its counts: pending, runnable, running and dead jobs, running jobs whose lease
+    expired, the age of its oldest runnable job (by its own clock) and its paused queues,
+    read from the pending, running and dead indexes (:func:`~sqla_jobs.queue_stats`) under a
+    ``statement_timeout`` of 5 seconds; then the totals of those that answered. The
+    databases are read at once, each in a transaction of its own. One that cannot be reached
+    is shown *unreachable*, one whose reads failed (no job table, the timeout) *error*, each
+    with the first line of its error, and the others as usual. The page waits for the
+    slowest: a server that drops packets holds it for its engine's connect timeout (e.g.
+    ``connect_args={"connect_timeout": 5}``; ``sqla-jobs dashboard``'s is 10 seconds).
+
+    Each database's pages are those of :func:`create_app` under ``/db/{name}``: its queues
+    at ``/db/{name}/``, its job list at ``/db/{name}/jobs``, a job at ``/db/{name}/jobs/{id}``
+    and so on; the actions (retry, cancel, delete, pause, resume) write through that
+    database's engine only. Every link and form of a database's pages stays under its
+    prefix, and its header names it and links back to the list. A database that is down
+    gets its own pages' 503 (``database error: ...``); the others answer as usual.
+    ``/login`` and ``/logout`` are shared: one token, one login, one cookie (its ``Path`` the
+    dashboard's own) for every database.
+
+    The other arguments are :func:`create_app`'s, the same for every database (one model:
+    the same tasks, time limits and fair shares); ``read_only`` hides and refuses the
+    actions of all of them. A read replica (``create_app``'s ``replica=``) serves one
+    database and has no counterpart here.
+
+    A name is the path segment of its database's pages: letters, digits, ``-``, ``_``,
+    ``.`` and ``~``, not starting with a dot, 255 characters at most. :func:`database_name`
+    makes one from a URL (as ``sqla-jobs dashboard --database-url A --database-url B``
+    does). Raises :class:`~sqla_jobs.errors.ConfigurationError`, before any SQL runs, for an
+    empty ``engines``, a name that is not such a segment, two names that differ only by case,
+    two engines on the same database (the same host, port and database), a value that is not
+    an :class:`~sqlalchemy.Engine`, or an argument :func:`create_app` refuses::
+
+        app = create_multi_app({"eu": eu_engine, "us": us_engine}, EmailJob, token=token)
+    """
+    databases = _databases(engines)
+    settings = _settings(
+        model,
+        result_model=result_model,
+        read_only=bool(read_only),
+        token=token,
+        title=title,
+        page_size=page_size,
+        scan=scan,
+        secret=secret,
+        session_lifetime=session_lifetime,
+        session_max_age=session_max_age,
+        time_limits=time_limits,
+        fair_shares=fair_shares,
+    )
+    dashboard = _Dashboard(settings, databases, several=True)
+    overview = Route("/", dashboard.page(dashboard.database_list), name="databases")
+    return dashboard.app([overview, *dashboard.database_routes("/db/{database}")], allowed_hosts)
+
+
+def database_name(url: URL | str) -> str:
+    """The name :func:`create_multi_app` can give the database of ``url``: its host, its
+    port (when the URL has one) and its database, joined by ``-``, each character that is
+    not URL-safe made a ``-`` (``postgresql://app:pw@db-eu:5433/app`` is ``db-eu-5433-app``;
+    the hosts of a URL that lists them in its query, ``?host=db1:5432&host=db2:5432``, all
+    of them). Never the user or the password. ``sqla-jobs dashboard`` names its databases
+    so."""
+    parsed = make_url(url) if isinstance(url, str) else url
+    parts = [_host(parsed), parsed.port, parsed.database]
+    name = "-".join(str(part) for part in parts if part not in (None, ""))
+    name = re.sub(r"[^A-Za-z0-9._~-]", "-", name)
+    return "-" + name[1:] if name.startswith(".") else name
+
+
+def _host(url: URL) -> str:
+    """``url``'s host; else the hosts of its query (``?host=a:5432&host=b:5432``, a
+    failover list, or a socket's directory), comma-separated; else ``localhost``."""
+    if url.host:
+        return url.host
+    given = url.query.get("host")
+    hosts = [given] if isinstance(given, str) else list(given or ())
+    return ",".join(hosts) or "localhost"
+
+
+def _server(engine: Engine) -> str:
+    """``host:port/database`` of ``engine``'s URL, as the databases page shows it."""
+    url = engine.url
+    port = "" if url.port is None else f":{url.port}"
+    return f"{_host(url)}{port}/{url.database or ''}"
+
+
+def _databases(engines: object) -> list[_Database]:
+    """``create_multi_app``'s ``engines``, checked (:class:`ConfigurationError`)."""
+    if not isinstance(engines, Mapping):
+        raise ConfigurationError(
+            f"engines must be a mapping of database names to engines, not {type(engines).__name__}"
+        )
+    if not engines:
+        raise ConfigurationError("engines is empty: give at least one database's engine")
+    databases: list[_Database] = []
+    by_name: dict[str, str] = {}
+    by_server: dict[str, str] = {}
+    for name, engine in engines.items():
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ConfigurationError(
+                f"the database name {name!r} is not URL-safe: use letters, digits, '-', '_', "
+                "'.' and '~' (not starting with a dot, at most 255 characters); it is the "
+                "/db/NAME of its pages"
+            )
+        if not isinstance(engine, Engine):
+            raise ConfigurationError(
+                f"engines[{name!r}] must be a sqlalchemy Engine, not {type(engine).__name__}"
+            )
+        same = by_name.setdefault(name.casefold(), name)
+        if same != name:
+            raise ConfigurationError(
+                f"the database names {same!r} and {name!r} differ only by case: give each "
+                "database a name of its own"
+            )
+        server = _server(engine)
+        twice = by_server.setdefault(server, name)
+        if twice != name:
+            raise ConfigurationError(
+                f"engines[{twice!r}] and engines[{name!r}] are the same database ({server}): "
+                "give each database once"
+            )
+        databases.append(_Database(name, engine, engine, False, server))
+    return databases
+
+
+def _settings(
+    model: type[JobMixin],
+    *,
+    result_model: type[JobResultMixin] | None,
+    read_only: bool,
+    token: str | None,
+    title: str,
+    page_size: int,
+    scan: int,
+    secret: str | bytes | None,
+    session_lifetime: timedelta | float,
+    session_max_age: timedelta | float,
+    time_limits: Mapping[str, timedelta | float] | None,
+    fair_shares: Mapping[str, validation.FairShare] | None,
+) -> _Settings:
+    """The settings of ``create_app`` and ``create_multi_app``, checked."""
     table = _mapped(model, JobMixin, "model")
     result_table = (
         None if result_model is None else _mapped(result_model, JobResultMixin, "result_model")
@@ -387,14 +664,11 @@ def create_app(
         raise ConfigurationError(
             f"token must be a string of at least {MIN_TOKEN_LENGTH} characters"
         )
-    settings = _Settings(
-        engine=engine,
-        reader=reader,
-        replica=replica is not None,
+    return _Settings(
         table=table,
         model=model,
         result_table=result_table,
-        read_only=bool(read_only) or engine is None,
+        read_only=read_only,
         token=token,
         keys=access.Keys(
             secret=secret, token=token, lifetime=session_lifetime, max_age=session_max_age
@@ -407,54 +681,21 @@ def create_app(
         # A model with steps gets the workflow pages; any other, nothing more (no route).
         workflow_table=check_step_model(model) if has_steps(model) else None,
     )
-    dashboard = _Dashboard(settings)
-    middleware = []
-    if allowed_hosts is not None:
-        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)))
-    workflow_routes = []
-    if settings.workflow_table is not None:
-        workflow_routes = [
-            Route("/workflows", dashboard.page(dashboard.workflow_list), name="workflows"),
-            Route(
-                "/workflows/{workflow_id}",
-                dashboard.page(dashboard.workflow_detail),
-                name="workflow",
-            ),
-        ]
-    return Starlette(
-        routes=[
-            Route("/", dashboard.page(dashboard.overview), name="overview"),
-            Route("/jobs", dashboard.page(dashboard.job_list), name="jobs"),
-            Route("/activity", dashboard.page(dashboard.activity), name="activity"),
-            Route("/failures", dashboard.page(dashboard.failures), name="failures"),
-            *workflow_routes,
-            Route("/jobs/{job_id}", dashboard.page(dashboard.job_detail), name="job"),
-            Route(
-                "/jobs/{job_id}/{action}",
-                dashboard.page(dashboard.job_action),
-                methods=["POST"],
-                name="action",
-            ),
-            Route(
-                "/queues/{queue}/{action}",
-                dashboard.page(dashboard.queue_action),
-                methods=["POST"],
-                name="queue_action",
-            ),
-            Route("/login", dashboard.login, methods=["GET", "POST"], name="login"),
-            Route("/logout", dashboard.logout, methods=["POST"], name="logout"),
-        ],
-        middleware=middleware,
-        exception_handlers={HTTPException: dashboard.http_error},
-    )
 
 
 Handler = Callable[[Request, str], Awaitable[Response]]
 
 
 class _Dashboard:
-    def __init__(self, settings: _Settings) -> None:
+    """The pages of one database (``several=False``: :func:`create_app`), or of several,
+    each under ``/db/{name}`` beside the list of them (:func:`create_multi_app`)."""
+
+    def __init__(self, settings: _Settings, databases: list[_Database], *, several: bool) -> None:
         self.s = settings
+        self.several = several
+        self.databases = {database.name: database for database in databases}
+        # The names of the routes of a database's pages (under /db/{name} with several).
+        self.scoped: frozenset[str] = frozenset()
         # The job table; for a model with partitioned_history, its history table of
         # finished jobs is a second source (the list merges both by id).
         history = tables_of(settings.model).history
@@ -480,16 +721,91 @@ class _Dashboard:
         self.counted = [s.value for s in (JobStatus.PENDING, JobStatus.RUNNING, JobStatus.DEAD)]
         self.keys = settings.keys
 
+    # -- the application --------------------------------------------------------------------
+
+    def database_routes(self, prefix: str) -> list[Route]:
+        """The routes of a database's pages, under ``prefix`` (``""``, or
+        ``"/db/{database}"`` with several databases)."""
+        routes = [
+            Route(f"{prefix}/", self.page(self.overview), name="overview"),
+            Route(f"{prefix}/jobs", self.page(self.job_list), name="jobs"),
+            Route(f"{prefix}/activity", self.page(self.activity), name="activity"),
+            Route(f"{prefix}/failures", self.page(self.failures), name="failures"),
+        ]
+        if self.s.workflow_table is not None:
+            # A model with steps gets the workflow pages; any other, nothing more (no route).
+            routes += [
+                Route(f"{prefix}/workflows", self.page(self.workflow_list), name="workflows"),
+                Route(
+                    f"{prefix}/workflows/{{workflow_id}}",
+                    self.page(self.workflow_detail),
+                    name="workflow",
+                ),
+            ]
+        routes += [
+            Route(f"{prefix}/jobs/{{job_id}}", self.page(self.job_detail), name="job"),
+            Route(
+                f"{prefix}/jobs/{{job_id}}/{{action}}",
+                self.page(self.job_action),
+                methods=["POST"],
+                name="action",
+            ),
+            Route(
+                f"{prefix}/queues/{{queue}}/{{action}}",
+                self.page(self.queue_action),
+                methods=["POST"],
+                name="queue_action",
+            ),
+        ]
+        self.scoped = frozenset(route.name for route in routes)
+        return routes
+
+    def app(self, routes: list[Route], allowed_hosts: Sequence[str] | None) -> Starlette:
+        """The application of ``routes``, the login's and the logout's."""
+        middleware = []
+        if allowed_hosts is not None:
+            middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)))
+        return Starlette(
+            routes=[
+                *routes,
+                Route("/login", self.login, methods=["GET", "POST"], name="login"),
+                Route("/logout", self.logout, methods=["POST"], name="logout"),
+            ],
+            middleware=middleware,
+            exception_handlers={HTTPException: self.http_error},
+        )
+
     # -- plumbing ---------------------------------------------------------------------------
+
+    def database(self, request: Request) -> _Database:
+        """The database of the request's page (set by :meth:`page`)."""
+        database: _Database = request.state.database
+        return database
+
+    def link(self, request: Request, name: str, /, **params: Any) -> str:
+        """The path of the route ``name``; a route of a database's pages gets the request's
+        database (with several), so that every link and form of its pages stays within
+        it."""
+        database = getattr(request.state, "database", None)
+        if database is not None and database.name is not None and name in self.scoped:
+            params.setdefault("database", database.name)
+        return request.url_for(name, **params).path
+
+    def home(self, request: Request) -> str:
+        """The first page: the list of the databases with several, else the queues."""
+        return self.link(request, "databases" if self.several else "overview")
 
     def render(
         self, request: Request, template: str, csrf: str, *, status: int = 200, **context: Any
     ) -> HTMLResponse:
         def url(name: str, /, query: str = "", **params: Any) -> str:
-            path = request.url_for(name, **params).path
+            path = self.link(request, name, **params)
             return f"{path}?{query}" if query else path
 
+        database = getattr(request.state, "database", None)
         body = self.env.get_template(template).render(
+            several=self.several,
+            database=None if database is None else database.name,
             title=self.s.title,
             table=self.s.table.fullname,
             read_only=self.s.read_only,
@@ -543,26 +859,43 @@ class _Dashboard:
             csrf = self.keys.csrf_token(nonce, "" if login is None else login.session)
             request.state.logged_in = login is not None  # the page offers a logout
             try:
+                self._find_database(request)
                 response = await handler(request, csrf)
             except PageError as exc:
                 response = self.error(request, exc.status, exc.message)
             except SQLAlchemyError as exc:
-                message = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-                response = self.error(request, 503, f"database error: {message}")
+                response = self.error(request, 503, f"database error: {_first_line(exc)}")
             renewed = None if login is None else self.keys.renewed(login, at)
             self.keys.set_cookies(request, response, nonce=nonce, login=renewed, at=at)
             return response
 
         return endpoint
 
+    def _find_database(self, request: Request) -> None:
+        """Set ``request.state.database``: the only one, or the one the path names (with
+        several; PageError 404 for a name that is none of theirs); not for the list of
+        the databases."""
+        if not self.several:
+            request.state.database = self.databases[None]
+            return
+        name = request.path_params.get("database")
+        if name is None:
+            return
+        database = self.databases.get(name)
+        if database is None:
+            names = ", ".join(str(known) for known in self.databases)
+            raise PageError(404, f"no database named {name!r} here (the databases: {names})")
+        request.state.database = database
+
     def read(self, request: Request, work: Callable[[Connection], Any]) -> Awaitable[Any]:
-        """``work`` on the reader (the replica, else the primary) in a transaction of its
-        own; on a replica, that transaction reads its lag too, for the page to show
-        (``request.state.replica``)."""
-        replica = self.s.replica
+        """``work`` on the request's database's reader (the replica, else the primary) in a
+        transaction of its own; on a replica, that transaction reads its lag too, for the
+        page to show (``request.state.replica``)."""
+        database = self.database(request)
+        replica = database.replica
 
         def in_transaction() -> Any:
-            with self.s.reader.begin() as connection:
+            with database.reader.begin() as connection:
                 value = work(connection)
                 if replica:
                     lag: ReplicaLag = read_replica_lag(connection)
@@ -571,9 +904,10 @@ class _Dashboard:
 
         return run_in_threadpool(in_transaction)
 
-    def write(self, work: Callable[[Connection], Any]) -> Awaitable[Any]:
-        """``work`` on the primary in a transaction of its own (an action)."""
-        engine = self.s.engine
+    def write(self, request: Request, work: Callable[[Connection], Any]) -> Awaitable[Any]:
+        """``work`` on the request's database's primary in a transaction of its own (an
+        action)."""
+        engine = self.database(request).engine
         assert engine is not None  # without one, the dashboard is read-only
 
         def in_transaction() -> Any:
@@ -600,7 +934,7 @@ class _Dashboard:
         target = str(form.get("next", ""))
         root = access.cookie_path(request)
         if not (target.startswith(root) and not target.startswith("//")):
-            target = request.url_for("overview").path
+            target = self.home(request)
         if not hmac.compare_digest(presented.encode(), self.s.token.encode()):
             return self.render(
                 request, "login.html", "", status=403, message="wrong access token", next=target
@@ -635,6 +969,43 @@ class _Dashboard:
         return response
 
     # -- pages ------------------------------------------------------------------------------
+
+    async def database_list(self, request: Request, csrf: str) -> Response:
+        """The list of the databases (with several): each one's counts, read at once."""
+        if request.query_params:
+            raise PageError(400, "this page takes no parameters")
+        databases = list(self.databases.values())
+        found: list[_Summary | None] = [None] * len(databases)
+
+        async def summarize(index: int) -> None:
+            found[index] = await run_in_threadpool(_summary, databases[index], self.s.model)
+
+        async with anyio.create_task_group() as group:
+            for index in range(len(databases)):
+                group.start_soon(summarize, index)
+        rows = [row for row in found if row is not None]
+        answered = [row for row in rows if row.state == "ok"]
+        oldest = [row.oldest_runnable for row in answered if row.oldest_runnable is not None]
+        totals = {
+            key: sum(getattr(row, key) for row in answered)
+            for key in ("pending", "runnable", "running", "expired_leases", "dead")
+        }
+        return self.render(
+            request,
+            "databases.html",
+            csrf,
+            rows=rows,
+            answered=len(answered),
+            totals=totals,
+            oldest=max(oldest) if oldest else None,
+            age=_age,
+            timeout=COUNTS_TIMEOUT,
+        )
+
+    def _where(self, request: Request, table: Table) -> str:
+        """``table``'s name, and its database's with several (for a 404's message)."""
+        name = self.database(request).name
+        return table.fullname if name is None else f"{table.fullname} of the database {name}"
 
     async def overview(self, request: Request, csrf: str) -> Response:
         if request.query_params:
@@ -765,7 +1136,7 @@ class _Dashboard:
 
         row, stored = await self.read(request, read)
         if row is None:
-            raise PageError(404, f"no job {job_id} in {table.fullname}")
+            raise PageError(404, f"no job {job_id} in {self._where(request, table)}")
         # A job found in the history table: its result is the row's own result column.
         in_history = self.history is not None and RESULT_COLUMN in row
         if in_history and row[RESULT_COLUMN] is not None:
@@ -848,7 +1219,7 @@ class _Dashboard:
 
         flow, steps = await self.read(request, read)
         if flow is None:
-            raise PageError(404, f"no workflow {flow_id} in {workflow_table.fullname}")
+            raise PageError(404, f"no workflow {flow_id} in {self._where(request, workflow_table)}")
         counts: dict[str, int] = {}
         for step in steps:
             counts[step.status] = counts.get(step.status, 0) + 1
@@ -886,10 +1257,10 @@ class _Dashboard:
             return queue.resume_queue(connection, self.s.model, name)
 
         try:
-            await self.write(act)
+            await self.write(request, act)
         except SqlaJobsError as exc:  # a malformed queue name, before any SQL
             raise PageError(400, f"{exc}: nothing was changed") from None
-        return RedirectResponse(request.url_for("overview").path, status_code=303, headers=_HEADERS)
+        return RedirectResponse(self.link(request, "overview"), status_code=303, headers=_HEADERS)
 
     async def job_action(self, request: Request, csrf: str) -> Response:
         action = request.path_params["action"]
@@ -911,9 +1282,11 @@ class _Dashboard:
             return operation(connection, self.s.model, job_id)
 
         try:
-            outcome = await self.write(act)
+            outcome = await self.write(request, act)
         except JobNotFoundError:
-            raise PageError(404, f"no job {job_id} in {self.s.table.fullname}") from None
+            raise PageError(
+                404, f"no job {job_id} in {self._where(request, self.s.table)}"
+            ) from None
         except JobStateError as exc:
             raise PageError(409, f"{exc}: nothing was changed") from None
         except SqlaJobsError as exc:
@@ -928,9 +1301,9 @@ class _Dashboard:
         if action == "cancel" and outcome is JobStatus.RUNNING:
             done = "cancel_requested"  # a running job ends cancelled once its worker hears
         if action == "delete":
-            target = request.url_for("jobs").path + "?done=deleted"
+            target = self.link(request, "jobs") + "?done=deleted"
         else:
-            target = request.url_for("job", job_id=str(job_id)).path + f"?done={done}"
+            target = self.link(request, "job", job_id=str(job_id)) + f"?done={done}"
         return RedirectResponse(target, status_code=303, headers=_HEADERS)
 
 
