@@ -12,7 +12,15 @@ from typing import Final
 
 from sqlalchemy.engine import URL, make_url
 
-__all__ = ["ASYNCPG_DRIVER", "PSYCOPG_DRIVER", "asyncpg_url", "libpq_url", "psycopg_url"]
+__all__ = [
+    "ASYNCPG_DRIVER",
+    "PSYCOPG_DRIVER",
+    "asyncpg_url",
+    "libpq_url",
+    "psycopg_url",
+    "server_hosts",
+    "server_label",
+]
 
 PSYCOPG_DRIVER: Final = "postgresql+psycopg"
 ASYNCPG_DRIVER: Final = "postgresql+asyncpg"
@@ -43,3 +51,21 @@ def asyncpg_url(url: str | URL) -> URL:
     query, as it is: asyncpg takes options of its own (``ssl=require``, not libpq's
     ``sslmode=require``)."""
     return make_url(url).set(drivername=ASYNCPG_DRIVER)
+
+
+def server_hosts(url: URL) -> str:
+    """``url``'s host; else the hosts its query lists (``?host=a:5432&host=b:5432``: a
+    failover list, or a socket's directory), comma-separated; else ``localhost``."""
+    if url.host:
+        return url.host
+    given = url.query.get("host")
+    hosts = [given] if isinstance(given, str) else list(given or ())
+    return ",".join(hosts) or "localhost"
+
+
+def server_label(url: URL) -> str:
+    """``host:port/database`` of ``url``: how sqla_jobs names a database where it shows or
+    labels several (a worker group's metrics, the dashboard's list of databases); never the
+    user or the password."""
+    port = "" if url.port is None else f":{url.port}"
+    return f"{server_hosts(url)}{port}/{url.database or ''}"

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -56,8 +55,7 @@ from urllib.parse import urlencode
 import anyio
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy import Connection, Engine, Table
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -69,7 +67,6 @@ from starlette.routing import Route
 
 from sqla_jobs import queue, validation
 from sqla_jobs._queries import dashboard as statements
-from sqla_jobs._queries.admin import STATEMENT_TIMEOUT
 from sqla_jobs._queries.dashboard import (
     FINISHED_WORKFLOWS,
     RECENT_THROUGHPUT,
@@ -86,6 +83,15 @@ from sqla_jobs._queries.enqueueing import CONTROL_COLUMNS
 from sqla_jobs._queries.variant import tables_of
 from sqla_jobs.dashboard import access, activity, graph
 from sqla_jobs.dashboard.access import AUTH_COOKIE, CSRF_COOKIE, SESSION_LIFETIME, SESSION_MAX_AGE
+from sqla_jobs.dashboard.databases import (
+    COUNTS_TIMEOUT,
+    Database,
+    Summary,
+    database_name,
+    databases_of,
+    first_line,
+    summary,
+)
 from sqla_jobs.dashboard.sources import (
     ListQuery,
     Page,
@@ -105,6 +111,7 @@ from sqla_jobs.replicas import ReplicaLag, read_replica_lag
 from sqla_jobs.schema import PLAIN_STATUSES, JobMixin, JobResultMixin, JobStatus, has_steps
 from sqla_jobs.schema.history import RESULT_COLUMN, history_table
 from sqla_jobs.schema.workflows import WorkflowStatus, check_step_model
+from sqla_jobs.urls import server_label
 
 __all__ = [
     "AUTH_COOKIE",
@@ -132,13 +139,6 @@ WORKFLOWS_SHOWN: Final = 50
 #: (:data:`.graph.MAX_BOXES`).
 STEPS_READ: Final = 10_000
 MIN_TOKEN_LENGTH: Final = 16
-#: Seconds each database's counts may take on the databases page of
-#: :func:`create_multi_app` (a ``statement_timeout``); a slower one shows as an error.
-COUNTS_TIMEOUT: Final = 5.0
-#: A database's name in :func:`create_multi_app`: the ``/db/{name}`` of its pages, so only
-#: letters, digits, ``-``, ``_``, ``.`` and ``~`` (URL-safe as they are), not starting with a
-#: dot, at most 255 characters.
-_NAME: Final = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9._~-]{0,254}")
 _TEMPLATES: Final = Path(__file__).resolve().parent / "templates"
 _DONE: Final = {
     "retried": "pending again",
@@ -181,17 +181,6 @@ async def _check_csrf(request: Request, csrf: str, kept: str) -> None:
         raise PageError(
             403, f"the form's CSRF token did not match (reload the page and try again): {kept}"
         )
-
-
-@dataclass(frozen=True)
-class _Database:
-    """One database the dashboard shows: where its pages read and its actions write."""
-
-    name: str | None  # its /db/{name} in a dashboard of several; None: the only one
-    engine: Engine | None  # the primary: the actions write here (None: read-only)
-    reader: Engine  # the pages read here: the replica's, else the primary's
-    replica: bool  # the reader is a replica: each page reads and shows its lag
-    server: str  # host:port/database, never the user or the password
 
 
 @dataclass(frozen=True)
@@ -274,73 +263,6 @@ class _Overview(NamedTuple):
     rates: list[queue.RateUsage]
     fair: list[TenantDepths]
     busy: list[RunningRow]
-
-
-@dataclass(frozen=True)
-class _Summary:
-    """A database's line on the databases page: its counts, or why it has none.
-
-    ``state`` is ``ok``; ``unreachable`` (no connection: ``error`` is why); or ``error``
-    (connected, but the reads failed: no job table, the statement timeout)."""
-
-    name: str
-    server: str
-    state: str
-    error: str | None = None
-    pending: int = 0
-    runnable: int = 0
-    running: int = 0
-    expired_leases: int = 0
-    dead: int = 0
-    oldest_runnable: float | None = None  # seconds, by the database's clock
-    paused: tuple[str, ...] = ()
-
-
-def _summary(database: _Database, model: type[JobMixin]) -> _Summary:
-    """``database``'s counts (:func:`~sqla_jobs.queue_stats`, the paused queues) in one
-    transaction under a ``statement_timeout``, or what kept them from being read."""
-    assert database.name is not None  # the databases page: every one has a name
-    name, server = database.name, database.server
-    try:
-        connection = database.reader.connect()
-    except (SQLAlchemyError, SqlaJobsError) as exc:
-        return _Summary(name, server, "unreachable", _first_line(exc))
-    try:
-        with connection, connection.begin():
-            timeout = f"{round(COUNTS_TIMEOUT * 1000)}ms"
-            STATEMENT_TIMEOUT.one(connection, None, {"timeout": timeout})
-            stats = queue.queue_stats(connection, model)
-            paused = queue.paused_queues(connection, model)
-    except (SQLAlchemyError, SqlaJobsError) as exc:
-        lost = isinstance(exc, DBAPIError) and exc.connection_invalidated
-        return _Summary(name, server, "unreachable" if lost else "error", _first_line(exc))
-    counts = dict.fromkeys(JobStatus, 0)
-    runnable = expired = 0
-    oldest: float | None = None
-    for stat in stats:
-        counts[stat.status] += stat.count
-        runnable += stat.runnable
-        expired += stat.expired_leases
-        if stat.oldest_pending_seconds is not None:
-            oldest = max(oldest or 0.0, stat.oldest_pending_seconds)
-    return _Summary(
-        name,
-        server,
-        "ok",
-        pending=counts[JobStatus.PENDING],
-        runnable=runnable,
-        running=counts[JobStatus.RUNNING],
-        expired_leases=expired,
-        dead=counts[JobStatus.DEAD],
-        oldest_runnable=oldest,
-        paused=tuple(pause.queue for pause in paused),
-    )
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of a database error (the driver's own message when there is one)."""
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _list_params(query: ListQuery, **changes: Any) -> str:
@@ -487,7 +409,7 @@ def create_app(
         time_limits=time_limits,
         fair_shares=fair_shares,
     )
-    only = _Database(None, engine, reader, replica is not None, _server(reader))
+    only = Database(None, engine, reader, replica is not None, server_label(reader.url))
     dashboard = _Dashboard(settings, [only], several=False)
     return dashboard.app(dashboard.database_routes(""), allowed_hosts)
 
@@ -549,7 +471,7 @@ def create_multi_app(
 
         app = create_multi_app({"eu": eu_engine, "us": us_engine}, EmailJob, token=token)
     """
-    databases = _databases(engines)
+    databases = databases_of(engines)
     settings = _settings(
         model,
         result_model=result_model,
@@ -567,76 +489,6 @@ def create_multi_app(
     dashboard = _Dashboard(settings, databases, several=True)
     overview = Route("/", dashboard.page(dashboard.database_list), name="databases")
     return dashboard.app([overview, *dashboard.database_routes("/db/{database}")], allowed_hosts)
-
-
-def database_name(url: URL | str) -> str:
-    """The name :func:`create_multi_app` can give the database of ``url``: its host, its
-    port (when the URL has one) and its database, joined by ``-``, each character that is
-    not URL-safe made a ``-`` (``postgresql://app:pw@db-eu:5433/app`` is ``db-eu-5433-app``;
-    the hosts of a URL that lists them in its query, ``?host=db1:5432&host=db2:5432``, all
-    of them). Never the user or the password. ``sqla-jobs dashboard`` names its databases
-    so."""
-    parsed = make_url(url) if isinstance(url, str) else url
-    parts = [_host(parsed), parsed.port, parsed.database]
-    name = "-".join(str(part) for part in parts if part not in (None, ""))
-    name = re.sub(r"[^A-Za-z0-9._~-]", "-", name)
-    return "-" + name[1:] if name.startswith(".") else name
-
-
-def _host(url: URL) -> str:
-    """``url``'s host; else the hosts of its query (``?host=a:5432&host=b:5432``, a
-    failover list, or a socket's directory), comma-separated; else ``localhost``."""
-    if url.host:
-        return url.host
-    given = url.query.get("host")
-    hosts = [given] if isinstance(given, str) else list(given or ())
-    return ",".join(hosts) or "localhost"
-
-
-def _server(engine: Engine) -> str:
-    """``host:port/database`` of ``engine``'s URL, as the databases page shows it."""
-    url = engine.url
-    port = "" if url.port is None else f":{url.port}"
-    return f"{_host(url)}{port}/{url.database or ''}"
-
-
-def _databases(engines: object) -> list[_Database]:
-    """``create_multi_app``'s ``engines``, checked (:class:`ConfigurationError`)."""
-    if not isinstance(engines, Mapping):
-        raise ConfigurationError(
-            f"engines must be a mapping of database names to engines, not {type(engines).__name__}"
-        )
-    if not engines:
-        raise ConfigurationError("engines is empty: give at least one database's engine")
-    databases: list[_Database] = []
-    by_name: dict[str, str] = {}
-    by_server: dict[str, str] = {}
-    for name, engine in engines.items():
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ConfigurationError(
-                f"the database name {name!r} is not URL-safe: use letters, digits, '-', '_', "
-                "'.' and '~' (not starting with a dot, at most 255 characters); it is the "
-                "/db/NAME of its pages"
-            )
-        if not isinstance(engine, Engine):
-            raise ConfigurationError(
-                f"engines[{name!r}] must be a sqlalchemy Engine, not {type(engine).__name__}"
-            )
-        same = by_name.setdefault(name.casefold(), name)
-        if same != name:
-            raise ConfigurationError(
-                f"the database names {same!r} and {name!r} differ only by case: give each "
-                "database a name of its own"
-            )
-        server = _server(engine)
-        twice = by_server.setdefault(server, name)
-        if twice != name:
-            raise ConfigurationError(
-                f"engines[{twice!r}] and engines[{name!r}] are the same database ({server}): "
-                "give each database once"
-            )
-        databases.append(_Database(name, engine, engine, False, server))
-    return databases
 
 
 def _settings(
@@ -690,7 +542,7 @@ class _Dashboard:
     """The pages of one database (``several=False``: :func:`create_app`), or of several,
     each under ``/db/{name}`` beside the list of them (:func:`create_multi_app`)."""
 
-    def __init__(self, settings: _Settings, databases: list[_Database], *, several: bool) -> None:
+    def __init__(self, settings: _Settings, databases: list[Database], *, several: bool) -> None:
         self.s = settings
         self.several = several
         self.databases = {database.name: database for database in databases}
@@ -777,9 +629,9 @@ class _Dashboard:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def database(self, request: Request) -> _Database:
+    def database(self, request: Request) -> Database:
         """The database of the request's page (set by :meth:`page`)."""
-        database: _Database = request.state.database
+        database: Database = request.state.database
         return database
 
     def link(self, request: Request, name: str, /, **params: Any) -> str:
@@ -864,7 +716,7 @@ class _Dashboard:
             except PageError as exc:
                 response = self.error(request, exc.status, exc.message)
             except SQLAlchemyError as exc:
-                response = self.error(request, 503, f"database error: {_first_line(exc)}")
+                response = self.error(request, 503, f"database error: {first_line(exc)}")
             renewed = None if login is None else self.keys.renewed(login, at)
             self.keys.set_cookies(request, response, nonce=nonce, login=renewed, at=at)
             return response
@@ -975,10 +827,10 @@ class _Dashboard:
         if request.query_params:
             raise PageError(400, "this page takes no parameters")
         databases = list(self.databases.values())
-        found: list[_Summary | None] = [None] * len(databases)
+        found: list[Summary | None] = [None] * len(databases)
 
         async def summarize(index: int) -> None:
-            found[index] = await run_in_threadpool(_summary, databases[index], self.s.model)
+            found[index] = await run_in_threadpool(summary, databases[index], self.s.model)
 
         async with anyio.create_task_group() as group:
             for index in range(len(databases)):

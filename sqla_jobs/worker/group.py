@@ -20,10 +20,10 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from sqla_jobs.errors import ConfigurationError
+from sqla_jobs.urls import server_label
 from sqla_jobs.worker.lifecycle import Worker
 from sqla_jobs.worker.settings import ObservabilitySettings
 from sqla_jobs.worker.signals import StopSignals
@@ -31,23 +31,7 @@ from sqla_jobs.worker.signals import StopSignals
 if TYPE_CHECKING:
     from sqla_jobs.metrics import MetricsServer
 
-__all__ = ["WorkerGroup", "database_label"]
-
-
-def database_label(engine: Engine) -> str:
-    """How a group names a member's database: ``host:port/database`` of its engine's URL
-    (every host of a multi-host URL), without the user or the password."""
-    url = engine.url
-    hosts = url.host or ",".join(_query_hosts(url.query.get("host")))
-    port = f":{url.port}" if url.port else ""
-    return f"{hosts}{port}/{url.database or ''}"
-
-
-def _query_hosts(value: str | tuple[str, ...] | None) -> list[str]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
-
+__all__ = ["WorkerGroup"]
 
 _SUPERVISE_EVERY = 0.1
 
@@ -67,9 +51,9 @@ class WorkerGroup:
 
     With a ``metrics_port``, the group serves its members' Prometheus metrics there while it
     runs (:attr:`metrics_address` says where; the ``metrics`` extra): each metric once, each
-    sample labelled with its ``database`` (:func:`database_label`: the URL's host, port and
-    database, never its user or password). Members then have no ``metrics_port`` of their
-    own.
+    sample labelled with its ``database`` (:func:`sqla_jobs.urls.server_label`: the URL's
+    host, port and database, never its user or password). Members then have no
+    ``metrics_port`` of their own.
     """
 
     def __init__(
@@ -95,7 +79,7 @@ class WorkerGroup:
                     f"workers have none of their own (these do: {', '.join(own)})"
                 )
         # Two workers on one database in one process would only split its slots.
-        labels = [database_label(engine) for engine in engines]
+        labels = [server_label(engine.url) for engine in engines]
         twice = sorted({label for label in labels if labels.count(label) > 1})
         if twice:
             raise ConfigurationError(
