@@ -45,8 +45,6 @@ import os
 import platform
 import re
 import secrets
-import shutil
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
@@ -56,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pytest
 import pytest_asyncio
 import sqlalchemy as sa
+from debian_packages import install_debian_package
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
@@ -301,27 +300,10 @@ async def async_engine(database_url: str, async_driver: str) -> AsyncIterator[As
 def _install_pgbouncer() -> str | None:
     """Install Debian's pgbouncer when it is missing and we are root; return why it cannot
     be had, or None when it is there."""
-    if find_binary() is not None:
-        return None
-    if not (hasattr(os, "geteuid") and os.geteuid() == 0):
-        return (
-            "PgBouncer is not installed, and only root may install it (apt-get install pgbouncer)"
-        )
-    apt = shutil.which("apt-get")
-    if apt is None:
-        return "PgBouncer is not installed, and there is no apt-get to install it with"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    # Waits for dpkg's lock: pytest-xdist's workers may install at the same time.
-    lock_wait = ["-o", "DPkg::Lock::Timeout=300"]
-    install = [apt, "install", "-y", "--no-install-recommends", *lock_wait, "pgbouncer"]
-    result = subprocess.run(install, capture_output=True, text=True, env=env, check=False)
-    if result.returncode != 0:  # perhaps no package lists yet
-        subprocess.run([apt, "update"], capture_output=True, env=env, check=False)
-        result = subprocess.run(install, capture_output=True, text=True, env=env, check=False)
-    if result.returncode != 0 or find_binary() is None:
-        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-        return f"PgBouncer is not installed and apt-get install pgbouncer failed: {tail}"
-    return None
+    reason = install_debian_package("pgbouncer", present=find_binary() is not None)
+    if reason is None and find_binary() is None:
+        reason = "pgbouncer was installed, but its binary is not where sqla_jobs looks for it"
+    return reason
 
 
 @pytest.fixture(scope="session")

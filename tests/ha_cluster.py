@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
+from debian_packages import install_debian_package
 from sqlalchemy.engine import URL
 
 from sqla_jobs._processes import ensure_os_user, free_port, is_root
@@ -62,34 +63,9 @@ def pg_autoctl() -> str | None:
     return found
 
 
-def install_debian_package(package: str, present: bool) -> str | None:
-    """Install Debian's ``package`` unless ``present``; return why it cannot be had, or None.
-
-    Only root installs; apt-get waits for dpkg's lock (test processes may install at once),
-    and runs ``apt-get update`` once if the first try fails (no package lists yet)."""
-    if present:
-        return None
-    if not is_root():
-        return f"{package} is not installed, and only root may install it"
-    apt = shutil.which("apt-get")
-    if apt is None:
-        return f"{package} is not installed, and there is no apt-get to install it with"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    lock_wait = ["-o", "DPkg::Lock::Timeout=300"]
-    install = [apt, "install", "-y", "--no-install-recommends", *lock_wait, package]
-    result = subprocess.run(install, capture_output=True, text=True, env=env, check=False)
-    if result.returncode != 0:
-        subprocess.run([apt, "update"], capture_output=True, env=env, check=False)
-        result = subprocess.run(install, capture_output=True, text=True, env=env, check=False)
-    if result.returncode != 0:
-        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-        return f"{package} is not installed and apt-get install {package} failed: {tail}"
-    return None
-
-
 def pg_autoctl_missing() -> str | None:
     """Why pg_auto_failover cannot run here, or None (installed now if it was missing)."""
-    reason = install_debian_package(PACKAGE, pg_autoctl() is not None)
+    reason = install_debian_package(PACKAGE, present=pg_autoctl() is not None)
     if reason is None and pg_autoctl() is None:
         reason = f"{PACKAGE} was installed, but pg_autoctl or {PG_BIN / 'pg_ctl'} is missing"
     return reason

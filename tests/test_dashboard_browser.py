@@ -8,10 +8,8 @@ if the tests run as root; otherwise these tests are skipped, saying why.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import struct
-import subprocess
 import threading
 import time
 import zlib
@@ -21,6 +19,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from dashboard_data import Seeded, seed, statuses
+from debian_packages import install_debian_package
 from models import EmailJob, EmailJobResult
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -44,35 +43,11 @@ DEADLINE = 20.0  # seconds to wait for a page or the server, never a measured ti
 def _install_chromium() -> str | None:
     """Install Debian's chromium and chromium-driver when missing and we are root; return
     why they cannot be had, or None when they are there."""
-    if os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER):
-        return None
-    if not (hasattr(os, "geteuid") and os.geteuid() == 0):
-        return (
-            "chromium is not installed, and only root may install it "
-            "(apt-get install chromium chromium-driver)"
-        )
-    apt = shutil.which("apt-get")
-    if apt is None:
-        return "chromium is not installed, and there is no apt-get to install it with"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = [
-        apt,
-        "install",
-        "-y",
-        "--no-install-recommends",
-        "-o",
-        "DPkg::Lock::Timeout=300",
-        "chromium",
-        "chromium-driver",
-    ]
-    result = subprocess.run(install, capture_output=True, text=True, env=env, check=False)
-    if result.returncode != 0:  # perhaps no package lists yet
-        subprocess.run([apt, "update"], capture_output=True, env=env, check=False)
-        result = subprocess.run(install, capture_output=True, text=True, env=env, check=False)
-    if result.returncode != 0 or not os.path.exists(CHROMEDRIVER):
-        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-        return f"chromium is not installed and apt-get install failed: {tail}"
-    return None
+    present = os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)
+    reason = install_debian_package("chromium", "chromium-driver", present=present)
+    if reason is None and not os.path.exists(CHROMEDRIVER):
+        reason = f"chromium-driver was installed, but {CHROMEDRIVER} is missing"
+    return reason
 
 
 @pytest.fixture(scope="module")
