@@ -245,6 +245,7 @@ from chaos_tasks import (
     planned_sleep,
     registry,
 )
+from drills import worker_env
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
@@ -252,9 +253,7 @@ from sqlalchemy.pool import NullPool
 from sqla_jobs import Workflow, enqueue_workflow
 from sqla_jobs.embedded import EmbeddedPostgres
 
-TESTS_DIR = Path(__file__).resolve().parent
 SERVER_URL_VARIABLE = "SQLA_JOBS_TEST_DATABASE_URL"
-WORKER_URL_VARIABLE = "SQLA_JOBS_DATABASE_URL"
 DEATH_ACTIONS = frozenset({"job_dead", "attempts_exhausted"})
 FINISHED = frozenset({"succeeded", "dead", "cancelled"})
 #: The job mix: task -> (share of the jobs, shortest and longest sleep in seconds). A timed
@@ -471,17 +470,6 @@ class WorkerProc:
         except OSError:
             return []
         return text.splitlines()[-lines:]
-
-
-def worker_env(url: str) -> dict[str, str]:
-    """The environment of a worker: ``tests/`` on ``PYTHONPATH``, the URL, no other
-    ``SQLA_JOBS_*`` variable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
-    path = [str(TESTS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    env["PYTHONPATH"] = os.pathsep.join(path)
-    env[WORKER_URL_VARIABLE] = url
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 class Pool:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import shutil
 import signal
@@ -59,8 +58,8 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
+from drills import Check, wait_until, worker_env
 from failover_tasks import (
-    DATABASE_URL_VARIABLE,
     QUEUES,
     TASKS,
     Base,
@@ -76,7 +75,6 @@ from sqlalchemy.orm import Session
 import sqla_jobs
 from sqla_jobs import JobStatus
 
-TESTS_DIR = Path(__file__).resolve().parent
 #: Every status holds an order's key: a retried enqueue finds the job whatever became of it.
 ALL_STATUSES = list(JobStatus)
 _SHOWN = 10
@@ -101,13 +99,6 @@ class DrillConfig:
     drain_timeout: float = 120.0
     seed: int | None = None
     directory: Path | None = None
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    summary: str
 
 
 @dataclass
@@ -154,7 +145,7 @@ class DrillReport:
                 f"{'-' if first is None else f'{first:.1f} s'}, {failover.in_flight} jobs in "
                 "flight at the kill"
             )
-        out += [f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.summary}" for c in self.checks]
+        out += [check.line() for check in self.checks]
         return out
 
 
@@ -240,12 +231,7 @@ class WorkerProc:
 
 
 def start_worker(label: str, url: str, directory: Path, concurrency: int) -> WorkerProc:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(TESTS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    )
-    env[DATABASE_URL_VARIABLE] = url
-    env["PYTHONUNBUFFERED"] = "1"
+    env = worker_env(url)
     log = directory / f"{label}.log"
     command = [
         sys.executable,
@@ -277,14 +263,6 @@ def start_worker(label: str, url: str, directory: Path, concurrency: int) -> Wor
 
 
 # -- the run --------------------------------------------------------------------------------
-
-
-def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:g} s")
-        time.sleep(0.1)
 
 
 def in_flight_at_kill(formation: Formation, standby: Node) -> set[int]:
@@ -351,10 +329,10 @@ def run_drill(config: DrillConfig, progress: Callable[[str], None] = lambda _: N
             start_worker(f"worker-{i}", formation.url(), worker_dir, config.concurrency)
             for i in range(config.workers)
         ]
-        _wait(
+        wait_until(
             lambda: all('"worker_started"' in w.log.read_text(errors="replace") for w in workers),
-            60,
-            "workers started",
+            timeout=60,
+            message="workers started",
         )
         producers = [Producer(i + 1, engine, config, stop) for i in range(config.producers)]
         for producer in producers:
@@ -373,17 +351,21 @@ def run_drill(config: DrillConfig, progress: Callable[[str], None] = lambda _: N
             say(f"killed {victim.name} (SIGKILL: keeper, PostgreSQL, backends)")
             held = in_flight_at_kill(formation, standby)
             in_flight |= held
-            _wait(lambda: formation.writable() is standby, 120, "the standby promoted")  # noqa: B023
+            wait_until(
+                lambda: formation.writable() is standby,  # noqa: B023 (called at once)
+                timeout=120,
+                message="the standby promoted",
+            )
             writable = time.monotonic() - kill_clock
             say(f"{standby.name} takes writes after {writable:.1f} s")
             first = first_completion_after(engine, killed_at, 60)
             say(f"first completion on {standby.name} after {first} s")
             report.failovers.append(Failover(victim.name, writable, first, len(held)))
             formation.restart(victim)
-            _wait(
+            wait_until(
                 lambda: formation.states().get(victim.name, ("", ""))[0] == "secondary",  # noqa: B023
-                120,
-                f"{victim.name} back as the standby",
+                timeout=120,
+                message=f"{victim.name} back as the standby",
             )
             say(f"{victim.name} rejoined as the standby")
         time.sleep(config.after)
@@ -402,8 +384,8 @@ def run_drill(config: DrillConfig, progress: Callable[[str], None] = lambda _: N
                 return (done or 0) >= total
             return False
 
-        with contextlib.suppress(TimeoutError):
-            _wait(drained, config.drain_timeout, "the drain")
+        with contextlib.suppress(AssertionError):
+            wait_until(drained, timeout=config.drain_timeout, message="the drain")
         say("drained")
         alive = [w.label for w in workers if w.popen.poll() is None]
         for worker in workers:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import sqlalchemy as sa
+from drills import Check, wait_until, worker_env
 from shard_models import (
     LOCK_QUEUE,
     QUEUE,
@@ -59,7 +59,6 @@ import sqla_jobs
 from sqla_jobs import JobStatus
 from sqla_jobs.embedded import EmbeddedPostgres
 
-TESTS_DIR = Path(__file__).resolve().parent
 REGIONS = ("eu", "us", "ap")
 KILLED = "ap"
 DATABASE = "shards"
@@ -78,13 +77,6 @@ class ShardsConfig:
     window: float = 5.0  # seconds each rate is measured over
     drain_timeout: float = 180.0
     directory: Path | None = None
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    summary: str
 
 
 @dataclass
@@ -108,7 +100,7 @@ class ShardsReport:
                 f"{self.rate_others:,.0f} jobs/s ({ratio:.2f} of it); jobs per database "
                 f"{self.jobs}; orders committed by the producers: {self.orders_committed}"
             ),
-            *(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.summary}" for c in self.checks),
+            *(check.line() for check in self.checks),
         ]
 
 
@@ -183,10 +175,7 @@ def _rate(engines: dict[str, sa.Engine], regions: Sequence[str], window: float) 
 def start_workers(
     urls: Sequence[str], config: ShardsConfig, directory: Path
 ) -> list[tuple[subprocess.Popen[bytes], Path]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(TESTS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    )
+    env = worker_env(urls[0])
     procs = []
     for i in range(config.workers):
         log = directory / f"worker-{i}.log"
@@ -219,17 +208,6 @@ def start_workers(
                 )
             )
     return procs
-
-
-def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(sa.exc.DBAPIError):
-            if condition():
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:g} s")
-        time.sleep(0.2)
 
 
 def run_shards(config: ShardsConfig, progress: Callable[[str], None] = print) -> ShardsReport:
@@ -269,13 +247,13 @@ def run_shards(config: ShardsConfig, progress: Callable[[str], None] = print) ->
         workers = start_workers(
             [servers[region].url(DATABASE) for region in REGIONS], config, directory
         )
-        _wait(
+        wait_until(
             lambda: all(
                 log.read_text(errors="replace").count('"worker_started"') >= len(REGIONS)
                 for _, log in workers
             ),
-            60,
-            "workers started",
+            timeout=60,
+            message="workers started",
         )
         producers = [
             Producer(region, (i + 1) * 10_000_000, engines, config.rate)
@@ -305,11 +283,11 @@ def run_shards(config: ShardsConfig, progress: Callable[[str], None] = print) ->
             region: config.backlog + sum(len(p.committed) for p in producers if p.region == region)
             for region in REGIONS
         }
-        with contextlib.suppress(TimeoutError):
-            _wait(
+        with contextlib.suppress(AssertionError):
+            wait_until(
                 lambda: all(_counts(engines[r])["succeeded"] >= total[r] for r in REGIONS),
-                config.drain_timeout,
-                "the drain",
+                timeout=config.drain_timeout,
+                message="the drain",
             )
         say("drained")
         alive = [proc.poll() is None for proc, _ in workers]

@@ -25,8 +25,8 @@ from sqla_jobs import ConfigurationError, JobStatus, Worker, WorkerGroup, cli
 REGIONS = ("eu", "us", "ap")
 
 
-@pytest.fixture
-def engines(fresh_database: FreshDatabase) -> Iterator[dict[str, sa.Engine]]:
+@pytest.fixture(scope="module")
+def _databases(fresh_database: FreshDatabase) -> Iterator[dict[str, sa.Engine]]:
     made = {region: sa.create_engine(fresh_database("sqla_jobs_shard")) for region in REGIONS}
     for engine in made.values():
         Base.metadata.create_all(engine)
@@ -35,6 +35,16 @@ def engines(fresh_database: FreshDatabase) -> Iterator[dict[str, sa.Engine]]:
     finally:
         for engine in made.values():
             engine.dispose()
+
+
+@pytest.fixture
+def engines(_databases: dict[str, sa.Engine]) -> dict[str, sa.Engine]:
+    """The three databases, emptied before the test."""
+    tables = ", ".join(table.name for table in Base.metadata.sorted_tables)
+    for engine in _databases.values():
+        with engine.begin() as connection:
+            connection.exec_driver_sql(f"TRUNCATE {tables} RESTART IDENTITY CASCADE")
+    return _databases
 
 
 def statuses(engine: sa.Engine) -> dict[str, int]:

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -21,37 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from drills import wait_until as wait_until  # the tests import it from here
+from drills import worker_env
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
-from worker_tasks import DATABASE_URL_VARIABLE, Base, Effect, WorkerJob, WorkerJobResult, registry
+from worker_tasks import Base, Effect, WorkerJob, WorkerJobResult, registry
 
 from sqla_jobs.worker import Worker
 
-TESTS_DIR = Path(__file__).resolve().parent
-
-
-def wait_until(
-    predicate: Callable[[], Any], *, timeout: float, message: str, interval: float = 0.05
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting until {message}")
-        time.sleep(interval)
-
 
 def subprocess_env(url: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
-    path = [str(TESTS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    env["PYTHONPATH"] = os.pathsep.join(path)
-    env[DATABASE_URL_VARIABLE] = url
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
+    return worker_env(url) | extra
 
 
 class WorkerProcess:

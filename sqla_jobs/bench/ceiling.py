@@ -48,7 +48,7 @@ import json
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Any, NamedTuple
 
 import psycopg
 import sqlalchemy as sa
@@ -85,8 +85,6 @@ def table_named(name: str) -> sa.Table:
     return found if found is not None else scratch.TABLE.to_metadata(sa.MetaData(), schema=name)
 
 
-#: The largest batch the sweep grows to past ``--sweep``.
-MAX_BATCH: Final = 16_000
 
 
 def seed_loop(
@@ -202,14 +200,14 @@ def add_drain(results: Results, name: str, drain: Drain, ceiling: str | None = N
 
 def _batches(cfg: Config, rates: dict[int, float], procs: int) -> int | None:
     """The sweep's next batch size: the next of ``--sweep``, then double the largest tried
-    while its rate was the best so far (the rate still rising), up to :data:`MAX_BATCH` and
+    while its rate was the best so far (the rate still rising), up to ``cfg.sweep_max`` and
     to a batch each process can still fill from ``--jobs``; None when done."""
     for batch in cfg.sweep:
         if batch not in rates:
             return batch
     largest = max(rates)
     grow = largest * 2
-    if largest == 1 or grow > MAX_BATCH or grow * procs > cfg.jobs:
+    if largest == 1 or grow > cfg.sweep_max or grow * procs > cfg.jobs:
         return None
     best = max((b for b in rates if b > 1), key=rates.__getitem__)
     return grow if best == largest else None

@@ -45,6 +45,8 @@ class Config:
     #: The batch size of the history section's library claim loop.
     batch: int = 50
     sweep: tuple[int, ...] = SWEEP
+    #: The largest batch the sweep grows to past ``sweep`` (while the rate rises).
+    sweep_max: int = 16_000
     chunk: int = 1_000
     latency_samples: int = 200
     sections: tuple[str, ...] = SECTIONS

@@ -16,7 +16,7 @@ import ipaddress
 import os
 import sys
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
@@ -112,16 +112,20 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     try:
         shown = f"[{args.host}]" if ":" in args.host else args.host
         mode = ""
+        # The options both forms take, the same for one database as for several.
+        options: dict[str, Any] = {
+            "result_model": result_model,
+            "read_only": read_only,
+            "token": token,
+            "allowed_hosts": hosts,
+            "time_limits": time_limits,
+            "fair_shares": fair_shares,
+        }
         if primaries:
             app = create_multi_app(
                 {name: engine_of(url) for name, url in zip(names, primaries, strict=True)},
                 model,
-                result_model=result_model,
-                read_only=read_only,
-                token=token,
-                allowed_hosts=hosts,
-                time_limits=time_limits,
-                fair_shares=fair_shares,
+                **options,
             )
             mode = f", {len(names)} databases: {', '.join(names)}"
             if read_only:
@@ -131,12 +135,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
                 None if primary is None else engine_of(primary),
                 model,
                 replica=None if replica is None else engine_of(replica),
-                result_model=result_model,
-                read_only=read_only,
-                token=token,
-                allowed_hosts=hosts,
-                time_limits=time_limits,
-                fair_shares=fair_shares,
+                **options,
             )
             if replica is not None:
                 mode = f", reading from the replica {replica.render_as_string(hide_password=True)}"
