@@ -345,9 +345,12 @@ def run_drill(config: DrillConfig, progress: Callable[[str], None] = lambda _: N
             if victim is None:
                 raise RuntimeError(f"no primary to kill: {formation.states()}")
             standby = next(node for node in formation.nodes if node is not victim)
+            formation.kill(victim)
+            # Taken once the old primary is gone: a job finished after this finished on the
+            # new one (a commit in the last milliseconds before the kill reaches the standby
+            # too, with its finished_at just before it).
             killed_at = datetime.now(timezone.utc)
             kill_clock = time.monotonic()
-            formation.kill(victim)
             say(f"killed {victim.name} (SIGKILL: keeper, PostgreSQL, backends)")
             held = in_flight_at_kill(formation, standby)
             in_flight |= held

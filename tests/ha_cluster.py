@@ -315,7 +315,7 @@ class Formation:
 
     def kill(self, node: Node) -> None:
         """SIGKILL everything of ``node`` at once (its keeper, its PostgreSQL, the backends),
-        as if its machine died."""
+        as if its machine died; return once its PostgreSQL is gone."""
         if node.popen is None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -324,6 +324,10 @@ class Formation:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         node.popen.wait(10)
+        # Returns once its postmaster is gone: nothing commits there after this.
+        deadline = time.monotonic() + 10
+        while any(True for _ in _processes_of(node.pgdata)) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def restart(self, node: Node) -> None:
         """Run a killed node's keeper again: it rejoins the formation as a standby."""
