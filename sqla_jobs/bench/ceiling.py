@@ -85,8 +85,6 @@ def table_named(name: str) -> sa.Table:
     return found if found is not None else scratch.TABLE.to_metadata(sa.MetaData(), schema=name)
 
 
-
-
 def seed_loop(
     url: str, queue: str, batch: int, mode: str, table_name: str, ready: Any, go: Any, out: Any
 ) -> None:
