@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -308,6 +309,10 @@ def run_shards(config: ShardsConfig, progress: Callable[[str], None] = print) ->
             engine.dispose()
         for server in servers.values():
             server.stop()
+        if config.directory is None and report.ok:
+            shutil.rmtree(directory, ignore_errors=True)  # the workers' logs
+        elif not report.ok:
+            progress(f"the workers' logs: {directory}")
 
 
 def account(
