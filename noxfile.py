@@ -245,6 +245,8 @@ SLOW_PROOFS = [
     "--ignore=tests/test_unique_concurrency.py",
     "--ignore=tests/test_chaos.py",
     "--ignore=tests/test_failover.py",
+    # The dashboard in a real browser (Chromium): its pages' HTML, not the Python's.
+    "--ignore=tests/test_dashboard_browser.py",
     "--deselect=tests/test_concurrency.py::test_eight_processes_claim_each_job_exactly_once",
     "--deselect=tests/test_periodic.py::test_three_workers_run_a_per_second_schedule_once_per_slot",
     "--deselect=tests/test_limited_workers.py::test_four_workers_of_eight_never_run_more_than_the_queue_limit",
