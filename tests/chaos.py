@@ -245,7 +245,7 @@ from chaos_tasks import (
     planned_sleep,
     registry,
 )
-from drills import worker_env
+from drills import spawn_worker
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
@@ -483,16 +483,10 @@ class Pool:
 
     def start(self) -> WorkerProc:
         label = f"worker-{len(self.procs):02d}"
-        log = self.directory / f"{label}.log"
-        command = [
-            sys.executable,
-            "-m",
-            "sqla_jobs",
-            "--log-format",
-            "json",
-            "--log-level",
-            "INFO",
-            "worker",
+        popen, log = spawn_worker(
+            self.directory,
+            label,
+            self.url,
             "chaos_tasks:registry",
             "--queues",
             ",".join(QUEUES),
@@ -504,18 +498,8 @@ class Pool:
             f"{self.config.grace:g}s",
             "--name",  # recorded as leased_by on the jobs it claims
             label,
-        ]
-        with log.open("wb") as handle:
-            # The log directory as working directory: `python -m` puts it first on sys.path,
-            # so the workers import the installed sqla_jobs, never a source tree.
-            popen = subprocess.Popen(
-                command,
-                cwd=self.directory,
-                env=worker_env(self.url),
-                stdin=subprocess.DEVNULL,
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-            )
+            log_level="INFO",
+        )
         proc = WorkerProc(label, popen, log)
         self.procs.append(proc)
         return proc

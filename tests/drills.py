@@ -4,13 +4,22 @@ harness share: a check's result, waiting for a condition, a worker process's env
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DATABASE_URL_VARIABLE", "TESTS_DIR", "Check", "wait_until", "worker_env"]
+__all__ = [
+    "DATABASE_URL_VARIABLE",
+    "TESTS_DIR",
+    "Check",
+    "spawn_worker",
+    "wait_until",
+    "worker_env",
+]
 
 TESTS_DIR = Path(__file__).resolve().parent
 #: The variable ``sqla-jobs worker`` reads its database URL from (the handlers too).
@@ -53,3 +62,27 @@ def worker_env(url: str) -> dict[str, str]:
     env[DATABASE_URL_VARIABLE] = url
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def spawn_worker(
+    directory: Path, label: str, url: str, *worker_args: str, log_level: str | None = None
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start ``sqla-jobs --log-format json worker *worker_args`` (its registry, queues and
+    options) as a process of its own with :func:`worker_env`, its output in
+    ``directory/<label>.log``; returns the process and that log.
+
+    The log directory is its working directory: ``python -m`` puts that first on sys.path,
+    so the worker imports the installed sqla_jobs, never a source tree."""
+    log = directory / f"{label}.log"
+    level = [] if log_level is None else ["--log-level", log_level]
+    command = [sys.executable, "-m", "sqla_jobs", "--log-format", "json", *level, "worker"]
+    with log.open("wb") as handle:
+        popen = subprocess.Popen(
+            [*command, *worker_args],
+            cwd=directory,
+            env=worker_env(url),
+            stdin=subprocess.DEVNULL,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+    return popen, log

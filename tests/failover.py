@@ -58,7 +58,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
-from drills import Check, wait_until, worker_env
+from drills import Check, spawn_worker, wait_until
 from failover_tasks import (
     QUEUES,
     TASKS,
@@ -231,15 +231,10 @@ class WorkerProc:
 
 
 def start_worker(label: str, url: str, directory: Path, concurrency: int) -> WorkerProc:
-    env = worker_env(url)
-    log = directory / f"{label}.log"
-    command = [
-        sys.executable,
-        "-m",
-        "sqla_jobs",
-        "--log-format",
-        "json",
-        "worker",
+    popen, log = spawn_worker(
+        directory,
+        label,
+        url,
         "failover_tasks:registry",
         "--queues",
         ",".join(QUEUES),
@@ -249,16 +244,7 @@ def start_worker(label: str, url: str, directory: Path, concurrency: int) -> Wor
         "0.5s",
         "--name",
         label,
-    ]
-    with log.open("wb") as handle:
-        popen = subprocess.Popen(
-            command,
-            cwd=directory,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-        )
+    )
     return WorkerProc(label, popen, log)
 
 

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import sqlalchemy as sa
-from drills import Check, wait_until, worker_env
+from drills import Check, spawn_worker, wait_until
 from shard_models import (
     LOCK_QUEUE,
     QUEUE,
@@ -176,39 +176,15 @@ def _rate(engines: dict[str, sa.Engine], regions: Sequence[str], window: float) 
 def start_workers(
     urls: Sequence[str], config: ShardsConfig, directory: Path
 ) -> list[tuple[subprocess.Popen[bytes], Path]]:
-    env = worker_env(urls[0])
-    procs = []
-    for i in range(config.workers):
-        log = directory / f"worker-{i}.log"
-        command = [
-            sys.executable,
-            "-m",
-            "sqla_jobs",
-            "--log-format",
-            "json",
-            "worker",
-            "shard_models:registry",
-            "--queues",
-            f"{QUEUE},{LOCK_QUEUE}",
-            "--concurrency",
-            str(config.concurrency),
-            *(arg for url in urls for arg in ("--database-url", url)),
-        ]
-        with log.open("wb") as handle:
-            procs.append(
-                (
-                    subprocess.Popen(
-                        command,
-                        cwd=directory,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=handle,
-                        stderr=subprocess.STDOUT,
-                    ),
-                    log,
-                )
-            )
-    return procs
+    """``config.workers`` worker processes, each serving every database of ``urls``."""
+    options = ["--queues", f"{QUEUE},{LOCK_QUEUE}", "--concurrency", str(config.concurrency)]
+    databases = [arg for url in urls for arg in ("--database-url", url)]
+    return [
+        spawn_worker(
+            directory, f"worker-{i}", urls[0], "shard_models:registry", *options, *databases
+        )
+        for i in range(config.workers)
+    ]
 
 
 def run_shards(config: ShardsConfig, progress: Callable[[str], None] = print) -> ShardsReport:
