@@ -96,7 +96,7 @@ class LockRow(NamedTuple):
 
     id: int
     attempts: int
-    xact_start: Any
+    xact_start: float
 
 
 class LockKeysRow(NamedTuple):
