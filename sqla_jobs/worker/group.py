@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 
 from sqla_jobs.errors import ConfigurationError
 from sqla_jobs.urls import server_label
-from sqla_jobs.worker.lifecycle import Worker
+from sqla_jobs.worker.lifecycle import Worker, freeze_startup_heap
 from sqla_jobs.worker.settings import ObservabilitySettings
 from sqla_jobs.worker.signals import StopSignals
 
@@ -107,6 +107,7 @@ class WorkerGroup:
         signals.install("worker group", "group.stop()")
         try:
             self._start_members()
+            freeze_startup_heap()
             self._supervise()
             return self._finish()
         finally:
