@@ -176,6 +176,11 @@ def _check_drain(metrics: dict[str, Any], table: str) -> None:
             # What tuning nothing gets: the worker's defaults against the batched drain.
             default = metrics[f"drain.lease.default.{procs}p"]
             assert default["ceiling"] == f"drain.lease.batched.{procs}p"
+    # Lock-held jobs that each write a row (the drain checks one row per job), against the
+    # no-op lock-held drain, at the worker's default concurrency.
+    writes = metrics["drain.lock.writes.1p"]
+    assert (writes["ceiling"], writes["concurrency"]) == ("drain.lock.batched.1p", 4)
+    assert writes["runs"][0] > 0
 
 
 def _check_async(metrics: dict[str, Any]) -> None:

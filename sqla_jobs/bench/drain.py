@@ -26,6 +26,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from sqla_jobs.bench import scratch
+from sqla_jobs.bench import statements as bench_sql
 from sqla_jobs.bench.ceiling import run_sweep
 from sqla_jobs.bench.results import Config, Results
 from sqla_jobs.bench.workers import measured_drain
@@ -51,6 +52,8 @@ def run_drain(cfg: Config, engine: sa.Engine, results: Results) -> None:
                 _drains(cfg, engine, results, mode, procs)
                 if mode == "lease":
                     _default_drain(cfg, engine, results, procs)
+                elif procs == 1:
+                    _writes_drain(cfg, engine, results)
             scratch.progress(f"{mode} {procs}p")
 
 
@@ -63,6 +66,26 @@ def _default_drain(cfg: Config, engine: sa.Engine, results: Results, procs: int)
     against = drain_name("drain", "lease", "batched", procs)
     metric = results.add(drain_name("drain", "lease", "default", procs), value, "jobs/s", against)
     metric.extra["concurrency"] = slots
+
+
+def _writes_drain(cfg: Config, engine: sa.Engine, results: Results) -> None:
+    """``drain.lock.writes.1p``: lock-held jobs that each write one row through the claim's
+    session (``bench_write_lock``), what lock-held mode is for, at the worker's default
+    concurrency, against the batched drain of no-op lock-held jobs of the same run: what a
+    write costs a job, the savepoint it runs in among it. ``--single-jobs`` of them."""
+    scratch.reset(engine, bench_sql.WRITES_TABLE)
+    slots = ClaimSettings.concurrency
+    count = cfg.single_jobs
+    drained = measured_drain(cfg, engine, "lock", slots, 1, count, task="bench_write_lock")
+    name = "drain.lock.writes.1p"
+    metric = results.add(name, drained.rate, "jobs/s", drain_name("drain", "lock", "batched", 1))
+    metric.extra["concurrency"] = slots
+    worker_us, server_us = drained.usage.per_job(count)
+    results.add_cpu(f"{name}.worker_us", worker_us, "drain.lock.batched.1p.worker_us")
+    results.add_cpu(f"{name}.server_us", server_us, "drain.lock.batched.1p.server_us")
+    written = scratch.count_rows(engine, bench_sql.WRITES_TABLE)
+    if written != count:
+        raise RuntimeError(f"the writing lock-held jobs wrote {written} rows for {count} jobs")
 
 
 def _drains(cfg: Config, engine: sa.Engine, results: Results, mode: str, procs: int) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "RESULTS",
     "TABLE",
     "claim_cycle",
+    "count_rows",
     "db_now",
     "drain",
     "engine",
@@ -74,6 +75,12 @@ def rss(pid: int | None = None) -> int | None:
 def peak_rss() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def count_rows(engine: sa.Engine, table: sa.Table) -> int:
+    """How many rows ``table`` holds (a small one: it is read whole)."""
+    with engine.connect() as connection:
+        return int(connection.execute(bench_sql.row_count(table)).scalar_one())
 
 
 def reset(engine: sa.Engine, *tables: sa.Table) -> None:

@@ -52,6 +52,7 @@ from sqla_jobs.schema import JobStatus
 
 __all__ = [
     "SEED_TABLE",
+    "WRITES_TABLE",
     "backend_pid",
     "clear",
     "create_database",
@@ -70,6 +71,7 @@ __all__ = [
     "finished",
     "first_claims",
     "has_runnable",
+    "row_count",
     "seed_claim",
     "seed_complete",
     "seed_lock",
@@ -118,6 +120,14 @@ SEED_TABLE: Final = Table(
         "id",
         postgresql_where=text(f"status = '{JobStatus.PENDING.value}'"),
     ),
+)
+#: What a lock-held handler that writes (``bench_write_lock``) writes: one row per job, through
+#: the claim's session (``drain.lock.writes``).
+WRITES_TABLE: Final = Table(
+    "sqla_jobs_bench_writes",
+    seed_metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("job_id", BigInteger, nullable=False),
 )
 _SUCCEEDED_VALUE: Final = JobStatus.SUCCEEDED.value
 _SUCCEEDED: Final[ColumnElement[str]] = literal_column(f"'{_SUCCEEDED_VALUE}'")
@@ -407,6 +417,11 @@ def backend_pid() -> Select[Any]:
     """``pg_backend_pid()``: the process id of this connection's server backend (whose
     parent is the server's postmaster: :mod:`sqla_jobs.bench.cpu`)."""
     return select(func.pg_backend_pid())
+
+
+def row_count(table: Table) -> Select[Any]:
+    """The rows of ``table`` (``count(*)``: reads it all; for small tables)."""
+    return select(func.count()).select_from(table)
 
 
 def truncate(*tables: Table) -> str:

@@ -174,14 +174,17 @@ def measured_drain(
     pooled_url: str | None = None,
     synchronous_commit: bool = True,
     waits: bool = False,
+    task: str | None = None,
 ) -> Drained:
     """Drain ``count`` no-op jobs through ``procs`` worker processes of ``concurrency``
     (``batch`` None: the worker's default batch size): the rate, and the CPU the worker
     processes and the server used from the moment the jobs arrive to the last one's
     completion (:mod:`~sqla_jobs.bench.cpu`);
-    ``waits``: and the server's wait events meanwhile (:class:`WaitSampler`)."""
+    ``waits``: and the server's wait events meanwhile (:class:`WaitSampler`); ``task``:
+    jobs of this task of the bench's registry instead (one of ``mode``'s queue)."""
     queue = Q_LEASE if mode == "lease" else Q_LOCK
-    task = "bench_noop" if mode == "lease" else "bench_noop_lock"
+    if task is None:
+        task = "bench_noop" if mode == "lease" else "bench_noop_lock"
     scratch.reset(engine)
     with workers(cfg, mode, procs, concurrency, batch, pooled_url, synchronous_commit) as pids:
         meter = Meter(engine, pids)
