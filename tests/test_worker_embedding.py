@@ -115,6 +115,36 @@ def test_run_off_the_main_thread_says_once_that_signals_do_not_stop_it(
     assert "SIGTERM and SIGINT do not stop it" in line
 
 
+def test_run_freezes_the_startup_heap_and_start_does_not(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The call that owns the process moves what it made before starting out of the garbage
+    # collector's full collections (lifecycle.freeze_startup_heap); a worker started inside
+    # an application leaves the application's heap alone.
+    frozen: list[bool] = []
+    monkeypatch.setattr(
+        "sqla_jobs.worker.lifecycle.freeze_startup_heap", lambda: frozen.append(True)
+    )
+    registry = Registry(WorkerJob)
+
+    @registry.task(queue="embed")
+    def noop(ctx: JobContext) -> None:
+        pass
+
+    with Worker(registry, engine, poll_interval=0.1):
+        pass
+    assert frozen == []
+    worker = Worker(registry, engine, poll_interval=0.1, handle_signals=False)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_until(lambda: bool(frozen), timeout=10, message="run() froze the startup heap")
+    finally:
+        worker.stop()
+        thread.join(15)
+    assert frozen == [True]  # once
+
+
 def test_start_raises_what_kept_the_worker_from_starting(db: JobDatabase) -> None:
     engine = sa.create_engine(sa.make_url(db.url).set(database="sqla_jobs_no_such_db"))
     try:
