@@ -86,6 +86,7 @@ __all__ = [
     "vacuum_analyze",
     "wait_events",
     "wal_position",
+    "write_row",
 ]
 
 _ONE: Final[ColumnElement[int]] = literal_column("1", Integer)
@@ -417,6 +418,11 @@ def backend_pid() -> Select[Any]:
     """``pg_backend_pid()``: the process id of this connection's server backend (whose
     parent is the server's postmaster: :mod:`sqla_jobs.bench.cpu`)."""
     return select(func.pg_backend_pid())
+
+
+def write_row() -> Insert:
+    """One row of :data:`WRITES_TABLE` for job ``:job_id``: what ``bench_write_lock`` writes."""
+    return insert(WRITES_TABLE).values(job_id=bindparam("job_id", type_=BigInteger))
 
 
 def row_count(table: Table) -> Select[Any]:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 from typing import Final
 
-from sqlalchemy import insert
-
-from sqla_jobs.bench.statements import WRITES_TABLE
+from sqla_jobs.bench.statements import write_row
 from sqla_jobs.context import JobContext
 from sqla_jobs.models import Job, JobResult
 from sqla_jobs.registry import Registry
@@ -54,7 +52,7 @@ def bench_noop_lock(ctx: JobContext) -> None:
 def bench_write_lock(ctx: JobContext) -> None:
     """A lock-held job that writes one row through the claim's session, as lock-held
     handlers are for: its write commits with its completion (``drain.lock.writes``)."""
-    ctx.session.execute(insert(WRITES_TABLE).values(job_id=ctx.job.id))
+    ctx.session.execute(write_row(), {"job_id": ctx.job.id})
 
 
 @latency_registry.task(queue=Q_LATENCY)
