@@ -102,7 +102,10 @@ class WorkerGroup:
     def run(self) -> int:
         """Run every member until a signal or :meth:`stop`; return the exit status (0 after a
         graceful stop). Raises the first :class:`~sqla_jobs.ConfigurationError` a member
-        raised (the others are stopped first)."""
+        raised (the others are stopped first). Like :meth:`Worker.run
+        <sqla_jobs.Worker.run>`, it owns the process: once the members are started, the
+        objects made so far leave the garbage collector's full collections
+        (``gc.freeze()``)."""
         signals = StopSignals(lambda _signum: self._stop.set())
         signals.install("worker group", "group.stop()")
         try:

@@ -305,7 +305,10 @@ class Worker:
         refuses the worker for good (no such database, role or table, a wrong password),
         and its :class:`~sqla_jobs.errors.SchemaVersionError` when the job table is at an
         older schema version (the message names the migration helpers that upgrade it);
-        a server that is down or restarting is waited for.
+        a server that is down or restarting is waited for. Once started, it takes the
+        objects the process made so far out of the garbage collector's full collections
+        (``gc.freeze()``): they live as long as the process, and a busy worker's collections
+        would walk them again every few thousand jobs. :meth:`start` does not.
         """
         return self._run(embedded=False)
 
