@@ -77,12 +77,12 @@ def _writes_drain(cfg: Config, engine: sa.Engine, results: Results) -> None:
     slots = ClaimSettings.concurrency
     count = cfg.single_jobs
     drained = measured_drain(cfg, engine, "lock", slots, 1, count, task="bench_write_lock")
-    name = "drain.lock.writes.1p"
-    metric = results.add(name, drained.rate, "jobs/s", drain_name("drain", "lock", "batched", 1))
+    name, no_op = "drain.lock.writes.1p", drain_name("drain", "lock", "batched", 1)
+    metric = results.add(name, drained.rate, "jobs/s", no_op)
     metric.extra["concurrency"] = slots
     worker_us, server_us = drained.usage.per_job(count)
-    results.add_cpu(f"{name}.worker_us", worker_us, "drain.lock.batched.1p.worker_us")
-    results.add_cpu(f"{name}.server_us", server_us, "drain.lock.batched.1p.server_us")
+    results.add_cpu(f"{name}.worker_us", worker_us, f"{no_op}.worker_us")
+    results.add_cpu(f"{name}.server_us", server_us, f"{no_op}.server_us")
     written = scratch.count_rows(engine, bench_sql.WRITES_TABLE)
     if written != count:
         raise RuntimeError(f"the writing lock-held jobs wrote {written} rows for {count} jobs")

@@ -512,7 +512,7 @@ def table_size(table: Table) -> Select[Any]:
     return select(
         func.pg_relation_size(relation).label("heap_bytes"),
         func.pg_total_relation_size(relation).label("total_bytes"),
-        select(func.count()).select_from(table).scalar_subquery().label("live_rows"),
+        row_count(table).scalar_subquery().label("live_rows"),
         func.pg_stat_get_dead_tuples(relation).label("dead_rows"),
     )
 
